@@ -1,1 +1,68 @@
-"""TODO"""
+"""The backend contract and the backends.
+
+- :class:`ForwardMode`, :class:`ForwardBatch` (one meaning of ``seq_lens`` in every mode),
+  :class:`AttentionLayer` / :class:`AttentionKind`, the tree-mask encoding;
+- :class:`AttentionBackend`, the ABC every backend implements;
+- pools (:class:`ReqToTokenPool`, :class:`MHATokenToKVPool`, :class:`MLATokenToKVPool`,
+  :class:`KVAllocator`) and :class:`GraphInputBuffers` for CUDA graphs;
+- :class:`TorchReferenceBackend`, the oracle.  ``create_backend(name, ...)`` builds any
+  backend by name; ``available_backends()`` says which can be built here and why not.
+"""
+import importlib
+from typing import Dict, Optional
+
+from .base import AttentionBackend, UnsupportedError
+from .cuda_graph import GraphInputBuffers
+from .forward_batch import ForwardBatch
+from .forward_mode import ForwardMode
+from .layer import AttentionKind, AttentionLayer
+from .pools import KVAllocator, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from .torch_reference import TorchReferenceBackend
+from .tree_mask import num_mask_words, pack_tree_mask, tree_mask_to_flashinfer, unpack_tree_mask
+
+# name -> (module, class, what is missing when the module is absent)
+_BACKENDS = {
+    "torch_reference": ("specattn.backends.torch_reference", "TorchReferenceBackend", None),
+    "triton": ("specattn.backends.triton_backend", "TritonBackend", "not implemented yet (issue 6)"),
+    "flashinfer": ("specattn.backends.flashinfer_backend", "FlashInferBackend",
+                   "not implemented yet (issue 7); needs pip install 'specattn[flashinfer]'"),
+    "flashmla": ("specattn.backends.flashmla_backend", "FlashMLABackend",
+                 "not implemented yet (issue 7); needs pip install 'specattn[flashmla]'"),
+}
+
+
+def _load(name: str):
+    if name not in _BACKENDS:
+        raise KeyError(f"unknown backend {name!r}; known: {sorted(_BACKENDS)}")
+    module, cls, missing = _BACKENDS[name]
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            raise ImportError(missing) from None
+        raise ImportError(f"{name} needs {e.name}: {missing or e}") from e
+
+
+def available_backends() -> Dict[str, Optional[str]]:
+    """``{name: None if it can be built here, else why not}``."""
+    out = {}
+    for name in _BACKENDS:
+        try:
+            _load(name)
+            out[name] = None
+        except ImportError as e:
+            out[name] = str(e)
+    return out
+
+
+def create_backend(name: str, req_to_token_pool, kv_pool, **kwargs) -> AttentionBackend:
+    """Build backend ``name`` over the pools.  Raises KeyError (unknown) or ImportError (why
+    it is unavailable here)."""
+    return _load(name)(req_to_token_pool, kv_pool, **kwargs)
+
+
+__all__ = ["AttentionBackend", "UnsupportedError", "GraphInputBuffers", "ForwardBatch",
+           "ForwardMode", "AttentionKind", "AttentionLayer", "KVAllocator", "MHATokenToKVPool",
+           "MLATokenToKVPool", "ReqToTokenPool", "TorchReferenceBackend", "num_mask_words",
+           "pack_tree_mask", "tree_mask_to_flashinfer", "unpack_tree_mask", "available_backends",
+           "create_backend"]

@@ -1,0 +1,119 @@
+"""The ``AttentionBackend`` contract.
+
+A backend is metadata builders plus kernels.  Per forward:
+
+- eager: ``init_forward_metadata(batch)`` then ``forward(...)`` for each layer;
+- CUDA graph: once ``init_cuda_graph_state(max_bs, max_num_tokens)``; per captured padded
+  batch size, ``init_forward_metadata_capture_cuda_graph(batch)`` (outside the capture; binds
+  the static metadata buffers) then the captured forwards; per replay,
+  ``init_forward_metadata_replay_cuda_graph(batch)`` (writes the live batch's metadata into
+  the same static buffers: device work only, no host sync) then ``graph.replay()``.
+
+In graph mode ``batch`` is the graph runner's padded batch over its static input buffers
+(see :class:`specattn.backends.cuda_graph.GraphInputBuffers`): ``batch_size`` is the padded
+size; padded requests have ``seq_lens = 0``, write their KV to the reserved slot 0 and their
+outputs are discarded.
+
+Callers ask ``supports(mode, graph=..., kind=...)`` before calling.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import torch
+
+from .forward_batch import ForwardBatch
+from .forward_mode import ForwardMode
+from .layer import AttentionKind, AttentionLayer
+
+
+class UnsupportedError(NotImplementedError):
+    """The backend does not support this mode / kind / graph combination."""
+
+
+class AttentionBackend(ABC):
+    """Base class.  Subclasses implement the builders and ``_forward`` (per mode or not).
+
+    Args:
+        req_to_token_pool: :class:`~specattn.backends.pools.ReqToTokenPool`.
+        kv_pool: :class:`~specattn.backends.pools.MHATokenToKVPool` or ``MLATokenToKVPool``.
+    """
+
+    name = "base"
+
+    def __init__(self, req_to_token_pool, kv_pool):
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+        self.kind = AttentionKind.MLA if hasattr(kv_pool, "kv_lora_rank") else AttentionKind.MHA
+        self.forward_metadata = None
+
+    # --------------------------------------------------------------- capability
+    @classmethod
+    @abstractmethod
+    def supports(cls, mode: ForwardMode, *, graph: bool, kind: AttentionKind) -> bool:
+        """Whether ``forward`` works for this mode and attention kind, eager (``graph=False``)
+        or inside a CUDA graph (``graph=True``)."""
+
+    # --------------------------------------------------------------- metadata
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Eager: compute this forward's metadata (host syncs allowed)."""
+
+    @abstractmethod
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the static metadata buffers for graphs of up to ``max_bs`` requests and
+        ``max_num_tokens`` tokens."""
+
+    @abstractmethod
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        """Before capturing ``batch`` (a padded static batch): point the metadata at the
+        static buffers and fill them."""
+
+    @abstractmethod
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        """Before a replay: recompute ``batch``'s metadata into the static buffers (device
+        work only, no host sync, no allocation that the graph reads)."""
+
+    # --------------------------------------------------------------- forward
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        """Attention for ``batch``'s tokens at ``layer``.
+
+        Args:
+            q: ``[T, num_heads, head_dim]`` (MLA: ``[T, H, kv_lora_rank + qk_rope_head_dim]``).
+            k, v: this forward's new K ``[T, num_kv_heads, head_dim]`` and V
+                ``[T, num_kv_heads, v_head_dim]`` (MLA: the latent ``[T, 1, 576]`` as k, v
+                ignored).  Written at ``batch.out_cache_loc`` when ``save_kv_cache``.
+            save_kv_cache: False when the caller already wrote this forward's KV.
+        Returns:
+            ``[T, num_heads, v_head_dim]`` in ``q.dtype``.
+        Raises:
+            UnsupportedError: mode/kind not supported.  ValueError: shapes/devices off.
+        """
+        mode = batch.forward_mode
+        if layer.kind != self.kind:
+            raise ValueError(f"layer is {layer.kind.name} but the pool is {self.kind.name}")
+        if not self.supports(mode, graph=False, kind=layer.kind):
+            raise UnsupportedError(f"{self.name} does not support {mode.name} for {layer.kind.name}")
+        T = batch.num_tokens
+        if q.dim() != 3 or q.shape != (T, layer.num_heads, layer.head_dim):
+            raise ValueError(f"q must be [{T}, {layer.num_heads}, {layer.head_dim}], got {list(q.shape)}")
+        if q.device != batch.device:
+            raise ValueError(f"q is on {q.device}, batch on {batch.device}")
+        if mode == ForwardMode.IDLE:
+            return q.new_empty(0, layer.num_heads, layer.v_head_dim)
+        if save_kv_cache:
+            if k is None or k.shape != (T, layer.num_kv_heads, layer.head_dim):
+                raise ValueError(f"k must be [{T}, {layer.num_kv_heads}, {layer.head_dim}]")
+            if layer.kind == AttentionKind.MHA:
+                if v is None or v.shape != (T, layer.num_kv_heads, layer.v_head_dim):
+                    raise ValueError(f"v must be [{T}, {layer.num_kv_heads}, {layer.v_head_dim}]")
+                self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+            else:
+                self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k)
+        return self._forward(q, layer, batch)
+
+    @abstractmethod
+    def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        """Attention reading every key (this forward's included) from the cache."""

@@ -1,0 +1,241 @@
+"""``ForwardBatch``: what one forward computes, with ONE meaning per field in every mode.
+
+The convention
+--------------
+For request ``i`` (``r = req_pool_indices[i]``):
+
+- ``seq_lens[i] = P_i`` is the KV already **committed** for the request *before* this
+  forward.  This forward's own tokens are never included, in any mode, in any backend.
+- ``extend_lens[i] = n_i`` is the number of tokens this forward runs for the request
+  (EXTEND: any n >= 1; DECODE: 1; TARGET_VERIFY and DRAFT_EXTEND_V2: ``num_tokens_per_req``).
+  Tokens are laid out request after request: ``qo_indptr = [0, cumsum(extend_lens)]``.
+- ``out_cache_loc[qo_indptr[i] + j]`` is the KV slot of token ``j`` of request ``i``; the
+  forward writes the token's K/V there (``save_kv_cache=True``).  Before the forward the
+  caller has also written the same slots into ``req_to_token[r, P_i : P_i + n_i]``, so the
+  keys of request ``i`` are ``req_to_token[r, 0 : P_i + n_i]`` (prefix, then this forward's
+  tokens in order) and every backend derives its indptrs/indices/page tables from these
+  two numbers alone: kv length = ``P_i + n_i``.
+- ``positions[qo_indptr[i] + j]`` is the RoPE position of that token.
+
+Which keys a query token ``j`` of request ``i`` sees (k indexes ``req_to_token[r, :]``):
+
+==================  =================================  ======================================
+mode                positions                          visible keys
+==================  =================================  ======================================
+EXTEND              P .. P+n-1                          k < P + j + 1 (prefix + causal)
+DECODE              P                                   k < P + 1
+TARGET_VERIFY       P + depth(j)                        k < P, or k = P + m with bit m of
+                                                        ``tree_mask[i, j]`` set
+DRAFT_EXTEND_V2     P .. P+D-1                          k < P + j + 1 (prefix + causal)
+IDLE                (no tokens)                         -
+==================  =================================  ======================================
+
+Worked examples (bs = 2, page_size = 1, ``req_pool_indices = [3, 0]``)
+------------------------------------------------------------------------
+EXTEND (request 0 has a 4-token cached prefix, request 1 a 2-token one)::
+
+    seq_lens      = [4, 2]          extend_lens = [3, 2]      qo_indptr = [0, 3, 5]
+    out_cache_loc = [20, 21, 22, 30, 31]
+    positions     = [4, 5, 6, 2, 3]
+    req_to_token[3, :7] = [10, 11, 12, 13, 20, 21, 22]    (kv len 7)
+    req_to_token[0, :4] = [7, 8, 30, 31]                  (kv len 4)
+    token 1 of request 0 (slot 21, pos 5) sees slots 10 11 12 13 20 21
+
+DECODE (the next step)::
+
+    seq_lens      = [7, 4]          extend_lens = [1, 1]
+    out_cache_loc = [23, 32]        positions = [7, 4]
+    req_to_token[3, :8] = [10, 11, 12, 13, 20, 21, 22, 23]; req_to_token[0, :5] = [7, 8, 30, 31, 32]
+
+TARGET_VERIFY (``num_tokens_per_req = D = 3``; request 0 drafts a chain 0->1->2, request 1 a
+root with two children 1 and 2)::
+
+    seq_lens      = [8, 5]          extend_lens = [3, 3]
+    tree_mask     = [[[0b001], [0b011], [0b111]],      # int32 [2, 3, 1]
+                     [[0b001], [0b011], [0b101]]]
+    positions     = [8, 9, 10, 5, 6, 6]               # P + depth
+    out_cache_loc = [24, 25, 26, 33, 34, 35]
+    req_to_token[3, 8:11] = [24, 25, 26]; req_to_token[0, 5:8] = [33, 34, 35]
+    token 2 of request 1 (slot 35) sees slots 7 8 30 31 32 (prefix) 33 35 (root, itself)
+
+DRAFT_EXTEND_V2 (the drafter re-runs D = 3 verified positions per request, accepted ones
+first; the runtime commits only the accepted ones afterwards)::
+
+    seq_lens      = [8, 5]          extend_lens = [3, 3]
+    positions     = [8, 9, 10, 5, 6, 7]
+    out_cache_loc = [24, 25, 26, 33, 34, 35]   (written into req_to_token as above)
+
+IDLE: ``req_pool_indices``, ``seq_lens``, ``extend_lens``, ``out_cache_loc``, ``positions``
+all empty; the forward returns an empty output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from .forward_mode import ForwardMode
+from .tree_mask import check_tree_mask
+
+__all__ = ["ForwardBatch"]
+
+
+def _i32(x, device) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.int32, device=device)
+
+
+def _i64(x, device) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.int64, device=device)
+
+
+@dataclass
+class ForwardBatch:
+    """One forward's batch (see the module docstring for the meaning of every field).
+
+    Attributes:
+        forward_mode: the :class:`ForwardMode`.
+        req_pool_indices: int64 ``[bs]``, rows of ``ReqToTokenPool.req_to_token``.
+        seq_lens: int32 ``[bs]``, committed KV before this forward (tokens).
+        extend_lens: int32 ``[bs]``, this forward's tokens per request.
+        out_cache_loc: int64 ``[T]``, KV slot of each token, ``T = sum(extend_lens)``.
+        positions: int64 ``[T]``, RoPE position of each token.
+        num_tokens_per_req: ``D`` for TARGET_VERIFY / DRAFT_EXTEND_V2, else None.
+        tree_mask: int32 ``[bs, D, ceil(D/32)]`` for TARGET_VERIFY, else None.
+        seq_lens_cpu, extend_lens_cpu: optional CPU copies for host-side planners
+            (eager only; graph replay must not rely on them being fresh).
+    """
+
+    forward_mode: ForwardMode
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: torch.Tensor
+    num_tokens_per_req: Optional[int] = None
+    tree_mask: Optional[torch.Tensor] = None
+    seq_lens_cpu: Optional[torch.Tensor] = None
+    extend_lens_cpu: Optional[torch.Tensor] = None
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def batch_size(self) -> int:
+        return self.req_pool_indices.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out_cache_loc.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq_lens.device
+
+    def qo_indptr(self) -> torch.Tensor:
+        """int32 ``[bs + 1]``: ``[0, cumsum(extend_lens)]`` on the batch's device."""
+        out = torch.zeros(self.batch_size + 1, dtype=torch.int32, device=self.device)
+        torch.cumsum(self.extend_lens, 0, out=out[1:])
+        return out
+
+    def with_cpu_copies(self) -> "ForwardBatch":
+        """A copy with ``seq_lens_cpu``/``extend_lens_cpu`` filled (one host sync)."""
+        return replace(self, seq_lens_cpu=self.seq_lens.cpu(), extend_lens_cpu=self.extend_lens.cpu())
+
+    # ---------------------------------------------------------------- constructors
+    @classmethod
+    def extend(cls, req_pool_indices, seq_lens, extend_lens, out_cache_loc, positions=None,
+               device=None) -> "ForwardBatch":
+        """EXTEND batch.  ``positions`` default to ``P_i .. P_i + n_i - 1``.  Lists or tensors."""
+        dev = device if device is not None else torch.as_tensor(out_cache_loc).device
+        seq_lens_cpu = torch.as_tensor(seq_lens, dtype=torch.int32).cpu()
+        ext_cpu = torch.as_tensor(extend_lens, dtype=torch.int32).cpu()
+        if positions is None:
+            positions = torch.cat([torch.arange(int(p), int(p) + int(n)) for p, n in
+                                   zip(seq_lens_cpu, ext_cpu)]) if len(ext_cpu) else torch.zeros(0)
+        return cls(ForwardMode.EXTEND, _i64(req_pool_indices, dev), _i32(seq_lens, dev),
+                   _i32(extend_lens, dev), _i64(out_cache_loc, dev), _i64(positions, dev),
+                   seq_lens_cpu=seq_lens_cpu, extend_lens_cpu=ext_cpu)
+
+    @classmethod
+    def decode(cls, req_pool_indices, seq_lens, out_cache_loc, positions=None, device=None
+               ) -> "ForwardBatch":
+        """DECODE batch; ``positions`` default to ``seq_lens``."""
+        dev = device if device is not None else torch.as_tensor(out_cache_loc).device
+        seq_lens = _i32(seq_lens, dev)
+        pos = seq_lens.long() if positions is None else _i64(positions, dev)
+        return cls(ForwardMode.DECODE, _i64(req_pool_indices, dev), seq_lens,
+                   torch.ones_like(seq_lens), _i64(out_cache_loc, dev), pos)
+
+    @classmethod
+    def fixed(cls, mode: ForwardMode, req_pool_indices, seq_lens, num_tokens_per_req: int,
+              out_cache_loc, positions=None, tree_mask=None, device=None) -> "ForwardBatch":
+        """TARGET_VERIFY (``tree_mask`` and ``positions`` required) or DRAFT_EXTEND_V2
+        (``positions`` default to ``P .. P + D - 1``) batch with ``D`` tokens per request."""
+        if not mode.has_fixed_tokens_per_req():
+            raise ValueError(f"{mode.name} has no fixed tokens per request")
+        dev = device if device is not None else torch.as_tensor(out_cache_loc).device
+        seq_lens = _i32(seq_lens, dev)
+        bs, D = seq_lens.shape[0], num_tokens_per_req
+        if mode == ForwardMode.TARGET_VERIFY and (tree_mask is None or positions is None):
+            raise ValueError("TARGET_VERIFY needs tree_mask and positions (P + depth)")
+        if positions is None:
+            positions = (seq_lens.long()[:, None] + torch.arange(D, device=dev)).flatten()
+        return cls(mode, _i64(req_pool_indices, dev), seq_lens,
+                   torch.full((bs,), D, dtype=torch.int32, device=dev), _i64(out_cache_loc, dev),
+                   _i64(positions, dev), num_tokens_per_req=D,
+                   tree_mask=None if tree_mask is None else torch.as_tensor(tree_mask, device=dev))
+
+    @classmethod
+    def idle(cls, device="cpu") -> "ForwardBatch":
+        """An IDLE batch: no requests, no tokens."""
+        e64 = torch.zeros(0, dtype=torch.int64, device=device)
+        e32 = torch.zeros(0, dtype=torch.int32, device=device)
+        return cls(ForwardMode.IDLE, e64, e32, e32.clone(), e64.clone(), e64.clone())
+
+    # ---------------------------------------------------------------- checks
+    def validate(self, req_to_token: Optional[torch.Tensor] = None) -> None:
+        """Check shapes, dtypes and the convention; with ``req_to_token`` also that
+        ``req_to_token[r, P:P+n] == out_cache_loc`` for every request.  Host syncs: use in
+        tests and debug runs, not on a hot path.
+
+        Raises:
+            ValueError: any inconsistency, with what was expected.
+        """
+        bs, T, mode = self.batch_size, self.num_tokens, self.forward_mode
+        for name, t, dt, n in (("req_pool_indices", self.req_pool_indices, torch.int64, bs),
+                               ("seq_lens", self.seq_lens, torch.int32, bs),
+                               ("extend_lens", self.extend_lens, torch.int32, bs),
+                               ("out_cache_loc", self.out_cache_loc, torch.int64, T),
+                               ("positions", self.positions, torch.int64, T)):
+            if t.dtype != dt or t.shape != (n,) or t.device != self.device:
+                raise ValueError(f"{name} must be {dt} [{n}] on {self.device}, got {t.dtype} "
+                                 f"{list(t.shape)} on {t.device}")
+        if mode == ForwardMode.IDLE:
+            if bs or T:
+                raise ValueError("IDLE batch must be empty")
+            return
+        ext = self.extend_lens.cpu()
+        if int(ext.sum()) != T:
+            raise ValueError(f"sum(extend_lens) = {int(ext.sum())} but out_cache_loc has {T} tokens")
+        if bool((self.seq_lens < 0).any()):
+            raise ValueError("seq_lens must be >= 0")
+        if mode == ForwardMode.DECODE and bool((ext != 1).any()):
+            raise ValueError("DECODE needs extend_lens == 1")
+        if mode.has_fixed_tokens_per_req():
+            D = self.num_tokens_per_req
+            if D is None or bool((ext != D).any()):
+                raise ValueError(f"{mode.name} needs num_tokens_per_req and extend_lens == it")
+        if mode == ForwardMode.TARGET_VERIFY:
+            if self.tree_mask is None:
+                raise ValueError("TARGET_VERIFY needs tree_mask")
+            check_tree_mask(self.tree_mask, bs, self.num_tokens_per_req)
+        if req_to_token is not None:
+            seq = self.seq_lens.cpu().tolist()
+            rows = self.req_pool_indices.cpu().tolist()
+            loc = self.out_cache_loc.cpu()
+            start = 0
+            for r, p, n in zip(rows, seq, ext.tolist()):
+                if p + n > req_to_token.shape[1]:
+                    raise ValueError(f"request row {r}: {p}+{n} tokens exceed req_to_token width")
+                if not torch.equal(req_to_token[r, p:p + n].cpu().long(), loc[start:start + n]):
+                    raise ValueError(f"req_to_token[{r}, {p}:{p + n}] != out_cache_loc of its tokens")
+                start += n

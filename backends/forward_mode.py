@@ -1,0 +1,53 @@
+"""Forward modes of a speculative-decoding step."""
+from __future__ import annotations
+
+import enum
+
+
+class ForwardMode(enum.IntEnum):
+    """What one forward computes (see :mod:`specattn.backends.forward_batch` for the tokens,
+    positions and visibility of each mode).
+
+    - ``EXTEND``: prefill; ``extend_lens[i]`` new tokens per request, causal.
+    - ``DECODE``: one new token per request.
+    - ``TARGET_VERIFY``: the target scores ``num_tokens_per_req`` draft-tree tokens per
+      request (root first), each seeing the prefix plus its tree ancestors.
+    - ``DRAFT_EXTEND_V2``: after verify, the drafter extends a *fixed* ``num_tokens_per_req``
+      tokens per request (static shapes for CUDA graphs), causal.
+    - ``IDLE``: no tokens (a rank with nothing to do still joins collective work).
+    """
+
+    EXTEND = 0
+    DECODE = 1
+    TARGET_VERIFY = 2
+    DRAFT_EXTEND_V2 = 3
+    IDLE = 4
+
+    def is_extend(self) -> bool:
+        """True for modes that run several query tokens per request through an extend
+        (prefill-style) kernel: EXTEND, TARGET_VERIFY, DRAFT_EXTEND_V2 (as SGLang)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_draft_extend(self, include_v2: bool = False) -> bool:
+        """True for draft-extend modes.  Only the fixed-shape v2 exists here, so this is
+        ``include_v2 and self == DRAFT_EXTEND_V2`` (kept for SGLang-compatible call sites)."""
+        return include_v2 and self == ForwardMode.DRAFT_EXTEND_V2
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_cuda_graph(self) -> bool:
+        """Modes whose shapes are fixed per padded batch size, hence capturable:
+        DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2 and IDLE (EXTEND is variable-length)."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
+                        ForwardMode.DRAFT_EXTEND_V2, ForwardMode.IDLE)
+
+    def has_fixed_tokens_per_req(self) -> bool:
+        """TARGET_VERIFY and DRAFT_EXTEND_V2 carry ``num_tokens_per_req``."""
+        return self in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)

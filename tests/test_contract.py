@@ -1,0 +1,194 @@
+"""Forward modes, the worked examples of the seq_lens convention, tree-mask converters, pools."""
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from specattn.backends import (ForwardBatch, ForwardMode, GraphInputBuffers, KVAllocator,
+                               MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, TorchReferenceBackend,
+                               num_mask_words, pack_tree_mask, tree_mask_to_flashinfer, unpack_tree_mask)
+from specattn.backends.torch_reference import build_reference_metadata
+
+
+def test_forward_mode_predicates():
+    M = ForwardMode
+    assert [m for m in M if m.is_extend()] == [M.EXTEND, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2]
+    assert [m for m in M if m.is_decode()] == [M.DECODE]
+    assert [m for m in M if m.is_target_verify()] == [M.TARGET_VERIFY]
+    assert [m for m in M if m.is_draft_extend()] == []
+    assert [m for m in M if m.is_draft_extend(include_v2=True)] == [M.DRAFT_EXTEND_V2]
+    assert [m for m in M if m.is_cuda_graph()] == [M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2, M.IDLE]
+
+
+def _example_pool():
+    pool = ReqToTokenPool(4, 16)
+    pool.req_to_token[3, :11] = torch.tensor([10, 11, 12, 13, 20, 21, 22, 23, 24, 25, 26])
+    pool.req_to_token[0, :8] = torch.tensor([7, 8, 30, 31, 32, 33, 34, 35])
+    return pool
+
+
+def _visible_slots(pool, batch):
+    """Per token, the visible slots according to the reference metadata."""
+    P = batch.seq_lens.long(); n = batch.extend_lens.long()
+    md = build_reference_metadata(pool.req_to_token, batch, int(n.max()), int((P + n).max()))
+    out = []
+    for i in range(batch.batch_size):
+        for j in range(int(n[i])):
+            out.append(md.kv_slots[i][md.mask[i, j]].tolist())
+    return out
+
+
+def test_worked_example_extend():
+    pool = _example_pool()
+    b = ForwardBatch.extend([3, 0], [4, 2], [3, 2], [20, 21, 22, 30, 31])
+    b.validate(pool.req_to_token)
+    assert b.positions.tolist() == [4, 5, 6, 2, 3]
+    assert b.qo_indptr().tolist() == [0, 3, 5]
+    assert _visible_slots(pool, b)[1] == [10, 11, 12, 13, 20, 21]
+
+
+def test_worked_example_decode():
+    pool = _example_pool()
+    b = ForwardBatch.decode([3, 0], [7, 4], [23, 32])
+    b.validate(pool.req_to_token)
+    assert b.positions.tolist() == [7, 4]
+    assert _visible_slots(pool, b) == [[10, 11, 12, 13, 20, 21, 22, 23], [7, 8, 30, 31, 32]]
+
+
+def test_worked_example_target_verify():
+    pool = _example_pool()
+    tm = torch.tensor([[[0b001], [0b011], [0b111]], [[0b001], [0b011], [0b101]]], dtype=torch.int32)
+    b = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, [3, 0], [8, 5], 3, [24, 25, 26, 33, 34, 35],
+                           positions=[8, 9, 10, 5, 6, 6], tree_mask=tm)
+    b.validate(pool.req_to_token)
+    vis = _visible_slots(pool, b)
+    assert vis[5] == [7, 8, 30, 31, 32, 33, 35]
+    assert vis[2] == [10, 11, 12, 13, 20, 21, 22, 23, 24, 25, 26]
+
+
+def test_worked_example_draft_extend_v2():
+    pool = _example_pool()
+    b = ForwardBatch.fixed(ForwardMode.DRAFT_EXTEND_V2, [3, 0], [8, 5], 3, [24, 25, 26, 33, 34, 35])
+    b.validate(pool.req_to_token)
+    assert b.positions.tolist() == [8, 9, 10, 5, 6, 7]
+    assert _visible_slots(pool, b)[4] == [7, 8, 30, 31, 32, 33, 34]
+
+
+def test_validate_catches_convention_breaks():
+    pool = _example_pool()
+    with pytest.raises(ValueError):
+        ForwardBatch.decode([3, 0], [7, 4], [23, 99]).validate(pool.req_to_token)
+    with pytest.raises(ValueError):  # sum(extend_lens) != T
+        ForwardBatch.extend([3, 0], [4, 2], [3, 2], [20, 21, 22, 30, 31]).__class__(
+            ForwardMode.EXTEND, torch.tensor([3, 0]), torch.tensor([4, 2], dtype=torch.int32),
+            torch.tensor([3, 3], dtype=torch.int32), torch.tensor([20, 21, 22, 30, 31]),
+            torch.tensor([4, 5, 6, 2, 3])).validate()
+    with pytest.raises(ValueError):
+        ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, [3], [8], 3, [24, 25, 26])
+
+
+# ------------------------------------------------------------------ tree mask
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 70), st.integers(0, 3), st.integers(0, 2**31 - 1), st.floats(0.0, 1.0))
+def test_pack_unpack_roundtrip(D, bs, seed, density):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.rand(bs, D, D, generator=g) < density
+    packed = pack_tree_mask(dense)
+    assert packed.shape == (bs, D, num_mask_words(D)) and packed.dtype == torch.int32
+    assert torch.equal(unpack_tree_mask(packed, D), dense)
+    words = packed.long() & 0xFFFFFFFF  # bit k of row j lives in word k // 32
+    k = torch.arange(D)
+    bits = (words[..., k // 32] >> (k % 32)) & 1
+    assert torch.equal(bits.bool(), dense)
+
+
+def test_flashinfer_mask_layout():
+    rng = random.Random()
+    D, P = 5, [3, 0, 6]
+    dense = torch.rand(3, D, D) < 0.5
+    packed, indptr = tree_mask_to_flashinfer(pack_tree_mask(dense), torch.tensor(P))
+    for i, p in enumerate(P):
+        full = torch.cat([torch.ones(D, p, dtype=torch.bool), dense[i]], 1).flatten()
+        seg = packed[int(indptr[i]):int(indptr[i + 1])]
+        assert seg.numel() == (full.numel() + 7) // 8
+        bits = [(int(seg[e // 8]) >> (e % 8)) & 1 for e in range(full.numel())]
+        assert bits == full.int().tolist()
+
+
+def test_tree_mask_errors():
+    with pytest.raises(ValueError):
+        pack_tree_mask(torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError):
+        unpack_tree_mask(torch.zeros(3, 3, 2, dtype=torch.int32), 3)
+
+
+# ------------------------------------------------------------------ pools
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_allocator_pages(page_size):
+    alloc = KVAllocator(page_size * 8, page_size)
+    a = alloc.alloc_extend([0], [page_size + 1], [-1])
+    assert a.numel() == page_size + 1 and int(a.min()) >= page_size  # page 0 reserved
+    assert (a[:page_size] // page_size).unique().numel() == 1
+    b = alloc.alloc_extend([page_size + 1], [page_size - 1 if page_size > 1 else 1], [int(a[-1])])
+    if page_size > 1:  # continues the last page
+        assert int(b[0]) == int(a[-1]) + 1 and int(b[-1] // page_size) == int(a[-1] // page_size)
+    free_before = alloc.available_size()
+    assert alloc.alloc(alloc.available_size() + 1) is None and alloc.available_size() == free_before
+    alloc.free(torch.cat([a, b]))
+    assert alloc.available_size() == page_size * 8
+    with pytest.raises(ValueError):
+        alloc.free(a)  # double free
+    with pytest.raises(ValueError):
+        alloc.free(torch.tensor([0]))  # reserved page
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_move_kv_cache_overlap_and_range(kind):
+    pool = (MHATokenToKVPool(64, 1, torch.float32, 2, 8, 3) if kind == "mha"
+            else MLATokenToKVPool(64, 1, torch.float32, 3, kv_lora_rank=16, qk_rope_head_dim=8))
+    for b in pool.buffers:
+        b.normal_()
+    before = [b.clone() for b in pool.buffers]
+    tgt = torch.tensor([10, 11, 12, 13]); src = torch.tensor([11, 13, 15, 10])  # overlapping
+    pool.move_kv_cache(tgt, src)
+    for b0, b1 in zip(before, pool.buffers):
+        assert torch.equal(b1[tgt], b0[src])
+        untouched = torch.ones(b0.shape[0], dtype=torch.bool); untouched[tgt] = False
+        assert torch.equal(b1[untouched], b0[untouched])
+    snap = [b.clone() for b in pool.buffers]
+    with pytest.raises(IndexError):
+        pool.move_kv_cache(torch.tensor([1, pool.num_slots]), torch.tensor([2, 3]))
+    with pytest.raises(IndexError):
+        pool.move_kv_cache(torch.tensor([1, 2]), torch.tensor([-1, 3]))
+    with pytest.raises(ValueError):
+        pool.move_kv_cache(torch.tensor([1, 1]), torch.tensor([2, 3]))
+    assert all(torch.equal(a, b) for a, b in zip(snap, pool.buffers))
+    pool.move_kv_cache(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+
+
+def test_set_kv_buffer_checks():
+    pool = MHATokenToKVPool(16, 1, torch.bfloat16, 2, 8, 1)
+    k = torch.randn(2, 2, 8); v = torch.randn(2, 2, 8)
+    pool.set_kv_buffer(0, torch.tensor([1, 5]), k, v)
+    assert torch.equal(pool.k_buffer[0][5], k[1].bfloat16())
+    with pytest.raises(IndexError):
+        pool.set_kv_buffer(0, torch.tensor([1, 17]), k, v)
+    with pytest.raises(ValueError):
+        pool.set_kv_buffer(0, torch.tensor([1, 2]), k[:, :1], v)
+    with pytest.raises(IndexError):
+        pool.set_kv_buffer(1, torch.tensor([1, 2]), k, v)
+
+
+def test_graph_buffers_pad_harmlessly():
+    bufs = GraphInputBuffers(4, 3, "cpu")
+    tm = pack_tree_mask(torch.tril(torch.ones(2, 3, 3, dtype=torch.bool)))
+    b = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, [2, 1], [5, 6], 3, list(range(20, 26)),
+                           positions=[5, 6, 7, 6, 7, 8], tree_mask=tm)
+    p = bufs.fill(b, 4)
+    assert p.batch_size == 4 and p.num_tokens == 12
+    assert p.seq_lens.tolist() == [5, 6, 0, 0] and p.req_pool_indices.tolist() == [2, 1, 0, 0]
+    assert p.out_cache_loc[6:].eq(0).all() and p.extend_lens.eq(3).all()
+    assert torch.equal(unpack_tree_mask(p.tree_mask[2:], 3), torch.eye(3, dtype=torch.bool).expand(2, 3, 3))
+    with pytest.raises(ValueError):
+        bufs.fill(b, 5)
