@@ -56,13 +56,29 @@ def _nvcc_version(cuda_home):
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def _import_target_torch():
+    """Import the torch installed in the environment being installed into.  pip's build
+    isolation hides that environment's site-packages; its paths are still what sysconfig
+    reports, so they are appended (after the isolated ones) and torch is found there."""
+    try:
+        import torch
+    except ImportError:
+        import sysconfig
+        for key in ("purelib", "platlib"):
+            path = sysconfig.get_paths()[key]
+            if path not in sys.path:
+                sys.path.append(path)
+        import torch
+    return torch
+
+
 def _extension_plan():
     """Return (ext_modules, cmdclass, reason): reason is None when the extension is built."""
     mode = os.environ.get("SPECATTN_BUILD_EXT", "auto").lower()
     if mode in ("0", "no", "false"):
         return [], {}, "SPECATTN_BUILD_EXT=0"
     try:
-        import torch
+        torch = _import_target_torch()
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except Exception as e:  # torch missing in the build environment
         return [], {}, f"torch not importable at build time ({type(e).__name__}); install torch first and use pip install --no-build-isolation"
@@ -79,8 +95,8 @@ def _extension_plan():
         "specattn._C",
         sources,
         include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"],
-                            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]},
+        extra_compile_args={"cxx": ["-O3", "-std=c++20"],
+                            "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}, None
 
