@@ -1,0 +1,142 @@
+"""The bench case registry, and the cases.
+
+A case is a name, a one-line description, default parameters, and a setup function
+``setup(device, **params) -> Workload``. Adding one takes a few lines::
+
+    @case("my_op", "what it times, at which sizes", tokens=256, width=576)
+    def _my_op(device, *, tokens, width):
+        x = torch.randn(tokens, width, device=device, dtype=torch.bfloat16)
+        return Workload(fn=lambda: my_op(x), bytes=2 * x.nbytes, flops=0)
+
+Stack several ``@case`` decorators on one setup function for variants that differ only in
+their parameters (as ``kv_move_reference`` / ``kv_move_reference_mha`` below).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class Workload:
+    """What one case times.
+
+    Attributes:
+        fn: the callable to time. Called with no arguments when ``input_sets`` is None,
+            otherwise as ``fn(*input_sets[i])`` for the input set ``i`` in turn.
+        bytes: device-memory bytes one call must move at least (each input read once, each
+            output written once), for GB/s.
+        flops: floating-point operations per call (0 for pure data movement), for TFLOP/s.
+        input_sets: optional list of argument tuples to rotate through, so that successive
+            timed calls touch different memory and the L2 cache is not what gets timed.
+        state: tensors or values the setup exposes for correctness checks (not timed).
+    """
+    fn: Callable[..., Any]
+    bytes: int
+    flops: int = 0
+    input_sets: Optional[Sequence[tuple]] = None
+    state: Dict[str, Any] = field(default_factory=dict)
+
+    def calls(self) -> List[Callable[[], Any]]:
+        """One zero-argument callable per input set (just ``[fn]`` without input sets)."""
+        if not self.input_sets:
+            return [self.fn]
+        return [functools.partial(self.fn, *args) for args in self.input_sets]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A registered bench case; ``params`` are the defaults passed to ``setup``."""
+    name: str
+    description: str
+    setup: Callable[..., Workload]
+    params: Dict[str, Any] = field(default_factory=dict)
+
+    def build(self, device="cuda", **overrides) -> Workload:
+        """Run ``setup`` on ``device`` with the default params updated by ``overrides``.
+
+        Raises:
+            ValueError: an override names a parameter the case does not have.
+        """
+        unknown = sorted(set(overrides) - set(self.params))
+        if unknown:
+            raise ValueError(f"case {self.name!r} has no parameter(s) {unknown}; "
+                             f"its parameters are {sorted(self.params)}")
+        return self.setup(torch.device(device), **{**self.params, **overrides})
+
+
+CASES: Dict[str, Case] = {}
+
+
+def case(name: str, description: str, **params) -> Callable:
+    """Decorator registering ``setup`` as case ``name`` with default ``params``.
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+    def register(setup: Callable[..., Workload]) -> Callable[..., Workload]:
+        if name in CASES:
+            raise ValueError(f"bench case {name!r} is already registered")
+        CASES[name] = Case(name, description, setup, dict(params))
+        return setup
+    return register
+
+
+def case_names() -> List[str]:
+    """Registered case names, sorted."""
+    return sorted(CASES)
+
+
+def get_case(name: str) -> Case:
+    """The case called ``name``. Raises KeyError (listing the known names) if unknown."""
+    try:
+        return CASES[name]
+    except KeyError:
+        raise KeyError(f"unknown bench case {name!r}; known: {case_names()}") from None
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def kv_move_inputs(tokens: int, input_sets: int, device, index_dtype=torch.int64,
+                   seed: int = 0) -> List[tuple]:
+    """``input_sets`` pairs ``(tgt_loc, src_loc)``, each ``[tokens]`` of ``index_dtype`` on
+    ``device``; all slots are distinct (within and across sets) and drawn at random from
+    ``range(input_sets * 2 * tokens)``."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(input_sets * 2 * tokens, generator=g)
+    out = []
+    for i in range(input_sets):
+        chunk = perm[i * 2 * tokens:(i + 1) * 2 * tokens]
+        out.append((chunk[:tokens].to(device, index_dtype), chunk[tokens:].to(device, index_dtype)))
+    return out
+
+
+@case("kv_move_reference",
+      "reference move_kv_cache, MLA-like: 61 layers x [slots,1,576] bf16, 256 tokens moved",
+      layers=61, kv_per_layer=1, heads=1, width=576, tokens=256, input_sets=8,
+      dtype="bfloat16", impl="reference")
+@case("kv_move_reference_mha",
+      "reference move_kv_cache, MHA: 32 layers x K,V x [slots,8,128] bf16, 256 tokens moved",
+      layers=32, kv_per_layer=2, heads=8, width=128, tokens=256, input_sets=8,
+      dtype="bfloat16", impl="reference")
+def _kv_move(device, *, layers, kv_per_layer, heads, width, tokens, input_sets, dtype, impl):
+    """``move_kv_cache`` over ``layers * kv_per_layer`` buffers ``[slots, heads, width]``;
+    bytes = every moved row read once and written once."""
+    from specattn.ops import move_kv_cache
+
+    dt = getattr(torch, dtype)
+    slots = 2 * tokens * input_sets
+    buffers = [torch.randn(slots, heads, width, dtype=dt, device=device)
+               for _ in range(layers * kv_per_layer)]
+    sets = kv_move_inputs(tokens, input_sets, device)
+    row_bytes = heads * width * dt.itemsize
+
+    def move(tgt_loc, src_loc):
+        move_kv_cache(buffers, tgt_loc, src_loc, impl=impl)
+
+    return Workload(fn=move, bytes=2 * tokens * row_bytes * len(buffers), flops=0,
+                    input_sets=sets, state={"buffers": buffers})
