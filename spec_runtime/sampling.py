@@ -1,0 +1,48 @@
+"""Turning logits into a next-token law: temperature, top-k, top-p (as HF / SGLang)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """``temperature == 0`` is greedy.  ``top_k <= 0`` and ``top_p >= 1`` disable those filters.
+    ``max_new_tokens`` counts generated tokens; generation also stops at an EOS id."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    seed: Optional[int] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """float32 ``[N, V]`` probabilities after temperature, top-k (keep the k largest) and
+    top-p (keep the smallest prefix of the sorted law whose mass reaches ``top_p``)."""
+    x = logits.float() / max(p.temperature, 1e-6)
+    if p.top_k > 0 and p.top_k < x.shape[-1]:
+        kth = x.topk(p.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1.0:
+        sp, si = probs.sort(dim=-1, descending=True)
+        drop = sp.cumsum(-1) - sp >= p.top_p        # mass before this token already enough
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Generator] = None
+           ) -> torch.Tensor:
+    """int64 ``[N]`` next tokens: argmax when greedy, else a draw from :func:`logits_to_probs`."""
+    if p.greedy:
+        return logits.argmax(-1)
+    return torch.multinomial(logits_to_probs(logits, p), 1, generator=generator).squeeze(-1)

