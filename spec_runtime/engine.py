@@ -39,13 +39,15 @@ from .sampling import SamplingParams, logits_to_probs, sample
 class SpecConfig:
     """``algo``: ``none`` | ``eagle``.  EAGLE drafts ``num_steps`` levels with ``topk`` beams
     and verifies ``num_draft_tokens`` tokens (root included); ``topk = 1`` is a chain.  The
-    default drafter is the target's first ``draft_layers`` layers + final norm + LM head."""
+    default drafter is the target's first ``draft_layers`` layers + final norm + LM head
+    (``None``: three quarters of the target's layers; early layers alone draft poorly: on
+    SmolLM2-135M, 8 of 30 layers accept ~0.1 drafts per round, 24 of 30 ~0.8)."""
 
     algo: str = "none"
     topk: int = 1
     num_steps: int = 3
     num_draft_tokens: int = 4
-    draft_layers: int = 4
+    draft_layers: Optional[int] = None
 
     def validate(self) -> None:
         if self.algo not in ("none", "eagle"):
@@ -66,6 +68,7 @@ class Request:
     draft_logits: Optional[torch.Tensor] = None  # drafter's logits after root [V]
     output: List[int] = field(default_factory=list)
     accept_lengths: List[int] = field(default_factory=list)
+    max_new_tokens: int = 32
     finished: bool = False
     finish_reason: str = ""
 
@@ -120,8 +123,9 @@ class Engine:
         self.target_pool = pool(config.num_hidden_layers)
         self.target_backend = create_backend(backend, self.req_pool, self.target_pool)
         if self.spec.algo == "eagle":
-            self.draft = LlamaModel(config, self.target.w, device, dtype, num_layers=self.spec.draft_layers)
-            self.draft_pool = pool(self.spec.draft_layers)
+            n = self.spec.draft_layers or max(1, 3 * config.num_hidden_layers // 4)
+            self.draft = LlamaModel(config, self.target.w, device, dtype, num_layers=n)
+            self.draft_pool = pool(n)
             self.draft_backend = create_backend(backend, self.req_pool, self.draft_pool)
         self.num_forward_target = 0
 
@@ -139,7 +143,7 @@ class Engine:
             req.output.append(int(t))
             if int(t) in self.eos:
                 req.finished, req.finish_reason = True, "eos"
-            elif len(req.output) >= params.max_new_tokens:
+            elif len(req.output) >= req.max_new_tokens:
                 req.finished, req.finish_reason = True, "length"
             if req.finished:
                 return
@@ -289,8 +293,10 @@ class Engine:
 
     # ------------------------------------------------------------------ driver
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = None,
-                 progress=None) -> GenerateResult:
-        """Generate for all prompts at once; each request stops at EOS or ``max_new_tokens``.
+                 progress=None, max_new_tokens: Optional[Sequence[int]] = None) -> GenerateResult:
+        """Generate for all prompts at once; each request stops at EOS or its token limit
+        (``max_new_tokens[i]`` if given, else ``params.max_new_tokens``).  ``progress`` is
+        called with the number of tokens generated so far after every step.
 
         Raises:
             ValueError: empty prompt or one too long for ``max_context``.
@@ -299,12 +305,15 @@ class Engine:
         params = params or SamplingParams()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(params.seed if params.seed is not None else 0)
-        reqs = [Request(i, list(p)) for i, p in enumerate(prompts)]
+        limits = list(max_new_tokens) if max_new_tokens is not None else [params.max_new_tokens] * len(prompts)
+        if len(limits) != len(prompts) or min(limits, default=1) < 1:
+            raise ValueError("max_new_tokens needs one limit >= 1 per prompt")
+        reqs = [Request(i, list(p), max_new_tokens=m) for i, (p, m) in enumerate(zip(prompts, limits))]
         margin = self.spec.num_draft_tokens + 2
         for r in reqs:
-            if not r.prompt or len(r.prompt) + params.max_new_tokens + margin > self.max_context:
+            if not r.prompt or len(r.prompt) + r.max_new_tokens + margin > self.max_context:
                 raise ValueError(f"prompt {r.rid}: length {len(r.prompt)} + max_new_tokens "
-                                 f"{params.max_new_tokens} does not fit max_context {self.max_context}")
+                                 f"{r.max_new_tokens} does not fit max_context {self.max_context}")
         self.num_forward_target = 0
         t0 = time.perf_counter()
         self._prefill(reqs, params)

@@ -2,6 +2,8 @@
 import json
 import os
 
+import torch  # noqa: F401  loads libc10/libtorch before the extension
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 

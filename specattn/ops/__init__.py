@@ -1,9 +1,27 @@
 """Spec-decoding ops behind one registry (see :mod:`specattn.ops.registry`).
 
 Each public function validates its inputs, then runs the CUDA, Triton or reference
-implementation (``impl=`` forces one).
+implementation (``impl=`` forces one):
+
+- :func:`build_tree`: EAGLE top-k drafts -> tree mask, positions, ``retrive_*``;
+- :func:`verify_tree_greedy`, :func:`tree_speculative_sampling`: tree verification;
+- :func:`compact_accepted_path`: accepted path to the front of each block + KV move pairs;
+- :func:`move_kv_cache`: KV slot moves for all layers at once;
+- :func:`materialize_kv`: DFlash drafter KV from target hidden states.
 """
 from . import registry
+from .compaction import CompactedPath, compact_accepted_path, compact_accepted_path_reference
+from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, materialize_kv,
+                             materialize_kv_reference, rms_norm_reference, stack_kv_proj_weights)
 from .kv_move import move_kv_cache, move_kv_cache_reference
+from .tree import TreeInfo, build_tree, build_tree_reference, num_tree_candidates
+from .verify import (VerifyResult, tree_speculative_sampling, tree_speculative_sampling_reference,
+                     verify_tree_greedy, verify_tree_greedy_reference)
 
-__all__ = ["registry", "move_kv_cache", "move_kv_cache_reference"]
+__all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
+           "TreeInfo", "build_tree", "build_tree_reference", "num_tree_candidates",
+           "VerifyResult", "verify_tree_greedy", "verify_tree_greedy_reference",
+           "tree_speculative_sampling", "tree_speculative_sampling_reference",
+           "CompactedPath", "compact_accepted_path", "compact_accepted_path_reference",
+           "materialize_kv", "materialize_kv_reference", "make_cos_sin_cache",
+           "rms_norm_reference", "apply_rope_neox_reference", "stack_kv_proj_weights"]

@@ -1,0 +1,285 @@
+"""Fused KV materialization for DFlash drafters: context hidden states -> K/V of every draft
+layer, written straight into the draft KV cache.
+
+A DFlash drafter attends over the *context* tokens with K/V computed from the target model's
+(projected) hidden states, not from its own layers' outputs: every draft layer ``l`` has
+
+    k_l = RoPE(RMSNorm_l(hidden @ W_k[l]^T))       v_l = hidden @ W_v[l]^T
+
+for the same ``hidden``.  SGLang does this per layer (``DFlashAttention.kv_proj_only`` slices
+the K/V rows of the fused QKV weight, ``apply_k_norm``, ``apply_k_rope``, then
+``set_kv_buffer``: python/sglang/srt/models/dflash.py); stacking the K/V rows of all layers
+into one weight turns the projections into ONE GEMM ``hidden @ w_kv^T`` whose output rows
+are already in (layer, K|V, head, dim) order, which a fused kernel can normalize, rotate,
+cast and scatter in one pass.  This module holds the plain-PyTorch reference of that op and
+its validated public wrapper (``materialize_kv``); faster implementations register under the
+same op name.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import registry
+from ._checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
+FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+# ------------------------------------------------------------------------------------------
+# building blocks
+# ------------------------------------------------------------------------------------------
+
+def make_cos_sin_cache(max_pos: int, rotary_dim: int, base: float = 10000.0, *,
+                       device: Optional[torch.device] = None) -> torch.Tensor:
+    """The rotary cos/sin cache of SGLang / vLLM (``RotaryEmbedding._compute_cos_sin_cache``).
+
+    Returns a float32 ``[max_pos, rotary_dim]`` tensor whose row ``p`` is
+    ``cat(cos(p * inv_freq), sin(p * inv_freq))`` with
+    ``inv_freq[i] = base ** (-2i / rotary_dim)`` for ``i < rotary_dim // 2``: the first half
+    of a row holds the cosines, the second half the sines (plain RoPE, no scaling), computed
+    in float32 on the CPU like SGLang's, then moved to ``device``.
+
+    Raises:
+        ValueError: ``max_pos < 1``, ``rotary_dim`` not a positive even number, ``base <= 0``.
+    """
+    if int(max_pos) < 1:
+        raise ValueError(f"max_pos must be >= 1, got {max_pos}")
+    if int(rotary_dim) < 2 or int(rotary_dim) % 2:
+        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+    if not base > 0:
+        raise ValueError(f"base must be > 0, got {base}")
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    t = torch.arange(int(max_pos), dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return cache if device is None else cache.to(device)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, in float32: ``x / sqrt(mean(x**2) + eps) * weight``.
+
+    ``weight`` broadcasts against ``x`` (e.g. ``[D]``, or ``[1, L, 1, D]`` for per-layer
+    weights of a ``[T, L, H, D]`` tensor).  Plain multiplicative weight (HF/Qwen3 ``RMSNorm``,
+    not Gemma's ``1 + weight``).  Returns float32.
+    """
+    x = x.float()
+    inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x * inv_rms * weight.float()
+
+
+def apply_rope_neox_reference(x: torch.Tensor, positions: torch.Tensor,
+                              cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Neox-style ("rotate halves") RoPE of ``x [T, ..., D]`` at ``positions [T]``, in float32.
+
+    With ``R = cos_sin_cache.shape[-1]`` (the rotary dim, even, ``<= D``), ``cos, sin =
+    cos_sin_cache[positions].chunk(2, -1)`` and ``x1 = x[..., :R/2]``, ``x2 = x[..., R/2:R]``:
+    ``out = cat(x1*cos - x2*sin, x2*cos + x1*sin, x[..., R:])`` (SGLang / vLLM
+    ``_apply_rotary_emb(is_neox_style=True)``; dims past ``R`` pass through).  Returns float32.
+    """
+    rot = cos_sin_cache.shape[-1]
+    half = rot // 2
+    cs = cos_sin_cache.float()[positions.long()]  # [T, R]
+    shape = (cs.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cs[:, :half].reshape(shape), cs[:, half:].reshape(shape)
+    x = x.float()
+    x1, x2 = x[..., :half], x[..., half:rot]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]), dim=-1)
+
+
+def stack_kv_proj_weights(k_weights: Sequence[torch.Tensor],
+                          v_weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Build ``w_kv`` from per-layer K and V projection weights (each ``[Hkv*D, hidden]``).
+
+    Returns ``cat([k_0, v_0, k_1, v_1, ...])``: ``[num_layers * 2 * Hkv * D, hidden]``, the
+    layout :func:`materialize_kv` expects.  From an SGLang DFlash drafter this is
+    ``torch.cat([layer.self_attn.qkv_proj.weight[q_size : q_size + 2 * kv_size] for layer
+    in model.layers])`` (the fused QKV weight already holds K then V).
+    """
+    if len(k_weights) != len(v_weights) or not k_weights:
+        raise ValueError(f"need as many K as V weights (>= 1), got {len(k_weights)} and "
+                         f"{len(v_weights)}")
+    return torch.cat([w for pair in zip(k_weights, v_weights) for w in pair], dim=0)
+
+
+def _store(buf: torch.Tensor, loc: torch.Tensor, val: torch.Tensor, scale: float) -> None:
+    if buf.dtype == torch.float8_e4m3fn:
+        # Saturating cast (like __nv_cvt_float_to_fp8(..., __NV_SATFINITE, __NV_E4M3)).
+        val = (val / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    buf[loc] = val.to(buf.dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# reference implementation
+# ------------------------------------------------------------------------------------------
+
+def materialize_kv_reference(hidden: torch.Tensor, w_kv: torch.Tensor,
+                             k_norm_weight: torch.Tensor, positions: torch.Tensor,
+                             cos_sin_cache: torch.Tensor, out_cache_loc: torch.Tensor,
+                             k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+                             *, eps: float, kv_bias: Optional[torch.Tensor] = None,
+                             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Plain-PyTorch reference of :func:`materialize_kv` (no validation; float32 math)."""
+    num_layers = len(k_buffers)
+    _, hkv, d = k_buffers[0].shape
+    t = hidden.shape[0]
+    kv = hidden.float() @ w_kv.float().t()  # ONE GEMM for all layers: [T, L*2*Hkv*D]
+    if kv_bias is not None:
+        kv = kv + kv_bias.float()
+    kv = kv.view(t, num_layers, 2, hkv, d)
+    k = rms_norm_reference(kv[:, :, 0], k_norm_weight.view(1, num_layers, 1, d), eps)
+    k = apply_rope_neox_reference(k, positions, cos_sin_cache)  # [T, L, Hkv, D]
+    v = kv[:, :, 1]
+    loc = out_cache_loc.long()
+    for layer in range(num_layers):
+        _store(k_buffers[layer], loc, k[:, layer], k_scale)
+        _store(v_buffers[layer], loc, v[:, layer], v_scale)
+
+
+registry.register("materialize_kv", "reference", lambda: materialize_kv_reference)
+
+
+# ------------------------------------------------------------------------------------------
+# public wrapper
+# ------------------------------------------------------------------------------------------
+
+def _check_scale(name: str, scale, fp8: bool) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{name} must be a Python float, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {scale}")
+    if not fp8 and scale != 1.0:
+        raise ValueError(f"{name}={scale} only applies to a float8_e4m3fn cache; the cache "
+                         f"holds unscaled values, pass 1.0")
+    return scale
+
+
+def _check_buffers(name: str, bufs, dev, num_layers: Optional[int]) -> List[torch.Tensor]:
+    if isinstance(bufs, torch.Tensor) or not isinstance(bufs, (list, tuple)):
+        raise TypeError(f"{name} must be a list of per-layer tensors, got {type(bufs).__name__}")
+    bufs = list(bufs)
+    if not bufs:
+        raise ValueError(f"{name} must hold at least one tensor (one per draft layer)")
+    if num_layers is not None and len(bufs) != num_layers:
+        raise ValueError(f"{name} has {len(bufs)} layers, k_buffers has {num_layers}")
+    for i, b in enumerate(bufs):
+        check_tensor(f"{name}[{i}]", b, dim=3, dtypes=CACHE_DTYPES, device=dev)
+        if not b.is_contiguous():
+            raise ValueError(f"{name}[{i}] must be contiguous")
+    return bufs
+
+
+def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torch.Tensor,
+                   positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   out_cache_loc: torch.Tensor, k_buffers: Sequence[torch.Tensor],
+                   v_buffers: Sequence[torch.Tensor], *, eps: float = 1e-6,
+                   kv_bias: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                   v_scale: float = 1.0, impl: str = "auto") -> None:
+    """Compute the K/V of every DFlash draft layer for context tokens and write them into the
+    draft KV cache, in place.
+
+    For each token ``t``, layer ``l`` and KV head ``h`` (``L`` layers, ``Hkv`` heads of
+    ``D`` dims), with ``kv = hidden @ w_kv.T (+ kv_bias)`` viewed as ``[T, L, 2, Hkv, D]``::
+
+        k = RoPE_neox(RMSNorm(kv[t, l, 0, h], k_norm_weight[l], eps), positions[t])
+        v = kv[t, l, 1, h]
+        k_buffers[l][out_cache_loc[t], h] = cast(k / k_scale)   # scale: fp8 caches only
+        v_buffers[l][out_cache_loc[t], h] = cast(v / v_scale)
+
+    All math runs in float32 (the GEMM on float32 copies of the inputs); the only rounding to
+    the cache dtype happens at the store.  Slots not in ``out_cache_loc`` are left untouched.
+    K gets RMSNorm then RoPE; V gets neither; there is no Q (DFlash drafters never query
+    with context tokens).  Source: DFlash (z-lab, block-diffusion drafter) as served by
+    SGLang, ``DFlashAttention.kv_proj_only`` / ``apply_k_norm`` / ``apply_k_rope`` +
+    ``set_kv_buffer`` in python/sglang/srt/models/dflash.py, fused across layers.
+
+    Args:
+        hidden: ``[T, hidden_size]`` float32/float16/bfloat16, the drafter's context hidden
+            states (in DFlash: ``hidden_norm(fc(concat of target-layer hidden states))``).
+        w_kv: ``[L * 2 * Hkv * D, hidden_size]``, same dtype as ``hidden``: the K and V
+            projection weights of all draft layers stacked along rows, per layer K then V,
+            each head-major.  Row ``l*2*Hkv*D + s*Hkv*D + h*D + d`` (``s`` = 0 for K, 1 for V)
+            produces dim ``d`` of head ``h`` of layer ``l``.  So ``hidden @ w_kv.T`` is one GEMM
+            for all layers; build it with :func:`stack_kv_proj_weights`.
+        k_norm_weight: ``[L, D]`` float, per-layer K RMSNorm weight (applied per head over
+            ``D``, multiplicative: ``x * rsqrt(mean(x^2) + eps) * w``).
+        positions: ``[T]`` int64 (or int32) RoPE positions, in ``[0, max_pos)``.
+        cos_sin_cache: ``[max_pos, R]`` float (float32 recommended), SGLang/vLLM layout: row
+            ``p`` = ``cat(cos(p*inv_freq), sin(p*inv_freq))`` (first half cos, second half
+            sin).  ``R`` is the rotary dim: even, ``<= D`` (normally ``R == D``; dims past
+            ``R`` are not rotated).  See :func:`make_cos_sin_cache`.
+        out_cache_loc: ``[T]`` int32/int64 cache slots, distinct, in ``[0, num_slots)``.
+        k_buffers, v_buffers: lists of ``L`` contiguous ``[num_slots, Hkv, D]`` tensors, all of
+            one dtype (float32, float16, bfloat16 or float8_e4m3fn) and one device.
+        eps: RMSNorm epsilon (> 0), the drafter's ``rms_norm_eps``.
+        kv_bias: optional ``[L * 2 * Hkv * D]`` float bias of the projection (same row order
+            as ``w_kv``), for drafters with ``attention_bias``; ``None`` for the usual none.
+        k_scale, v_scale: Python floats > 0, the fp8 dequantization scales: a float8_e4m3fn
+            cache stores ``clamp(k / k_scale, -448, 448)`` cast to fp8 (round to nearest,
+            saturating: no inf/NaN from overflow), so ``k ~= cache.float() * k_scale``
+            (SGLang's ``set_kv_buffer`` divides by the layer's ``k_scale`` likewise).  Must be
+            1.0 for non-fp8 caches.
+        impl: ``"auto"`` | ``"cuda"`` | ``"triton"`` | ``"reference"``.
+    Raises:
+        TypeError: a non-tensor argument, buffers not given as a list, non-float scales.
+        ValueError: wrong ranks / shapes / dtypes, tensors on different devices, non-contiguous
+            cache buffers, K/V layer counts or shapes that disagree with ``w_kv`` /
+            ``k_norm_weight``, an odd or too large rotary dim, ``eps <= 0``, bad scales,
+            repeated slots in ``out_cache_loc``.
+        IndexError: a slot outside ``[0, num_slots)`` or a position outside ``[0, max_pos)``
+            (one host sync each; skipped during CUDA-graph capture).
+        All checks run before anything is written.
+    """
+    check_tensor("hidden", hidden, dim=2, dtypes=FLOAT_DTYPES)
+    dev = hidden.device
+    num_tokens, hidden_size = hidden.shape
+    k_buffers = _check_buffers("k_buffers", k_buffers, dev, None)
+    num_layers = len(k_buffers)
+    v_buffers = _check_buffers("v_buffers", v_buffers, dev, num_layers)
+    num_slots, hkv, d = k_buffers[0].shape
+    cache_dtype = k_buffers[0].dtype
+    for name, bufs in (("k_buffers", k_buffers), ("v_buffers", v_buffers)):
+        for i, b in enumerate(bufs):
+            if b.shape != k_buffers[0].shape:
+                raise ValueError(f"{name}[{i}] has shape {list(b.shape)}, k_buffers[0] has "
+                                 f"{list(k_buffers[0].shape)}")
+            if b.dtype != cache_dtype:
+                raise ValueError(f"{name}[{i}] has dtype {b.dtype}, k_buffers[0] has {cache_dtype}")
+    if hkv < 1 or d < 2:
+        raise ValueError(f"cache buffers must be [num_slots, Hkv >= 1, D >= 2], got "
+                         f"{list(k_buffers[0].shape)}")
+    rows = num_layers * 2 * hkv * d
+    check_tensor("w_kv", w_kv, dtypes=(hidden.dtype,), device=dev, shape=(rows, hidden_size))
+    check_tensor("k_norm_weight", k_norm_weight, dtypes=FLOAT_DTYPES, device=dev,
+                 shape=(num_layers, d))
+    if kv_bias is not None:
+        check_tensor("kv_bias", kv_bias, dtypes=FLOAT_DTYPES, device=dev, shape=(rows,))
+    check_tensor("positions", positions, dtypes=INDEX_DTYPES, device=dev, shape=(num_tokens,))
+    check_tensor("out_cache_loc", out_cache_loc, dtypes=INDEX_DTYPES, device=dev,
+                 shape=(num_tokens,))
+    check_tensor("cos_sin_cache", cos_sin_cache, dim=2, dtypes=FLOAT_DTYPES, device=dev)
+    max_pos, rot = cos_sin_cache.shape
+    if max_pos < 1 or rot < 2 or rot % 2 or rot > d:
+        raise ValueError(f"cos_sin_cache must be [max_pos >= 1, rotary_dim] with an even "
+                         f"rotary_dim <= head dim {d}, got {list(cos_sin_cache.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (
+            math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    k_scale = _check_scale("k_scale", k_scale, fp8)
+    v_scale = _check_scale("v_scale", v_scale, fp8)
+    if num_tokens == 0:
+        return
+    check_index_range("out_cache_loc", out_cache_loc, num_slots)
+    check_index_range("positions", positions, max_pos)
+    if not capturing() and torch.unique(out_cache_loc).numel() != num_tokens:
+        raise ValueError("out_cache_loc repeats a slot; the write would be ambiguous")
+    registry.dispatch("materialize_kv", impl, dev)(
+        hidden, w_kv, k_norm_weight, positions, cos_sin_cache, out_cache_loc, k_buffers,
+        v_buffers, eps=float(eps), kv_bias=kv_bias, k_scale=k_scale, v_scale=v_scale)

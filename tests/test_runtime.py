@@ -1,0 +1,84 @@
+"""End to end on the real model (SmolLM2-135M-Instruct GGUF), float32, CPU: our target-only
+greedy equals HF transformers' greedy token for token, and EAGLE chains and trees equal our
+target-only greedy (lossless), on a batch of chat prompts of different lengths."""
+import random
+
+import pytest
+import torch
+
+from specattn.spec_runtime.engine import Engine, SpecConfig
+from specattn.spec_runtime.loader import LlamaConfig, apply_chat_template, hf_greedy, load_hf_dir, write_random_hf_dir
+from specattn.spec_runtime.sampling import SamplingParams
+
+PROMPTS = ["What is the capital of France?",
+           "Write a haiku about the sea.",
+           "List three prime numbers and explain why each is prime, briefly."]
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tokenizer):
+    return [apply_chat_template(tokenizer, p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def target_greedy(gguf_loaded, chat_ids):
+    cfg, w = gguf_loaded
+    eng = Engine(cfg, dict(w), spec=SpecConfig("none"), max_context=256)
+    return eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW)).tokens
+
+
+def test_target_greedy_matches_hf(hf_oracle, chat_ids, target_greedy):
+    assert len({len(c) for c in chat_ids}) == len(chat_ids)  # mixed lengths in one batch
+    for ids, ours in zip(chat_ids, target_greedy):
+        assert ours == hf_greedy(hf_oracle, ids, NEW)
+
+
+EAGLE = [SpecConfig("eagle", topk=1, num_steps=3, num_draft_tokens=4, draft_layers=24),
+         SpecConfig("eagle", topk=2, num_steps=3, num_draft_tokens=6, draft_layers=24),
+         SpecConfig("eagle", topk=4, num_steps=4, num_draft_tokens=12, draft_layers=24)]
+
+
+@pytest.mark.parametrize("spec", EAGLE, ids=lambda s: f"topk{s.topk}-steps{s.num_steps}-d{s.num_draft_tokens}")
+def test_eagle_lossless(gguf_loaded, chat_ids, target_greedy, spec):
+    cfg, w = gguf_loaded
+    res = Engine(cfg, dict(w), spec=spec, max_context=256).generate(chat_ids, SamplingParams(max_new_tokens=NEW))
+    assert res.tokens == target_greedy
+    rounds = [a for per in res.accept_lengths for a in per]
+    cap = min(spec.num_steps, spec.num_draft_tokens - 1)
+    assert 0 in rounds and any(0 < a < cap for a in rounds) and cap in rounds, rounds
+    assert res.num_forward_target < len(chat_ids) * NEW  # fewer target forwards than tokens
+
+
+def test_requests_stop_on_their_own(gguf_loaded, chat_ids, target_greedy):
+    """Per-request limits and EOS: each request is a prefix of its unlimited output, its KV
+    is freed, and the others go on."""
+    cfg, w = gguf_loaded
+    eos = target_greedy[0][5]  # pretend this token is an EOS: request 0 stops there
+    eng = Engine(cfg, dict(w), spec=EAGLE[1], max_context=256, eos_token_ids=[eos])
+    free0 = eng.alloc.available_size()
+    res = eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW), max_new_tokens=[NEW, 7, 20])
+    assert res.tokens[0] == target_greedy[0][:target_greedy[0].index(eos) + 1]
+    assert res.finish_reasons[0] == "eos"
+    for i, n in ((1, 7), (2, 20)):
+        want = target_greedy[i][:n]
+        if eos in want:
+            want = want[:want.index(eos) + 1]
+        assert res.tokens[i] == want
+    assert eng.alloc.available_size() == free0 and eng.req_pool.available_size() == eng.req_pool.size
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("eagle", 1, 1, 2, 1), SpecConfig("eagle", 3, 2, 7, 2),
+                                  SpecConfig("eagle", 2, 5, 6, 3)], ids=str)
+def test_eagle_lossless_random_models(tmp_path, spec):
+    """Fresh random tiny models and prompts each run: eagle == target-only greedy."""
+    seed = random.randrange(2**31)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=bool(seed % 2), eos_token_ids=[])
+    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 4))]
+    base = Engine(cfg, dict(w), max_context=128).generate(prompts, SamplingParams(max_new_tokens=24))
+    res = Engine(cfg, dict(w), spec=spec, max_context=128).generate(prompts, SamplingParams(max_new_tokens=24))
+    assert res.tokens == base.tokens, f"seed={seed}"
