@@ -27,6 +27,7 @@ class ReqToTokenPool:
             raise ValueError("size and max_context_len must be positive")
         self.size, self.max_context_len, self.device = size, max_context_len, torch.device(device)
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=device)
+        self.device = self.req_to_token.device  # "cuda" resolved to "cuda:N"
         self._free: List[int] = list(range(size))
 
     def available_size(self) -> int:
@@ -60,7 +61,8 @@ class _KVPoolBase:
         if page_size < 1 or size < 1 or size % page_size:
             raise ValueError(f"size ({size}) must be a positive multiple of page_size ({page_size})")
         self.size, self.page_size, self.dtype = size, page_size, dtype
-        self.layer_num, self.device = layer_num, torch.device(device)
+        self.layer_num = layer_num
+        self.device = torch.empty(0, device=device).device  # "cuda" resolved to "cuda:N"
         self.num_slots = size + page_size
 
     @property

@@ -53,6 +53,8 @@ def generate(
     top_k: int = typer.Option(0), top_p: float = typer.Option(1.0), seed: int = typer.Option(0),
     model: Optional[str] = typer.Option(None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct)."),
     chat: bool = typer.Option(True, "--chat/--raw", help="Apply the chat template."),
+    cuda_graph: Optional[bool] = typer.Option(None, "--cuda-graph/--eager",
+                                              help="CUDA graphs (default: on for cuda devices)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report instead of text."),
 ):
     """Generate text with (speculative) decoding through the attention backends."""
@@ -71,7 +73,8 @@ def generate(
     try:
         eng = Engine(cfg, w, spec=spec, backend=backend, device=device, dtype=DTYPES[dtype],
                      max_batch=len(ids), max_context=max(map(len, ids)) + max_new_tokens + num_draft_tokens + 8,
-                     eos_token_ids=cfg.eos_token_ids)
+                     eos_token_ids=cfg.eos_token_ids,
+                     cuda_graph=device.startswith("cuda") if cuda_graph is None else cuda_graph)
     except (ValueError, ImportError) as e:
         raise typer.BadParameter(str(e))
     params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)
@@ -81,6 +84,8 @@ def generate(
         res = eng.generate(ids, params, progress=lambda n: bar.update(task, completed=n))
     hist = collections.Counter(a for per in res.accept_lengths for a in per)
     report = {"algo": algo, "backend": backend, "device": str(eng.device), "dtype": dtype,
+              "device_name": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu",
+              "cuda_graph": bool(eng.runners), "draft_layers": eng.draft.num_layers if algo == "eagle" else None,
               "topk": topk, "num_steps": num_steps, "num_draft_tokens": num_draft_tokens,
               "tokens": res.num_tokens, "seconds": res.seconds,
               "tokens_per_s": res.num_tokens / res.seconds if res.seconds else None,

@@ -101,11 +101,14 @@ class Engine:
         backend: attention backend name (``specattn.backends.create_backend``).
         max_batch, max_context: capacity (requests at once, tokens per request).
         eos_token_ids: generation stops after emitting one of these.
+        cuda_graph: replay CUDA graphs for DECODE, TARGET_VERIFY and DRAFT_EXTEND_V2 (GPU
+            only; captured at construction for padded batch sizes 1, 2, 4, .. up to the max).
     """
 
     def __init__(self, config: LlamaConfig, weights: Dict[str, torch.Tensor], *, spec: SpecConfig = None,
                  backend: str = "torch_reference", device="cpu", dtype=torch.float32,
-                 max_batch: int = 8, max_context: int = 1024, eos_token_ids: Sequence[int] = ()):
+                 max_batch: int = 8, max_context: int = 1024, eos_token_ids: Sequence[int] = (),
+                 cuda_graph: bool = False):
         self.spec = spec or SpecConfig()
         self.spec.validate()
         self.device, self.dtype, self.config = torch.device(device), dtype, config
@@ -128,9 +131,37 @@ class Engine:
             self.draft_pool = pool(n)
             self.draft_backend = create_backend(backend, self.req_pool, self.draft_pool)
         self.num_forward_target = 0
+        self.runners = {}
+        if cuda_graph:
+            if self.device.type != "cuda":
+                raise ValueError("cuda_graph needs a CUDA device")
+            self._capture_graphs(max_batch)
+
+    def _capture_graphs(self, max_batch: int) -> None:
+        from .graph_runner import GraphRunner, padded_sizes
+        sp, pool = self.spec, torch.cuda.graph_pool_handle()
+        if sp.algo == "none":
+            plan = [(self.target, self.target_backend, ForwardMode.DECODE, 1, max_batch)]
+        else:
+            L = min(sp.num_steps, sp.num_draft_tokens - 1) + 1
+            plan = [(self.target, self.target_backend, ForwardMode.TARGET_VERIFY, sp.num_draft_tokens, max_batch),
+                    (self.draft, self.draft_backend, ForwardMode.DRAFT_EXTEND_V2, L, max_batch)]
+            if sp.num_steps > 1:
+                plan.append((self.draft, self.draft_backend, ForwardMode.DECODE, 1, max_batch * sp.topk))
+        sizes = {}
+        for model, backend, mode, D, bs in plan:  # one static state per backend, sized for all
+            mb, mt = sizes.get(id(backend), (0, 0))
+            sizes[id(backend)] = (max(mb, bs), max(mt, bs * D))
+        for backend in {id(p[1]): p[1] for p in plan}.values():
+            backend.init_cuda_graph_state(*sizes[id(backend)])
+        for model, backend, mode, D, bs in plan:
+            self.runners[(id(model), mode)] = GraphRunner(model, backend, mode, D, padded_sizes(bs), pool)
 
     # ------------------------------------------------------------------ helpers
     def _run(self, model, backend, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        runner = self.runners.get((id(model), batch.forward_mode))
+        if runner is not None:
+            return runner.run(batch, tokens)
         backend.init_forward_metadata(batch)
         hidden, _ = model.forward(tokens, batch, backend)
         return model.logits(hidden)

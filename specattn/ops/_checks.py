@@ -13,6 +13,18 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def same_device(a, b) -> bool:
+    """Device equality where ``cuda`` means the current CUDA device (``cuda == cuda:0`` when
+    device 0 is current)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or (a.index is not None and b.index is not None):
+        return a.index == b.index
+    cur = torch.cuda.current_device()
+    return (cur if a.index is None else a.index) == (cur if b.index is None else b.index)
+
+
 def check_tensor(name: str, t, *, dim: Optional[int] = None, dtypes: Optional[Sequence] = None,
                  device: Optional[torch.device] = None, shape: Optional[Sequence] = None) -> None:
     """Raise TypeError/ValueError unless ``t`` is a tensor with the given rank, dtype, device
@@ -23,7 +35,7 @@ def check_tensor(name: str, t, *, dim: Optional[int] = None, dtypes: Optional[Se
         raise ValueError(f"{name} must be {dim}-D, got shape {list(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
         raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if device is not None and t.device != torch.device(device):
+    if device is not None and not same_device(t.device, device):
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if shape is not None:
         if t.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, t.shape)):

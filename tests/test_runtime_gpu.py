@@ -1,0 +1,60 @@
+"""The runtime's lossless checks on a GPU with CUDA graphs on (marked gpu)."""
+import random
+
+import pytest
+import torch
+
+from specattn.spec_runtime.engine import Engine, SpecConfig
+from specattn.spec_runtime.loader import (LlamaConfig, apply_chat_template, hf_greedy, load_hf_dir,
+                                          write_random_hf_dir)
+from specattn.spec_runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.gpu
+SPECS = [SpecConfig("eagle", 1, 3, 4, 24), SpecConfig("eagle", 2, 3, 6, 24), SpecConfig("eagle", 4, 4, 12, 24)]
+
+
+def test_graphs_match_eager_random_model(tmp_path):
+    seed = random.randrange(2**31)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=True, eos_token_ids=[])
+    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(5)]
+    p = SamplingParams(max_new_tokens=24)
+    kw = dict(device="cuda", max_context=128, max_batch=5)
+    eager = Engine(cfg, dict(w), **kw).generate(prompts, p)
+    graph = Engine(cfg, dict(w), cuda_graph=True, **kw).generate(prompts, p)
+    assert graph.tokens == eager.tokens, f"seed={seed}"
+    for spec in (SpecConfig("eagle", 1, 3, 4, 2), SpecConfig("eagle", 3, 3, 8, 3)):
+        res = Engine(cfg, dict(w), spec=spec, cuda_graph=True, **kw).generate(prompts, p)
+        assert res.tokens == eager.tokens, f"seed={seed} {spec}"
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tokenizer):
+    return [apply_chat_template(tokenizer, t) for t in
+            ["What is the capital of France?", "Write a haiku about the sea.",
+             "List three prime numbers and explain why each is prime, briefly."]]
+
+
+@pytest.fixture(scope="module")
+def gpu_target(gguf_loaded, chat_ids):
+    cfg, w = gguf_loaded
+    return Engine(cfg, dict(w), device="cuda", cuda_graph=True, max_context=256, max_batch=3).generate(
+        chat_ids, SamplingParams(max_new_tokens=32)).tokens
+
+
+def test_real_model_graph_matches_hf(gguf_path, chat_ids, gpu_target):
+    from specattn.spec_runtime.loader import load_hf_oracle
+    hf = load_hf_oracle(gguf_path, device="cuda")
+    for ids, ours in zip(chat_ids, gpu_target):
+        assert ours == hf_greedy(hf, ids, 32)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"topk{s.topk}-d{s.num_draft_tokens}")
+def test_real_model_eagle_graph_lossless(gguf_loaded, chat_ids, gpu_target, spec):
+    cfg, w = gguf_loaded
+    res = Engine(cfg, dict(w), spec=spec, device="cuda", cuda_graph=True, max_context=256,
+                 max_batch=3).generate(chat_ids, SamplingParams(max_new_tokens=32))
+    assert res.tokens == gpu_target
