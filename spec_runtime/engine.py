@@ -27,10 +27,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from specattn import ops
-from specattn.backends import (ForwardBatch, ForwardMode, KVAllocator, MHATokenToKVPool,
-                               ReqToTokenPool, create_backend)
+from specattn.backends import ForwardBatch, ForwardMode, KVAllocator, ReqToTokenPool, create_backend
 
-from .loader import LlamaConfig
 from .model import LlamaModel
 from .sampling import SamplingParams, logits_to_probs, sample
 
@@ -96,7 +94,9 @@ class Engine:
     """Runs a Llama model (and its drafter) over the pools and backends.
 
     Args:
-        config, weights: from :mod:`specattn.spec_runtime.loader`.
+        config, weights: from :mod:`specattn.spec_runtime.loader` (a Llama), or a ready model
+            as ``config`` with ``weights=None``: any object with ``forward``, ``logits``,
+            ``make_kv_pool``, ``with_layers``, ``num_layers``, ``device`` (e.g. the MLA model).
         spec: :class:`SpecConfig`.
         backend: attention backend name (``specattn.backends.create_backend``).
         max_batch, max_context: capacity (requests at once, tokens per request).
@@ -105,30 +105,27 @@ class Engine:
             only; captured at construction for padded batch sizes 1, 2, 4, .. up to the max).
     """
 
-    def __init__(self, config: LlamaConfig, weights: Dict[str, torch.Tensor], *, spec: SpecConfig = None,
+    def __init__(self, config, weights: Optional[Dict[str, torch.Tensor]] = None, *, spec: SpecConfig = None,
                  backend: str = "torch_reference", device="cpu", dtype=torch.float32,
                  max_batch: int = 8, max_context: int = 1024, eos_token_ids: Sequence[int] = (),
                  cuda_graph: bool = False):
         self.spec = spec or SpecConfig()
         self.spec.validate()
-        self.device, self.dtype, self.config = torch.device(device), dtype, config
         self.eos = set(eos_token_ids)
-        self.target = LlamaModel(config, weights, device, dtype)
+        self.target = LlamaModel(config, weights, device, dtype) if weights is not None else config
+        self.device, self.dtype = self.target.device, self.target.dtype
         k = self.spec.topk if self.spec.algo == "eagle" else 0
         self.max_context = max_context
         self.req_pool = ReqToTokenPool(max_batch * (1 + 2 * k), max_context, device)
         size = max_batch * max_context + max_batch * max(1, k) * self.spec.num_steps
         self.alloc = KVAllocator(size, 1, device)
 
-        def pool(layers):
-            return MHATokenToKVPool(size, 1, dtype, config.num_key_value_heads, config.head_dim, layers, device)
-
-        self.target_pool = pool(config.num_hidden_layers)
+        self.target_pool = self.target.make_kv_pool(size)
         self.target_backend = create_backend(backend, self.req_pool, self.target_pool)
         if self.spec.algo == "eagle":
-            n = self.spec.draft_layers or max(1, 3 * config.num_hidden_layers // 4)
-            self.draft = LlamaModel(config, self.target.w, device, dtype, num_layers=n)
-            self.draft_pool = pool(n)
+            n = self.spec.draft_layers or max(1, 3 * self.target.num_layers // 4)
+            self.draft = self.target.with_layers(n)
+            self.draft_pool = self.draft.make_kv_pool(size)
             self.draft_backend = create_backend(backend, self.req_pool, self.draft_pool)
         self.num_forward_target = 0
         self.runners = {}

@@ -51,7 +51,8 @@ class LlamaModel:
 
     def __init__(self, config: LlamaConfig, weights: Dict[str, torch.Tensor], device="cpu",
                  dtype=torch.float32, num_layers: Optional[int] = None):
-        self.config, self.device, self.dtype = config, torch.device(device), dtype
+        self.config, self.dtype = config, dtype
+        self.device = torch.empty(0, device=device).device
         self.num_layers = num_layers or config.num_hidden_layers
         if not 1 <= self.num_layers <= config.num_hidden_layers:
             raise ValueError(f"num_layers must be in [1, {config.num_hidden_layers}]")
@@ -92,6 +93,22 @@ class LlamaModel:
             if i in capture_layers:
                 captured.append(h)
         return rms_norm(h, w["model.norm.weight"], c.rms_norm_eps), captured
+
+    def make_kv_pool(self, size: int, page_size: int = 1, num_layers: Optional[int] = None):
+        """A KV pool fitting this model's attention (``num_layers`` default: the model's)."""
+        from specattn.backends import MHATokenToKVPool
+        c = self.config
+        return MHATokenToKVPool(size, page_size, self.dtype, c.num_key_value_heads, c.head_dim,
+                                num_layers or self.num_layers, self.device)
+
+    def with_layers(self, num_layers: int) -> "LlamaModel":
+        """The same model over its first ``num_layers`` layers (weights shared): the default
+        EAGLE self-speculative drafter."""
+        return LlamaModel(self.config, self.w, self.device, self.dtype, num_layers=num_layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.shape[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [T, hidden_size]`` -> float32 logits ``[T, vocab_size]``."""
