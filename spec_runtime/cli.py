@@ -40,11 +40,12 @@ def load_model(model: Optional[str], dtype: torch.dtype):
 def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="A file with one prompt per line."),
-    algo: str = typer.Option("none", help="none | eagle"),
+    algo: str = typer.Option("none", help="none | eagle | dflash"),
     topk: int = typer.Option(1, help="EAGLE beams per step (1 = chain)."),
     num_steps: int = typer.Option(3, help="EAGLE draft depth."),
     num_draft_tokens: int = typer.Option(4, help="Tokens verified per round, root included."),
-    draft_layers: Optional[int] = typer.Option(None, help="Self-speculative drafter layers (default 3/4)."),
+    draft_layers: Optional[int] = typer.Option(None, help="Drafter layers (EAGLE default 3/4 of the target; DFlash 2)."),
+    block_size: int = typer.Option(16, help="DFlash block: root + block_size - 1 drafts per round."),
     backend: str = typer.Option("torch_reference", help="Attention backend."),
     device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
@@ -69,10 +70,11 @@ def generate(
         raise typer.BadParameter(f"--dtype must be one of {sorted(DTYPES)}")
     cfg, w, tok = load_model(model, DTYPES[dtype])
     ids = [loader.apply_chat_template(tok, t) if chat else tok.encode(t) for t in texts]
-    spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers)
+    spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size)
+    per_round = block_size if algo == "dflash" else num_draft_tokens
     try:
         eng = Engine(cfg, w, spec=spec, backend=backend, device=device, dtype=DTYPES[dtype],
-                     max_batch=len(ids), max_context=max(map(len, ids)) + max_new_tokens + num_draft_tokens + 8,
+                     max_batch=len(ids), max_context=max(map(len, ids)) + max_new_tokens + per_round + 8,
                      eos_token_ids=cfg.eos_token_ids,
                      cuda_graph=device.startswith("cuda") if cuda_graph is None else cuda_graph)
     except (ValueError, ImportError) as e:
@@ -85,8 +87,9 @@ def generate(
     hist = collections.Counter(a for per in res.accept_lengths for a in per)
     report = {"algo": algo, "backend": backend, "device": str(eng.device), "dtype": dtype,
               "device_name": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu",
-              "cuda_graph": bool(eng.runners), "draft_layers": eng.draft.num_layers if algo == "eagle" else None,
+              "cuda_graph": bool(eng.runners), "draft_layers": eng.draft.num_layers if algo in ("eagle", "dflash") else None,
               "topk": topk, "num_steps": num_steps, "num_draft_tokens": num_draft_tokens,
+              "block_size": block_size if algo == "dflash" else None,
               "tokens": res.num_tokens, "seconds": res.seconds,
               "tokens_per_s": res.num_tokens / res.seconds if res.seconds else None,
               "mean_accept_length": res.mean_accept_length,

@@ -1,5 +1,5 @@
 """The step loop: target-only decoding and EAGLE (chain and tree) speculative decoding with
-spec-v2 semantics, on any ``AttentionBackend``.
+spec-v2 semantics, on any ``AttentionBackend`` (DFlash block drafting: :mod:`.dflash`).
 
 One EAGLE round per running batch (``P`` = target KV committed, ``root`` = last emitted token,
 whose target KV is not yet written; the drafter already holds ``root``'s KV and its logits):
@@ -29,31 +29,37 @@ import torch
 from specattn import ops
 from specattn.backends import ForwardBatch, ForwardMode, KVAllocator, ReqToTokenPool, create_backend
 
+from . import dflash
 from .model import LlamaModel
 from .sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass
 class SpecConfig:
-    """``algo``: ``none`` | ``eagle``.  EAGLE drafts ``num_steps`` levels with ``topk`` beams
-    and verifies ``num_draft_tokens`` tokens (root included); ``topk = 1`` is a chain.  The
+    """``algo``: ``none`` | ``eagle`` | ``dflash``.  EAGLE drafts ``num_steps`` levels with
+    ``topk`` beams and verifies ``num_draft_tokens`` tokens (root included); ``topk = 1`` is a chain.  The
     default drafter is the target's first ``draft_layers`` layers + final norm + LM head
     (``None``: three quarters of the target's layers; early layers alone draft poorly: on
-    SmolLM2-135M, 8 of 30 layers accept ~0.1 drafts per round, 24 of 30 ~0.8)."""
+    SmolLM2-135M, 8 of 30 layers accept ~0.1 drafts per round, 24 of 30 ~0.8).  DFlash
+    (:mod:`.dflash`) drafts ``block_size - 1`` tokens per round in one non-causal block forward
+    of a random-init ``draft_layers``-layer drafter (``None``: 2) and verifies them as a chain."""
 
     algo: str = "none"
     topk: int = 1
     num_steps: int = 3
     num_draft_tokens: int = 4
     draft_layers: Optional[int] = None
+    block_size: int = 16
 
     def validate(self) -> None:
-        if self.algo not in ("none", "eagle"):
+        if self.algo not in ("none", "eagle", "dflash"):
             raise ValueError(f"unknown algo {self.algo!r}")
         if self.algo == "eagle":
             n_cand = self.topk + (self.num_steps - 1) * self.topk ** 2
             if self.topk < 1 or self.num_steps < 1 or not 2 <= self.num_draft_tokens <= n_cand + 1:
                 raise ValueError(f"need topk >= 1, num_steps >= 1, 2 <= num_draft_tokens <= {n_cand + 1}")
+        if self.algo == "dflash" and self.block_size < 2:
+            raise ValueError(f"dflash needs block_size >= 2, got {self.block_size}")
 
 
 @dataclass
@@ -127,12 +133,19 @@ class Engine:
             self.draft = self.target.with_layers(n)
             self.draft_pool = self.draft.make_kv_pool(size)
             self.draft_backend = create_backend(backend, self.req_pool, self.draft_pool)
+        elif self.spec.algo == "dflash":  # block drafter whose context KV comes from target hidden states
+            self.draft = dflash.DFlashDrafter(self.target, self.spec.draft_layers or 2, max_positions=max_context)
+            self.draft_pool = self.draft.make_kv_pool(size)
+            self.draft_backend = create_backend(backend, self.req_pool, self.draft_pool)
         self.num_forward_target = 0
         self.runners = {}
         if cuda_graph:
             if self.device.type != "cuda":
                 raise ValueError("cuda_graph needs a CUDA device")
-            self._capture_graphs(max_batch)
+            if self.spec.algo == "dflash":  # drafter graphs only: the verify returns hidden states
+                dflash.capture_graphs(self, max_batch)
+            else:
+                self._capture_graphs(max_batch)
 
     def _capture_graphs(self, max_batch: int) -> None:
         from .graph_runner import GraphRunner, padded_sizes
@@ -201,7 +214,10 @@ class Engine:
         ids = self._tensor([t for r in reqs for t in r.prompt])
         loc = torch.cat([s[:-1] for s in slots])
         batch = ForwardBatch.extend(rows, [0] * len(reqs), lens, loc, device=self.device)
-        logits = self._run(self.target, self.target_backend, ids, batch)
+        if self.spec.algo == "dflash":  # also captures the target layers the drafter's context KV needs
+            logits = dflash.prefill_target(self, ids, batch)
+        else:
+            logits = self._run(self.target, self.target_backend, ids, batch)
         self.num_forward_target += 1
         last = torch.cumsum(self._tensor(lens), 0) - 1
         roots = sample(logits[last], params, self.generator).tolist()
@@ -337,7 +353,7 @@ class Engine:
         if len(limits) != len(prompts) or min(limits, default=1) < 1:
             raise ValueError("max_new_tokens needs one limit >= 1 per prompt")
         reqs = [Request(i, list(p), max_new_tokens=m) for i, (p, m) in enumerate(zip(prompts, limits))]
-        margin = self.spec.num_draft_tokens + 2
+        margin = (self.spec.block_size if self.spec.algo == "dflash" else self.spec.num_draft_tokens) + 2
         for r in reqs:
             if not r.prompt or len(r.prompt) + r.max_new_tokens + margin > self.max_context:
                 raise ValueError(f"prompt {r.rid}: length {len(r.prompt)} + max_new_tokens "
@@ -357,6 +373,8 @@ class Engine:
                 break
             if self.spec.algo == "eagle":
                 self._eagle_round(running, params)
+            elif self.spec.algo == "dflash":
+                dflash.dflash_round(self, running, params)
             else:
                 self._decode_step(running, params)
         if self.device.type == "cuda":

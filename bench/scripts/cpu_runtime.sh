@@ -17,4 +17,5 @@ PY
 run none --algo none
 run eagle_chain --algo eagle --topk 1 --num-steps 3 --num-draft-tokens 4 --draft-layers 24
 run eagle_tree --algo eagle --topk 4 --num-steps 4 --num-draft-tokens 12 --draft-layers 24
+run dflash --algo dflash --block-size 16
 } | tee "$out/generate_summary.txt"

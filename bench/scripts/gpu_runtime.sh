@@ -4,7 +4,7 @@
 #   bash bench/scripts/gpu_runtime.sh $OUT
 # Builds specattn._C, runs every GPU test (reference backend eager + graphs, CUDA KV move,
 # the runtime's lossless checks with CUDA graphs), racecheck on the KV move, and end-to-end
-# generation on the real model: none / EAGLE chain / EAGLE tree, CUDA graphs on.
+# generation on the real model: none / EAGLE chain / EAGLE tree / DFlash (random-init drafter), CUDA graphs on.
 set -u
 out=${1:?output dir}
 export PYTHONUNBUFFERED=1 SPECATTN_MODEL_PATH=/tmp/specattn-model/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -13,12 +13,12 @@ python3 -m pip install -e . --no-build-isolation --no-deps -q 2>&1 | tail -3
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } > "$out/device.txt"
 python3 -m pytest -m gpu tests -q -p no:warnings 2>&1 | tee "$out/gpu_tests.log" | tail -8
 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest tests/test_kv_move_cuda.py -q -x -p no:warnings \
-  > "$out/sanitizer_racecheck.log" 2>&1; echo "racecheck exit $?" | tee -a "$out/device.txt"
-grep -E "RACECHECK SUMMARY|ERROR SUMMARY" "$out/sanitizer_racecheck.log" | sort | uniq -c | tee -a "$out/device.txt"
+  > /tmp/sanitizer_racecheck.log 2>&1; echo "racecheck exit $?" | tee -a "$out/device.txt"
+grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" /tmp/sanitizer_racecheck.log | sort | uniq -c | tee -a "$out/device.txt"
 run() {  # name, then generate flags
   name=$1; shift
   python3 -m specattn generate --prompts bench/prompts.txt --device cuda --max-new-tokens 64 --json "$@" \
-    > "$out/gen_$name.json" 2> "$out/gen_$name.err" || tail -5 "$out/gen_$name.err"
+    > "$out/gen_$name.json" 2>> "$out/gen_errors.log" || tail -5 "$out/gen_errors.log"
   python3 - "$out/gen_$name.json" "$name" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -30,4 +30,5 @@ PY
 run none --algo none
 run eagle_chain --algo eagle --topk 1 --num-steps 3 --num-draft-tokens 4 --draft-layers 24
 run eagle_tree --algo eagle --topk 4 --num-steps 4 --num-draft-tokens 12 --draft-layers 24
+run dflash --algo dflash --block-size 16
 } | tee "$out/generate_summary.txt"

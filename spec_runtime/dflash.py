@@ -1,0 +1,335 @@
+"""DFlash speculative decoding in the reference runtime: a small non-causal *block* drafter
+that reads the target's hidden states, and lossless verification of its block as a chain.
+
+What DFlash is (z-lab, "DFlash: Block Diffusion for Flash Speculative Decoding", served by
+SGLang as ``--speculative-algorithm DFLASH``; facts from the z-lab reference model and the
+SGLang worker, no code taken from either)
+---------------------------------------------------------------------------------------
+- The drafter is a few transformer layers of the target's width (Qwen3-style: per-head Q and
+  K RMSNorm, RoPE) that shares the target's token embeddings and LM head.
+- Context: the target's residual stream after a few chosen layers (one tap: the middle
+  layer; several: evenly spaced over layers ``1 .. n-3``) is concatenated per token,
+  projected by ``fc`` and normalized (``hidden_norm``).  That *context hidden* feeds the K/V
+  projections of every draft layer (K then gets the layer's K RMSNorm and RoPE at the token's
+  position); the drafter never runs queries for context tokens.  SGLang keeps these K/V in a
+  draft KV cache and appends the newly committed tokens' K/V after every verify
+  (``_append_target_hidden_to_draft_kv``), fused across layers when it can
+  (``FusedKVMaterializeHelper``) -- here: :func:`specattn.ops.materialize_kv`.
+- Drafting is ONE forward over a block of ``B`` positions ``P .. P+B-1``: position ``P``
+  holds the last verified token (the *root*, known), the others the embedding of a mask
+  token; attention is non-causal inside the block and sees all the context.  The outputs at
+  block positions ``1 .. B-1`` give the ``B-1`` draft tokens (argmax), the token AT that
+  position (not after it).  The block's own K/V are scratch: SGLang allocates their slots for
+  the draft forward and drops them afterwards.
+- Verification: root + ``B-1`` drafts form a chain of ``D = B`` tokens, verified by the target
+  in one forward (greedy: longest prefix of drafts equal to the target's argmax); the target's
+  hidden states of the accepted tokens become the next context.
+
+Our simplifications: the drafter is random-initialised (no trained DFlash checkpoint exists
+for our models, so acceptance is ~0 on real text: reported, not hidden); the mask token is a
+drafter-owned embedding row (id ``vocab_size``, one past the target's vocabulary) instead of
+an added ``<|MASK|>`` token; the number of context taps is independent of the drafter's depth
+(DFlash's default ties them); bias-free projections.
+
+How it maps onto our modes and pools (one round per running batch)
+------------------------------------------------------------------
+Per request ``P`` = target KV committed (= drafter context KV committed: both cover positions
+``0 .. P-1``), ``root`` = last emitted token, no KV anywhere yet, its slot already at
+``req_to_token[row, P]``.  Target and drafter pools use the same slot indices.
+
+1. slots: ``B`` new slots at positions ``P+1 .. P+B`` (with the root's: ``P .. P+B``);
+2. draft (:func:`propose_block`): the drafter runs ``TARGET_VERIFY`` on its own backend/pool
+   with ``seq_lens = P``, ``D = B`` tokens ``[root, MASK x (B-1)]`` at positions
+   ``P .. P+B-1`` and an ALL-ONES tree mask.  Our ``TARGET_VERIFY`` means "prefix always
+   visible + block tokens visible where the mask bit is set", so all-ones is exactly
+   non-causal block attention over context + block (SGLang runs its DFlash draft block in
+   ``TARGET_VERIFY`` without a custom mask for the same reason).  The forward writes the
+   block's (scratch) K/V into the round's slots; step 6 overwrites or frees them;
+3. verify: ``TARGET_VERIFY`` on the target over the chain ``[root, d_1 .. d_{B-1}]``
+   (lower-triangular mask, positions ``P + j``: :func:`chain_tree`, equal to
+   ``ops.build_tree`` for ``topk = 1``), capturing the target's hidden states at the tap
+   layers; ``verify_tree_greedy`` or ``tree_speculative_sampling`` (lossless; the drafts are
+   deterministic argmaxes, so "target only" acceptance ``u <= q(d)`` is exact);
+4. ``compact_accepted_path`` (tokens and captured hidden states) + one target KV move (for a
+   chain the accepted path is already in place: identity pairs, kept for generality);
+5. emit accepted drafts + bonus; ``accept_length`` per round as EAGLE (bonus excluded);
+6. drafter context KV for the committed tokens (root + accepted drafts, positions
+   ``P .. P+a``) via ``materialize_kv`` from the compacted hidden states, overwriting the
+   block's scratch K/V in those slots; commit ``P += a + 1``; the bonus is the new root and
+   keeps its slot; the round's other slots are freed.
+
+Prefill (:func:`prefill_target`): the target's EXTEND over the prompt captures the tap
+layers and materializes the prompt's context KV in the same pass.
+
+CUDA graphs: the draft block forward (``TARGET_VERIFY`` on the drafter, input ids only,
+logits out) is captured like the engine's other runners (:func:`capture_graphs`).  The
+target's verify must also return the tap layers' hidden states, which the engine's
+``GraphRunner`` does not (logits only), so it always runs eagerly, as do prefill and
+``materialize_kv``.  ``cuda_graph=True`` therefore works with ``algo="dflash"`` and graphs
+only the drafter.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specattn import ops
+from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch, ForwardMode, pack_tree_mask
+
+from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
+from .sampling import SamplingParams, logits_to_probs
+
+if TYPE_CHECKING:  # the engine imports this module
+    from .engine import Engine, Request
+
+__all__ = ["context_layer_ids", "DFlashDrafter", "chain_tree", "prefill_target", "propose_block",
+           "dflash_round", "capture_graphs"]
+
+
+def context_layer_ids(num_target_layers: int, num_taps: int) -> List[int]:
+    """Target layers whose output residual stream feeds the drafter (DFlash's rule: one tap ->
+    the middle layer; ``k`` taps -> rounded evenly spaced over layers ``1 .. n-3``).  Targets
+    too shallow for that span (``n - 3 <= 1``, e.g. tiny test models) spread the taps over
+    ``0 .. n-1`` instead.  Layer ``i`` means "after layer ``i``" (HF ``hidden_states[i+1]``,
+    our ``capture_layers=[i]``).
+
+    Raises:
+        ValueError: ``num_taps < 1`` or ``num_target_layers < 1``.
+    """
+    n, k = int(num_target_layers), int(num_taps)
+    if n < 1 or k < 1:
+        raise ValueError(f"need num_target_layers >= 1 and num_taps >= 1, got {n}, {k}")
+    if k == 1:
+        return [n // 2]
+    start, end = (1, n - 3) if n - 3 > 1 else (0, n - 1)
+    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+
+
+class DFlashDrafter:
+    """A DFlash-style block drafter over a :class:`~specattn.spec_runtime.model.LlamaModel`
+    target (random init, deterministic in ``seed``).
+
+    Per draft layer ``l``: ``input_layernorm``, Q projection + per-head ``q_norm``, K/V
+    projection (rows of the stacked ``w_kv``, the layout of :func:`specattn.ops.materialize_kv`)
+    + per-head K RMSNorm (``k_norm[l]``), RoPE, attention through the backend, ``o_proj``,
+    ``post_attention_layernorm``, SwiGLU MLP; then the final ``norm`` and the target's LM head.
+    Token ids ``< vocab_size`` embed with the target's table, :attr:`mask_token_id`
+    (``= vocab_size``) with the drafter's ``mask_embedding``.
+
+    Args:
+        target: the target model (its config, embeddings, LM head, device, dtype are shared).
+        num_layers: draft layers (DFlash drafters have a few; default 2).
+        num_context_layers: target tap layers (:func:`context_layer_ids`; default 3).
+        max_positions: rows of the RoPE cos/sin cache used for the context K (>= the
+            engine's ``max_context``).
+        seed: weight init seed.
+    """
+
+    def __init__(self, target: LlamaModel, num_layers: int = 2, num_context_layers: int = 3,
+                 max_positions: int = 4096, seed: int = 0):
+        if not isinstance(target, LlamaModel):
+            raise ValueError("the DFlash drafter needs a Llama target (spec_runtime.model.LlamaModel)")
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        c = target.config
+        self.config, self.target = c, target
+        self.device, self.dtype = target.device, target.dtype
+        self.num_layers = num_layers
+        self.context_layers = context_layer_ids(target.num_layers, num_context_layers)
+        self.mask_token_id = target.vocab_size
+        h, H, Hkv, Dh, I = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                            c.head_dim, c.intermediate_size)
+        g = torch.Generator().manual_seed(int(seed))
+
+        def lin(out_f, in_f):  # N(0, 1/in): keeps the residual stream's scale
+            return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+
+        w: Dict[str, torch.Tensor] = {"fc.weight": lin(h, len(self.context_layers) * h),
+                                      "hidden_norm.weight": torch.ones(h), "norm.weight": torch.ones(h)}
+        k_w, v_w, k_norm = [], [], []
+        for i in range(num_layers):
+            p = f"layers.{i}."
+            w[p + "input_layernorm.weight"] = torch.ones(h)
+            w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+            w[p + "q_proj.weight"] = lin(H * Dh, h)
+            w[p + "q_norm.weight"] = torch.ones(Dh)
+            w[p + "o_proj.weight"] = lin(h, H * Dh)
+            w[p + "gate_proj.weight"], w[p + "up_proj.weight"] = lin(I, h), lin(I, h)
+            w[p + "down_proj.weight"] = lin(h, I)
+            k_w.append(lin(Hkv * Dh, h))
+            v_w.append(lin(Hkv * Dh, h))
+            k_norm.append(torch.ones(Dh))
+        # ONE stacked K|V projection for all layers: materialize_kv's single GEMM for context
+        # tokens, and (per-layer row slices) the block tokens' K/V in forward().
+        w["w_kv"] = ops.stack_kv_proj_weights(k_w, v_w)
+        w["k_norm"] = torch.stack(k_norm)
+        emb = target.w["model.embed_tokens.weight"]
+        w["mask_embedding"] = torch.randn(h, generator=g) * emb.float().std().cpu()
+        self.w = {k: t.to(self.device, self.dtype).contiguous() for k, t in w.items()}
+        self.layers = [AttentionLayer.mha(i, H, Hkv, Dh) for i in range(num_layers)]
+        self.cos_sin_cache = ops.make_cos_sin_cache(max_positions, Dh, c.rope_theta, device=self.device)
+
+    # ------------------------------------------------------------------ model interface
+    def make_kv_pool(self, size: int, page_size: int = 1):
+        """The drafter's KV pool: ``num_layers`` layers of the target's KV head shape."""
+        from specattn.backends import MHATokenToKVPool
+        c = self.config
+        return MHATokenToKVPool(size, page_size, self.dtype, c.num_key_value_heads, c.head_dim,
+                                self.num_layers, self.device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids (target vocab or :attr:`mask_token_id`) -> ``[T, hidden]`` (graph-safe)."""
+        table = self.target.w["model.embed_tokens.weight"]
+        e = table[input_ids.clamp(max=self.mask_token_id - 1)]
+        return torch.where((input_ids == self.mask_token_id)[:, None], self.w["mask_embedding"], e)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
+                capture_layers: Sequence[int] = ()):
+        """Block forward: ``input_ids [T]`` -> ``(hidden [T, hidden] after the final norm, [])``.
+        Which keys each token sees is the batch's (``TARGET_VERIFY`` + all-ones mask: the
+        context prefix and the whole block).  Writes the block tokens' K/V at
+        ``batch.out_cache_loc``.  ``capture_layers`` is accepted for interface parity only."""
+        c, w = self.config, self.w
+        T, Hkv, Dh, eps = input_ids.shape[0], c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        kv_rows = 2 * Hkv * Dh
+        h = self.embed(input_ids)
+        cos, sin = rope_cos_sin(batch.positions, Dh, c.rope_theta, self.dtype)
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            x = rms_norm(h, w[p + "input_layernorm.weight"], eps)
+            q = rms_norm((x @ w[p + "q_proj.weight"].T).view(T, c.num_attention_heads, Dh),
+                         w[p + "q_norm.weight"], eps)
+            kv = (x @ w["w_kv"][i * kv_rows:(i + 1) * kv_rows].T).view(T, 2, Hkv, Dh)
+            k, v = rms_norm(kv[:, 0], w["k_norm"][i], eps), kv[:, 1]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = backend.forward(q, k.contiguous(), v.contiguous(), layer, batch)
+            h = h + o.reshape(T, -1) @ w[p + "o_proj.weight"].T
+            x = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
+            h = h + (F.silu(x @ w[p + "gate_proj.weight"].T) * (x @ w[p + "up_proj.weight"].T)) \
+                @ w[p + "down_proj.weight"].T
+        return rms_norm(h, w["norm.weight"], eps), []
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head (shared)."""
+        return self.target.logits(hidden)
+
+    # ------------------------------------------------------------------ context KV
+    def context_hidden(self, features: torch.Tensor) -> torch.Tensor:
+        """``[T, taps * hidden]`` concatenated target hidden states -> ``hidden_norm(fc(.))``."""
+        return rms_norm(features @ self.w["fc.weight"].T, self.w["hidden_norm.weight"], self.config.rms_norm_eps)
+
+    def write_context_kv(self, features: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor,
+                         pool) -> None:
+        """Materialize every draft layer's context K/V for ``T`` committed tokens (features
+        ``[T, taps * hidden]``, RoPE ``positions [T]``, slots ``loc [T]``) into ``pool``: one
+        ``fc`` GEMM + one fused :func:`specattn.ops.materialize_kv` for all layers."""
+        ops.materialize_kv(self.context_hidden(features), self.w["w_kv"], self.w["k_norm"], positions,
+                           self.cos_sin_cache, loc, pool.k_buffer, pool.v_buffer,
+                           eps=self.config.rms_norm_eps)
+
+
+# ---------------------------------------------------------------------- round pieces
+def chain_tree(P: torch.Tensor, D: int) -> ops.TreeInfo:
+    """The verify tree of a chain ``root -> d_1 -> .. -> d_{D-1}`` for ``bs`` requests with
+    prefixes ``P [bs]``: lower-triangular mask, positions ``P + j``, ``retrive_index = b*D + j``,
+    ``next_token = j + 1`` (``-1`` at the end), no siblings.  Equal to ``ops.build_tree`` with
+    ``topk = 1, num_steps = D - 1``, ``parent_list = [-1, 0, .., D-3]``,
+    ``selected_index = [0 .. D-2]``, built without its host loop."""
+    bs, dev = P.shape[0], P.device
+    j = torch.arange(D, device=dev)
+    mask = pack_tree_mask((j[None, :] <= j[:, None]).expand(bs, D, D).contiguous())
+    nxt = torch.where(j + 1 < D, j + 1, -1).expand(bs, D).contiguous()
+    return ops.TreeInfo(mask, (P.long()[:, None] + j).flatten(),
+                        torch.arange(bs * D, device=dev).view(bs, D), nxt,
+                        torch.full((bs, D), -1, dtype=torch.int64, device=dev))
+
+
+def _target_forward(engine: "Engine", ids: torch.Tensor, batch: ForwardBatch):
+    """Eager target forward capturing the drafter's tap layers: ``(logits, features)``,
+    ``features [T, taps * hidden]``."""
+    engine.target_backend.init_forward_metadata(batch)
+    hidden, caps = engine.target.forward(ids, batch, engine.target_backend,
+                                         capture_layers=engine.draft.context_layers)
+    return engine.target.logits(hidden), torch.cat(caps, dim=-1)
+
+
+def prefill_target(engine: "Engine", ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """The prompt's target EXTEND, capturing the tap layers, and the prompt's drafter context
+    KV (same slots and positions as the target's).  Returns the target's logits."""
+    logits, feats = _target_forward(engine, ids, batch)
+    engine.draft.write_context_kv(feats, batch.positions, batch.out_cache_loc, engine.draft_pool)
+    return logits
+
+
+def propose_block(engine: "Engine", reqs: List["Request"], rows: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+    """One non-causal drafter forward per request over ``[root, MASK x (B-1)]`` at positions
+    ``P .. P+B-1`` (``TARGET_VERIFY``, all-ones tree mask; slots ``req_to_token[row, P:P+B]``,
+    already assigned).  Returns ``draft_tokens [bs, B]``: the roots, then the argmax drafts."""
+    B, bs, dev = engine.spec.block_size, len(reqs), engine.device
+    drafter = engine.draft
+    roots = engine._tensor([r.root for r in reqs])
+    ids = torch.full((bs, B), drafter.mask_token_id, dtype=torch.int64, device=dev)
+    ids[:, 0] = roots
+    cols = P[:, None] + torch.arange(B, device=dev)
+    loc = engine.req_pool.req_to_token[rows[:, None], cols].long().flatten()
+    ones = pack_tree_mask(torch.ones(bs, B, B, dtype=torch.bool, device=dev))
+    batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows, P, B, loc, positions=cols.flatten(),
+                               tree_mask=ones, device=dev)
+    logits = engine._run(drafter, engine.draft_backend, ids.flatten(), batch).view(bs, B, -1)
+    return torch.cat([roots[:, None], logits[:, 1:].argmax(-1)], dim=1)
+
+
+def dflash_round(engine: "Engine", reqs: List["Request"], params: SamplingParams) -> None:
+    """One DFlash round for the running requests (steps 1-6 of the module docstring)."""
+    B, bs, dev = engine.spec.block_size, len(reqs), engine.device
+    rows = engine._tensor([r.row for r in reqs])
+    P = engine._tensor([r.P for r in reqs])
+    rtt = engine.req_pool.req_to_token
+    new = engine._alloc(bs * B).view(bs, B)                             # positions P+1 .. P+B
+    for i, r in enumerate(reqs):
+        engine.req_pool.write(r.row, r.P + 1, new[i])
+    draft_tokens = propose_block(engine, reqs, rows, P)                 # [bs, B], root first
+    # verify the chain on the target (capturing the tap layers)
+    tree = chain_tree(P, B)
+    out_cache_loc = rtt[rows[:, None], P[:, None] + torch.arange(B, device=dev)].long().flatten()
+    batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows, P, B, out_cache_loc,
+                               positions=tree.positions, tree_mask=tree.tree_mask, device=dev)
+    logits, feats = _target_forward(engine, draft_tokens.flatten(), batch)
+    engine.num_forward_target += 1
+    args = (draft_tokens, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
+    if params.greedy:
+        res = ops.verify_tree_greedy(*args, logits.argmax(-1).view(bs, B), B - 1)
+    else:
+        probs = logits_to_probs(logits, params).view(bs, B, -1)
+        res = ops.tree_speculative_sampling(*args, probs, B - 1, generator=engine.generator)
+    cp = ops.compact_accepted_path(res.accept_index, res.accept_length, out_cache_loc, B,
+                                   predicts=res.predicts, hidden_states=feats)
+    engine.target_pool.move_kv_cache(cp.tgt_loc, cp.src_loc)
+    n_acc = res.accept_length.long()
+    # drafter context KV of the committed tokens: root + accepted drafts at P .. P+a
+    keep = (torch.arange(B, device=dev)[None, :] <= n_acc[:, None]).flatten()
+    engine.draft.write_context_kv(cp.hidden_states[keep], tree.positions[keep], cp.tgt_loc[keep],
+                                  engine.draft_pool)
+    path = cp.predicts.view(bs, B).long()                               # accepted drafts + bonus
+    for i, r in enumerate(reqs):
+        a = int(n_acc[i])
+        r.accept_lengths.append(a)
+        engine._emit(r, path[i, :a + 1].tolist(), params)
+        r.root = int(path[i, a])
+        old_end = r.P + B
+        r.P += a + 1
+        engine.alloc.free(rtt[r.row, r.P + 1:old_end + 1])             # keep the new root's slot
+
+
+def capture_graphs(engine: "Engine", max_batch: int) -> None:
+    """CUDA graphs for the drafter's block forward (``TARGET_VERIFY``, ``B`` tokens per request,
+    padded batch sizes up to ``max_batch``), registered where ``Engine._run`` looks them up.
+    The target's forwards stay eager (the verify needs the tap layers' hidden states)."""
+    from .graph_runner import GraphRunner, padded_sizes
+    B = engine.spec.block_size
+    engine.draft_backend.init_cuda_graph_state(max_batch, max_batch * B)
+    engine.runners[(id(engine.draft), ForwardMode.TARGET_VERIFY)] = GraphRunner(
+        engine.draft, engine.draft_backend, ForwardMode.TARGET_VERIFY, B, padded_sizes(max_batch),
+        torch.cuda.graph_pool_handle())

@@ -1,0 +1,237 @@
+"""DFlash in the reference runtime (``spec_runtime/dflash.py``): lossless block drafting on
+fresh random tiny Llama models, the block forward against a dense non-causal reference, forced
+full/partial acceptance, sampling, EOS; and the lossless check on CUDA (marked gpu)."""
+import random
+
+import pytest
+import torch
+
+from specattn import ops
+from specattn.backends import ForwardBatch, ForwardMode, pack_tree_mask
+from specattn.spec_runtime import dflash
+from specattn.spec_runtime.engine import Engine, Request, SpecConfig
+from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, write_random_hf_dir
+from specattn.spec_runtime.sampling import SamplingParams
+
+NEW = 24
+V = 96
+
+
+def random_model(tmp_path, seed):
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=bool(seed % 2), eos_token_ids=[])
+    return load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed))
+
+
+def random_prompts(seed, n=None):
+    rng = random.Random(seed)
+    return [[rng.randrange(V) for _ in range(rng.randint(1, 12))] for _ in range(n or rng.randint(2, 4))]
+
+
+def check_released(eng, free0):
+    assert eng.alloc.available_size() == free0
+    assert eng.req_pool.available_size() == eng.req_pool.size
+
+
+# ---------------------------------------------------------------------- pieces
+@pytest.mark.parametrize("D", [2, 4, 16, 33])
+def test_chain_tree_equals_build_tree(D):
+    P = torch.tensor([0, 5, 17])
+    bs = P.shape[0]
+    parent_list = torch.cat([torch.tensor([-1]), torch.arange(D - 2)]).expand(bs, D - 1)
+    selected = torch.arange(D - 1).expand(bs, D - 1)
+    want = ops.build_tree(parent_list, selected, P, 1, D - 1, D)
+    got = dflash.chain_tree(P, D)
+    for name, a, b in zip(want._fields, want, got):
+        assert torch.equal(a.long(), b.long()), name
+
+
+def test_context_layer_ids():
+    assert dflash.context_layer_ids(30, 3) == [1, 14, 27]   # DFlash's rule: 1 .. n-3
+    assert dflash.context_layer_ids(36, 1) == [18]          # one tap: the middle layer
+    assert dflash.context_layer_ids(4, 3) == [0, 2, 3]      # too shallow: spread over 0 .. n-1
+    with pytest.raises(ValueError):
+        dflash.context_layer_ids(4, 0)
+
+
+def test_validate():
+    SpecConfig("dflash", block_size=2).validate()
+    with pytest.raises(ValueError):
+        SpecConfig("dflash", block_size=1).validate()
+
+
+def test_block_forward_is_noncausal_attention_over_context(tmp_path):
+    """TARGET_VERIFY + all-ones mask on the drafter == a dense non-causal reference over the
+    materialized context K/V (from the prefill's captured target features) + the block."""
+    seed = random.randrange(2**31)
+    cfg, w = random_model(tmp_path, seed)
+    B = 5
+    eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=B), max_context=64)
+    d = eng.draft
+    feats = {}
+    orig = d.write_context_kv
+    d.write_context_kv = lambda f, pos, loc, pool: (feats.setdefault("f", f), orig(f, pos, loc, pool))
+    prompts = random_prompts(seed, 2)
+    reqs = [Request(i, p) for i, p in enumerate(prompts)]
+    eng.generator = torch.Generator()
+    eng._prefill(reqs, SamplingParams())
+    rows, P = eng._tensor([r.row for r in reqs]), eng._tensor([r.P for r in reqs])
+    new = eng._alloc(len(reqs) * B).view(len(reqs), B)
+    for i, r in enumerate(reqs):
+        eng.req_pool.write(r.row, r.P + 1, new[i])
+    ids = torch.full((len(reqs), B), d.mask_token_id)
+    ids[:, 0] = eng._tensor([r.root for r in reqs])
+    cols = P[:, None] + torch.arange(B)
+    loc = eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
+    mask = pack_tree_mask(torch.ones(len(reqs), B, B, dtype=torch.bool))
+    batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows, P, B, loc,
+                                      positions=cols.flatten(), tree_mask=mask)
+    batch.validate(eng.req_pool.req_to_token)
+    eng.draft_backend.init_forward_metadata(batch)
+    got, _ = d.forward(ids.flatten(), batch, eng.draft_backend)
+    got = got.view(len(reqs), B, -1)
+
+    # dense reference, request by request
+    from specattn.spec_runtime.model import apply_rope, rms_norm, rope_cos_sin
+    c, W = cfg, d.w
+    H, Hkv, Dh, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+    ctx_all = d.context_hidden(feats["f"]).split([len(p) for p in prompts])
+    for i, p in enumerate(prompts):
+        n = len(p)
+        ctx, h = ctx_all[i], d.embed(ids[i])
+        cos_c, sin_c = rope_cos_sin(torch.arange(n), Dh, c.rope_theta, torch.float32)
+        cos_b, sin_b = rope_cos_sin(torch.arange(n, n + B), Dh, c.rope_theta, torch.float32)
+        for l in range(d.num_layers):
+            pre = f"layers.{l}."
+            wkv = W["w_kv"][l * 2 * Hkv * Dh:(l + 1) * 2 * Hkv * Dh]
+
+            def kv(x, cos, sin):
+                t = (x @ wkv.T).view(-1, 2, Hkv, Dh)
+                return apply_rope(rms_norm(t[:, 0], W["k_norm"][l], eps), cos, sin), t[:, 1]
+            x = rms_norm(h, W[pre + "input_layernorm.weight"], eps)
+            q = apply_rope(rms_norm((x @ W[pre + "q_proj.weight"].T).view(B, H, Dh),
+                                    W[pre + "q_norm.weight"], eps), cos_b, sin_b)
+            kc, vc = kv(ctx, cos_c, sin_c)
+            kb, vb = kv(x, cos_b, sin_b)
+            K = torch.cat([kc, kb]).repeat_interleave(H // Hkv, dim=1)
+            Vv = torch.cat([vc, vb]).repeat_interleave(H // Hkv, dim=1)
+            att = torch.softmax(torch.einsum("qhd,khd->hqk", q, K) / Dh ** 0.5, -1)  # no mask
+            h = h + torch.einsum("hqk,khd->qhd", att, Vv).reshape(B, -1) @ W[pre + "o_proj.weight"].T
+            x = rms_norm(h, W[pre + "post_attention_layernorm.weight"], eps)
+            h = h + (torch.nn.functional.silu(x @ W[pre + "gate_proj.weight"].T)
+                     * (x @ W[pre + "up_proj.weight"].T)) @ W[pre + "down_proj.weight"].T
+        want = rms_norm(h, W["norm.weight"], eps)
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+
+
+# ---------------------------------------------------------------------- end to end
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_dflash_lossless_random_models(tmp_path, block_size):
+    """Fresh random tiny models and mixed-length prompt batches: dflash == target-only greedy."""
+    seed = random.randrange(2**31)
+    cfg, w = random_model(tmp_path, seed)
+    prompts = random_prompts(seed)
+    base = Engine(cfg, dict(w), max_context=128).generate(prompts, SamplingParams(max_new_tokens=NEW))
+    eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=block_size), max_context=128)
+    free0 = eng.alloc.available_size()
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    assert res.tokens == base.tokens, f"seed={seed}"
+    assert all(0 <= a <= block_size - 1 for per in res.accept_lengths for a in per)
+    assert res.num_forward_target == 1 + max(len(per) for per in res.accept_lengths)
+    check_released(eng, free0)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size):
+    """Drafts replaced by the target's own greedy continuation (so every draft is right), then
+    every other round corrupted at a random block position k: each round must accept exactly
+    B-1 (clean) or k-1 (corrupted) drafts, and the output stays the target's."""
+    seed = random.randrange(2**31)
+    cfg, w = random_model(tmp_path, seed)
+    B = block_size
+    prompts = random_prompts(seed)
+    ref = Engine(cfg, dict(w), max_context=128).generate(
+        prompts, SamplingParams(max_new_tokens=NEW + B)).tokens
+    rng = random.Random(seed)
+    expected = {i: [] for i in range(len(prompts))}
+    real = dflash.propose_block
+
+    def oracle(engine, reqs, rows, P):
+        toks = real(engine, reqs, rows, P).clone()          # the drafter still runs
+        for i, r in enumerate(reqs):
+            n = len(r.output)
+            assert r.root == ref[r.rid][n - 1]
+            toks[i, 1:] = torch.tensor(ref[r.rid][n:n + B - 1])
+            exp = B - 1
+            if len(expected[r.rid]) % 2:
+                k = rng.randint(2, B - 1) if B > 2 else 1
+                toks[i, k] = (toks[i, k] + 1) % V
+                exp = k - 1
+            expected[r.rid].append(exp)
+        return toks
+
+    monkeypatch.setattr(dflash, "propose_block", oracle)
+    eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=B), max_context=128)
+    free0 = eng.alloc.available_size()
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    assert res.tokens == [t[:NEW] for t in ref], f"seed={seed}"
+    assert res.accept_lengths == [expected[i] for i in range(len(prompts))], f"seed={seed}"
+    rounds = [a for per in res.accept_lengths for a in per]
+    assert B - 1 in rounds and any(0 < a < B - 1 for a in rounds), rounds
+    check_released(eng, free0)
+
+
+def test_sampling_smoke(tmp_path):
+    seed = random.randrange(2**31)
+    cfg, w = random_model(tmp_path, seed)
+    prompts = random_prompts(seed, 3)
+    eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=8), max_context=128)
+    free0 = eng.alloc.available_size()
+    limits = [5, 9, 13]
+    res = eng.generate(prompts, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=NEW),
+                       max_new_tokens=limits)
+    assert [len(t) for t in res.tokens] == limits
+    assert res.finish_reasons == ["length"] * 3
+    assert all(0 <= t < V for out in res.tokens for t in out)
+    check_released(eng, free0)
+    again = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=8), max_context=128).generate(
+        prompts, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=NEW), max_new_tokens=limits)
+    assert again.tokens == res.tokens  # seeded
+
+
+def test_stops_on_eos(tmp_path):
+    seed = random.randrange(2**31)
+    cfg, w = random_model(tmp_path, seed)
+    prompts = random_prompts(seed, 3)
+    base = Engine(cfg, dict(w), max_context=128).generate(prompts, SamplingParams(max_new_tokens=NEW)).tokens
+    eos = base[0][4]
+    eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=4), max_context=128, eos_token_ids=[eos])
+    free0 = eng.alloc.available_size()
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    for want, got, why in zip(base, res.tokens, res.finish_reasons):
+        cut = want[:want.index(eos) + 1] if eos in want else want
+        assert got == cut and why == ("eos" if eos in want else "length"), f"seed={seed}"
+    check_released(eng, free0)
+
+
+# ---------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_dflash_lossless_cuda(tmp_path, block_size):
+    """On CUDA, eager and with cuda_graph=True (the drafter's block forward replays a graph;
+    the target's verify runs eagerly since it returns hidden states): == target-only greedy."""
+    seed = random.randrange(2**31)
+    cfg, w = random_model(tmp_path, seed)
+    prompts = random_prompts(seed, 5)
+    kw = dict(device="cuda", max_context=128, max_batch=5)
+    base = Engine(cfg, dict(w), **kw).generate(prompts, SamplingParams(max_new_tokens=NEW))
+    for graph in (False, True):
+        eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=block_size), cuda_graph=graph, **kw)
+        assert bool(eng.runners) == graph
+        free0 = eng.alloc.available_size()
+        res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
+        assert res.tokens == base.tokens, f"seed={seed} cuda_graph={graph}"
+        check_released(eng, free0)
+    res = eng.generate(prompts, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=NEW))
+    assert [len(t) for t in res.tokens] == [NEW] * len(prompts)
