@@ -37,6 +37,15 @@ def load_model(model: Optional[str], dtype: torch.dtype):
     return cfg, w, loader.load_tokenizer(path)
 
 
+def _draft(path: Optional[str], device: str, dtype: torch.dtype):
+    """The separate EAGLE drafter of ``--draft-model``, or None."""
+    if path is None:
+        return None
+    from .model import LlamaModel
+    cfg, w, _ = load_model(path, dtype)
+    return LlamaModel(cfg, w, device, dtype)
+
+
 def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="A file with one prompt per line."),
@@ -53,6 +62,8 @@ def generate(
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0), top_p: float = typer.Option(1.0), seed: int = typer.Option(0),
     model: Optional[str] = typer.Option(None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct)."),
+    draft_model: Optional[str] = typer.Option(None, help="EAGLE: a separate draft checkpoint (GGUF or HF dir) "
+                                                        "with the target's vocabulary."),
     chat: bool = typer.Option(True, "--chat/--raw", help="Apply the chat template."),
     cuda_graph: Optional[bool] = typer.Option(None, "--cuda-graph/--eager",
                                               help="CUDA graphs (default: on for cuda devices)."),
@@ -76,7 +87,8 @@ def generate(
         eng = Engine(cfg, w, spec=spec, backend=backend, device=device, dtype=DTYPES[dtype],
                      max_batch=len(ids), max_context=max(map(len, ids)) + max_new_tokens + per_round + 8,
                      eos_token_ids=cfg.eos_token_ids,
-                     cuda_graph=device.startswith("cuda") if cuda_graph is None else cuda_graph)
+                     cuda_graph=device.startswith("cuda") if cuda_graph is None else cuda_graph,
+                     draft_model=_draft(draft_model, device, DTYPES[dtype]))
     except (ValueError, ImportError) as e:
         raise typer.BadParameter(str(e))
     params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)

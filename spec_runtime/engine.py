@@ -107,6 +107,9 @@ class Engine:
         backend: attention backend name (``specattn.backends.create_backend``).
         max_batch, max_context: capacity (requests at once, tokens per request).
         eos_token_ids: generation stops after emitting one of these.
+        draft_model: EAGLE only: a separate drafter (same interface and vocabulary as the
+            target, e.g. a small checkpoint loaded the same way) instead of the target's first
+            ``draft_layers`` layers.
         cuda_graph: replay CUDA graphs for DECODE, TARGET_VERIFY and DRAFT_EXTEND_V2 (GPU
             only; captured at construction for padded batch sizes 1, 2, 4, .. up to the max).
     """
@@ -114,7 +117,7 @@ class Engine:
     def __init__(self, config, weights: Optional[Dict[str, torch.Tensor]] = None, *, spec: SpecConfig = None,
                  backend: str = "torch_reference", device="cpu", dtype=torch.float32,
                  max_batch: int = 8, max_context: int = 1024, eos_token_ids: Sequence[int] = (),
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, draft_model=None):
         self.spec = spec or SpecConfig()
         self.spec.validate()
         self.eos = set(eos_token_ids)
@@ -129,8 +132,13 @@ class Engine:
         self.target_pool = self.target.make_kv_pool(size)
         self.target_backend = create_backend(backend, self.req_pool, self.target_pool)
         if self.spec.algo == "eagle":
-            n = self.spec.draft_layers or max(1, 3 * self.target.num_layers // 4)
-            self.draft = self.target.with_layers(n)
+            if draft_model is not None:
+                if draft_model.vocab_size != self.target.vocab_size or draft_model.device != self.device:
+                    raise ValueError("draft_model must share the target's vocabulary and device")
+                self.draft = draft_model
+            else:
+                n = self.spec.draft_layers or max(1, 3 * self.target.num_layers // 4)
+                self.draft = self.target.with_layers(n)
             self.draft_pool = self.draft.make_kv_pool(size)
             self.draft_backend = create_backend(backend, self.req_pool, self.draft_pool)
         elif self.spec.algo == "dflash":  # block drafter whose context KV comes from target hidden states

@@ -82,3 +82,26 @@ def test_eagle_lossless_random_models(tmp_path, spec):
     base = Engine(cfg, dict(w), max_context=128).generate(prompts, SamplingParams(max_new_tokens=24))
     res = Engine(cfg, dict(w), spec=spec, max_context=128).generate(prompts, SamplingParams(max_new_tokens=24))
     assert res.tokens == base.tokens, f"seed={seed}"
+
+
+def test_eagle_with_a_separate_draft_checkpoint(tmp_path):
+    """A separate small draft model (other weights, fewer layers, same vocabulary)."""
+    from specattn.spec_runtime.model import LlamaModel
+    seed = random.randrange(2**31)
+    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, eos_token_ids=[])
+    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path / "t", LlamaConfig(num_hidden_layers=4, **kw), seed=seed))
+    dcfg, dw = load_hf_dir(write_random_hf_dir(tmp_path / "d", LlamaConfig(num_hidden_layers=1, **kw), seed=seed + 1))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+    p = SamplingParams(max_new_tokens=20)
+    base = Engine(cfg, dict(w), max_context=128).generate(prompts, p)
+    draft = LlamaModel(dcfg, dw)
+    eng = Engine(cfg, dict(w), spec=SpecConfig("eagle", 2, 3, 6), max_context=128, draft_model=draft)
+    assert eng.draft is draft and eng.draft_pool.layer_num == 1
+    assert eng.generate(prompts, p).tokens == base.tokens, f"seed={seed}"
+    bad = LlamaModel(LlamaConfig(num_hidden_layers=1, **{**kw, "vocab_size": 97}),
+                     {k: v for k, v in load_hf_dir(write_random_hf_dir(
+                         tmp_path / "b", LlamaConfig(num_hidden_layers=1, **{**kw, "vocab_size": 97})))[1].items()})
+    with pytest.raises(ValueError):
+        Engine(cfg, dict(w), spec=SpecConfig("eagle", 2, 3, 6), max_context=128, draft_model=bad)
