@@ -290,6 +290,23 @@ def load_hf_dir(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     return config, weights
 
 
+def random_weights(param_shapes: dict, seed: int = 0, dtype: torch.dtype = torch.float32
+                   ) -> dict[str, torch.Tensor]:
+    """Deterministic random CPU tensors for ``{name: shape}`` (HF names) from ``seed``:
+    embeddings and ``lm_head`` ~ N(0, 1), other matrices ~ N(0, 4 / in_features), vectors
+    (norm weights) ~ 1 + 0.1 N(0, 1); see :func:`write_random_hf_dir` for why."""
+    g = torch.Generator().manual_seed(int(seed))
+    out = {}
+    for name, shape in param_shapes.items():
+        w = torch.randn(shape, generator=g, dtype=torch.float32)
+        if len(shape) == 1:
+            w = 1.0 + 0.1 * w
+        elif name not in ("model.embed_tokens.weight", "lm_head.weight"):
+            w = w * (2.0 / shape[1] ** 0.5)
+        out[name] = w.to(dtype).contiguous()
+    return out
+
+
 def write_random_hf_dir(path: str | os.PathLike, config: LlamaConfig, seed: int = 0,
                         dtype: torch.dtype = torch.float32) -> Path:
     """Write a random Llama checkpoint (``config.json`` + ``model.safetensors``) to ``path``.
@@ -305,15 +322,7 @@ def write_random_hf_dir(path: str | os.PathLike, config: LlamaConfig, seed: int 
     _check_dtype(dtype)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(int(seed))
-    weights = {}
-    for name, shape in config.param_shapes().items():
-        w = torch.randn(shape, generator=g, dtype=torch.float32)
-        if len(shape) == 1:
-            w = 1.0 + 0.1 * w
-        elif name not in ("model.embed_tokens.weight", "lm_head.weight"):
-            w = w * (2.0 / shape[1] ** 0.5)
-        weights[name] = w.to(dtype).contiguous()
+    weights = random_weights(config.param_shapes(), seed, dtype)
     d = config.to_hf_dict()
     d["dtype"] = d["torch_dtype"] = str(dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(d, indent=2) + "\n")

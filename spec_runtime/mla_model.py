@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch
 
-from .model import apply_rope, rms_norm, rope_cos_sin
+from .model import place_weights, apply_rope, rms_norm, rope_cos_sin
 
 __all__ = ["MLAConfig", "MLAModel", "random_mla_weights"]
 
@@ -148,16 +148,8 @@ def random_mla_weights(config: MLAConfig, seed: int = 0, dtype: torch.dtype = to
     ``lm_head`` ~ N(0, 1), other linears ~ N(0, 4 / in_features), norm weights ~
     1 + 0.1 N(0, 1).  Gives peaked logits (std ~ sqrt(hidden)) and varied greedy continuations.
     """
-    g = torch.Generator().manual_seed(int(seed))
-    out = {}
-    for name, shape in config.param_shapes().items():
-        w = torch.randn(shape, generator=g, dtype=torch.float32)
-        if len(shape) == 1:
-            w = 1.0 + 0.1 * w
-        elif name not in ("model.embed_tokens.weight", "lm_head.weight"):
-            w = w * (2.0 / shape[1] ** 0.5)
-        out[name] = w.to(dtype).contiguous()
-    return out
+    from .loader import random_weights
+    return random_weights(config.param_shapes(), seed, dtype)
 
 
 class MLAModel:
@@ -192,10 +184,7 @@ class MLAModel:
             if name not in weights or tuple(weights[name].shape) != shape:
                 got = tuple(weights[name].shape) if name in weights else "missing"
                 raise ValueError(f"weight {name}: expected {shape}, got {got}")
-        for name, t in list(weights.items()):
-            if t.device != self.device or t.dtype != dtype:
-                weights[name] = t.to(self.device, dtype)
-        self.w = weights
+        self.w = place_weights(weights, self.device, dtype)
         c = config
         self.layers = [AttentionLayer.mla(i, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim,
                                           scaling=c.scaling) for i in range(self.num_layers)]

@@ -39,6 +39,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
+def place_weights(weights: Dict[str, torch.Tensor], device: torch.device, dtype) -> Dict[str, torch.Tensor]:
+    """Move every tensor of ``weights`` to ``device``/``dtype`` in place (the dict is shared by
+    the models built over it, e.g. a drafter over the target's first layers) and return it."""
+    for name, t in list(weights.items()):
+        if t.device != device or t.dtype != dtype:
+            weights[name] = t.to(device, dtype)
+    return weights
+
+
 class LlamaModel:
     """Llama decoder over ``num_layers`` (default all) layers of ``weights``.
 
@@ -56,10 +65,7 @@ class LlamaModel:
         self.num_layers = num_layers or config.num_hidden_layers
         if not 1 <= self.num_layers <= config.num_hidden_layers:
             raise ValueError(f"num_layers must be in [1, {config.num_hidden_layers}]")
-        for name, t in list(weights.items()):
-            if t.device != self.device or t.dtype != dtype:
-                weights[name] = t.to(self.device, dtype)
-        self.w = weights
+        self.w = place_weights(weights, self.device, dtype)
         c = config
         self.layers = [AttentionLayer.mha(i, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
                        for i in range(self.num_layers)]
