@@ -80,10 +80,9 @@ def test_validate_catches_convention_breaks():
     with pytest.raises(ValueError):
         ForwardBatch.decode([3, 0], [7, 4], [23, 99]).validate(pool.req_to_token)
     with pytest.raises(ValueError):  # sum(extend_lens) != T
-        ForwardBatch.extend([3, 0], [4, 2], [3, 2], [20, 21, 22, 30, 31]).__class__(
-            ForwardMode.EXTEND, torch.tensor([3, 0]), torch.tensor([4, 2], dtype=torch.int32),
-            torch.tensor([3, 3], dtype=torch.int32), torch.tensor([20, 21, 22, 30, 31]),
-            torch.tensor([4, 5, 6, 2, 3])).validate()
+        ForwardBatch(ForwardMode.EXTEND, torch.tensor([3, 0]), torch.tensor([4, 2], dtype=torch.int32),
+                     torch.tensor([3, 3], dtype=torch.int32), torch.tensor([20, 21, 22, 30, 31]),
+                     torch.tensor([4, 5, 6, 2, 3])).validate()
     with pytest.raises(ValueError):
         ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, [3], [8], 3, [24, 25, 26])
 
