@@ -153,6 +153,17 @@ registry.register("tree_speculative_sampling", "reference",
                   lambda: tree_speculative_sampling_reference)
 
 
+def _load_triton_verify_tree_greedy():
+    try:
+        from specattn.triton_kernels import tree_ops
+    except ImportError as e:  # triton missing (or unusable)
+        raise ImportError(f"triton unavailable: {e}") from e
+    return tree_ops.verify_tree_greedy
+
+
+registry.register("verify_tree_greedy", "triton", _load_triton_verify_tree_greedy)
+
+
 def _check_tree(candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_steps):
     """Shared checks; returns ``(bs, D, device)``."""
     if isinstance(num_steps, bool) or not isinstance(num_steps, int):
