@@ -58,11 +58,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch
 
-from .model import place_weights, apply_rope, rms_norm, rope_cos_sin
+from .model import place_weights, swiglu_mlp, apply_rope, rms_norm, rope_cos_sin
 
 __all__ = ["MLAConfig", "MLAModel", "random_mla_weights"]
 
@@ -248,9 +247,7 @@ class MLAModel:
             p = f"model.layers.{i}."
             x = rms_norm(h, w[p + "input_layernorm.weight"], c.rms_norm_eps)
             h = h + self.attention(i, x, cos, sin, batch, backend)
-            x = rms_norm(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            g = F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)
-            h = h + g @ w[p + "mlp.down_proj.weight"].T
+            h = h + swiglu_mlp(rms_norm(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps), w, p)
             if i in capture_layers:
                 captured.append(h)
         return rms_norm(h, w["model.norm.weight"], c.rms_norm_eps), captured

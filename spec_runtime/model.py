@@ -39,6 +39,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
+def swiglu_mlp(x: torch.Tensor, w: Dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` with the HF weights ``{prefix}mlp.{gate,up,down}_proj``."""
+    g = F.silu(x @ w[prefix + "mlp.gate_proj.weight"].T) * (x @ w[prefix + "mlp.up_proj.weight"].T)
+    return g @ w[prefix + "mlp.down_proj.weight"].T
+
+
 def place_weights(weights: Dict[str, torch.Tensor], device: torch.device, dtype) -> Dict[str, torch.Tensor]:
     """Move every tensor of ``weights`` to ``device``/``dtype`` in place (the dict is shared by
     the models built over it, e.g. a drafter over the target's first layers) and return it."""
@@ -93,9 +99,7 @@ class LlamaModel:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o = backend.forward(q, k, v, layer, batch)
             h = h + o.reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
-            x = rms_norm(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            g = F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)
-            h = h + g @ w[p + "mlp.down_proj.weight"].T
+            h = h + swiglu_mlp(rms_norm(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps), w, p)
             if i in capture_layers:
                 captured.append(h)
         return rms_norm(h, w["model.norm.weight"], c.rms_norm_eps), captured

@@ -68,15 +68,8 @@ def compact_accepted_path_reference(accept_index, accept_length, out_cache_loc, 
 registry.register("compact_accepted_path", "reference", lambda: compact_accepted_path_reference)
 
 
-def _load_triton_compact_accepted_path():
-    try:
-        from specattn.triton_kernels import tree_ops
-    except ImportError as e:  # triton missing (or unusable)
-        raise ImportError(f"triton unavailable: {e}") from e
-    return tree_ops.compact_accepted_path
-
-
-registry.register("compact_accepted_path", "triton", _load_triton_compact_accepted_path)
+registry.register("compact_accepted_path", "triton",
+                  registry.from_module("specattn.triton_kernels.tree_ops", "compact_accepted_path", "triton"))
 
 
 def compact_accepted_path(accept_index: torch.Tensor, accept_length: torch.Tensor,

@@ -2,7 +2,7 @@
 moves to the front of its request's block)."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Sequence
 
 import torch
 

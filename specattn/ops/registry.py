@@ -40,6 +40,19 @@ def register(name: str, impl: str, loader: Callable[[], Callable]) -> None:
     op.cache.pop(impl, None)
 
 
+def from_module(module: str, attr: str, what: str) -> Callable[[], Callable]:
+    """A loader for :func:`register`: imports ``module`` and returns ``module.attr``; an
+    ImportError becomes ``ImportError("<what> unavailable: ...")``."""
+    def load():
+        import importlib
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            raise ImportError(f"{what} unavailable: {e}") from e
+        return getattr(mod, attr)
+    return load
+
+
 def _resolve(op: _Op, impl: str) -> Tuple[Optional[Callable], Optional[str]]:
     if impl not in op.cache:
         loader = op.loaders.get(impl)

@@ -123,15 +123,8 @@ def build_tree_reference(parent_list: torch.Tensor, selected_index: torch.Tensor
 registry.register("build_tree", "reference", lambda: build_tree_reference)
 
 
-def _load_triton_build_tree():
-    try:
-        from specattn.triton_kernels import tree_ops
-    except ImportError as e:  # triton missing (or unusable)
-        raise ImportError(f"triton unavailable: {e}") from e
-    return tree_ops.build_tree
-
-
-registry.register("build_tree", "triton", _load_triton_build_tree)
+registry.register("build_tree", "triton",
+                  registry.from_module("specattn.triton_kernels.tree_ops", "build_tree", "triton"))
 
 
 def _check_int(name: str, v, lo: int) -> None:

@@ -153,15 +153,8 @@ registry.register("tree_speculative_sampling", "reference",
                   lambda: tree_speculative_sampling_reference)
 
 
-def _load_triton_verify_tree_greedy():
-    try:
-        from specattn.triton_kernels import tree_ops
-    except ImportError as e:  # triton missing (or unusable)
-        raise ImportError(f"triton unavailable: {e}") from e
-    return tree_ops.verify_tree_greedy
-
-
-registry.register("verify_tree_greedy", "triton", _load_triton_verify_tree_greedy)
+registry.register("verify_tree_greedy", "triton",
+                  registry.from_module("specattn.triton_kernels.tree_ops", "verify_tree_greedy", "triton"))
 
 
 def _check_tree(candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_steps):
