@@ -79,7 +79,7 @@ from specattn import ops
 from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch, ForwardMode, pack_tree_mask
 
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
-from .sampling import SamplingParams, logits_to_probs
+from .sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, Request
@@ -284,43 +284,21 @@ def propose_block(engine: "Engine", reqs: List["Request"], rows: torch.Tensor, P
 def dflash_round(engine: "Engine", reqs: List["Request"], params: SamplingParams) -> None:
     """One DFlash round for the running requests (steps 1-6 of the module docstring)."""
     B, bs, dev = engine.spec.block_size, len(reqs), engine.device
-    rows = engine._tensor([r.row for r in reqs])
-    P = engine._tensor([r.P for r in reqs])
-    rtt = engine.req_pool.req_to_token
-    new = engine._alloc(bs * B).view(bs, B)                             # positions P+1 .. P+B
-    for i, r in enumerate(reqs):
-        engine.req_pool.write(r.row, r.P + 1, new[i])
+    rows, P, out_cache_loc = engine._open_round(reqs, B)               # positions P+1 .. P+B
     draft_tokens = propose_block(engine, reqs, rows, P)                 # [bs, B], root first
     # verify the chain on the target (capturing the tap layers)
     tree = chain_tree(P, B)
-    out_cache_loc = rtt[rows[:, None], P[:, None] + torch.arange(B, device=dev)].long().flatten()
     batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows, P, B, out_cache_loc,
                                positions=tree.positions, tree_mask=tree.tree_mask, device=dev)
     logits, feats = _target_forward(engine, draft_tokens.flatten(), batch)
     engine.num_forward_target += 1
-    args = (draft_tokens, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
-    if params.greedy:
-        res = ops.verify_tree_greedy(*args, logits.argmax(-1).view(bs, B), B - 1)
-    else:
-        probs = logits_to_probs(logits, params).view(bs, B, -1)
-        res = ops.tree_speculative_sampling(*args, probs, B - 1, generator=engine.generator)
-    cp = ops.compact_accepted_path(res.accept_index, res.accept_length, out_cache_loc, B,
-                                   predicts=res.predicts, hidden_states=feats)
-    engine.target_pool.move_kv_cache(cp.tgt_loc, cp.src_loc)
-    n_acc = res.accept_length.long()
+    cp, n_acc = engine._verify_and_compact(draft_tokens, tree, logits, B - 1, out_cache_loc, params,
+                                           hidden_states=feats)
     # drafter context KV of the committed tokens: root + accepted drafts at P .. P+a
     keep = (torch.arange(B, device=dev)[None, :] <= n_acc[:, None]).flatten()
     engine.draft.write_context_kv(cp.hidden_states[keep], tree.positions[keep], cp.tgt_loc[keep],
                                   engine.draft_pool)
-    path = cp.predicts.view(bs, B).long()                               # accepted drafts + bonus
-    for i, r in enumerate(reqs):
-        a = int(n_acc[i])
-        r.accept_lengths.append(a)
-        engine._emit(r, path[i, :a + 1].tolist(), params)
-        r.root = int(path[i, a])
-        old_end = r.P + B
-        r.P += a + 1
-        engine.alloc.free(rtt[r.row, r.P + 1:old_end + 1])             # keep the new root's slot
+    engine._commit_round(reqs, cp.predicts.view(bs, B).long(), n_acc, B, params)
 
 
 def capture_graphs(engine: "Engine", max_batch: int) -> None:

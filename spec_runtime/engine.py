@@ -304,44 +304,68 @@ class Engine:
         sp, bs, dev = self.spec, len(reqs), self.device
         K, S, D = sp.topk, sp.num_steps, sp.num_draft_tokens
         L = min(S, D - 1) + 1
-        rows_t = self._tensor([r.row for r in reqs])
-        P = self._tensor([r.P for r in reqs])
+        rows_t, P, out_cache_loc = self._open_round(reqs, D)
         rtt = self.req_pool.req_to_token
-        new = self._alloc(bs * D).view(bs, D)                          # positions P+1 .. P+D
-        for i, r in enumerate(reqs):
-            self.req_pool.write(r.row, r.P + 1, new[i])
         parent_list, selected, draft_tokens = self._draft_tree(reqs)
         tree = ops.build_tree(parent_list, selected, P.to(torch.int32), K, S, D)
-        cols = P[:, None] + torch.arange(D, device=dev)
-        out_cache_loc = rtt[rows_t[:, None], cols].long().flatten()
         batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows_t, P, D, out_cache_loc,
                                    positions=tree.positions, tree_mask=tree.tree_mask, device=dev)
         logits = self._run(self.target, self.target_backend, draft_tokens.flatten(), batch)
         self.num_forward_target += 1
-        args = (draft_tokens, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
-        if params.greedy:
-            res = ops.verify_tree_greedy(*args, logits.argmax(-1).view(bs, D), S)
-        else:
-            probs = logits_to_probs(logits, params).view(bs, D, -1)
-            res = ops.tree_speculative_sampling(*args, probs, S, generator=self.generator)
-        cp = ops.compact_accepted_path(res.accept_index, res.accept_length, out_cache_loc, D,
-                                       predicts=res.predicts)
-        self.target_pool.move_kv_cache(cp.tgt_loc, cp.src_loc)
-        n_acc = res.accept_length.long()
+        cp, n_acc = self._verify_and_compact(draft_tokens, tree, logits, S, out_cache_loc, params)
         path = cp.predicts.view(bs, D).long()                          # accepted drafts + bonus first
         # drafter: accepted drafts + bonus (+ padding) at P+1 .., fixed L tokens per request
         ext_loc = rtt[rows_t[:, None], P[:, None] + 1 + torch.arange(L, device=dev)].long().flatten()
         batch = ForwardBatch.fixed(ForwardMode.DRAFT_EXTEND_V2, rows_t, P + 1, L, ext_loc, device=dev)
         dlogits = self._run(self.draft, self.draft_backend, path[:, :L].flatten(), batch).view(bs, L, -1)
         bonus_logits = dlogits[torch.arange(bs, device=dev), n_acc]
+        self._commit_round(reqs, path, n_acc, D, params)
+        for i, r in enumerate(reqs):
+            r.draft_logits = bonus_logits[i]
+
+    # ------------------------------------------------------------------ round pieces (EAGLE, DFlash)
+    def _open_round(self, reqs: List[Request], n: int):
+        """Allocate ``n`` slots per request for positions ``P+1 .. P+n`` (position ``P``, the
+        root's, is held already).  Returns ``(rows int64 [bs], P int64 [bs], out_cache_loc
+        int64 [bs*n])``: the slots of positions ``P .. P+n-1``, where the verify writes."""
+        new = self._alloc(len(reqs) * n).view(len(reqs), n)
+        for i, r in enumerate(reqs):
+            self.req_pool.write(r.row, r.P + 1, new[i])
+        rows, P = self._tensor([r.row for r in reqs]), self._tensor([r.P for r in reqs])
+        cols = P[:, None] + torch.arange(n, device=self.device)
+        return rows, P, self.req_pool.req_to_token[rows[:, None], cols].long().flatten()
+
+    def _verify_and_compact(self, draft_tokens, tree, logits, num_steps: int, out_cache_loc,
+                            params: SamplingParams, hidden_states=None):
+        """Greedy or lossless stochastic tree verify of ``draft_tokens [bs, n]`` against the
+        target's ``logits [bs*n, V]``, then accepted-path compaction and one KV move for all
+        target layers.  Returns ``(CompactedPath, accept_length int64 [bs])``."""
+        bs, n = draft_tokens.shape
+        args = (draft_tokens, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
+        if params.greedy:
+            res = ops.verify_tree_greedy(*args, logits.argmax(-1).view(bs, n), num_steps)
+        else:
+            probs = logits_to_probs(logits, params).view(bs, n, -1)
+            res = ops.tree_speculative_sampling(*args, probs, num_steps, generator=self.generator)
+        cp = ops.compact_accepted_path(res.accept_index, res.accept_length, out_cache_loc, n,
+                                       predicts=res.predicts, hidden_states=hidden_states)
+        self.target_pool.move_kv_cache(cp.tgt_loc, cp.src_loc)
+        return cp, res.accept_length.long()
+
+    def _commit_round(self, reqs: List[Request], path: torch.Tensor, n_acc: torch.Tensor, n: int,
+                      params: SamplingParams) -> None:
+        """Emit each request's accepted drafts + bonus (``path [bs, n]``, compacted), commit
+        ``P += accept_length + 1``, make the bonus the new root and free the round's slots
+        past the new root's."""
+        rtt = self.req_pool.req_to_token
         for i, r in enumerate(reqs):
             a = int(n_acc[i])
             r.accept_lengths.append(a)
             self._emit(r, path[i, :a + 1].tolist(), params)
-            r.root, r.draft_logits = int(path[i, a]), bonus_logits[i]
-            old_end = r.P + D
+            r.root = int(path[i, a])
+            old_end = r.P + n
             r.P += a + 1
-            self.alloc.free(rtt[r.row, r.P + 1:old_end + 1])          # keep the new root's slot
+            self.alloc.free(rtt[r.row, r.P + 1:old_end + 1])
 
     # ------------------------------------------------------------------ driver
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = None,
