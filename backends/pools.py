@@ -78,10 +78,13 @@ class _KVPoolBase:
     def _check_rows(self, name: str, t: torch.Tensor, n: int, shape) -> None:
         check_tensor(name, t, device=self.device, shape=(n, *shape))
 
-    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor, impl: str = "auto") -> None:
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor, impl: str = "auto",
+                      group_size: Optional[int] = None) -> None:
         """For every layer, slot ``tgt_loc[i]`` gets what slot ``src_loc[i]`` held before the
-        call (overlap-safe).  See :func:`specattn.ops.move_kv_cache` for errors."""
-        move_kv_cache(self.buffers, tgt_loc, src_loc, impl=impl)
+        call (overlap-safe), all layers in one launch.  ``group_size``: the promise that
+        selects the one-launch direct path (pairs of ``compact_accepted_path``:
+        ``num_draft_tokens``).  See :func:`specattn.ops.move_kv_cache` for it and for errors."""
+        move_kv_cache(self.buffers, tgt_loc, src_loc, impl=impl, group_size=group_size)
 
 
 class MHATokenToKVPool(_KVPoolBase):

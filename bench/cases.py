@@ -118,14 +118,29 @@ def kv_move_inputs(tokens: int, input_sets: int, device, index_dtype=torch.int64
 @case("kv_move_reference",
       "reference move_kv_cache, MLA-like: 61 layers x [slots,1,576] bf16, 256 tokens moved",
       layers=61, kv_per_layer=1, heads=1, width=576, tokens=256, input_sets=8,
-      dtype="bfloat16", impl="reference")
+      dtype="bfloat16", impl="reference", group_size=None)
 @case("kv_move_reference_mha",
       "reference move_kv_cache, MHA: 32 layers x K,V x [slots,8,128] bf16, 256 tokens moved",
       layers=32, kv_per_layer=2, heads=8, width=128, tokens=256, input_sets=8,
-      dtype="bfloat16", impl="reference")
-def _kv_move(device, *, layers, kv_per_layer, heads, width, tokens, input_sets, dtype, impl):
+      dtype="bfloat16", impl="reference", group_size=None)
+@case("kv_move_mla",
+      "move_kv_cache (auto impl, one-launch direct path: group_size=1), MLA-like: 61 layers x "
+      "[slots,1,576] bf16, 256 tokens moved",
+      layers=61, kv_per_layer=1, heads=1, width=576, tokens=256, input_sets=8,
+      dtype="bfloat16", impl="auto", group_size=1)
+@case("kv_move_mha",
+      "move_kv_cache (auto impl, one-launch direct path: group_size=1), MHA: 32 layers x K,V x "
+      "[slots,8,128] bf16, 256 tokens moved",
+      layers=32, kv_per_layer=2, heads=8, width=128, tokens=256, input_sets=8,
+      dtype="bfloat16", impl="auto", group_size=1)
+def _kv_move(device, *, layers, kv_per_layer, heads, width, tokens, input_sets, dtype, impl,
+             group_size):
     """``move_kv_cache`` over ``layers * kv_per_layer`` buffers ``[slots, heads, width]``;
-    bytes = every moved row read once and written once."""
+    bytes = every moved row read once and written once.
+
+    ``group_size``: passed through (``None``: the overlap-safe staged path inside CUDA graphs,
+    which is what the harness times; ``1``: the one-launch direct path -- a true promise
+    here, since all slots of a set are distinct and targets never meet sources)."""
     from specattn.ops import move_kv_cache
 
     dt = getattr(torch, dtype)
@@ -136,7 +151,11 @@ def _kv_move(device, *, layers, kv_per_layer, heads, width, tokens, input_sets, 
     row_bytes = heads * width * dt.itemsize
 
     def move(tgt_loc, src_loc):
-        move_kv_cache(buffers, tgt_loc, src_loc, impl=impl)
+        move_kv_cache(buffers, tgt_loc, src_loc, impl=impl, group_size=group_size)
 
     return Workload(fn=move, bytes=2 * tokens * row_bytes * len(buffers), flops=0,
                     input_sets=sets, state={"buffers": buffers})
+
+
+from . import cases_tree  # noqa: E402,F401  (registers the EAGLE tree-op cases)
+from . import cases_kv_materialize  # noqa: E402,F401  (registers the kv_materialize case)

@@ -1,4 +1,4 @@
-// KV move for all layers in few launches: torch.ops.specattn.move_kv_cache.
+// KV move for all layers in one or few launches: torch.ops.specattn.move_kv_cache.
 //
 // Semantics (same as specattn.ops.move_kv_cache_reference): for every buffer b and every
 // i, afterwards b[tgt_loc[i]] holds what b[src_loc[i]] held before the call, also when the
@@ -7,31 +7,55 @@
 // Buffers must not share memory with each other (each layer's cache passed once): with
 // more than one chunk (below), a buffer listed twice would be moved twice.
 //
-// Algorithm: gather-to-staging, then scatter.
+// Two algorithms, picked by the op's `group_size` argument:
+//
+// Staged (group_size == 0, the default; always safe): gather-to-staging, then scatter.
 //   1. gather:  stage[b][i] = b[src_loc[i]]   for all buffers b (one launch)
 //   2. scatter: b[tgt_loc[i]] = stage[b][i]   for all buffers b (one launch)
 // Every read of step 1 happens before any write of step 2 (stream order), so overlapping
-// slot sets are safe without any constraint on their order.  A one-launch in-place order
-// would need either a grid-wide barrier (cooperative launch, bounded grid) or a proof
-// that no target is a source of a later row; both are more fragile than one extra launch
-// whose cost is one more read+write of the moved rows through L2.
+// slot sets are safe without any constraint on their order.  It moves every row twice
+// (4 x the row bytes of traffic), so it cannot get near the copy bandwidth.
 //
-// Layers: the buffers' base pointers, row lengths and staging offsets travel in a
-// kernel-parameter struct (BufferTable, < 4 KiB), one buffer per blockIdx.y; nothing is
-// copied host-to-device and nothing depends on the batch size at compile time (n,
-// num_slots and the rows per block are runtime arguments), so the launches are
-// CUDA-graph capturable.  More than kMaxBuffersPerLaunch buffers, or more than
-// kMaxStagingBytes of staging, are handled in chunks of buffers (gather chunk, scatter
-// chunk, next chunk reusing the staging area): a buffer's rows only depend on that
-// buffer, so per-chunk staging is as safe as whole staging, and the temporary stays
-// bounded (it comes from PyTorch's caching allocator, on the current stream).
+// Direct (group_size = G >= 1; ONE launch for up to kMaxBuffersPerLaunch buffers): the
+// caller promises that pairs come in consecutive groups of G (pairs [g*G, (g+1)*G), the
+// last group may be shorter) and that a slot read by one pair is written by another pair
+// only within the same group (G == 1: no slot is both read and written by different
+// pairs).  After compact_accepted_path that holds with G = num_draft_tokens (request b's
+// pairs are block b, its slots are its own).  The Python wrapper checks the promise
+// eagerly (one host sync, skipped during CUDA-graph capture); the kernel trusts it.  Each
+// block owns whole groups for one column tile of one buffer: it loads every (row, vector)
+// of its tile into registers, __syncthreads(), then stores them.  Every read of a group's
+// bytes precedes every write of them, and no other block touches them (other column
+// tiles are other bytes, other groups are other slots by the promise), so the move is
+// exact with 2 x the row bytes of traffic (a read and a write per moved row).  G == 1
+// skips the second barrier (a thread's store only depends on its own load).
+//   Tiling (direct_tiling, host-side, per buffer, in the parameter table): a block holds
+//   at most kItems = kThreads * kUnroll = 1024 vectors, i.e. groups_per_block * G rows of
+//   `cols` vectors; the row is split into col_tiles column tiles when whole groups of
+//   whole rows do not fit (or fit badly: e.g. G = 8 MLA rows of 72 vectors -> 4 tiles of
+//   18 vectors, 7 groups a block).  G > kItems is not supported by the direct kernel: the
+//   host falls back to the staged algorithm (still exact).
 //
-// Grid: x over tiles of rows (rows_per_block rows of every buffer), y over the buffers of
-// the chunk.  Inside a block the (row, vector) pairs of the tile are flattened, so short
-// rows (MLA 576 x bf16 = 72 x 16 B) still keep all threads busy; each thread issues
-// kUnroll independent loads before its stores.  Accesses are 16-byte vectors when every
-// row length and base pointer is a multiple of 16 bytes, else the widest of 8/4/2/1 that
-// divides all of them.
+// Layers: the buffers' base pointers, row lengths and staging offsets / tiling travel in a
+// kernel-parameter struct (BufferTable / DirectTable, < 4 KiB, __grid_constant__), one
+// buffer per blockIdx.y; nothing is copied host-to-device and nothing depends on the batch
+// size or on G at compile time (n, num_slots, G and the tiling are runtime arguments; the
+// only instantiations are the vector width x index dtype), so the launches are CUDA-graph
+// capturable.  More than kMaxBuffersPerLaunch (128) buffers are handled in chunks of
+// buffers, one launch (direct) or two (staged) per chunk: a buffer's rows only depend on
+// that buffer.  Staged also chunks so that staging stays under kMaxStagingBytes (the next
+// chunk reuses the staging area; it comes from PyTorch's caching allocator, on the current
+// stream).  Pools: MLA 61 layers = 61 buffers, MHA 32 layers = 64 buffers (K and V): one
+// chunk.
+//
+// Grid: x over tiles (of rows, and for direct also of columns), y over the buffers of the
+// chunk (direct: x is the largest tile count of the chunk's buffers; blocks past a
+// narrower buffer's count exit at once).  Inside a block the (row, vector) pairs of the
+// tile are flattened, so short rows (MLA 576 x bf16 = 72 x 16 B) still keep all threads
+// busy and each warp reads and writes contiguous 16-byte vectors of a row; each thread
+// issues kUnroll independent loads before its stores.  Accesses are 16-byte vectors when
+// every row length and base pointer is a multiple of 16 bytes, else the widest of
+// 8/4/2/1 that divides all of them.
 //
 // Rows with tgt == src are skipped (the row is already in place and no other row may
 // target it, since targets are unique).  A row whose tgt or src lies outside
@@ -47,6 +71,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -126,6 +151,104 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ----------------------------------------------------------------------------- direct
+constexpr int kItems = kItemsPerBlockPass;  // direct: (row, vector) items one block holds
+
+struct DirectTable {
+  char* base[kMaxBuffersPerLaunch];              // buffer base pointer
+  int32_t row_vecs[kMaxBuffersPerLaunch];        // row length in access vectors
+  int32_t cols[kMaxBuffersPerLaunch];            // vectors per column tile
+  int32_t col_tiles[kMaxBuffersPerLaunch];       // column tiles per row
+  int32_t groups_per_block[kMaxBuffersPerLaunch];
+};
+static_assert(sizeof(DirectTable) + 64 <= 4096, "kernel parameters must stay under 4 KiB");
+
+struct DirectTiling {
+  int groups_per_block;
+  int cols;
+  int col_tiles;
+};
+
+// Tiling of one buffer's rows for the direct kernel: groups_per_block * group_size rows of
+// `cols` vectors per block, at most kItems items.  Among the few smallest column-tile
+// counts that fit, the one with the most useful items per block on average
+// (groups_per_block / col_tiles); more tiles only for > 1/16 more (longer contiguous row
+// segments otherwise: MLA rows stay whole at group_size 1).  1 <= group_size <= kItems.
+DirectTiling direct_tiling(int64_t row_vecs, int group_size) {
+  const int64_t max_cols = kItems / group_size;  // >= 1
+  const int64_t t0 = (row_vecs + max_cols - 1) / max_cols;
+  DirectTiling best{0, 0, 0};
+  for (int64_t t = t0; t < t0 + 8 && t <= row_vecs; ++t) {
+    const int64_t cols = (row_vecs + t - 1) / t;  // <= max_cols
+    const int64_t tiles = (row_vecs + cols - 1) / cols;
+    const int64_t groups = kItems / (group_size * cols);  // >= 1
+    if (best.groups_per_block == 0 ||
+        16 * groups * best.col_tiles > 17 * static_cast<int64_t>(best.groups_per_block) * tiles) {
+      best = {static_cast<int>(groups), static_cast<int>(cols), static_cast<int>(tiles)};
+    }
+  }
+  return best;
+}
+
+template <typename Vec, typename Idx>
+__global__ void __launch_bounds__(kThreads)
+    move_rows_direct_kernel(const __grid_constant__ DirectTable tab, const Idx* __restrict__ tgt,
+                            const Idx* __restrict__ src, int64_t n, int64_t num_slots,
+                            int group_size) {
+  // s_src[r]: slot to read for row r of the tile, or -1 to skip; s_tgt[r]: slot to write.
+  extern __shared__ int64_t s_rows[];
+  const int b = blockIdx.y;
+  const uint32_t col_tiles = static_cast<uint32_t>(tab.col_tiles[b]);
+  const uint32_t tile_row = blockIdx.x / col_tiles;
+  const uint32_t ct = blockIdx.x - tile_row * col_tiles;
+  const int rows_per_block = tab.groups_per_block[b] * group_size;  // <= kItems
+  const int64_t r0 = static_cast<int64_t>(tile_row) * rows_per_block;
+  if (r0 >= n) return;  // this buffer needs fewer blocks than the grid has (whole block)
+  const int rows = static_cast<int>(min(static_cast<int64_t>(rows_per_block), n - r0));
+  int64_t* s_src = s_rows;
+  int64_t* s_tgt = s_rows + rows_per_block;
+  for (int r = threadIdx.x; r < rows; r += kThreads) {
+    const int64_t t = static_cast<int64_t>(tgt[r0 + r]);
+    const int64_t s = static_cast<int64_t>(src[r0 + r]);
+    const bool live = t != s && t >= 0 && t < num_slots && s >= 0 && s < num_slots;
+    s_src[r] = live ? s : -1;
+    s_tgt[r] = t;
+  }
+  __syncthreads();
+
+  const uint32_t vecs = static_cast<uint32_t>(tab.row_vecs[b]);
+  const uint32_t c0 = ct * static_cast<uint32_t>(tab.cols[b]);
+  const uint32_t cols = min(static_cast<uint32_t>(tab.cols[b]), vecs - c0);
+  Vec* const buf = reinterpret_cast<Vec*>(tab.base[b]);  // read and written: not restrict
+  const uint32_t total = static_cast<uint32_t>(rows) * cols;  // <= kItems
+
+  Vec tmp[kUnroll];
+  int64_t dst[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const uint32_t w = u * kThreads + threadIdx.x;
+    dst[u] = -1;
+    if (w < total) {
+      const uint32_t r = w / cols;
+      const uint32_t v = c0 + (w - r * cols);
+      const int64_t f = s_src[r];
+      if (f >= 0) {
+        tmp[u] = buf[f * vecs + v];
+        dst[u] = s_tgt[r] * vecs + v;
+      }
+    }
+  }
+  // Every load of the tile before any store of it: a row of this block may read a slot
+  // that another row of the same group writes.  group_size == 1 promises no such pair
+  // (a thread's store depends only on its own load), so the barrier is skipped there.
+  if (group_size > 1) __syncthreads();
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    if (dst[u] >= 0) buf[dst[u]] = tmp[u];
+  }
+}
+
+// ----------------------------------------------------------------------------- launches
 template <typename Vec, typename Idx>
 void launch_gather_scatter(const BufferTable& tab, int num_buffers, int max_row_vecs,
                            char* stage, const at::Tensor& tgt, const at::Tensor& src,
@@ -148,16 +271,33 @@ void launch_gather_scatter(const BufferTable& tab, int num_buffers, int max_row_
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename Vec>
-void launch_for_vec(const BufferTable& tab, int num_buffers, int max_row_vecs, char* stage,
-                    const at::Tensor& tgt, const at::Tensor& src, int64_t n,
-                    int64_t num_slots, cudaStream_t stream) {
-  if (tgt.scalar_type() == at::kInt) {
-    launch_gather_scatter<Vec, int32_t>(tab, num_buffers, max_row_vecs, stage, tgt, src, n,
-                                        num_slots, stream);
-  } else {
-    launch_gather_scatter<Vec, int64_t>(tab, num_buffers, max_row_vecs, stage, tgt, src, n,
-                                        num_slots, stream);
+template <typename Vec, typename Idx>
+void launch_direct(const DirectTable& tab, int num_buffers, int64_t blocks_x, int max_rows,
+                   const at::Tensor& tgt, const at::Tensor& src, int64_t n, int64_t num_slots,
+                   int group_size, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(num_buffers));
+  const size_t smem = 2 * static_cast<size_t>(max_rows) * sizeof(int64_t);  // <= 16 KiB
+  move_rows_direct_kernel<Vec, Idx><<<grid, kThreads, smem, stream>>>(
+      tab, tgt.data_ptr<Idx>(), src.data_ptr<Idx>(), n, num_slots, group_size);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Calls f(Vec{}, Idx{}) with the access vector type of `vec` bytes and the index type.
+template <typename F>
+void dispatch_vec_idx(int64_t vec, at::ScalarType idx, F&& f) {
+  auto with_vec = [&](auto vec_tag) {
+    if (idx == at::kInt) {
+      f(vec_tag, int32_t{});
+    } else {
+      f(vec_tag, int64_t{});
+    }
+  };
+  switch (vec) {
+    case 16: with_vec(uint4{}); break;
+    case 8: with_vec(uint2{}); break;
+    case 4: with_vec(uint32_t{}); break;
+    case 2: with_vec(uint16_t{}); break;
+    default: with_vec(uint8_t{}); break;
   }
 }
 
@@ -169,8 +309,10 @@ struct Row {
 }  // namespace
 
 void move_kv_cache_cuda(at::TensorList buffers, const at::Tensor& tgt_loc,
-                        const at::Tensor& src_loc) {
+                        const at::Tensor& src_loc, int64_t group_size) {
   TORCH_CHECK(!buffers.empty(), "specattn::move_kv_cache: buffers must hold at least one tensor");
+  TORCH_CHECK(group_size >= 0, "specattn::move_kv_cache: group_size must be >= 0 (0: staged), got ",
+              group_size);
   const at::Tensor& b0 = buffers[0];
   TORCH_CHECK(b0.is_cuda(), "specattn::move_kv_cache: buffers must be CUDA tensors, got ",
               b0.device());
@@ -224,7 +366,45 @@ void move_kv_cache_cuda(at::TensorList buffers, const at::Tensor& tgt_loc,
     rows.push_back({ptr, row_bytes});
   }
   if (rows.empty()) return;
+  for (const Row& r : rows) {
+    TORCH_CHECK(r.row_bytes / vec <= std::numeric_limits<int32_t>::max(),
+                "specattn::move_kv_cache: rows of ", r.row_bytes, " bytes are too long");
+  }
 
+  if (group_size >= 1 && group_size <= kItems) {
+    // Direct: one launch per chunk of kMaxBuffersPerLaunch buffers (one for real pools).
+    const int g = static_cast<int>(group_size);
+    const int64_t num_groups = (n + g - 1) / g;
+    for (size_t c0 = 0; c0 < rows.size(); c0 += kMaxBuffersPerLaunch) {
+      const int num_buffers =
+          static_cast<int>(std::min<size_t>(kMaxBuffersPerLaunch, rows.size() - c0));
+      DirectTable tab;
+      int64_t blocks_x = 1;
+      int max_rows = 1;
+      for (int j = 0; j < num_buffers; ++j) {
+        const Row& r = rows[c0 + j];
+        const int64_t row_vecs = r.row_bytes / vec;
+        const DirectTiling tiling = direct_tiling(row_vecs, g);
+        tab.base[j] = r.ptr;
+        tab.row_vecs[j] = static_cast<int32_t>(row_vecs);
+        tab.cols[j] = tiling.cols;
+        tab.col_tiles[j] = tiling.col_tiles;
+        tab.groups_per_block[j] = tiling.groups_per_block;
+        blocks_x = std::max(blocks_x, (num_groups + tiling.groups_per_block - 1) /
+                                          tiling.groups_per_block * tiling.col_tiles);
+        max_rows = std::max(max_rows, tiling.groups_per_block * g);
+      }
+      TORCH_CHECK(blocks_x <= std::numeric_limits<int32_t>::max(),
+                  "specattn::move_kv_cache: too many rows (", n, ")");
+      dispatch_vec_idx(vec, tgt.scalar_type(), [&](auto vec_tag, auto idx_tag) {
+        launch_direct<decltype(vec_tag), decltype(idx_tag)>(tab, num_buffers, blocks_x, max_rows,
+                                                            tgt, src, n, num_slots, g, stream);
+      });
+    }
+    return;
+  }
+
+  // Staged (group_size == 0, or groups larger than the direct kernel holds).
   // Chunks of buffers: at most kMaxBuffersPerLaunch and (unless one buffer alone needs
   // more) kMaxStagingBytes of staging each.
   auto staged = [&](const Row& r) {
@@ -256,34 +436,16 @@ void move_kv_cache_cuda(at::TensorList buffers, const at::Tensor& tgt_loc,
     for (int j = 0; j < num_buffers; ++j) {
       const Row& r = rows[chunk_begin[c] + j];
       const int64_t row_vecs = r.row_bytes / vec;
-      TORCH_CHECK(row_vecs <= std::numeric_limits<int32_t>::max(),
-                  "specattn::move_kv_cache: rows of ", r.row_bytes, " bytes are too long");
       tab.base[j] = r.ptr;
       tab.stage_off[j] = off;
       tab.row_vecs[j] = static_cast<int32_t>(row_vecs);
       max_row_vecs = std::max(max_row_vecs, static_cast<int>(row_vecs));
       off += staged(r);
     }
-    switch (vec) {
-      case 16:
-        launch_for_vec<uint4>(tab, num_buffers, max_row_vecs, stage, tgt, src, n, num_slots, stream);
-        break;
-      case 8:
-        launch_for_vec<uint2>(tab, num_buffers, max_row_vecs, stage, tgt, src, n, num_slots, stream);
-        break;
-      case 4:
-        launch_for_vec<uint32_t>(tab, num_buffers, max_row_vecs, stage, tgt, src, n, num_slots,
-                                 stream);
-        break;
-      case 2:
-        launch_for_vec<uint16_t>(tab, num_buffers, max_row_vecs, stage, tgt, src, n, num_slots,
-                                 stream);
-        break;
-      default:
-        launch_for_vec<uint8_t>(tab, num_buffers, max_row_vecs, stage, tgt, src, n, num_slots,
-                                stream);
-        break;
-    }
+    dispatch_vec_idx(vec, tgt.scalar_type(), [&](auto vec_tag, auto idx_tag) {
+      launch_gather_scatter<decltype(vec_tag), decltype(idx_tag)>(
+          tab, num_buffers, max_row_vecs, stage, tgt, src, n, num_slots, stream);
+    });
   }
 }
 

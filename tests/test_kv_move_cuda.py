@@ -1,5 +1,10 @@
 """torch.ops.specattn.move_kv_cache (csrc/kv_move.cu) against move_kv_cache_reference,
-bit for bit.  Needs a GPU and the built extension specattn._C."""
+bit for bit, staged (group_size=0 / None) and direct one-launch (group_size=G) paths.
+Needs a GPU and the built extension specattn._C.
+
+``test_sanitizer_smoke`` is the quick case for compute-sanitizer:
+    compute-sanitizer --tool memcheck python -m pytest tests/test_kv_move_cuda.py -q -k sanitizer_smoke
+    compute-sanitizer --tool racecheck python -m pytest tests/test_kv_move_cuda.py -q -k sanitizer_smoke"""
 import pytest
 import torch
 
@@ -42,12 +47,53 @@ def _accepted_path_moves(num_slots, num_reqs, block, gen):
     return tgt, src
 
 
-def _check(bufs, tgt, src, idx_dtype, impl="cuda", src_dtype=None):
-    expected = [b.clone() for b in bufs]
+def _grouped_moves(num_slots, num_reqs, block, gen):
+    """``_accepted_path_moves`` padded to whole blocks with identity pairs, as
+    compact_accepted_path makes them: request r's pairs are ``[r*block, (r+1)*block)`` and
+    touch only its own block of slots, so ``group_size=block`` is a true promise."""
+    tgt, src = [], []
+    starts = torch.randperm(num_slots // block, generator=gen)[:num_reqs] * block
+    for s in starts.tolist():
+        k = int(torch.randint(0, block + 1, (1,), generator=gen))
+        kept = torch.sort(torch.randperm(block, generator=gen)[:k]).values + s
+        tgt += list(range(s, s + block))
+        src += kept.tolist() + list(range(s + k, s + block))
+    return tgt, src
+
+
+def _group_cycles(num_slots, num_groups, group, gen):
+    """Each group of ``group`` pairs permutes ``group`` random slots of its own: chains and
+    cycles inside a group (not safe front-to-back), nothing across groups."""
+    slots = torch.randperm(num_slots, generator=gen)[:num_groups * group].view(num_groups, group)
+    tgt, src = [], []
+    for g in range(num_groups):
+        tgt += slots[g].tolist()
+        src += slots[g, torch.randperm(group, generator=gen)].tolist()
+    return tgt, src
+
+
+def _disjoint_moves(num_slots, n, gen):
+    perm = torch.randperm(num_slots, generator=gen)[:2 * n]
+    return perm[:n].tolist(), perm[n:].tolist()
+
+
+def _check(bufs, tgt, src, idx_dtype, impl="cuda", src_dtype=None, group_size=None, raw=False,
+           poison=False):
+    """``raw``: call torch.ops.specattn.move_kv_cache directly (0 = staged when
+    ``group_size`` is None), else the checked wrapper.  ``poison``: first fill the target
+    slots that no pair reads with NaN bits (in the copy used for ``expected`` too)."""
     t = torch.tensor(tgt, dtype=idx_dtype, device=DEV)
     s = torch.tensor(src, dtype=src_dtype or idx_dtype, device=DEV)
+    if poison and t.numel():
+        dest = t[(t != s) & ~torch.isin(t, s)].long()
+        for b in bufs:
+            b.view(torch.uint8).view(b.shape[0], -1)[dest] = 0xFF
+    expected = [b.clone() for b in bufs]
     move_kv_cache_reference(expected, t, s)
-    move_kv_cache(bufs, t, s, impl=impl)
+    if raw:
+        torch.ops.specattn.move_kv_cache(bufs, t, s, group_size or 0)
+    else:
+        move_kv_cache(bufs, t, s, impl=impl, group_size=group_size)
     torch.cuda.synchronize()
     for i, (got, exp) in enumerate(zip(bufs, expected)):
         assert torch.equal(_bits(got), _bits(exp)), f"buffer {i} differs"
@@ -221,3 +267,203 @@ def test_auto_picks_cuda():
     assert registry.availability("move_kv_cache")["cuda"] is None
     fn = registry.dispatch("move_kv_cache", "auto", torch.device(DEV))
     assert fn.__name__ == "move_kv_cache_cuda"
+
+
+# --------------------------------------------------------------------------- direct path
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("row_shape", [(576,), (8, 128)], ids=["mla576", "mha8x128"])
+@pytest.mark.parametrize("block", [4, 8, 16, 64])
+def test_grouped_accepted_path_overlap(block, row_shape, dtype, idx_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    bufs = _buffers(6, 1024, row_shape, dtype, gen)
+    tgt, src = _grouped_moves(1024, 12, block, gen)
+    _check(bufs, tgt, src, idx_dtype, group_size=block, poison=True)
+    tgt, src = _grouped_moves(1024, 12, block, gen)
+    _check(bufs, tgt, src, idx_dtype, group_size=block, raw=True)  # the op itself, unchecked
+
+
+@pytest.mark.parametrize("row_shape,dtype", [((576,), torch.bfloat16), ((8, 128), torch.bfloat16),
+                                             ((1, 4096), torch.float32), ((5,), torch.uint8)],
+                         ids=["mla576", "mha8x128", "16KiB", "odd5B"])
+@pytest.mark.parametrize("group", [2, 3, 6, 16, 64, 200, 1024, 1500])
+def test_grouped_cycles_all_tilings(group, row_shape, dtype, seed):
+    """Permutations inside each group, group sizes that give every tiling (whole rows,
+    column tiles, one vector per row at 1024) and the staged fallback above 1024."""
+    gen = torch.Generator().manual_seed(seed)
+    num_groups = max(1, 3000 // group)
+    slots = num_groups * group + 7
+    bufs = _buffers(3, slots, row_shape, dtype, gen)
+    tgt, src = _group_cycles(slots, num_groups, group, gen)
+    _check(bufs, tgt, src, torch.int64, group_size=group)
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("row_shape", [(576,), (8, 128)], ids=["mla576", "mha8x128"])
+def test_grouped_disjoint_group1(row_shape, idx_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    bufs = _buffers(5, 4096, row_shape, torch.bfloat16, gen)
+    tgt, src = _disjoint_moves(4096, 1500, gen)
+    _check(bufs, tgt, src, idx_dtype, group_size=1, poison=True)
+    tgt, src = _disjoint_moves(4096, 777, gen)
+    _check(bufs, tgt, src, idx_dtype, group_size=None, poison=True)  # eager: detected disjoint
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_grouped_pools_page_sizes(kind, page_size, seed):
+    """Pools of page size 1 and 64 (real row widths): whole pages moved onto other pages
+    (aligned), and requests whose slots start mid-page (unaligned), through the pool."""
+    from specattn.backends.pools import MHATokenToKVPool, MLATokenToKVPool
+    gen = torch.Generator().manual_seed(seed)
+    size = 64 * 32
+    pool = (MHATokenToKVPool(size, page_size, torch.bfloat16, 8, 128, 3, device=DEV)
+            if kind == "mha" else MLATokenToKVPool(size, page_size, torch.bfloat16, 4, device=DEV))
+    for b in pool.buffers:
+        b.copy_(_buffers(1, b.shape[0], b.shape[1:], b.dtype, gen)[0])
+    ps, D = page_size, 16
+    if ps == 64:
+        pages = (torch.randperm(30, generator=gen)[:8] + 1).tolist()
+        tgt, src = [], []
+        for a, b in zip(pages[0::2], pages[1::2]):  # page b -> page a, one group per page
+            tgt += range(a * ps, (a + 1) * ps)
+            src += range(b * ps, (b + 1) * ps)
+        aligned = (tgt, src, ps)
+        starts = [p * ps + 24 for p in (torch.randperm(30, generator=gen)[:6] + 1).tolist()]
+    else:
+        aligned = None
+        starts = (torch.randperm(size // D - 1, generator=gen)[:6] * D + 1 + 5).tolist()
+    tgt, src = [], []
+    for s0 in starts:  # blocks of D slots starting mid-page (unaligned)
+        k = int(torch.randint(0, D + 1, (1,), generator=gen))
+        kept = torch.sort(torch.randperm(D, generator=gen)[:k]).values + s0
+        tgt += range(s0, s0 + D)
+        src += kept.tolist() + list(range(s0 + k, s0 + D))
+    for t_, s_, g in ([aligned] if aligned else []) + [(tgt, src, D)]:
+        for gs in (g, None):
+            expected = [b.clone() for b in pool.buffers]
+            t, s = torch.tensor(t_, device=DEV), torch.tensor(s_, device=DEV)
+            move_kv_cache_reference(expected, t, s)
+            pool.move_kv_cache(t, s, impl="cuda", group_size=gs)
+            torch.cuda.synchronize()
+            for got, exp in zip(pool.buffers, expected):
+                assert torch.equal(_bits(got), _bits(exp))
+
+
+def test_grouped_identity_pairs_padding_and_mixed_dtypes(seed):
+    gen = torch.Generator().manual_seed(seed)
+    bufs = _buffers(4, 256, (576,), torch.bfloat16, gen)
+    # two requests of D=4, then two padded requests whose pairs all sit on slot 0
+    tgt = [8, 9, 10, 11, 20, 21, 22, 23] + [0] * 8
+    src = [9, 11, 10, 11, 20, 22, 22, 23] + [0] * 8
+    _check(bufs, tgt, src, torch.int32, src_dtype=torch.int64, group_size=4)
+    _check(bufs, tgt, src, torch.int64, group_size=4, raw=True)
+    _check(bufs, [5, 6, 7], [5, 6, 7], torch.int32, group_size=1)  # identity only: no-op
+
+
+def test_grouped_empty_moves():
+    bufs = [torch.randn(16, 576, device=DEV)]
+    before = bufs[0].clone()
+    for dt in (torch.int32, torch.int64):
+        empty = torch.empty(0, dtype=dt, device=DEV)
+        torch.ops.specattn.move_kv_cache(bufs, empty, empty, 1)
+        torch.ops.specattn.move_kv_cache(bufs, empty, empty, 16)
+        move_kv_cache(bufs, empty, empty, impl="cuda", group_size=8)
+    torch.cuda.synchronize()
+    assert torch.equal(bufs[0], before)
+
+
+def test_grouped_violated_promise_raises_before_any_write(seed):
+    gen = torch.Generator().manual_seed(seed)
+    bufs = _buffers(2, 64, (576,), torch.bfloat16, gen)
+    before = [b.clone() for b in bufs]
+    t = torch.tensor([1, 2, 6, 7], device=DEV)
+    s = torch.tensor([2, 6, 9, 10], device=DEV)  # pair 1 (group 0) reads 6, pair 2 (group 1) writes it
+    with pytest.raises(ValueError, match="promise"):
+        move_kv_cache(bufs, t, s, impl="cuda", group_size=2)
+    with pytest.raises(ValueError, match="promise"):
+        move_kv_cache(bufs, t, s, impl="cuda", group_size=1)
+    torch.cuda.synchronize()
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(bufs, before))
+    with pytest.raises(RuntimeError, match="group_size"):
+        torch.ops.specattn.move_kv_cache(bufs, t, s, -1)
+    _check(bufs, t.tolist(), s.tolist(), torch.int64, group_size=4)  # one group: fine
+
+
+def test_grouped_many_buffers_and_mixed_widths(seed):
+    """More than 128 buffers (chunks, one launch each) and rows of several widths in one
+    launch (blocks past a narrow buffer's tile count exit)."""
+    gen = torch.Generator().manual_seed(seed)
+    bufs = _buffers(300, 128, (4, 16), torch.bfloat16, gen)
+    tgt, src = _grouped_moves(128, 6, 16, gen)
+    _check(bufs, tgt, src, torch.int64, group_size=16)
+    bufs = (_buffers(2, 512, (8, 128), torch.bfloat16, gen) + _buffers(2, 512, (576,), torch.bfloat16, gen)
+            + _buffers(1, 512, (16,), torch.bfloat16, gen) + _buffers(1, 512, (2, 4096), torch.float32, gen))
+    tgt, src = _group_cycles(512, 40, 8, gen)
+    _check(bufs, tgt, src, torch.int32, group_size=8)
+
+
+def test_grouped_cuda_graph_capture_and_replay(seed):
+    gen = torch.Generator().manual_seed(seed)
+    bufs = _buffers(61, 512, (576,), torch.bfloat16, gen)
+    bs, D = 4, 16
+    t = torch.zeros(bs * D, dtype=torch.int64, device=DEV)
+    s = torch.zeros(bs * D, dtype=torch.int64, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        move_kv_cache(bufs, t, s, impl="cuda", group_size=D)  # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        move_kv_cache(bufs, t, s, impl="cuda", group_size=D)
+    for i in range(4):
+        tgt, src = (_grouped_moves(512, bs, D, gen) if i % 2 else _group_cycles(512, bs, D, gen))
+        t.copy_(torch.tensor(tgt))
+        s.copy_(torch.tensor(src))
+        expected = [b.clone() for b in bufs]
+        move_kv_cache_reference(expected, t, s)
+        g.replay()
+        torch.cuda.synchronize()
+        for got, exp in zip(bufs, expected):
+            assert torch.equal(_bits(got), _bits(exp))
+
+
+def _kernel_launches(fn):
+    """Names of the CUDA kernels ``fn`` launches (torch.profiler); None without CUPTI."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "move_rows" in e.name]
+    return names or None
+
+
+def test_one_launch_for_all_layers(seed):
+    gen = torch.Generator().manual_seed(seed)
+    bufs = _buffers(64, 1024, (8, 128), torch.bfloat16, gen)
+    tgt, src = _grouped_moves(1024, 16, 8, gen)
+    t, s = torch.tensor(tgt, device=DEV), torch.tensor(src, device=DEV)
+    names = _kernel_launches(lambda: torch.ops.specattn.move_kv_cache(bufs, t, s, 8))
+    if names is None:
+        pytest.skip("the profiler saw no CUDA kernels (no CUPTI?)")
+    assert len(names) == 1 and "direct" in names[0], names
+    staged = _kernel_launches(lambda: torch.ops.specattn.move_kv_cache(bufs, t, s))
+    assert len(staged) == 2 and not any("direct" in n for n in staged), staged
+
+
+def test_sanitizer_smoke(seed):
+    """Small moves through every path (staged, direct G=1 / G>1 / column tiles, narrow
+    vectors, both index dtypes): the quick case to run under compute-sanitizer."""
+    gen = torch.Generator().manual_seed(seed)
+    for row_shape, dtype in (((576,), torch.bfloat16), ((8, 128), torch.bfloat16), ((5,), torch.uint8)):
+        bufs = _buffers(3, 256, row_shape, dtype, gen)
+        for idx_dtype in (torch.int32, torch.int64):
+            tgt, src = _grouped_moves(256, 6, 16, gen)
+            _check(bufs, tgt, src, idx_dtype, raw=True)                   # staged
+            _check(bufs, tgt, src, idx_dtype, raw=True, group_size=16)    # direct, G > 1
+            tgt, src = _group_cycles(256, 2, 64, gen)
+            _check(bufs, tgt, src, idx_dtype, raw=True, group_size=64)    # column tiles
+            tgt, src = _disjoint_moves(256, 60, gen)
+            _check(bufs, tgt, src, idx_dtype, raw=True, group_size=1)     # direct, G = 1

@@ -14,9 +14,10 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from specattn.backends.tree_mask import num_mask_words  # noqa: E402
+from specattn.backends.tree_mask import num_mask_words, tree_mask_to_flashinfer  # noqa: E402
 from specattn.ops import (build_tree, compact_accepted_path, num_tree_candidates,  # noqa: E402
                           registry, verify_tree_greedy)
+from specattn.ops.tree import flashinfer_mask_bytes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = -7777
@@ -54,25 +55,48 @@ def random_batch(rng, bs, topk, num_steps, D, closed=True, dtype=torch.int64):
     return t(list(pls), dtype), t(list(sels), dtype).view(bs, D - 1), vsl
 
 
-def run_both(op, inputs, outputs_like, *tail):
-    """Run the reference and the Triton launcher on the same inputs with poisoned outputs
-    (same argument order as the wrappers) and return both output lists."""
+def poisoned(o):
+    """A tensor like ``o`` full of a value no kernel writes by accident: NaN for floats,
+    True for bool, -7777 for int32/int64, the 0xA5 byte pattern for narrower integers."""
+    if o.is_floating_point():
+        return torch.full_like(o, float("nan"))
+    if o.dtype == torch.bool:
+        return torch.ones_like(o)
+    if o.element_size() >= 4:
+        return torch.full_like(o, POISON)
+    out = torch.empty_like(o)
+    out.view(torch.uint8).fill_(0xA5)
+    return out
+
+
+def run_both(op, inputs, outputs_like, *tail, impls=("reference", "triton")):
+    """Run each of ``impls`` (default: the reference and the Triton launcher) on the same
+    inputs with poisoned outputs (:func:`poisoned`; same argument order as the wrappers) and
+    return their output lists."""
     res = []
-    for impl in ("reference", "triton"):
-        outs = [None if o is None else torch.full_like(o, POISON) if not o.is_floating_point()
-                else torch.full_like(o, float("nan")) for o in outputs_like]
+    for impl in impls:
+        outs = [None if o is None else poisoned(o) for o in outputs_like]
         registry.dispatch(op, impl, torch.device(DEV))(*inputs(outs), *tail)
         res.append(outs)
     return res
 
 
 def assert_same(a, b):
+    """Same dtypes, shapes and bits (any dtype: floats / fp8 / bool compared as bytes)."""
+    assert len(a) == len(b)
     for x, y in zip(a, b):
         if x is None:
             assert y is None
             continue
         assert x.dtype == y.dtype and x.shape == y.shape
+        if x.dtype.is_floating_point or x.dtype == torch.bool:
+            x, y = x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)
         assert torch.equal(x.cpu(), y.cpu()), (x, y)
+
+
+def assert_all_same(results):
+    for r in results[1:]:
+        assert_same(results[0], r)
 
 
 # ----------------------------------------------------------------------------- build_tree
@@ -82,14 +106,12 @@ def tree_outputs(bs, D):
         torch.empty(bs, D, dtype=torch.int64, device=DEV) for _ in range(3)]
 
 
-def check_build_tree(pl, sel, vsl, topk, num_steps, D):
+def check_build_tree(pl, sel, vsl, topk, num_steps, D, impls=("reference", "triton")):
     bs = vsl.shape[0]
-    ref, tri = run_both("build_tree", lambda o: (pl, sel, vsl, *o), tree_outputs(bs, D),
-                        topk, num_steps, D)
-    assert_same(ref, tri)
+    assert_all_same(run_both("build_tree", lambda o: (pl, sel, vsl, *o), tree_outputs(bs, D),
+                             topk, num_steps, D, impls=impls))
     # and through the public wrapper
-    assert_same(build_tree(pl, sel, vsl, topk, num_steps, D, impl="reference"),
-                build_tree(pl, sel, vsl, topk, num_steps, D, impl="triton"))
+    assert_all_same([build_tree(pl, sel, vsl, topk, num_steps, D, impl=impl) for impl in impls])
 
 
 def test_build_tree_random(seed):
@@ -125,6 +147,131 @@ def test_build_tree_mask_word_boundary(seed):
     check_build_tree(*random_batch(rng, 1, 1, 33, 33, closed=True), 1, 33, 33)  # deep chain
 
 
+# ----------------------------------------------------------------------------- FlashInfer mask
+FI_POISON = 0xAB
+
+
+def fi_buffers(vsl, D, offset=0, slack=5):
+    """A FlashInfer packed-mask buffer for :func:`build_tree`, poisoned (``FI_POISON``), that
+    starts ``offset`` bytes into a bigger allocation (unaligned segments) and has ``slack``
+    spare bytes after the last segment, and its int32 ``indptr``."""
+    bs = vsl.shape[0]
+    indptr = torch.zeros(bs + 1, dtype=torch.int32, device=vsl.device)
+    if bs:
+        indptr[1:] = flashinfer_mask_bytes(vsl, D).cumsum(0)
+    total = int(indptr[-1])
+    big = torch.full((offset + total + slack,), FI_POISON, dtype=torch.uint8, device=vsl.device)
+    return big[offset:], indptr
+
+
+def check_build_tree_fi(pl, sel, vsl, topk, num_steps, D, impls=("reference", "triton"),
+                        offset=0):
+    """Every impl's FlashInfer bytes equal ``tree_mask_to_flashinfer`` of its own tree mask
+    (and all impls agree on every output); the bytes after the segments stay poisoned."""
+    got = []
+    for impl in impls:
+        buf, indptr = fi_buffers(vsl, D, offset)
+        tree = build_tree(pl, sel, vsl, topk, num_steps, D, flashinfer_packed_mask=buf,
+                          flashinfer_mask_indptr=indptr, impl=impl)
+        want, want_indptr = tree_mask_to_flashinfer(tree.tree_mask, vsl.cpu())
+        assert torch.equal(want_indptr.cpu(), indptr.cpu())
+        total = int(indptr[-1])
+        assert torch.equal(buf[:total].cpu(), want.cpu()), (impl, D, vsl.tolist())
+        assert bool((buf[total:] == FI_POISON).all()), impl
+        got.append((tree, buf))
+    for tree, buf in got[1:]:
+        assert_same(got[0][0], tree)
+        assert torch.equal(got[0][1].cpu(), buf.cpu())
+    return got
+
+
+def test_build_tree_flashinfer_random(seed):
+    rng = random.Random(seed)
+    for i in range(24):
+        bs, topk, num_steps = rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 4)
+        D = rng.randint(1, min(num_tree_candidates(topk, num_steps), 40) + 1)  # crosses 32
+        dtype = rng.choice([torch.int32, torch.int64])
+        pl, sel, _ = random_batch(rng, bs, topk, num_steps, D, closed=i % 3 != 0, dtype=dtype)
+        # P = 0, and values making D*(P+D) not a multiple of 8
+        vsl = t([rng.choice([0, 0, 1, 3, 5, 8, 13, 31, 33, 77]) for _ in range(bs)], dtype)
+        check_build_tree_fi(pl, sel, vsl, topk, num_steps, D, offset=rng.randrange(16))
+
+
+def test_build_tree_flashinfer_edges(seed):
+    rng = random.Random(seed)
+    # D = 1 (root only): one bit per row... and one row
+    z = torch.zeros(3, 0, dtype=torch.int64, device=DEV)
+    check_build_tree_fi(t([[-1, 0, 1]] * 3), z, t([0, 1, 8]), 2, 2, 1)
+    # D = 33 (bit 31, second word) as a chain and as a bushy tree, P = 0 / odd
+    check_build_tree_fi(*random_batch(rng, 2, 1, 33, 33)[:2], t([0, 7]), 1, 33, 33, offset=3)
+    check_build_tree_fi(*random_batch(rng, 3, 3, 5, 33, closed=False)[:2], t([0, 5, 64]), 3, 5,
+                        33, offset=1)
+    # missing parent with a descendant (rows {0, 2} and {0, 2, 3})
+    got = check_build_tree_fi(t([[-1, 0, 1, 4, 2]]), t([[0, 4, 6]]), t([3]), 2, 3, 4)
+    _, buf = got[0]
+    bits = [(int(buf[i // 8]) >> (i % 8)) & 1 for i in range(4 * 7)]
+    assert bits == [1, 1, 1, 1, 0, 0, 0,   1, 1, 1, 1, 1, 0, 0,
+                    1, 1, 1, 1, 0, 1, 0,   1, 1, 1, 1, 0, 1, 1]
+
+
+def test_build_tree_flashinfer_empty_batch():
+    buf = torch.full((4,), FI_POISON, dtype=torch.uint8, device=DEV)
+    indptr = torch.zeros(1, dtype=torch.int32, device=DEV)
+    e = torch.zeros(0, 3, dtype=torch.int64, device=DEV)
+    for impl in ("reference", "triton"):
+        out = build_tree(e, e[:, :2], e[:, 0], 2, 2, 3, flashinfer_packed_mask=buf,
+                         flashinfer_mask_indptr=indptr, impl=impl)
+        assert out.tree_mask.shape == (0, 3, 1)
+        assert bool((buf == FI_POISON).all())
+
+
+@pytest.mark.parametrize("case, msg", [
+    ("only_mask", "both"), ("only_indptr", "both"), ("mask_dtype", "dtype"),
+    ("mask_2d", "1-D"), ("noncontig", "contiguous"), ("indptr_dtype", "dtype"),
+    ("indptr_shape", "shape"), ("indptr0", "indptr\\[0\\]"), ("segment", "segment"),
+    ("small", "bytes"),
+])
+def test_build_tree_flashinfer_bad_input(case, msg):
+    pl, sel, vsl = t([[-1, 0, 1], [-1, 0, 1]]), t([[0, 1, 2, 4], [0, 2, 3, 5]]), t([3, 9])
+    buf, indptr = fi_buffers(vsl, 5, slack=0)
+    kw = dict(flashinfer_packed_mask=buf, flashinfer_mask_indptr=indptr)
+    if case == "only_mask":
+        kw["flashinfer_mask_indptr"] = None
+    elif case == "only_indptr":
+        kw["flashinfer_packed_mask"] = None
+    elif case == "mask_dtype":
+        kw["flashinfer_packed_mask"] = buf.to(torch.int32)
+    elif case == "mask_2d":
+        kw["flashinfer_packed_mask"] = buf.view(1, -1)
+    elif case == "noncontig":
+        kw["flashinfer_packed_mask"] = torch.zeros(2 * buf.numel(), dtype=torch.uint8,
+                                                   device=DEV)[::2]
+    elif case == "indptr_dtype":
+        kw["flashinfer_mask_indptr"] = indptr.long()
+    elif case == "indptr_shape":
+        kw["flashinfer_mask_indptr"] = indptr[:2]
+    elif case == "indptr0":
+        kw["flashinfer_mask_indptr"] = indptr + 1
+    elif case == "segment":
+        bad = indptr.clone()
+        bad[1] -= 1
+        kw["flashinfer_mask_indptr"] = bad
+    elif case == "small":
+        kw["flashinfer_packed_mask"] = buf[:-1]
+    before = buf.clone()
+    with pytest.raises(ValueError, match=msg):
+        build_tree(pl, sel, vsl, 2, 2, 5, impl="reference", **kw)
+    assert torch.equal(buf, before)
+
+
+def test_build_tree_cuda_draft_token_limit():
+    from specattn.ops.tree import CUDA_MAX_DRAFT_TOKENS
+    D = CUDA_MAX_DRAFT_TOKENS + 1
+    pl, sel = t([[-1]]), t([list(range(D - 1))])
+    with pytest.raises(ValueError, match="num_draft_tokens <= 512"):
+        build_tree(pl, sel, t([0]), D - 1, 1, D, impl="cuda")
+
+
 # ----------------------------------------------------------------------------- verify
 def verify_outputs(bs, D, S):
     return [torch.empty(bs * D, dtype=torch.int32, device=DEV),
@@ -132,15 +279,14 @@ def verify_outputs(bs, D, S):
             torch.empty(bs, dtype=torch.int32, device=DEV)]
 
 
-def check_verify(cand, tree, target, cap):
+def check_verify(cand, tree, target, cap, impls=("reference", "triton")):
     bs, D = cand.shape
     links = (tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
-    ref, tri = run_both("verify_tree_greedy", lambda o: (*o, cand, *links, target),
-                        verify_outputs(bs, D, cap + 1))
-    assert_same(ref, tri)
-    assert_same(verify_tree_greedy(cand, *links, target, cap, impl="reference"),
-                verify_tree_greedy(cand, *links, target, cap, impl="triton"))
-    return tri
+    res = run_both("verify_tree_greedy", lambda o: (*o, cand, *links, target),
+                   verify_outputs(bs, D, cap + 1), impls=impls)
+    assert_all_same(res)
+    assert_all_same([verify_tree_greedy(cand, *links, target, cap, impl=impl) for impl in impls])
+    return res[-1]
 
 
 def test_verify_random(seed):
@@ -178,19 +324,16 @@ def test_verify_orphan_never_accepted():
 
 
 # ----------------------------------------------------------------------------- compaction
-def check_compaction(ai, al, ocl, D, predicts, hidden):
+def check_compaction(ai, al, ocl, D, predicts, hidden, impls=("reference", "triton")):
     bs = ai.shape[0]
     outs = [torch.empty(bs * D, dtype=torch.int64, device=DEV),
             None if predicts is None else torch.empty_like(predicts),
             None if hidden is None else torch.empty_like(hidden),
             torch.empty_like(ocl), torch.empty_like(ocl), torch.empty_like(ocl)]
-    ref, tri = run_both("compact_accepted_path", lambda o: (ai, al, ocl, predicts, hidden, *o),
-                        outs)
-    assert_same(ref, tri)
-    assert_same(compact_accepted_path(ai, al, ocl, D, predicts=predicts, hidden_states=hidden,
-                                      impl="reference"),
-                compact_accepted_path(ai, al, ocl, D, predicts=predicts, hidden_states=hidden,
-                                      impl="triton"))
+    assert_all_same(run_both("compact_accepted_path",
+                             lambda o: (ai, al, ocl, predicts, hidden, *o), outs, impls=impls))
+    assert_all_same([compact_accepted_path(ai, al, ocl, D, predicts=predicts,
+                                           hidden_states=hidden, impl=impl) for impl in impls])
 
 
 def random_hidden(rng, rows):

@@ -3,4 +3,8 @@
 - :mod:`.tree_ops`: EAGLE tree build, greedy tree verify and accepted-path compaction, one
   launch each for the whole batch, registered as the ``triton`` implementations of
   :mod:`specattn.ops` (tests run them under ``TRITON_INTERPRET=1`` on CPU).
+- :mod:`.tree_sampling`: stochastic tree verify (speculative sampling along the tree, final
+  draw over the vocabulary in tiles), one launch, one program per request.
+- :mod:`.kv_materialize`: DFlash fused KV materialization epilogue (K RMSNorm + RoPE, cast,
+  store into every draft layer's cache) after one torch GEMM, one launch.
 """

@@ -8,7 +8,10 @@ written in place), runs ONE kernel launch for the whole batch and never syncs wi
 - :func:`build_tree`: one program per request.  The parent of every draft token is found with
   a ``[D, D]`` comparison of ``selected_index`` against the parent candidates; ancestors by
   ``num_steps`` rounds of pointer chasing on register vectors; child / sibling links by a
-  min-reduction over ``[D, D]``.  ``D`` up to a few hundred fits comfortably.
+  min-reduction over ``[D, D]``.  ``D`` up to a few hundred fits comfortably.  When asked, the
+  same program then writes the request's FlashInfer packed-mask segment in ``[BLOCK_B, 8]``
+  bit tiles (prefix bits are ones, tree bits read back from the mask rows it just stored,
+  after a CTA barrier).
 - :func:`verify_tree_greedy`: one program per request; the request's tree rows live in
   registers, the walk is a data-dependent loop (path length x siblings tried).  Assumes, as
   SGLang and :func:`specattn.ops.build_tree`, that ``retrive_index[b, :]`` lie in request
@@ -35,7 +38,9 @@ def _pow2(n: int, lo: int = 16) -> int:
 def _build_tree_kernel(pl_ptr, pl_s0, pl_s1, sel_ptr, sel_s0, sel_s1, vsl_ptr, vsl_s0,
                        mask_ptr, m_s0, m_s1, m_s2, pos_ptr, pos_s0, ri_ptr, ri_s0, ri_s1,
                        nx_ptr, nx_s0, nx_s1, sb_ptr, sb_s0, sb_s1,
-                       topk, num_steps, D, W, BLOCK_D: tl.constexpr):
+                       fi_ptr, fi_numel, ip_ptr, ip_s0,
+                       topk, num_steps, D, W, BLOCK_D: tl.constexpr,
+                       HAS_FI: tl.constexpr, BLOCK_B: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_D)
     valid = j < D
@@ -89,14 +94,47 @@ def _build_tree_kernel(pl_ptr, pl_s0, pl_s1, sel_ptr, sel_s0, sel_s1, vsl_ptr, v
     tl.store(nx_ptr + b * nx_s0 + j * nx_s1, nxt.to(tl.int64), mask=valid)
     tl.store(sb_ptr + b * sb_s0 + j * sb_s1, sib.to(tl.int64), mask=valid)
 
+    if HAS_FI:
+        # FlashInfer segment: row-major [D, P + D] bits (P prefix ones, then the tree row),
+        # little-endian within bytes, padding 0; bytes [start, start + ceil(D*(P+D)/8)).
+        tl.debug_barrier()  # the mask words stored above by other threads are read back
+        P = tl.maximum(prefix, 0)
+        L = P + D
+        nbits = L * D
+        start = tl.load(ip_ptr + b * ip_s0).to(tl.int64)
+        ok = (start >= 0) & (start < fi_numel)  # never outside the buffer (bad indptr)
+        avail = tl.where(ok, tl.minimum((nbits + 7) // 8, fi_numel - start), 0)
+        ib = tl.arange(0, BLOCK_B).to(tl.int64)
+        tt = tl.arange(0, 8)
+        for base in range(0, avail, BLOCK_B):
+            i = base + ib
+            e = i[:, None] * 8 + tt[None, :]  # [BLOCK_B, 8] element indices
+            jr = e // L
+            k = e - jr * L - P  # tree column (< 0: prefix)
+            inb = e < nbits
+            tree = inb & (k >= 0)
+            word = tl.load(mask_ptr + b * m_s0 + jr * m_s1 + (k // 32) * m_s2, mask=tree, other=0)
+            bit = tl.where(tree, (word >> (k & 31).to(tl.int32)) & 1, tl.where(inb, 1, 0))
+            byte = tl.sum(bit << tt[None, :], axis=1)
+            tl.store(fi_ptr + start + i, byte.to(tl.uint8), mask=i < avail)
+
 
 def build_tree(parent_list, selected_index, verified_seq_len, tree_mask, positions,
                retrive_index, retrive_next_token, retrive_next_sibling,
-               topk: int, num_steps: int, num_draft_tokens: int) -> None:
-    """Triton :func:`specattn.ops.build_tree` (signature of ``build_tree_reference``)."""
+               topk: int, num_steps: int, num_draft_tokens: int,
+               flashinfer_packed_mask=None, flashinfer_mask_indptr=None) -> None:
+    """Triton :func:`specattn.ops.build_tree` (signature of ``build_tree_reference``).
+
+    ``flashinfer_packed_mask`` (contiguous uint8, written in place) and
+    ``flashinfer_mask_indptr`` (int32/int64 ``[bs + 1]``) are given together or not at all."""
     bs, D = verified_seq_len.shape[0], num_draft_tokens
     if bs == 0:
         return
+    has_fi = flashinfer_packed_mask is not None
+    if has_fi != (flashinfer_mask_indptr is not None):
+        raise ValueError("flashinfer_packed_mask and flashinfer_mask_indptr go together")
+    if has_fi and not flashinfer_packed_mask.is_contiguous():
+        raise ValueError("flashinfer_packed_mask must be contiguous")
     W = tree_mask.shape[2]
     _build_tree_kernel[(bs,)](
         parent_list, parent_list.stride(0), parent_list.stride(1),
@@ -107,7 +145,12 @@ def build_tree(parent_list, selected_index, verified_seq_len, tree_mask, positio
         retrive_index, retrive_index.stride(0), retrive_index.stride(1),
         retrive_next_token, retrive_next_token.stride(0), retrive_next_token.stride(1),
         retrive_next_sibling, retrive_next_sibling.stride(0), retrive_next_sibling.stride(1),
-        topk, num_steps, D, W, BLOCK_D=_pow2(D), num_warps=4 if D <= 64 else 8)
+        flashinfer_packed_mask if has_fi else tree_mask,
+        flashinfer_packed_mask.numel() if has_fi else 0,
+        flashinfer_mask_indptr if has_fi else tree_mask,
+        flashinfer_mask_indptr.stride(0) if has_fi else 0,
+        topk, num_steps, D, W, BLOCK_D=_pow2(D), HAS_FI=has_fi, BLOCK_B=128,
+        num_warps=4 if D <= 64 else 8)
 
 
 # ----------------------------------------------------------------------------- verify
@@ -233,7 +276,7 @@ def compact_accepted_path(accept_index, accept_length, out_cache_loc, predicts, 
         H = hidden_states.numel() // max(bs * D, 1)
         isz = hidden_states.element_size()
         # copy raw bits: any dtype (bool, fp8, ...) as a same-size integer
-        hs = hidden_states.reshape(bs * D, H)
+        hs = hidden_states.reshape(bs * D, H).contiguous()  # the kernel reads packed rows
         if hs.dtype.is_complex or isz not in _SAME_SIZE_INT:
             raise RuntimeError(f"triton compact_accepted_path: unsupported hidden dtype {hs.dtype}")
         hs = hs.view(_SAME_SIZE_INT[isz])

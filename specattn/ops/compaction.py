@@ -70,6 +70,7 @@ registry.register("compact_accepted_path", "reference", lambda: compact_accepted
 
 registry.register("compact_accepted_path", "triton",
                   registry.from_module("specattn.triton_kernels.tree_ops", "compact_accepted_path", "triton"))
+registry.register("compact_accepted_path", "cuda", registry.from_ext("compact_accepted_path"))
 
 
 def compact_accepted_path(accept_index: torch.Tensor, accept_length: torch.Tensor,

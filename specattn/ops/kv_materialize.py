@@ -14,6 +14,43 @@ are already in (layer, K|V, head, dim) order, which a fused kernel can normalize
 cast and scatter in one pass.  This module holds the plain-PyTorch reference of that op and
 its validated public wrapper (``materialize_kv``); faster implementations register under the
 same op name.
+
+Implementations (registry op ``materialize_kv``; all take the reference's signature):
+
+- ``reference``: :func:`materialize_kv_reference`, float32 GEMM on float32 copies.
+- ``cuda``: ONE ``torch.mm(hidden, w_kv.T)`` in the input dtype (cuBLAS: bf16 in, fp32
+  accumulate, bf16 out), then ONE launch of ``torch.ops.specattn.materialize_kv_epilogue``
+  (csrc/kv_materialize.cu) over all tokens x layers x K/V x heads: K RMSNorm + neox RoPE,
+  ``kv_bias`` (added in float32 in the epilogue), cast, store into every layer's cache.
+  Per-layer cache pointers travel in a ``__grid_constant__`` parameter table.  Head dims
+  ``D <= 256`` (``impl="auto"`` sends larger heads to Triton).
+- ``triton``: the same GEMM, then one Triton launch
+  (:mod:`specattn.triton_kernels.kv_materialize`); per-layer caches through a device table of
+  offsets built once per buffer list (first call per buffer list must be eager, before any
+  CUDA-graph capture).  Also runs in the CPU interpreter (``TRITON_INTERPRET=1``).
+
+Both fast paths: no host sync, no allocation but the GEMM output (caching allocator,
+current stream), CUDA-graph capturable; the wrapper's index checks sync (skipped during
+capture).
+
+Precision contract of the fast paths (the reference does everything in float32):
+
+- The GEMM output is rounded to the input dtype before the epilogue; everything after it
+  is float32 with one rounding at the store (RTNE; fp8: saturating ``clamp(x / scale,
+  +-448)`` then RTNE, like the reference).
+- bf16 activations: every stored K element differs from the reference by at most
+  ``2^-6 * (|ref[i]| + |ref[partner(i)]|) + 2^-10 * rms(ref row)`` (``partner(i) = i +- R/2``,
+  absent for V and for dims past ``R``); fp8 caches add one e4m3 step (``2^-3 * |ref|``)
+  plus the subnormal step ``2^-9 * scale``.  Tested at the Qwen3-8B drafter shape; the
+  measured worst case is about half of it (two bf16 roundings of the pair magnitude).
+- float32 activations: the GEMM is float32 as long as TF32 is off
+  (``torch.backends.cuda.matmul.allow_tf32 = False``, torch's default); then the results
+  match the reference to float32 rounding (accumulation order): float32 caches within a
+  few ulp (tested: 1e-5), 16-bit / fp8 caches bit-exact or one step apart at a rounding
+  boundary.  With TF32 on, expect ~1e-3 relative.
+- Compared with the reference run on the SAME rounded GEMM output (how the tests isolate
+  the epilogue), the fast paths agree to float32 rounding: float32 caches within a few ulp,
+  16-bit / fp8 caches bit-exact except rare one-step differences at rounding ties.
 """
 from __future__ import annotations
 
@@ -145,6 +182,49 @@ registry.register("materialize_kv", "reference", lambda: materialize_kv_referenc
 
 
 # ------------------------------------------------------------------------------------------
+# fast implementations: one torch GEMM + one fused epilogue launch
+# ------------------------------------------------------------------------------------------
+
+CUDA_MAX_HEAD_DIM = 256  # csrc/kv_materialize.cu: up to 32 lanes x 8 dims per head row
+
+
+def _load_cuda():
+    """The ``cuda`` implementation: ``kv = hidden @ w_kv.T`` through torch (cuBLAS, input
+    dtype), then ``torch.ops.specattn.materialize_kv_epilogue`` (csrc/kv_materialize.cu) in
+    one launch.  Raises ImportError when the extension is missing or lacks the op."""
+    from specattn import _ext
+    if not _ext.EXT_AVAILABLE:
+        raise ImportError(_ext.EXT_MISSING_REASON)
+    if not hasattr(torch.ops.specattn, "materialize_kv_epilogue"):
+        raise ImportError("specattn._C has no op 'materialize_kv_epilogue' (rebuild the extension)")
+    op = torch.ops.specattn.materialize_kv_epilogue
+
+    def materialize_kv_cuda(hidden, w_kv, k_norm_weight, positions, cos_sin_cache, out_cache_loc,
+                            k_buffers, v_buffers, *, eps, kv_bias=None, k_scale=1.0,
+                            v_scale=1.0):
+        if hidden.device.type != "cuda":
+            raise RuntimeError(f"cuda implementation of materialize_kv unavailable for tensors "
+                               f"on {hidden.device}")
+        d = k_buffers[0].shape[2]
+        if d > CUDA_MAX_HEAD_DIM:
+            raise ValueError(f"the cuda materialize_kv supports head dims <= {CUDA_MAX_HEAD_DIM}, "
+                             f"got {d}; use impl='triton'")
+        if hidden.shape[0] == 0:
+            return
+        kv = torch.mm(hidden, w_kv.t())  # the ONE GEMM: [T, L*2*Hkv*D] in hidden's dtype
+        op(kv, k_norm_weight, positions, cos_sin_cache, out_cache_loc, list(k_buffers),
+           list(v_buffers), float(eps), kv_bias, float(k_scale), float(v_scale))
+
+    return materialize_kv_cuda
+
+
+registry.register("materialize_kv", "cuda", _load_cuda)
+registry.register("materialize_kv", "triton",
+                  registry.from_module("specattn.triton_kernels.kv_materialize", "materialize_kv",
+                                       "Triton"))
+
+
+# ------------------------------------------------------------------------------------------
 # public wrapper
 # ------------------------------------------------------------------------------------------
 
@@ -225,7 +305,10 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
             saturating: no inf/NaN from overflow), so ``k ~= cache.float() * k_scale``
             (SGLang's ``set_kv_buffer`` divides by the layer's ``k_scale`` likewise).  Must be
             1.0 for non-fp8 caches.
-        impl: ``"auto"`` | ``"cuda"`` | ``"triton"`` | ``"reference"``.
+        impl: ``"auto"`` | ``"cuda"`` | ``"triton"`` | ``"reference"``.  ``"auto"``: CUDA
+            when the extension is built and the tensors are on a GPU (Triton for head dims
+            above 256), else Triton on a GPU, else the reference.  The fast paths' precision
+            contract (bf16 GEMM output rounding): see the module docstring.
     Raises:
         TypeError: a non-tensor argument, buffers not given as a list, non-float scales.
         ValueError: wrong ranks / shapes / dtypes, tensors on different devices, non-contiguous
@@ -280,6 +363,10 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
     check_index_range("positions", positions, max_pos)
     if not capturing() and torch.unique(out_cache_loc).numel() != num_tokens:
         raise ValueError("out_cache_loc repeats a slot; the write would be ambiguous")
+    if impl == "auto" and d > CUDA_MAX_HEAD_DIM and dev.type == "cuda":
+        # the CUDA kernel covers head dims <= 256; larger heads take the next candidate
+        avail = registry.availability("materialize_kv")
+        impl = "triton" if avail["triton"] is None else "reference"
     registry.dispatch("materialize_kv", impl, dev)(
         hidden, w_kv, k_norm_weight, positions, cos_sin_cache, out_cache_loc, k_buffers,
         v_buffers, eps=float(eps), kv_bias=kv_bias, k_scale=k_scale, v_scale=v_scale)

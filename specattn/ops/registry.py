@@ -53,6 +53,21 @@ def from_module(module: str, attr: str, what: str) -> Callable[[], Callable]:
     return load
 
 
+def from_ext(op_name: str) -> Callable[[], Callable]:
+    """A loader for :func:`register`: the compiled op ``torch.ops.specattn.<op_name>`` from
+    ``specattn._C`` (its schema takes the reference function's arguments, outputs first where
+    the reference has them).  ImportError says why when the extension is missing or was built
+    without that op."""
+    def load():
+        from specattn import _ext
+        if not _ext.EXT_AVAILABLE:
+            raise ImportError(_ext.EXT_MISSING_REASON)
+        if not hasattr(torch.ops.specattn, op_name):
+            raise ImportError(f"specattn._C has no op {op_name!r} (rebuild the extension)")
+        return getattr(torch.ops.specattn, op_name)
+    return load
+
+
 def _resolve(op: _Op, impl: str) -> Tuple[Optional[Callable], Optional[str]]:
     if impl not in op.cache:
         loader = op.loaders.get(impl)

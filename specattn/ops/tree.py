@@ -40,16 +40,22 @@ Those tokens are never accepted, so their values only have to be safe.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
-from specattn.backends.tree_mask import num_mask_words, pack_tree_mask
+from specattn.backends.tree_mask import num_mask_words, pack_tree_mask, tree_mask_to_flashinfer
 
 from . import registry
 from ._checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
 
-__all__ = ["TreeInfo", "build_tree", "build_tree_reference", "num_tree_candidates"]
+__all__ = ["TreeInfo", "build_tree", "build_tree_reference", "num_tree_candidates",
+           "flashinfer_mask_bytes", "CUDA_MAX_DRAFT_TOKENS"]
+
+# Largest num_draft_tokens the CUDA build_tree kernel supports (csrc/tree_ops.cu kBuildMaxD:
+# one block per request, mask rows in shared memory).  Beyond it impl="auto" uses Triton
+# (or the reference) and impl="cuda" raises ValueError.
+CUDA_MAX_DRAFT_TOKENS = 512
 
 
 class TreeInfo(NamedTuple):
@@ -78,14 +84,29 @@ def _parents(parent_list: list, selected: list, topk: int, num_draft_tokens: int
     return parent
 
 
+def flashinfer_mask_bytes(verified_seq_len: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
+    """Bytes of each request's FlashInfer packed-mask segment: int64 ``[bs]``,
+    ``ceil(D * (P_b + D) / 8)`` with ``P_b = verified_seq_len[b]`` and ``D =
+    num_draft_tokens`` (on ``verified_seq_len``'s device, no host sync).  The
+    ``flashinfer_mask_indptr`` that :func:`build_tree` expects is ``[0, cumsum(this)]`` as
+    int32."""
+    D = int(num_draft_tokens)
+    return (D * (verified_seq_len.long() + D) + 7) // 8
+
+
 def build_tree_reference(parent_list: torch.Tensor, selected_index: torch.Tensor,
                          verified_seq_len: torch.Tensor, tree_mask: torch.Tensor,
                          positions: torch.Tensor, retrive_index: torch.Tensor,
                          retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor,
-                         topk: int, num_steps: int, num_draft_tokens: int) -> None:
+                         topk: int, num_steps: int, num_draft_tokens: int,
+                         flashinfer_packed_mask: Optional[torch.Tensor] = None,
+                         flashinfer_mask_indptr: Optional[torch.Tensor] = None) -> None:
     """Plain-PyTorch reference of :func:`build_tree`: inputs already validated; writes every
     element of the five outputs in place (argument order as SGLang's
-    ``build_tree_kernel_efficient`` op, without ``tree_mask_mode``)."""
+    ``build_tree_kernel_efficient`` op, without ``tree_mask_mode``), and, when given, request
+    ``b``'s segment ``[indptr[b], indptr[b] + ceil(D*(P_b+D)/8))`` of
+    ``flashinfer_packed_mask`` (:func:`specattn.backends.tree_mask.tree_mask_to_flashinfer`
+    of the tree mask with ``P_b = verified_seq_len[b]``); no other byte of it."""
     bs, D = selected_index.shape[0], num_draft_tokens
     dense = torch.zeros(bs, D, D, dtype=torch.bool)
     pos = torch.empty(bs, D, dtype=torch.int64)
@@ -118,6 +139,12 @@ def build_tree_reference(parent_list: torch.Tensor, selected_index: torch.Tensor
     retrive_index.copy_(torch.arange(bs * D, dtype=torch.int64, device=dev).view(bs, D))
     retrive_next_token.copy_(nxt.to(dev))
     retrive_next_sibling.copy_(sib.to(dev))
+    if flashinfer_packed_mask is not None:
+        packed, seg = tree_mask_to_flashinfer(tree_mask.contiguous(), verified_seq_len.cpu())
+        seg, starts = seg.tolist(), flashinfer_mask_indptr.tolist()
+        for b in range(bs):
+            n = seg[b + 1] - seg[b]
+            flashinfer_packed_mask[starts[b]:starts[b] + n].copy_(packed[seg[b]:seg[b + 1]])
 
 
 registry.register("build_tree", "reference", lambda: build_tree_reference)
@@ -125,6 +152,7 @@ registry.register("build_tree", "reference", lambda: build_tree_reference)
 
 registry.register("build_tree", "triton",
                   registry.from_module("specattn.triton_kernels.tree_ops", "build_tree", "triton"))
+registry.register("build_tree", "cuda", registry.from_ext("build_tree"))
 
 
 def _check_int(name: str, v, lo: int) -> None:
@@ -136,7 +164,9 @@ def _check_int(name: str, v, lo: int) -> None:
 
 def build_tree(parent_list: torch.Tensor, selected_index: torch.Tensor,
                verified_seq_len: torch.Tensor, topk: int, num_steps: int, num_draft_tokens: int,
-               *, impl: str = "auto") -> TreeInfo:
+               *, flashinfer_packed_mask: Optional[torch.Tensor] = None,
+               flashinfer_mask_indptr: Optional[torch.Tensor] = None,
+               impl: str = "auto") -> TreeInfo:
     """Tree mask, positions and traversal links of each request's EAGLE draft tree.
 
     Semantics of SGLang's ``build_tree_kernel_efficient`` (``sgl-kernel/csrc/speculative/
@@ -155,7 +185,23 @@ def build_tree(parent_list: torch.Tensor, selected_index: torch.Tensor,
             ``verified_seq_len``.
         topk: beams per step (>= 1).  num_steps: drafting steps, SGLang's ``spec_steps`` /
             ``depth`` (>= 1).  num_draft_tokens: ``D``, tokens verified per request including
-            the root (>= 1, at most ``1 + topk + (num_steps-1)*topk**2``).
+            the root (>= 1, at most ``1 + topk + (num_steps-1)*topk**2``; the CUDA kernel
+            supports at most :data:`CUDA_MAX_DRAFT_TOKENS` = 512, beyond which ``"auto"``
+            uses Triton).
+        flashinfer_packed_mask: optional contiguous uint8 1-D buffer on the inputs' device,
+            written in place: FlashInfer's packed custom mask for
+            ``BatchPrefillWithPagedKVCacheWrapper.plan`` (the result of
+            :func:`specattn.backends.tree_mask.tree_mask_to_flashinfer` of ``tree_mask`` with
+            ``seq_lens = verified_seq_len``), built in the same launch.  Request ``b``'s
+            segment is bytes ``[indptr[b], indptr[b+1])``: ``ceil(D*(P_b+D)/8)`` bytes with
+            ``P_b = verified_seq_len[b]``, the row-major ``[D, P_b + D]`` bit matrix (``P_b``
+            prefix columns all ones, then row ``j`` of the tree mask), little-endian bit
+            order (element ``8i + t`` is bit ``t`` of byte ``i``), padding bits 0.  Bytes
+            outside the segments are not touched.
+        flashinfer_mask_indptr: int32 ``[bs + 1]`` on the inputs' device, given exactly when
+            ``flashinfer_packed_mask`` is: ``indptr[0] = 0``, ``indptr[b+1] - indptr[b] =
+            ceil(D*(P_b+D)/8)`` (:func:`flashinfer_mask_bytes`), ``indptr[bs] <=
+            flashinfer_packed_mask.numel()``.  The same tensor can be passed to FlashInfer.
         impl: ``"auto"`` | ``"cuda"`` | ``"triton"`` | ``"reference"``.
     Returns:
         :class:`TreeInfo` on the inputs' device, every element written:
@@ -175,6 +221,9 @@ def build_tree(parent_list: torch.Tensor, selected_index: torch.Tensor,
         - ``retrive_next_sibling``: int64 ``[bs, D]``: the next child (next larger draft
           index) of ``j``'s parent, ``-1`` for the last one.  Draft tokens with a missing
           parent appear in no child list.
+
+        The FlashInfer mask, when requested, is written into ``flashinfer_packed_mask``
+        (it is not part of the returned tuple).
     Raises:
         TypeError / ValueError: non-int sizes, sizes out of range, wrong rank / dtype / shape,
             mismatched devices or batch sizes, a repeated ``selected_index`` in a request, a
@@ -182,7 +231,13 @@ def build_tree(parent_list: torch.Tensor, selected_index: torch.Tensor,
             a flat index of the step before its beam's (entries of block ``s`` must lie in
             step ``s``'s range; this also rules out cycles).
         IndexError: a ``selected_index`` outside ``[0, topk + (num_steps-1)*topk**2)``.
-        Value checks cost host syncs and are skipped during CUDA-graph capture.
+        ValueError (FlashInfer mask): only one of ``flashinfer_packed_mask`` /
+            ``flashinfer_mask_indptr`` given; wrong dtype / rank / shape / device, a
+            non-contiguous buffer; ``indptr[0] != 0``, a segment length other than
+            ``ceil(D*(P_b+D)/8)``, or a buffer shorter than ``indptr[bs]``.
+        ValueError: ``impl="cuda"`` with ``num_draft_tokens > CUDA_MAX_DRAFT_TOKENS``.
+        Value checks cost host syncs and are skipped during CUDA-graph capture (the kernels
+        then never write outside the buffer, but a wrong ``indptr`` gives a wrong mask).
     """
     _check_int("topk", topk, 1)
     _check_int("num_steps", num_steps, 1)
@@ -216,6 +271,39 @@ def build_tree(parent_list: torch.Tensor, selected_index: torch.Tensor,
                 raise ValueError(
                     f"parent_list[{b}, {c + 1}] = {int(cols[b, c])} is not a step-{int(step[c])} "
                     f"candidate (flat index in [{int(lo[c])}, {int(hi[c])}))")
+    fi_mask, fi_indptr = flashinfer_packed_mask, flashinfer_mask_indptr
+    if (fi_mask is None) != (fi_indptr is None):
+        raise ValueError("pass both flashinfer_packed_mask and flashinfer_mask_indptr, or neither")
+    if fi_mask is not None:
+        check_tensor("flashinfer_packed_mask", fi_mask, dim=1, dtypes=(torch.uint8,), device=dev)
+        if not fi_mask.is_contiguous():
+            raise ValueError("flashinfer_packed_mask must be contiguous")
+        check_tensor("flashinfer_mask_indptr", fi_indptr, dtypes=(torch.int32,), device=dev,
+                     shape=(bs + 1,))
+        if not capturing():
+            ip = fi_indptr.long()
+            if int(ip[0]) != 0:
+                raise ValueError(f"flashinfer_mask_indptr[0] must be 0, got {int(ip[0])}")
+            if bs > 0:
+                want = flashinfer_mask_bytes(verified_seq_len, D)
+                bad = (ip[1:] - ip[:-1]) != want
+                if bool(bad.any()):
+                    b = int(bad.nonzero()[0])
+                    raise ValueError(
+                        f"flashinfer_mask_indptr: request {b} has a segment of "
+                        f"{int(ip[b + 1] - ip[b])} bytes, expected ceil(D*(P+D)/8) = "
+                        f"{int(want[b])} (D = {D}, P = verified_seq_len[{b}] = "
+                        f"{int(verified_seq_len[b])})")
+                if int(ip[-1]) > fi_mask.numel():
+                    raise ValueError(f"flashinfer_packed_mask has {fi_mask.numel()} bytes, "
+                                     f"flashinfer_mask_indptr needs {int(ip[-1])}")
+    if D > CUDA_MAX_DRAFT_TOKENS:
+        if impl == "cuda":
+            raise ValueError(f"the CUDA build_tree supports num_draft_tokens <= "
+                             f"{CUDA_MAX_DRAFT_TOKENS}, got {D} (use impl='triton' or 'reference')")
+        if impl == "auto" and dev.type == "cuda":
+            has_triton = registry.availability("build_tree")["triton"] is None
+            impl = "triton" if has_triton else "reference"
     W = num_mask_words(D)
     out = TreeInfo(
         tree_mask=torch.empty(bs, D, W, dtype=torch.int32, device=dev),
@@ -226,5 +314,6 @@ def build_tree(parent_list: torch.Tensor, selected_index: torch.Tensor,
     if bs == 0:
         return out
     registry.dispatch("build_tree", impl, dev)(
-        parent_list, selected_index, verified_seq_len, *out, topk, num_steps, D)
+        parent_list, selected_index, verified_seq_len, *out, topk, num_steps, D, fi_mask,
+        fi_indptr)
     return out

@@ -98,12 +98,19 @@ def tree_speculative_sampling_reference(predicts, accept_index, accept_length, c
                                         retrive_index, retrive_next_token, retrive_next_sibling,
                                         uniform_samples, uniform_samples_for_final_sampling,
                                         target_probs, threshold_single: float,
-                                        threshold_acc: float) -> None:
+                                        threshold_acc: float, draft_probs=None) -> None:
     """Plain-PyTorch reference of :func:`tree_speculative_sampling` (argument order of
-    SGLang's ``tree_speculative_sampling_target_only`` op without ``draft_probs`` and
-    ``deterministic``).  Inputs already validated; writes every element of the outputs.
-    The acceptance test is done in float32 in the kernel's order (so a kernel can match it
-    bit for bit); the final draw inverts a float32 cumulative sum."""
+    SGLang's ``tree_speculative_sampling_target_only`` op, ``draft_probs`` moved last and
+    optional, no ``deterministic`` flag).  Inputs already validated; writes every element of
+    the outputs; never writes ``draft_probs`` (SGLang scribbles on it).
+
+    The acceptance test is done in float32 in the kernels' order (sums in sibling order,
+    IEEE division), so the kernels match it bit for bit.  The final draw inverts the
+    cumulative sum of the float32 residual (torch's CPU ``cumsum``, which accumulates in
+    double) at ``u = f32(coin) * f32(residual.sum())``: the first token whose residual is
+    positive and whose cumulative sum exceeds ``u``; if none (``u`` at or above the last
+    cumulative value: coin ~ 1 with rounding), the last token with a positive residual;
+    ``V - 1`` if the residual is all zero (FlashInfer's fallback)."""
     bs, D = candidates.shape
     S, V = accept_index.shape[1], target_probs.shape[2]
     f32 = np.float32
@@ -112,6 +119,7 @@ def tree_speculative_sampling_reference(predicts, accept_index, accept_length, c
     nxt, sib = retrive_next_token.tolist(), retrive_next_sibling.tolist()
     coins, final_coins = uniform_samples.tolist(), uniform_samples_for_final_sampling.tolist()
     probs = target_probs.detach().cpu()
+    dprobs = None if draft_probs is None else draft_probs.detach().cpu()
     pred = [0] * (bs * D)
     acc = [[-1] * S for _ in range(bs)]
     n_acc = [0] * bs
@@ -134,14 +142,23 @@ def tree_speculative_sampling_reference(predicts, accept_index, accept_length, c
             n_acc[b] += 1
             node, last, rejected = hit, ridx[b][hit], []
             acc[b][n_acc[b]] = last
-        # Bonus / correction token: sample relu(q - p) where p (SGLang's draft_probs in
-        # target-only mode) equals q on the rejected children's tokens and 0 elsewhere.
+        # Bonus / correction token: sample relu(q - p) with p = draft_probs[b, node] (zeros
+        # if None; also zeros after num_steps accepts: "no draft probs for the bonus token")
+        # and p = q on the tokens of node's rejected children (SGLang writes them into p).
         residual = probs[b, node].clone()
+        if dprobs is not None and n_acc[b] != S - 1:
+            residual -= dprobs[b, node]
         residual[rejected] = 0.0
         residual.clamp_(min=0.0)
         u = f32(final_coins[b]) * f32(residual.sum().item())
-        above = (residual.cumsum(0) > float(u)).nonzero()
-        pred[last] = int(above[0]) if above.numel() else V - 1  # FlashInfer's fallback: d - 1
+        pos = residual > 0
+        above = ((residual.cumsum(0) > float(u)) & pos).nonzero()
+        if above.numel():
+            pred[last] = int(above[0])
+        elif bool(pos.any()):
+            pred[last] = int(pos.nonzero()[-1])
+        else:
+            pred[last] = V - 1
     dev = predicts.device
     predicts.copy_(torch.tensor(pred, dtype=torch.int32, device=dev))
     accept_index.copy_(torch.tensor(acc, dtype=torch.int32, device=dev).view(bs, S))
@@ -155,6 +172,12 @@ registry.register("tree_speculative_sampling", "reference",
 
 registry.register("verify_tree_greedy", "triton",
                   registry.from_module("specattn.triton_kernels.tree_ops", "verify_tree_greedy", "triton"))
+registry.register("verify_tree_greedy", "cuda", registry.from_ext("verify_tree_greedy"))
+registry.register("tree_speculative_sampling", "triton",
+                  registry.from_module("specattn.triton_kernels.tree_sampling",
+                                       "tree_speculative_sampling", "triton"))
+registry.register("tree_speculative_sampling", "cuda",
+                  registry.from_ext("tree_speculative_sampling"))
 
 
 def _check_tree(candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_steps):
@@ -231,14 +254,15 @@ def tree_speculative_sampling(candidates: torch.Tensor, retrive_index: torch.Ten
                               num_steps: int, *, uniform_samples: Optional[torch.Tensor] = None,
                               uniform_samples_for_final_sampling: Optional[torch.Tensor] = None,
                               threshold_single: float = 1.0, threshold_acc: float = 1.0,
+                              draft_probs: Optional[torch.Tensor] = None,
                               generator: Optional[torch.Generator] = None,
                               impl: str = "auto") -> VerifyResult:
-    """Stochastic tree verification, lossless with the default thresholds (SGLang
-    ``tree_speculative_sampling_target_only``, ``speculative_sampling.cuh``).
+    """Stochastic tree verification, lossless with the default thresholds and no
+    ``draft_probs`` (SGLang ``tree_speculative_sampling_target_only``,
+    ``speculative_sampling.cuh``; final draw as FlashInfer's ``DeviceSamplingFromProb``).
 
-    "Target only": draft probabilities are not used (SGLang's ``draft_probs`` is a zero
-    buffer the kernel scribbles on; this API does not take it).  At the last accepted token
-    ``a`` (target law ``q = target_probs[b, a]``, local draft index ``a``) with one coin
+    "Target only": acceptance uses the target probabilities alone.  At the last accepted
+    token ``a`` (target law ``q = target_probs[b, a]``, local draft index ``a``) with one coin
     ``u = uniform_samples[b, a]``, the children ``c_1, c_2, ..`` are tried in sibling order;
     ``c_i`` is accepted, and the walk moves to it, when
 
@@ -248,35 +272,68 @@ def tree_speculative_sampling(candidates: torch.Tensor, retrive_index: torch.Ten
     (float32, sums in sibling order, ``threshold_acc`` floored at 1e-9, exactly as SGLang; note
     ``u == 0`` accepts the first child even at ``q = 0``).  With both thresholds 1 and distinct
     sibling tokens this draws from ``q`` by inversion over the children, so child ``c`` is
-    taken with probability ``q[tok(c)]``.  When no child is taken, the bonus token is drawn
-    from ``q`` with the rejected children's tokens removed (``relu(q - p)``, renormalised) by
-    inverting its cumulative sum at ``uniform_samples_for_final_sampling[b] * sum``; after
-    ``num_steps`` accepts or at a leaf nothing was rejected and it is drawn from ``q``.  The
-    first index whose cumulative sum exceeds the target value is taken (``V - 1`` if none, as
-    FlashInfer).  Net effect with thresholds 1: every emitted token follows the target law
-    (lossless).  Thresholds below 1 accept more, lossily.
+    taken with probability ``q[tok(c)]``.
+
+    Bonus / correction token, drawn at the last accepted token ``a`` from ``relu(q - p)``
+    (renormalised) by inverting its cumulative sum at
+    ``uniform_samples_for_final_sampling[b] * sum``: ``p = draft_probs[b, a]`` (zeros when
+    ``draft_probs`` is None), except that ``p = 0`` after ``num_steps`` accepts (SGLang: "no
+    draft probs for the bonus token") and ``p[t] = q[t]`` for the token ``t`` of every child
+    of ``a`` rejected at ``a`` (SGLang writes those into its ``draft_probs`` buffer; this op
+    never writes the caller's tensor).  The first token whose residual is positive and whose
+    cumulative sum exceeds the target value is taken; if rounding leaves none (coin ~ 1), the
+    last token with a positive residual; ``V - 1`` if the residual is all zero.  (SGLang's
+    copy of FlashInfer's draw takes ``V - 1`` whenever no cumulative sum exceeds the target
+    value, which can emit a zero-probability token when the coin is within rounding of 1;
+    in exact arithmetic both rules pick the same token.)
+
+    Lossless (every emitted token follows the target law) only with thresholds 1 and
+    ``draft_probs`` None or zeros: the children are not drawn from ``draft_probs``, so a
+    non-zero ``p`` makes the correction ``relu(q - p)`` wrong for this acceptance rule (SGLang's
+    EAGLE sampling passes a zero buffer; ``draft_probs`` is here for parity with that op).
+    Thresholds below 1 accept more, lossily.
+
+    Deterministic mode (always on): the CUDA and Triton kernels use a fixed reduction order
+    and no atomics, one program / block per request with a configuration that depends on
+    ``V``, ``D`` and ``num_steps`` only, so the same inputs and coins give the same outputs
+    run to run and whatever else is in the batch (SGLang's ``deterministic=True``).  Passing
+    both coin tensors makes the op fully deterministic.  Against the reference: acceptance
+    decisions (hence ``accept_index``, ``accept_length`` and the accepted drafts in
+    ``predicts``) are bit-exact (float32 sums in sibling order, IEEE division); the bonus
+    token is exact up to float rounding at cdf boundaries: the kernels sum the vocabulary in
+    parallel float32 tiles while the reference's CPU ``cumsum`` accumulates in double, so when
+    ``u * sum`` lies within rounding (~1e-6 relative) of a cumulative-sum boundary the
+    neighbouring token (also with a positive residual) may be chosen.  When every partial sum
+    is exact (e.g. dyadic probabilities) the kernels equal the reference bit for bit.
 
     Args:
         candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_steps: as
-            :func:`verify_tree_greedy`; ``candidates`` in ``[0, V)``.
-        target_probs: float32 ``[bs, D, V]``: ``target_probs[b, j]`` the target's next-token
-            distribution after draft token ``j`` (after temperature / top-k / top-p), indexed
-            by the *local* draft index as in SGLang.  Not checked to be normalised (cost).
+            :func:`verify_tree_greedy`; ``candidates`` in ``[0, V)``.  The kernels assume, as
+            SGLang and :func:`specattn.ops.build_tree`, ``retrive_index[b, :]`` in request
+            ``b``'s own rows ``[b*D, b*D + D)``.
+        target_probs: float32 ``[bs, D, V]``, stride 1 in the last dim:
+            ``target_probs[b, j]`` the target's next-token distribution after draft token
+            ``j`` (after temperature / top-k / top-p), indexed by the *local* draft index as
+            in SGLang.  Not checked to be normalised (cost).
         uniform_samples: float32 ``[bs, D]`` in ``[0, 1]``, the coin used at each draft
             token (SGLang ``coins``); drawn with ``torch.rand(generator=generator)`` if None.
         uniform_samples_for_final_sampling: float32 ``[bs]`` in ``[0, 1]``, the coin of the
             bonus draw; drawn likewise if None.  Passing both makes the op deterministic.
         threshold_single, threshold_acc: floats in ``[0, 1]`` (SGLang
             ``speculative_accept_threshold_single`` / ``_acc``; 1.0 is lossless).
+        draft_probs: optional float32 ``[bs, D, V]`` (stride 1 in the last dim), the draft
+            model's distribution after each draft token, read only (see above; None means
+            zeros, the lossless choice).
         generator: optional ``torch.Generator`` for the coins drawn here.
         impl: ``"auto"`` | ``"cuda"`` | ``"triton"`` | ``"reference"``.
     Returns:
         :class:`VerifyResult` as :func:`verify_tree_greedy` (``predicts`` along the path are
         the accepted drafts' tokens, at the end the bonus sample).
     Raises:
-        TypeError / ValueError: wrong types, ranks, dtypes, shapes or devices, thresholds
-            outside ``[0, 1]``, coins outside ``[0, 1]``.  IndexError: ``retrive_*`` or
-            ``candidates`` out of range.  Value checks are skipped during CUDA-graph capture.
+        TypeError / ValueError: wrong types, ranks, dtypes, shapes, strides or devices,
+            thresholds outside ``[0, 1]``, coins outside ``[0, 1]``.  IndexError:
+            ``retrive_*`` or ``candidates`` out of range.  Value checks are skipped during
+            CUDA-graph capture.
     """
     bs, D, dev = _check_tree(candidates, retrive_index, retrive_next_token,
                              retrive_next_sibling, num_steps)
@@ -285,6 +342,13 @@ def tree_speculative_sampling(candidates: torch.Tensor, retrive_index: torch.Ten
         raise ValueError(f"target_probs must have shape [{bs}, {D}, V >= 1], "
                          f"got {list(target_probs.shape)}")
     V = target_probs.shape[2]
+    if draft_probs is not None:
+        check_tensor("draft_probs", draft_probs, dtypes=(torch.float32,), device=dev,
+                     shape=(bs, D, V))
+    for name, p in (("target_probs", target_probs), ("draft_probs", draft_probs)):
+        if p is not None and V > 1 and p.stride(2) != 1:
+            raise ValueError(f"{name} must have stride 1 in its last dim (call .contiguous()), "
+                             f"got strides {list(p.stride())}")
     for name, th in (("threshold_single", threshold_single), ("threshold_acc", threshold_acc)):
         if isinstance(th, bool) or not isinstance(th, (int, float)) or not 0.0 <= th <= 1.0:
             raise ValueError(f"{name} must be a float in [0, 1], got {th!r}")
@@ -310,5 +374,5 @@ def tree_speculative_sampling(candidates: torch.Tensor, retrive_index: torch.Ten
     registry.dispatch("tree_speculative_sampling", impl, dev)(
         *out, candidates, retrive_index, retrive_next_token, retrive_next_sibling,
         uniform_samples, uniform_samples_for_final_sampling, target_probs,
-        float(threshold_single), float(threshold_acc))
+        float(threshold_single), float(threshold_acc), draft_probs)
     return out
