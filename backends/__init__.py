@@ -5,7 +5,8 @@
 - :class:`AttentionBackend`, the ABC every backend implements;
 - pools (:class:`ReqToTokenPool`, :class:`MHATokenToKVPool`, :class:`MLATokenToKVPool`,
   :class:`KVAllocator`) and :class:`GraphInputBuffers` for CUDA graphs;
-- :class:`TorchReferenceBackend`, the oracle.  ``create_backend(name, ...)`` builds any
+- :class:`TorchReferenceBackend`, the oracle; ``TritonBackend`` (MHA/GQA, every mode, eager
+  and graph; imported on first access, it needs triton).  ``create_backend(name, ...)`` builds any
   backend by name; ``available_backends()`` says which can be built here and why not.
 """
 import importlib
@@ -23,7 +24,7 @@ from .tree_mask import num_mask_words, pack_tree_mask, tree_mask_to_flashinfer, 
 # name -> (module, class, what is missing when the module is absent)
 _BACKENDS = {
     "torch_reference": ("specattn.backends.torch_reference", "TorchReferenceBackend", None),
-    "triton": ("specattn.backends.triton_backend", "TritonBackend", "not implemented yet (issue 6)"),
+    "triton": ("specattn.backends.triton_backend", "TritonBackend", "needs triton (pip install triton)"),
     "flashinfer": ("specattn.backends.flashinfer_backend", "FlashInferBackend",
                    "not implemented yet (issue 7); needs pip install 'specattn[flashinfer]'"),
     "flashmla": ("specattn.backends.flashmla_backend", "FlashMLABackend",
@@ -61,8 +62,15 @@ def create_backend(name: str, req_to_token_pool, kv_pool, **kwargs) -> Attention
     return _load(name)(req_to_token_pool, kv_pool, **kwargs)
 
 
+def __getattr__(name: str):
+    """``TritonBackend`` is loaded on first access (importing it imports triton)."""
+    if name == "TritonBackend":
+        return _load("triton")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["AttentionBackend", "UnsupportedError", "GraphInputBuffers", "ForwardBatch",
            "ForwardMode", "AttentionKind", "AttentionLayer", "KVAllocator", "MHATokenToKVPool",
-           "MLATokenToKVPool", "ReqToTokenPool", "TorchReferenceBackend", "num_mask_words",
+           "MLATokenToKVPool", "ReqToTokenPool", "TorchReferenceBackend", "TritonBackend", "num_mask_words",
            "pack_tree_mask", "tree_mask_to_flashinfer", "unpack_tree_mask", "available_backends",
            "create_backend"]

@@ -14,7 +14,11 @@ float32 cos/sin cache, bf16 cache (``-p cache_dtype=float8_e4m3fn`` for fp8).  `
   ONE GEMM for all layers as a head start): ``torch.mm``, the rotary cos/sin gathered once,
   then per layer ``F.rms_norm`` on K, neox RoPE in torch ops (bf16, as SGLang's native
   rotary path computes in the activation dtype) and two ``index_put`` scatters (K and V);
-- ``gemm``: the GEMM ``hidden @ w_kv.T`` alone (the floor for the fused path).
+- ``gemm``: the GEMM ``hidden @ w_kv.T`` alone (the floor for the fused path);
+- ``cuda_epilogue`` | ``triton_epilogue``: the fused epilogue alone (one launch of
+  ``torch.ops.specattn.materialize_kv_epilogue`` / the Triton ``materialize_kv_epilogue``) on
+  a GEMM output computed once at setup; its ``bytes`` are what it must move: the GEMM output
+  read once + the cache rows written (the floor: bytes / copy bandwidth).
 
 ``bytes`` = hidden + ``w_kv`` read once + the cache rows written (the minimum traffic of the
 op; the GEMM output round trip of the two-launch design is not counted), ``flops`` =
@@ -34,7 +38,8 @@ from .cases import Workload, case
 
 __all__ = ["IMPLS", "unfused_materialize_kv"]
 
-IMPLS = ("auto", "cuda", "triton", "reference", "unfused", "gemm")
+IMPLS = ("auto", "cuda", "triton", "reference", "unfused", "gemm", "cuda_epilogue",
+         "triton_epilogue")
 
 
 def unfused_materialize_kv(hidden, w_kv, k_norm_weight, positions, cos_sin_cache, out_cache_loc,
@@ -60,7 +65,8 @@ def unfused_materialize_kv(hidden, w_kv, k_norm_weight, positions, cos_sin_cache
 
 @case("kv_materialize",
       "DFlash fused KV materialization, Qwen3-8B drafter: hidden 4096, 5 layers x 8 KV heads x "
-      "128, bf16, 512 tokens; impl=cuda|triton|reference|unfused|gemm",
+      "128, bf16, 512 tokens; impl=cuda|triton|reference|unfused|gemm|cuda_epilogue|"
+      "triton_epilogue",
       tokens=512, hidden=4096, layers=5, kv_heads=8, head_dim=128, dtype="bfloat16",
       cache_dtype="bfloat16", impl="cuda", seed=0)
 def _kv_materialize(device, *, tokens, hidden, layers, kv_heads, head_dim, dtype, cache_dtype,
@@ -95,12 +101,33 @@ def _kv_materialize(device, *, tokens, hidden, layers, kv_heads, head_dim, dtype
         def fn():
             unfused_materialize_kv(x, w_kv, k_norm, positions, cos_sin, loc, k_bufs, v_bufs,
                                    eps=eps)
+    elif impl.endswith("_epilogue"):
+        kv = torch.mm(x, w_kv.t())  # the GEMM output, once
+        if impl == "cuda_epilogue":
+            from specattn import _ext
+            if not _ext.EXT_AVAILABLE:
+                raise RuntimeError(f"impl='cuda_epilogue' needs specattn._C: "
+                                   f"{_ext.EXT_MISSING_REASON}")
+            op = torch.ops.specattn.materialize_kv_epilogue
+            ks, vs = scales.get("k_scale", 1.0), scales.get("v_scale", 1.0)
+
+            def fn():
+                op(kv, k_norm, positions, cos_sin, loc, k_bufs, v_bufs, eps, None, ks, vs)
+        else:
+            from specattn.triton_kernels.kv_materialize import materialize_kv_epilogue
+
+            def fn():
+                materialize_kv_epilogue(kv, k_norm, positions, cos_sin, loc, k_bufs, v_bufs,
+                                        eps=eps, **scales)
     else:
         def fn():
             materialize_kv(x, w_kv, k_norm, positions, cos_sin, loc, k_bufs, v_bufs, eps=eps,
                            impl=impl, **scales)
 
     written = tokens * rows * cdt.itemsize
+    if impl.endswith("_epilogue"):
+        return Workload(fn=fn, bytes=kv.nbytes + written, flops=0,
+                        state={"k_buffers": k_bufs, "v_buffers": v_bufs, "out_cache_loc": loc})
     return Workload(fn=fn, bytes=x.nbytes + w_kv.nbytes + written,
                     flops=2 * tokens * hidden * rows,
                     state={"k_buffers": k_bufs, "v_buffers": v_bufs, "out_cache_loc": loc})

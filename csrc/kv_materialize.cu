@@ -14,34 +14,94 @@
 //
 // (the scales apply to float8_e4m3fn caches only; other caches need 1.0).  All math is
 // float32; the one rounding is the store: round-to-nearest-even to bf16/fp16, or the
-// saturating e4m3 conversion __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3), which
-// equals the reference's clamp(x, -448, 448) followed by an RTNE cast.  Semantics: the
-// reference materialize_kv_reference in specattn/ops/kv_materialize.py.
+// saturating e4m3 conversion (cvt.rn.satfinite.e4m3x2.f32), which equals the reference's
+// clamp(x, -448, 448) followed by an RTNE cast.  "x / scale" is x * (1 / scale) with the
+// reciprocal rounded to float32 once on the host: what torch's CUDA division by a Python
+// scalar computes (so what the reference computes on the GPU), within one float32 ulp of
+// the IEEE quotient.  Semantics: the reference materialize_kv_reference in
+// specattn/ops/kv_materialize.py.
 //
-// Thread mapping: one "row" = the D values of one (t, l, K|V, h); rows are numbered in the
-// GEMM output's order (t major, then layer, K|V, head), so a block reads one contiguous
-// stretch of kv and writes contiguous (slot, all heads) runs of the caches.  A row belongs
-// to a group of G = next_pow2(ceil(D / 8)) consecutive lanes of one warp (G <= 32, so
-// D <= 256); lane c of the group holds dims [8c, 8c + 8) in registers (16-byte loads for
-// 16-bit inputs, two for float32; 8..32-byte stores depending on the cache dtype) when D is
-// a multiple of 8 and all pointers are 16-byte aligned (the host decides, Params::vec: a
-// uniform branch), else element by element.  12 instantiations (3 input x 4 cache dtypes);
-// sm_90: 64 registers, no spills, 4 blocks of 256 threads per SM (__launch_bounds__).
-//   - RMSNorm: per-lane sum of squares, then a butterfly (__shfl_xor_sync) over the group.
-//   - RoPE: when (R/2) % 8 == 0 the partner dims i +- R/2 sit whole in lane c +- R/16 of the
-//     same group and come over with __shfl_sync; otherwise (odd rotary dims, rare) the lane
-//     re-reads the partner elements of kv (L1 hits) and normalizes them itself.
-//   - every lane executes every shuffle with the full mask (no early exit, no divergence
-//     before the last shuffle): rows past the end, V rows and masked lanes just compute on
-//     zeros and do not store.
+// Two kernels, both in GEMM-output order (t major, then layer, head), so a block reads one
+// contiguous stretch of kv and writes contiguous (slot, all heads) runs of the caches:
+//
+// * kv_epilogue_pair_kernel (the hot path; the host takes it when D % 16 == 0, R % 16 == 0,
+//   kv and every cache 16-byte aligned, and k_norm_weight / cos_sin_cache / kv_bias rows
+//   contiguous and 16-byte aligned: every shape of the Qwen3 / Llama drafters).  One
+//   (t, l, h) per group of G = next_pow2(D / 16) lanes doing BOTH its K and its V row; lane
+//   c < R/16 owns the rotation-pair chunks [8c, 8c+8) and [R/2 + 8c, R/2 + 8c + 8), so RoPE
+//   partners meet in registers and one 8-wide cos run + one sin run serve both chunks;
+//   lanes [R/16, D/16) own pass-through chunks.  Per lane: the index loads and 4 x 16-byte
+//   K/V loads issued back to back; V stored as soon as it lands (a bit copy when the cache
+//   has the input dtype); K: sum of squares, butterfly over the G lanes, then the norm
+//   weights and cos/sin (L1-resident, 16-byte loads), RoPE, 2 stores.
+// * kv_epilogue_kernel (generic: odd head / rotary dims, strided or unaligned inputs).  One
+//   (t, l, K|V, h) row per group of G = next_pow2(ceil(D / 8)) lanes, lane c holding dims
+//   [8c, 8c + 8) (16-byte accesses when D % 8 == 0 and the pointers allow: Params::vec,
+//   else element by element); RMSNorm by a butterfly; RoPE partners i +- R/2 by
+//   __shfl_sync from lane c +- R/16 when (R/2) % 8 == 0, else re-read from kv (L1 hits) and
+//   normalized by the lane itself.  Any strides for everything but kv's columns.
+// Both: every lane executes every shuffle with the full mask (no early exit before the last
+// shuffle): rows past the end and masked lanes compute on zeros and store nothing.  D <= 256.
+// 2 x 12 instantiations (3 input x 4 cache dtypes).  sm_90 (ptxas -v, CUDA 13.0): generic
+// 64 registers; pair 64 registers with 16-bit input and cache (4 blocks of 256 threads per
+// SM), <= 80 with a float32 input or cache (3 blocks); no spills, no stack anywhere.
+//
 // Per-layer destinations: the K and V base pointers of every layer are a kernel-parameter
 // table (__grid_constant__ Params, < 4 KiB), so nothing is copied host-to-device and the
 // launch is CUDA-graph capturable.  More than kMaxLayers layers run as several launches
 // (chunks of layers).  Input dtypes (kv, kv_bias, k_norm_weight, cos_sin_cache) of float32 /
-// float16 / bfloat16 and int32 / int64 indices are handled; kv must have unit column stride,
-// all other tensors may have any strides.  Indices outside [0, num_slots) / [0, max_pos)
-// make the row skip its store (the Python wrapper rejects them before the call); the kernel
-// never reads or writes out of bounds.  No host sync, no allocation, T == 0 launches nothing.
+// float16 / bfloat16 and int32 / int64 indices are handled.  Indices outside [0, num_slots) /
+// [0, max_pos) make the row skip its stores (the Python wrapper rejects them before the
+// call); the kernels never read or write out of bounds.  No host sync, no allocation, T == 0
+// launches nothing.
+//
+// PERFORMANCE NOTES (issue 5; "predicted -> why"; no GPU here, reasoned from bytes, the
+// ptxas report and the SASS).  Qwen3-8B drafter: hidden 4096, 5 layers x 8 KV heads x 128,
+// bf16.  The epilogue must move kv (T x 10240 x 2 B) once and write the same bytes of bf16
+// cache (half for fp8): 4096 tokens -> 83.9 + 83.9 MB = 168 MB, 55.6 us at the measured 3017
+// GB/s copy ceiling (fp8 cache: 126 MB, 41.7 us).  First GPU run (H100, 2026-11-22, generic
+// kernel only): 142 us of epilogue at 4096 tokens (595.2 - 453.0), 24 us at 512.
+//   1. Memory-level parallelism.  Before: each thread issued ONE 16-byte load (K or V row
+//      chunk), then a dependent chain (butterfly, 8 partner shuffles, 8 scalar norm-weight
+//      and 16 scalar cos/sin loads with per-element runtime-kind branches and int64 stride
+//      multiplies, sqrt + division with slow-path calls) before its store: <= 32 warps x
+//      512 B = 16 KB in flight per SM, and only during the first part of each thread's life.
+//      Little's law wants 3.0 TB/s / 132 SMs x ~0.8-1 us DRAM latency = 18-23 KB in flight per
+//      SM all the time; measured 168 MB / 142 us = 1.2 TB/s fits "about half of that".
+//      Now: 4 x 16-byte K/V loads per thread issued before any use (SASS: 4 LDG.E.128 back to
+//      back after the 2 index loads), 32 warps x 2 KB = 64 KB per SM at issue.
+//      -> predicted epilogue ~58 us at 4096 tokens (within 1.05x of the 55.6 us floor), i.e.
+//      the op ~510 us (GEMM 453 us); why: bandwidth-bound once >= ~25 KB/SM stay in flight.
+//   2. Pair layout instead of partner shuffles: 0 SHFL.IDX (was 8 per thread), 3 SHFL.BFLY
+//      for D = 128 (was 4), one cos run + one sin run per lane for both halves.
+//      -> fewer instructions (~1000 static SASS instructions vs ~2300 for the bf16 -> bf16
+//      variant), no change in bytes; why: issue slots were not the limit (estimated <= 20%
+//      of the issue rate used), but the dependent latency per thread drops.
+//   3. Side inputs as 16-byte loads issued AFTER the butterfly: norm weights (5 x 256 B) and
+//      the token's cos/sin row (512 B, shared by the 40 (l, h) items of a token) are L1 hits;
+//      loading them with K/V kept 32 more registers live across the DRAM wait and made ptxas
+//      spill K/V load destinations (an STL right after an LDG waits for the DRAM data:
+//      measured 144 B stack in a first version).  -> 64 registers, no spills, 4 blocks/SM;
+//      why: the ~40-cycle L1 latency is hidden by the other 31 warps.
+//   4. V stored as soon as it lands, as a bit copy when the cache has the input's dtype (bf16
+//      -> bf16: 2 STG.128 of the loaded registers, no conversions).  -> frees 8 registers
+//      before the K math and halves V's instructions.
+//   5. fp8: x * (1/scale) instead of 16 IEEE divisions per thread (each MUFU.RCP + 2 FFMA +
+//      a slow-path CALL), and one cvt...e4m3x2 per pair.  -> no CALLs, no stack (the first
+//      version had 40 B of stack around 16 call sites); predicted fp8 epilogue ~45 us at
+//      4096 tokens (op ~498 us), vs ~67 us for Triton's bit-twiddling fp8 rounding.
+//   6. Grid: T x L x Hkv x G threads, G = 8 for D = 128: 1.31M threads = 5120 blocks at 4096
+//      tokens (9.7 waves of 4 x 132 resident blocks), 640 blocks at 512 tokens (1.2 waves).
+//      One 32-bit decode (2 divisions) per (t, l, h), int64 only for row/slot offsets; the
+//      layer table is one LDC with a warp-uniform index (4 heads per warp share (t, l)).
+//      -> 512 tokens: 21 MB moved, ~7 us at the copy ceiling, plus a tail of about one
+//      block lifetime (~1-2 us): predicted epilogue ~8-9 us, the op ~73-74 us (GEMM 65.2 us);
+//      why: with 1.2 waves the second wave runs latency-bound; the data is partly L2-resident
+//      at this size (kv just written by the GEMM: 10.5 MB; caches 22 MB) which helps.
+//   Risks to check on the GPU: (a) if the 512-token figure is tail-bound, 128-thread blocks
+//   (kMinBlocks 8) balance the 1.2 waves better; (b) if DRAM efficiency at 4096 tokens is
+//   below ~90%, streaming stores (st.global.cs) for the cache writes and evict-first loads of
+//   kv are the next knobs (kv is read once, the cache rows are not re-read by this op).
 //
 // Only c10 CUDA headers (no ATen/cuda/CUDAContext.h), like kv_move.cu: this file also
 // compiles against a CPU-only torch with a bare nvcc (tests/test_csrc_compiles.py).
@@ -90,9 +150,8 @@ struct Params {
   int32_t kv_kind, bias_kind, w_kind, cs_kind;
   int32_t pos64, loc64;
   int32_t vec;               // 1: 8-element chunks are 16-byte aligned (vector access)
-  int32_t w_vec, cs_vec, bias_vec;  // pair kernel: 8-element runs of k_norm_weight /
-                                    // cos_sin_cache / kv_bias are 16-byte loadable
-  float eps, k_scale, v_scale;
+  float eps;
+  float k_inv_scale, v_inv_scale;  // float32 1 / scale (fp8 caches; 1 otherwise)
 };
 static_assert(sizeof(Params) + 64 <= 4096, "kernel parameters must stay under 4 KiB");
 
@@ -361,9 +420,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     for (int i = 0; i < kElems; ++i) o[i] = y[i];
   }
   if constexpr (kIsFp8<Out>) {
-    const float scale = is_k ? p.k_scale : p.v_scale;
+    const float inv_scale = is_k ? p.k_inv_scale : p.v_inv_scale;
 #pragma unroll
-    for (int i = 0; i < kElems; ++i) o[i] = o[i] / scale;
+    for (int i = 0; i < kElems; ++i) o[i] = __fmul_rn(o[i], inv_scale);
   }
   Out* dst = static_cast<Out*>(is_k ? p.k_base[l] : p.v_base[l]) +
              (slot * p.hkv + h) * static_cast<int64_t>(D) + d0;
@@ -425,24 +484,18 @@ __device__ __forceinline__ void unpack8(const Raw8<__half>& r, float (&x)[kElems
   }
 }
 
-// x[i] = tensor[row + (col + i) * col_stride] for i < 8, from a float32/float16/bfloat16
-// tensor (`kind`); `vec`: col_stride == 1 and the run is 16-byte aligned (one or two
-// 16-byte loads).  Uniform branches only (kind and vec are per launch).
-__device__ __forceinline__ void load8_kind(const void* base, int64_t row, int64_t col,
-                                           int64_t col_stride, int kind, bool vec,
+// x[i] = tensor[off + i] for i < 8 from a float32/float16/bfloat16 tensor (`kind`, uniform
+// per launch) whose 8-element run at `off` is contiguous and 16-byte aligned (the host sends
+// other layouts to the generic kernel): one 16-byte load (two for float32).
+__device__ __forceinline__ void load8_kind(const void* base, int64_t off, int kind,
                                            float (&x)[kElems]) {
-  if (vec) {
-    if (kind == kBF16) unpack8(ldg8(static_cast<const __nv_bfloat16*>(base) + row + col), x);
-    else if (kind == kF16) unpack8(ldg8(static_cast<const __half*>(base) + row + col), x);
-    else unpack8(ldg8(static_cast<const float*>(base) + row + col), x);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) x[i] = load_float(base, row + (col + i) * col_stride, kind);
-  }
+  if (kind == kBF16) unpack8(ldg8(static_cast<const __nv_bfloat16*>(base) + off), x);
+  else if (kind == kF16) unpack8(ldg8(static_cast<const __half*>(base) + off), x);
+  else unpack8(ldg8(static_cast<const float*>(base) + off), x);
 }
 
 template <typename In, typename Out>
-__global__ void __launch_bounds__(kThreads, sizeof(In) == 4 ? 3 : kMinBlocks)
+__global__ void __launch_bounds__(kThreads, sizeof(In) == 4 || sizeof(Out) == 4 ? 3 : kMinBlocks)
     kv_epilogue_pair_kernel(const __grid_constant__ Params p) {
   const int g_log2 = p.group_log2;
   const int64_t gtid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -466,8 +519,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(In) == 4 ? 3 : kMinBlocks)
   const int64_t col_k = (static_cast<int64_t>(layer) * 2 * p.hkv + h) * D;
   const int64_t col_v = col_k + static_cast<int64_t>(p.hkv) * D;
 
-  // 1. every long-latency load first: the indices, K and V (DRAM), then the small L1/L2-
-  //    resident side inputs; nothing is consumed before all K/V loads are in flight.
+  // 1. the long-latency loads first: the indices and K and V (DRAM); nothing is consumed
+  //    before all of them are in flight.
   int64_t slot = -1, pos = -1;
   Raw8<In> ka{}, kb{}, va{}, vb{};
   if (in_range) {
@@ -479,35 +532,59 @@ __global__ void __launch_bounds__(kThreads, sizeof(In) == 4 ? 3 : kMinBlocks)
     va = ldg8(row + col_v + da);
     vb = ldg8(row + col_v + db);
   }
-  float wa[kElems], wb[kElems];
-  if (in_range) {
-    const int64_t wrow = static_cast<int64_t>(layer) * p.w_s0;
-    load8_kind(p.norm_w, wrow, da, p.w_s1, p.w_kind, p.w_vec, wa);
-    load8_kind(p.norm_w, wrow, db, p.w_s1, p.w_kind, p.w_vec, wb);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) wa[i] = wb[i] = 0.f;
-  }
   // rows with an index out of range skip their stores (the wrapper rejects such indices)
   const bool live = in_range && slot >= 0 && slot < p.num_slots && pos >= 0 && pos < p.max_pos;
-  float cs_c[kElems], cs_s[kElems];
-  if (live && pair) {
-    const int64_t crow = pos * p.cs_s0;
-    load8_kind(p.cs, crow, da, p.cs_s1, p.cs_kind, p.cs_vec, cs_c);
-    load8_kind(p.cs, crow, db, p.cs_s1, p.cs_kind, p.cs_vec, cs_s);
-  } else {
+  const int64_t dst_row = (slot * p.hkv + h) * static_cast<int64_t>(D);
+
+  // 2. V: cast and store as soon as it is here (frees its registers before the K math); a bit
+  //    copy when the cache has the input's type and there is no bias
+  if (live) {
+    Out* vdst = static_cast<Out*>(p.v_base[l]) + dst_row;
+    bool copied = false;
+    if constexpr (std::is_same_v<In, Out>) {
+      if (p.bias == nullptr) {
 #pragma unroll
-    for (int i = 0; i < kElems; ++i) cs_c[i] = cs_s[i] = 0.f;
+        for (int i = 0; i < int(sizeof(In) / 2); ++i) {
+          reinterpret_cast<uint4*>(vdst + da)[i] = va.u[i];
+          reinterpret_cast<uint4*>(vdst + db)[i] = vb.u[i];
+        }
+        copied = true;
+      }
+    }
+    if (!copied) {
+      float fa[kElems], fb[kElems];
+      unpack8(va, fa);
+      unpack8(vb, fb);
+      if (p.bias != nullptr) {  // rare: kv_bias adds an L2 round trip
+        float ba[kElems], bb[kElems];
+        load8_kind(p.bias, col_v + da, p.bias_kind, ba);
+        load8_kind(p.bias, col_v + db, p.bias_kind, bb);
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) {
+          fa[i] += ba[i];
+          fb[i] += bb[i];
+        }
+      }
+      if constexpr (kIsFp8<Out>) {
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) {
+          fa[i] = __fmul_rn(fa[i], p.v_inv_scale);
+          fb[i] = __fmul_rn(fb[i], p.v_inv_scale);
+        }
+      }
+      Store8<Out, true>::run(vdst + da, kElems, fa);
+      Store8<Out, true>::run(vdst + db, kElems, fb);
+    }
   }
 
-  // 2. K: RMSNorm over the D dims of the head (G lanes), then RoPE on the pairs
+  // 3. K: RMSNorm over the D dims of the head (G lanes), then RoPE on the pairs
   float xa[kElems], xb[kElems];
   unpack8(ka, xa);
   unpack8(kb, xb);
-  if (p.bias != nullptr && in_range) {  // rare: kv_bias adds one L2 round trip here
+  if (p.bias != nullptr && in_range) {
     float ba[kElems], bb[kElems];
-    load8_kind(p.bias, 0, col_k + da, p.bias_s, p.bias_kind, p.bias_vec, ba);
-    load8_kind(p.bias, 0, col_k + db, p.bias_s, p.bias_kind, p.bias_vec, bb);
+    load8_kind(p.bias, col_k + da, p.bias_kind, ba);
+    load8_kind(p.bias, col_k + db, p.bias_kind, bb);
 #pragma unroll
     for (int i = 0; i < kElems; ++i) {
       xa[i] += ba[i];
@@ -521,9 +598,24 @@ __global__ void __launch_bounds__(kThreads, sizeof(In) == 4 ? 3 : kMinBlocks)
   for (int i = 0; i < kElems; ++i) ss += xb[i] * xb[i];
   for (int off = (1 << g_log2) >> 1; off > 0; off >>= 1) ss += __shfl_xor_sync(kFull, ss, off);
   if (!live) return;  // all shuffles are done
+  // the small, L1-resident side inputs (this layer's norm weights, the token's cos/sin) only
+  // now: loading them with K and V would keep 32 more registers live across the DRAM wait
+  float wa[kElems], wb[kElems], cs_c[kElems], cs_s[kElems];
+  {
+    const int64_t wrow = static_cast<int64_t>(layer) * p.w_s0;
+    load8_kind(p.norm_w, wrow + da, p.w_kind, wa);
+    load8_kind(p.norm_w, wrow + db, p.w_kind, wb);
+  }
+  if (pair) {
+    const int64_t crow = pos * p.cs_s0;
+    load8_kind(p.cs, crow + da, p.cs_kind, cs_c);
+    load8_kind(p.cs, crow + db, p.cs_kind, cs_s);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) cs_c[i] = cs_s[i] = 0.f;
+  }
   // IEEE sqrt and division (not rsqrtf): closer to the float32 reference
   const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + p.eps);
-
   float oa[kElems], ob[kElems];
 #pragma unroll
   for (int i = 0; i < kElems; ++i) {
@@ -538,49 +630,13 @@ __global__ void __launch_bounds__(kThreads, sizeof(In) == 4 ? 3 : kMinBlocks)
   if constexpr (kIsFp8<Out>) {
 #pragma unroll
     for (int i = 0; i < kElems; ++i) {
-      oa[i] = oa[i] / p.k_scale;
-      ob[i] = ob[i] / p.k_scale;
+      oa[i] = __fmul_rn(oa[i], p.k_inv_scale);
+      ob[i] = __fmul_rn(ob[i], p.k_inv_scale);
     }
   }
-  const int64_t dst_row = (slot * p.hkv + h) * static_cast<int64_t>(D);
   Out* kdst = static_cast<Out*>(p.k_base[l]) + dst_row;
   Store8<Out, true>::run(kdst + da, kElems, oa);
   Store8<Out, true>::run(kdst + db, kElems, ob);
-
-  // 3. V: cast and store (a bit copy when the cache has the input's type and there is no bias)
-  Out* vdst = static_cast<Out*>(p.v_base[l]) + dst_row;
-  if constexpr (std::is_same_v<In, Out>) {
-    if (p.bias == nullptr) {
-#pragma unroll
-      for (int i = 0; i < int(sizeof(In) / 2); ++i) {
-        reinterpret_cast<uint4*>(vdst + da)[i] = va.u[i];
-        reinterpret_cast<uint4*>(vdst + db)[i] = vb.u[i];
-      }
-      return;
-    }
-  }
-  float fa[kElems], fb[kElems];
-  unpack8(va, fa);
-  unpack8(vb, fb);
-  if (p.bias != nullptr) {
-    float ba[kElems], bb[kElems];
-    load8_kind(p.bias, 0, col_v + da, p.bias_s, p.bias_kind, p.bias_vec, ba);
-    load8_kind(p.bias, 0, col_v + db, p.bias_s, p.bias_kind, p.bias_vec, bb);
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) {
-      fa[i] += ba[i];
-      fb[i] += bb[i];
-    }
-  }
-  if constexpr (kIsFp8<Out>) {
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) {
-      fa[i] = fa[i] / p.v_scale;
-      fb[i] = fb[i] / p.v_scale;
-    }
-  }
-  Store8<Out, true>::run(vdst + da, kElems, fa);
-  Store8<Out, true>::run(vdst + db, kElems, fb);
 }
 
 int float_kind(const at::Tensor& t, const char* name) {
@@ -713,8 +769,11 @@ void materialize_kv_epilogue_cuda(const at::Tensor& kv, const at::Tensor& k_norm
   p.half = static_cast<int32_t>(rot / 2);
   p.rot = static_cast<int32_t>(rot);
   p.eps = static_cast<float>(eps);
-  p.k_scale = static_cast<float>(k_scale);
-  p.v_scale = static_cast<float>(v_scale);
+  // x / scale as torch's CUDA division by a Python scalar computes it (what the reference
+  // runs on the GPU, and SGLang's set_kv_buffer): x * (1 / scale), the reciprocal rounded to
+  // float32 once (within one float32 ulp of the IEEE quotient; no per-element division)
+  p.k_inv_scale = 1.0f / static_cast<float>(k_scale);
+  p.v_inv_scale = 1.0f / static_cast<float>(v_scale);
 
   // 8-element chunks are vector-accessible when D is a multiple of 8 and every base pointer
   // and row stride keeps 16-byte alignment (fp8 stores need 8).
@@ -723,15 +782,18 @@ void materialize_kv_epilogue_cuda(const at::Tensor& kv, const at::Tensor& k_norm
     vec = vec && aligned16(k_buffers[i].data_ptr()) && aligned16(v_buffers[i].data_ptr());
   }
   p.vec = vec;
-  // The pair kernel needs whole 16-dim lane shares: D and R multiples of 16 (then R/2 and
-  // every chunk start are multiples of 8).  Its side inputs load 8-element runs as vectors
-  // when contiguous and 16-byte aligned, else element by element.
-  const bool pair = vec && D % (2 * kElems) == 0 && rot % (2 * kElems) == 0;
-  p.w_vec = p.w_s1 == 1 && aligned16(p.norm_w) &&
-            (p.w_s0 * k_norm_weight.element_size()) % 16 == 0;
-  p.cs_vec = p.cs_s1 == 1 && aligned16(p.cs) &&
-             (p.cs_s0 * cos_sin_cache.element_size()) % 16 == 0;
-  p.bias_vec = kv_bias.has_value() && p.bias_s == 1 && aligned16(p.bias);
+  // The pair kernel needs whole 16-dim lane shares (D and R multiples of 16, so R/2 and
+  // every chunk start are multiples of 8) and loads 8-element runs of every input as 16-byte
+  // vectors: k_norm_weight / cos_sin_cache / kv_bias rows contiguous and 16-byte aligned.
+  // Anything else (odd head or rotary dims, strided or unaligned side inputs) takes the
+  // generic kernel.
+  const auto rows16 = [](const void* ptr, int64_t s0, int64_t s1, int64_t esize) {
+    return s1 == 1 && aligned16(ptr) && (s0 * esize) % 16 == 0;
+  };
+  const bool pair = vec && D % (2 * kElems) == 0 && rot % (2 * kElems) == 0 &&
+                    rows16(p.norm_w, p.w_s0, p.w_s1, k_norm_weight.element_size()) &&
+                    rows16(p.cs, p.cs_s0, p.cs_s1, cos_sin_cache.element_size()) &&
+                    (!kv_bias.has_value() || rows16(p.bias, 0, p.bias_s, 1));
   // lanes per (t, l, h) (pair kernel: 16 dims per lane) or per row (generic: 8 per lane)
   const int64_t dims_per_lane = pair ? 2 * kElems : kElems;
   int g_log2 = 0;

@@ -17,51 +17,98 @@
 //          u = coin_final * sum(r); the bonus token is the first index with r > 0 and
 //          inclusive cumsum > u, else the last index with r > 0, else V - 1.
 //
-// One launch, one block of kThreads threads per request, no host sync, current stream
-// (CUDA-graph capturable), no atomics: every reduction has a fixed order that depends on V
-// only, so results are deterministic and independent of the batch.
+// One launch (plus, when a request is split over several blocks, a cudaMemsetAsync of bs
+// int32 ticket counters before it), no host sync, current stream, CUDA-graph capturable
+// (the workspace comes from torch's caching allocator, the memset is a graph node), no
+// float atomics: every float reduction has a fixed order that depends on V only, so the
+// results are deterministic and independent of the batch, of the SM count and of the
+// scheduling.
 //
-//   1. The block stages the request's tree rows (tokens, retrive rows, links, coins) in
+// Grid (bs, C): the vocabulary is cut into T = ceil(V / kTile) tiles of kTile = 8192 tokens
+// (kThreads = 512 threads x kChunk = 16 consecutive tokens); block (b, c) owns a contiguous
+// range of ceil(T / C) tiles of request b.  C is picked on the host from bs, T and the
+// number of co-resident blocks (SMs x occupancy) so that bs * C fills about one wave; the
+// arithmetic is defined per TILE, so C changes nothing in the results.
+//
+//   1. Every block stages the request's tree rows (tokens, retrive rows, links, coins) in
 //      shared memory as int32 / float (index tensors may be int32 or int64, any mix;
 //      values outside their range are treated as missing links / zero probability, so the
 //      kernel never reads out of bounds).
-//   2. Warp 0 walks the tree.  Per node, lane 0 lists the children (sibling chain in
-//      shared memory, at most D), the lanes load q[tok] of up to 32 children at once (one
-//      global-latency round per node instead of one per child), then every lane runs the
-//      same sequential float32 sum in sibling order (values broadcast by shuffles), so the
-//      decisions are bit-identical to the reference's (IEEE add and division: this file
-//      must not be built with --use_fast_math).  When no child is accepted, lane 0 sorts
+//   2. Warp 0 of every block walks the tree (the C blocks of a request redo the same cheap
+//      walk, same inputs, same code: identical result).  Per node, lane 0 lists the children
+//      (sibling chain in shared memory, at most D), the lanes load q[tok] of up to 32 children
+//      at once (one global-latency round per node instead of one per child), then every lane
+//      runs the same sequential float32 sum in sibling order (values broadcast by shuffles),
+//      so the decisions are bit-identical to the reference's (IEEE add and division: this
+//      file must not be built with --use_fast_math).  When no child is accepted, lane 0 sorts
 //      the rejected tokens.
-//   3. The whole block draws the bonus token over V in steps of kThreads * kChunk tokens,
-//      each thread owning kChunk = 16 consecutive tokens of a step (four float4 loads, all
-//      in flight before use, when the rows are 16-byte aligned and V % 4 == 0; else scalar
-//      loads):
-//        pass 1: per-thread float32 sums, then a fixed-order block reduction -> total;
-//        pass 2: per step, one block-wide exclusive scan of the chunk sums (warp shuffles +
-//                one warp over the warp totals) gives each token's
-//                cdf = running + (chunk prefix + in-chunk prefix); the block stops at the
-//                first step holding a token with r > 0 and cdf > u (block min of the
-//                candidates), keeping the last r > 0 index for the fallback.
-//      The rejected tokens (sorted) are zeroed by a per-thread cursor: each thread's
-//      positions grow step by step, so the cursor only moves forward (amortised O(1)).
-//   4. Outputs: accept_length, all S columns of accept_index (-1 past the path), and the
-//      request's D rows of predicts (path rows get the next path token / the bonus, every
-//      other row 0).  Assumes, as SGLang and specattn.ops.build_tree, that
-//      retrive_index[b, :] lies in request b's rows [b*D, b*D + D).
+//   3. Per tile t of the block: each thread loads its 16 tokens (four float4 loads, all in
+//      flight before use, when the rows are 16-byte aligned and V % 4 == 0; else scalar),
+//      zeroes the rejected tokens (sorted; per-thread forward cursor), sums them sequentially
+//      (acc_j = acc_{j-1} + r_j), and one block-wide exclusive scan of the thread sums
+//      (warp shuffles + one warp over the warp totals) gives excl.  The tile's LOCAL cdf of
+//      token j is  loc_j = excl + acc_j  and the tile writes to the workspace:
+//        S_t = the scan's block total,
+//        M_t = max of loc_j over the tokens with r_j > 0 (exact max; -1 if none),
+//        L_t = the last token with r_j > 0 (-1 if none).
+//      Then thread 0 publishes: __threadfence(); ticket = atomicAdd(&counter[b], 1) (int).
+//      Only the block that draws ticket C - 1 goes on (C == 1: no counter, no memset).
+//   4. The last block of request b (warp 0, lanes load 32 tiles at a time, the fold runs in
+//      the same order in every lane):
+//        P_0 = 0, P_{t+1} = P_t + S_t (float32, tile order);  total = P_T;
+//        u = f32(coin_final * total);
+//        t* = the first tile with L_t >= 0 and P_t + M_t > u;
+//      then the whole block rescans tile t* with the same code as in 3 and takes the first
+//      token j with r_j > 0 and P_t* + loc_j > u (block min).  No t*: the largest L_t (the
+//      last positive token); all L_t < 0: V - 1.
+//   5. Outputs (last block only): accept_length, all S columns of accept_index (-1 past the
+//      path), and the request's D rows of predicts (path rows get the next path token / the
+//      bonus, every other row 0); counter[b] is reset to 0.  Assumes, as SGLang and
+//      specattn.ops.build_tree, that retrive_index[b, :] lies in request b's rows
+//      [b*D, b*D + D).
 //
-// Exactness vs the reference: accept_index / accept_length / the accepted drafts in
-// predicts are bit-exact; the bonus token may differ only when u lies within float rounding
-// of a cdf boundary (the reference's CPU cumsum accumulates in double, this kernel in
-// float32 in tile order), and is then a neighbouring token with positive residual.
+// Rounding contract of the draw.  The kernel's cdf of token j (in tile t) is
+//     cdf_j = P_t + loc_j                       (float32 adds, exactly as written above)
+// and the bonus is the first j with r_j > 0 and cdf_j > u, u = f32(coin * P_T), else the
+// last j with r_j > 0, else V - 1: the reference's rule with this cdf and total.  The tile
+// selection in 4 is exact, not a heuristic: x -> fl(P_t + x) is monotone, so
+// max_j fl(P_t + loc_j) = fl(P_t + M_t), hence "tile t holds a positive j with cdf_j > u"
+// iff P_t + M_t > u; the rescan of t* therefore always finds its token, the fallback is
+// taken iff no cdf_j exceeds u, and no tile before t* is skipped wrongly.  Every quantity is
+// a fixed function of the tile's inputs (same code in the writer and in the rescan), so the
+// choice is bit-reproducible whatever C, bs or the order in which blocks finish.
+// Vs the reference (double cumsum, float32 torch sum for the total): accept_index /
+// accept_length / the accepted drafts in predicts are bit-exact; the bonus token may differ
+// only when u lies within float rounding (~1e-6 relative) of a cdf boundary, and is then a
+// neighbouring token with positive residual.  When every partial sum is exact in float32
+// (the tests' dyadic cases: multiples of 1/32 with small totals) every S_t, P_t, loc_j,
+// total and u are exact whatever the order, so cdf_j equals the reference's cumsum and the
+// bonus is bit-exact.  Vs the previous one-block-per-request kernel (pass-1 total from
+// per-thread strided sums, pass-2 cdf from running step totals) the float bits of the total
+// and of the cdf differ, so at boundaries the two may pick neighbouring tokens.
+//
+// Performance (H100, bench verify_sampling: bs 64, D 64, V 128256 fp32, no draft):
+//   predicted: ~15-20 us at bs 64, V 128256 (was 64.4 us), because the 33 MB of residual
+//   rows are now streamed by ~2 blocks on every SM (C = 4 here: 256 blocks of 4 tiles, one
+//   wave, 64 KB of loads in flight per SM) instead of one block on 64 of 132 SMs, so the
+//   stream runs near the copy ceiling: 33 MB / ~2.7-3.0 TB/s = 11-12 us; on top, in series:
+//   launch + the memset node (~2-3 us in a graph), the redone walk before the stream (~2-3
+//   us: 1 round for the tree rows + 1 per accepted level, L2-shared by the C blocks of a
+//   request) and the last block's tail (~1-2 us: ticket, 2 L2 reads of the partials, one
+//   8192-token rescan from L2, outputs).  The work per block is T / C tiles, so a request's
+//   tail waits for its slowest block; the tail after the stream is what keeps it above the
+//   ~11 us floor.
 //
 // Only c10 CUDA headers (no ATen/cuda/CUDAContext.h): the file also compiles against a
 // CPU-only torch with a bare nvcc (CI), like kv_move.cu.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 
@@ -72,8 +119,13 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+// float4 path: at most 64 registers, two blocks (32 warps) per SM; the scalar path (rows
+// not 16-byte aligned, V % 4 != 0) keeps its 32 loads in flight in registers, one block.
+template <int VEC>
+constexpr int kMinBlocksPerSm = VEC == 4 ? 2 : 1;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr size_t kMaxSmemBytes = 47 * 1024;  // dynamic; 48 KiB per block without opt-in
+constexpr int kMaxGridY = 65535;
 
 // An int32 or int64 index tensor, read as int64 (dtype picked at run time: the rows are read
 // once per block, so a branch costs less than 16 template instantiations).
@@ -104,33 +156,22 @@ struct Params {
   int64_t tp_s0, tp_s1;
   const float* draft;  // nullptr: zeros
   int64_t dp_s0, dp_s1;
+  // workspace, [bs, T] each (tile sums S, largest positive local cdf M, last positive L),
+  // and the per-request tickets [bs] (zero at launch when gridDim.y > 1)
+  float* ws_sum;
+  float* ws_max;
+  int32_t* ws_last;
+  int32_t* counters;
   float th_single, th_acc;
   int D, S, V;
+  int T;               // tiles per request
+  int tiles_per_block;  // block (b, c) owns tiles [c * tpb, min(T, (c + 1) * tpb))
 };
 
 // Shared-memory layout (dynamic part, 28 * D + 8 * min(S, D) bytes): int32 cand, ridx, nxt,
 // sib, kids, rej [D]; float coin [D]; int32 path_row, path_tok [min(S, D)].
 
 // ------------------------------------------------------------------ block primitives
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFull, x, o);
-  return x;
-}
-
-// Sum over the block, same value in every thread; fixed order.  Ends with a barrier after
-// the last read of `scratch`.
-__device__ float block_sum(float x, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  x = warp_sum(x);
-  if (lane == 0) scratch[warp] = x;
-  __syncthreads();
-  float t = lane < kWarps ? scratch[lane] : 0.f;
-  t = warp_sum(t);  // every warp reduces the warp totals in the same order
-  __syncthreads();
-  return t;
-}
-
 template <bool kMax>
 __device__ int block_minmax(int x, int* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -181,11 +222,11 @@ __device__ float block_exclusive_scan(float x, float* scratch, float* total) {
   return warp_excl + excl;
 }
 
-// ------------------------------------------------------------------ residual chunks
-// Each thread owns kChunk consecutive tokens per step of kThreads * kChunk tokens, so a
-// step's inclusive cdf is one block-wide scan of the per-thread chunk sums.
+// ------------------------------------------------------------------ residual tiles
+// Each thread owns kChunk consecutive tokens of a tile of kThreads * kChunk tokens, so a
+// tile's local cdf is one block-wide scan of the per-thread chunk sums.
 constexpr int kChunk = 16;
-constexpr int kStep = kThreads * kChunk;
+constexpr int kTile = kThreads * kChunk;
 
 // relu(q - p) at tokens [v, v + kChunk) (0 past V; p = 0 when p_row is null).  VEC == 4
 // (float4 loads) only when V % 4 == 0 and the rows are 16-byte aligned, so each 4-vector
@@ -237,15 +278,36 @@ __device__ __forceinline__ void zero_rejected(float (&r)[kChunk], int64_t v, con
   }
 }
 
+// This thread's residual at its tokens [v, v + kChunk) of a tile, and their sequential sum.
+// The local cdf of token j is  excl + acc_j  with acc_j = ((r_0 + r_1) + ...) + r_j  and
+// excl the block's exclusive scan of the thread sums: the writer pass and the rescan call
+// this same code, so both see the same floats.
+template <int VEC>
+__device__ __forceinline__ float load_residual(float (&r)[kChunk], const float* q_row,
+                                               const float* p_row, int64_t v, int V,
+                                               const int32_t* rej, int nrej, int& cur) {
+  load_chunk<VEC>(r, q_row, p_row, v, V);
+  if (nrej > 0) zero_rejected(r, v, rej, nrej, cur);
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) acc = acc + r[j];
+  return acc;
+}
+
 // ------------------------------------------------------------------ kernel
 template <int VEC>
-__global__ void __launch_bounds__(kThreads) tree_sampling_kernel(const Params P) {
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<VEC>)
+    tree_sampling_kernel(const Params P) {
   extern __shared__ int32_t smem[];
   __shared__ float s_scratch[kWarps];
+  __shared__ float s_fscratch[kWarps];
   __shared__ int s_iscratch[kWarps];
   __shared__ int s_state[3];  // accepted count, final node, number of rejected tokens
+  __shared__ int s_sel[2];    // last block: tile t* (-1: none), last positive token
+  __shared__ float s_selp[2];  // last block: P_t*, u
+  __shared__ int s_is_last;
 
-  const int D = P.D, S = P.S, V = P.V;
+  const int D = P.D, S = P.S, V = P.V, T = P.T;
   const int Pn = min(S, D);
   int32_t* s_cand = smem;
   int32_t* s_ridx = s_cand + D;
@@ -258,7 +320,7 @@ __global__ void __launch_bounds__(kThreads) tree_sampling_kernel(const Params P)
   int32_t* s_path_tok = s_path_row + Pn;
 
   const int64_t b = blockIdx.x;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   // ---- 1. stage the tree rows (invalid values -> missing link / token -1)
   for (int j = tid; j < D; j += kThreads) {
@@ -271,9 +333,8 @@ __global__ void __launch_bounds__(kThreads) tree_sampling_kernel(const Params P)
   }
   __syncthreads();
 
-  // ---- 2. the walk, by warp 0
-  if (tid < 32) {
-    const int lane = tid;
+  // ---- 2. the walk, by warp 0 (the same in every block of the request)
+  if (warp == 0) {
     int node = 0, n = 0, nrej = 0;
     if (lane == 0) s_path_row[0] = s_ridx[0];
     // n + 1 < Pn only matters for invalid (cyclic) links: a tree has at most D - 1 drafts
@@ -334,62 +395,155 @@ __global__ void __launch_bounds__(kThreads) tree_sampling_kernel(const Params P)
   __syncthreads();
   const int n = s_state[0], node = s_state[1], nrej = s_state[2];
 
-  // ---- 3. the bonus draw over V
+  // ---- 3. this block's tiles: S_t, M_t, L_t into the workspace
   const float* __restrict__ q_row = P.target + b * P.tp_s0 + node * P.tp_s1;
   const float* __restrict__ p_row =
       (P.draft != nullptr && n != S - 1) ? P.draft + b * P.dp_s0 + node * P.dp_s1 : nullptr;
-  float part = 0.f;
+  float* ws_sum = P.ws_sum + b * T;
+  float* ws_max = P.ws_max + b * T;
+  int32_t* ws_last = P.ws_last + b * T;
+  const int t0 = static_cast<int>(blockIdx.y) * P.tiles_per_block;
+  const int t1 = min(T, t0 + P.tiles_per_block);
   int cur = 0;
-  for (int64_t v = static_cast<int64_t>(tid) * kChunk; v < V; v += kStep) {
+  for (int t = t0; t < t1; ++t) {  // block-uniform trip count
+    const int64_t v = static_cast<int64_t>(t) * kTile + static_cast<int64_t>(tid) * kChunk;
     float r[kChunk];
-    load_chunk<VEC>(r, q_row, p_row, v, V);
-    if (nrej > 0) zero_rejected(r, v, s_rej, nrej, cur);
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) part += r[j];
-  }
-  const float total = block_sum(part, s_scratch);
-  const float u = __fmul_rn(P.final_coins[b * P.fc_s0], total);
-
-  float running = 0.f;  // sum of the previous steps (same value in every thread)
-  int found = -1, last_pos = -1;
-  cur = 0;
-  for (int64_t base = 0; base < V; base += kStep) {  // block-uniform trip count
-    const int64_t v = base + static_cast<int64_t>(tid) * kChunk;
-    float r[kChunk];
-    load_chunk<VEC>(r, q_row, p_row, v, V);
-    if (nrej > 0) zero_rejected(r, v, s_rej, nrej, cur);
-    float incl[kChunk];
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) incl[j] = acc = acc + r[j];
-    float step_total;
-    const float excl = block_exclusive_scan(acc, s_scratch, &step_total);
-    int mine = std::numeric_limits<int>::max();
+    const float acc = load_residual<VEC>(r, q_row, p_row, v, V, s_rej, nrej, cur);
+    float tile_sum;
+    const float excl = block_exclusive_scan(acc, s_scratch, &tile_sum);
+    // the largest local cdf of a positive token of this thread: acc_j grows with j and
+    // x -> fl(excl + x) is monotone, so it is the one at the last positive token
+    float a = 0.f, m = -1.f;
+    int l = -1;
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
+      a = a + r[j];
       if (r[j] > 0.f) {
-        last_pos = static_cast<int>(v) + j;
-        if (mine == std::numeric_limits<int>::max() && running + (excl + incl[j]) > u)
-          mine = static_cast<int>(v) + j;
+        m = excl + a;
+        l = static_cast<int>(v) + j;
       }
     }
-    // barrier: also orders the scan's reads of s_scratch before the next step's writes
-    if (__syncthreads_or(mine != std::numeric_limits<int>::max())) {
-      found = block_minmax<false>(mine, s_iscratch);
-      break;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+      l = max(l, __shfl_xor_sync(kFull, l, o));
     }
-    running += step_total;
-  }
-  int bonus = found;
-  if (bonus < 0) {
-    bonus = block_minmax<true>(last_pos, s_iscratch);
-    if (bonus < 0) bonus = V - 1;
+    if (lane == 0) {
+      s_fscratch[warp] = m;
+      s_iscratch[warp] = l;
+    }
+    // barrier: also orders the scan's reads of s_scratch before the next tile's writes
+    __syncthreads();
+    if (warp == 0) {
+      m = lane < kWarps ? s_fscratch[lane] : -1.f;
+      l = lane < kWarps ? s_iscratch[lane] : -1;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+        l = max(l, __shfl_xor_sync(kFull, l, o));
+      }
+      if (lane == 0) {  // thread 0 writes every workspace entry of this block
+        ws_sum[t] = tile_sum;
+        ws_max[t] = m;
+        ws_last[t] = l;
+      }
+    }
+    // the next tile's writes of s_fscratch / s_iscratch come after its scan's barriers
   }
 
-  // ---- 4. outputs
+  // ---- ticket: only the last block of the request goes on
+  if (gridDim.y > 1) {
+    if (tid == 0) {
+      __threadfence();  // this block's workspace entries before its ticket
+      const int ticket = atomicAdd(P.counters + b, 1);
+      s_is_last = ticket == static_cast<int>(gridDim.y) - 1;
+    }
+    __syncthreads();
+    if (!s_is_last) return;
+    __threadfence();  // the other blocks' entries (read below with ld.cg, past L1)
+  } else {
+    __syncthreads();  // thread 0's workspace writes before warp 0 reads them
+  }
+
+  // ---- 4. the last block: fold the tiles in order, pick the tile, rescan it
+  if (warp == 0) {
+    const float coin = P.final_coins[b * P.fc_s0];
+    float total = 0.f;  // P_T
+    int last_pos = -1;
+    for (int base = 0; base < T; base += 32) {
+      float s = 0.f;
+      if (base + lane < T) {
+        s = __ldcg(ws_sum + base + lane);
+        last_pos = max(last_pos, __ldcg(ws_last + base + lane));
+      }
+      const int cnt = min(32, T - base);
+      for (int i = 0; i < cnt; ++i) total = total + __shfl_sync(kFull, s, i);  // tile order
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) last_pos = max(last_pos, __shfl_xor_sync(kFull, last_pos, o));
+    const float u = __fmul_rn(coin, total);
+    float prefix = 0.f;  // P_t
+    int tstar = -1;
+    for (int base = 0; base < T && tstar < 0; base += 32) {  // uniform over the warp
+      float s = 0.f, m = -1.f;
+      int l = -1;
+      if (base + lane < T) {
+        s = __ldcg(ws_sum + base + lane);
+        m = __ldcg(ws_max + base + lane);
+        l = __ldcg(ws_last + base + lane);
+      }
+      const int cnt = min(32, T - base);
+      for (int i = 0; i < cnt; ++i) {
+        const float si = __shfl_sync(kFull, s, i), mi = __shfl_sync(kFull, m, i);
+        const int li = __shfl_sync(kFull, l, i);
+        if (li >= 0 && prefix + mi > u) {
+          tstar = base + i;
+          break;
+        }
+        prefix = prefix + si;
+      }
+    }
+    if (lane == 0) {
+      s_sel[0] = tstar;
+      s_sel[1] = last_pos;
+      s_selp[0] = prefix;
+      s_selp[1] = u;
+    }
+  }
+  __syncthreads();
+  const int tstar = s_sel[0], last_pos = s_sel[1];
+  int bonus = -1;
+  if (tstar >= 0) {  // block-uniform
+    const float running = s_selp[0], u = s_selp[1];
+    const int64_t v = static_cast<int64_t>(tstar) * kTile + static_cast<int64_t>(tid) * kChunk;
+    float r[kChunk];
+    int cur2 = 0;
+    const float acc = load_residual<VEC>(r, q_row, p_row, v, V, s_rej, nrej, cur2);
+    float tile_sum;
+    const float excl = block_exclusive_scan(acc, s_scratch, &tile_sum);
+    int mine = std::numeric_limits<int>::max();
+    float a = 0.f;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      a = a + r[j];
+      if (r[j] > 0.f && mine == std::numeric_limits<int>::max()) {
+        const float loc = excl + a;
+        if (running + loc > u) mine = static_cast<int>(v) + j;
+      }
+    }
+    const int found = block_minmax<false>(mine, s_iscratch);
+    // always found (see the rounding contract); the guard keeps a token in range regardless
+    bonus = found != std::numeric_limits<int>::max() ? found : last_pos;
+  } else {
+    bonus = last_pos;
+  }
+  if (bonus < 0) bonus = V - 1;
+
+  // ---- 5. outputs
   if (tid == 0) {
     P.accept_length[b * P.al_s0] = n;
     s_path_tok[n] = bonus;
+    if (gridDim.y > 1) P.counters[b] = 0;  // leave the ticket ready for the next launch
   }
   for (int k = tid; k < S; k += kThreads)
     P.accept_index[b * P.acc_s0 + k * P.acc_s1] = k <= n ? s_path_row[k] : -1;
@@ -409,6 +563,27 @@ bool aligned16(const float* p, int64_t s0, int64_t s1, int64_t V) {
 
 IdxView index_view(const at::Tensor& t) {
   return {t.data_ptr(), t.stride(0), t.stride(1), t.scalar_type() == at::kLong};
+}
+
+// Co-resident blocks on the whole device (SMs x occupancy, queried with the largest dynamic
+// shared memory, which never binds at 2 blocks per SM), cached per device and variant.  Only
+// the split C depends on it, never the arithmetic.
+template <int VEC>
+int resident_blocks(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // 0: not queried yet
+  const bool cacheable = device >= 0 && device < kMaxDevices;
+  if (cacheable) {
+    const int c = cache[device].load(std::memory_order_relaxed);
+    if (c > 0) return c;
+  }
+  int sms = 0, per_sm = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, tree_sampling_kernel<VEC>, kThreads, kMaxSmemBytes));
+  const int c = std::max(1, sms) * std::max(1, per_sm);
+  if (cacheable) cache[device].store(c, std::memory_order_relaxed);
+  return c;
 }
 
 }  // namespace
@@ -517,7 +692,33 @@ void tree_speculative_sampling_cuda(
 
   const bool vec4 = aligned16(P.target, P.tp_s0, P.tp_s1, V) &&
                     (dp == nullptr || aligned16(P.draft, P.dp_s0, P.dp_s1, V));
-  const dim3 grid(static_cast<unsigned>(bs));
+
+  // Split: T tiles per request over C blocks of tpb tiles each, C from bs and the number of
+  // co-resident blocks (about one wave), every block non-empty.  Results do not depend on it.
+  const int64_t T = (V + kTile - 1) / kTile;
+  const int64_t resident = vec4 ? resident_blocks<4>(dev.index()) : resident_blocks<1>(dev.index());
+  const int64_t want = std::clamp<int64_t>(resident / bs, 1, std::min<int64_t>(T, kMaxGridY));
+  const int64_t tpb = (T + want - 1) / want;
+  const int64_t C = (T + tpb - 1) / tpb;
+  P.T = static_cast<int>(T);
+  P.tiles_per_block = static_cast<int>(tpb);
+
+  // Workspace from the caching allocator (stream-ordered: safe under concurrent streams and
+  // recorded under graph capture): int32 [bs] tickets, then float S, float M, int32 L
+  // [bs, T] each.  The tickets must be 0 at launch: one cudaMemsetAsync on the current
+  // stream (a memset node under capture); C == 1 needs no tickets and skips it.
+  const at::Tensor ws = at::empty({bs + 3 * bs * T}, target_probs.options().dtype(at::kInt));
+  int32_t* w = ws.data_ptr<int32_t>();
+  P.counters = w;
+  P.ws_sum = reinterpret_cast<float*>(w + bs);
+  P.ws_max = reinterpret_cast<float*>(w + bs + bs * T);
+  P.ws_last = w + bs + 2 * bs * T;
+  if (C > 1) {
+    C10_CUDA_CHECK(cudaMemsetAsync(P.counters, 0, static_cast<size_t>(bs) * sizeof(int32_t),
+                                   stream));
+  }
+
+  const dim3 grid(static_cast<unsigned>(bs), static_cast<unsigned>(C));
   if (vec4) {
     tree_sampling_kernel<4><<<grid, kThreads, static_cast<size_t>(smem), stream>>>(P);
   } else {

@@ -517,15 +517,46 @@ def test_gpu_cuda_graph_capture_replay(impl, seed):
 @needs_cuda_op
 def test_sanitizer_smoke(seed):
     """One quick run of the CUDA kernel on moderate shapes (float4 and scalar paths, with and
-    without draft_probs), for `compute-sanitizer --tool memcheck|racecheck|synccheck`."""
+    without draft_probs; V 20000+ is several 8192-token tiles, split over blocks with the
+    ticket), for `compute-sanitizer --tool memcheck|racecheck|synccheck`."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    for V in (4096, 4099):
+    for V in (4096, 4099, 20000, 20001):
         cand, tree, coins, final, probs, cap, draft = random_case(rng, gen, 4, 4, 3, 16, V,
                                                                   dev=GPU_DEV)
         for dp in (None, torch.rand(probs.shape, device=GPU_DEV) * probs):
             compare("cuda", cand, tree, coins, final, probs, 3, 1.0, 1.0, dp)
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+def test_gpu_rejected_tokens_at_tile_edges(impl, seed):
+    """All children of the root rejected, their tokens at 8192-token tile edges (the CUDA
+    kernel's split-V tiles; also 4096 multiples, Triton's tile), the law peaked there, coins
+    near 0 and 1, with and without draft: exact path, bonus by property."""
+    _skip_unavailable(impl)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    tile = 8192
+    for V in (3 * tile, 5 * tile + 3, 2 * tile + 1):
+        topk = rng.randint(2, 8)
+        D = topk + 1
+        tree = build_tree(torch.tensor([[-1]], device=GPU_DEV),
+                          torch.tensor([list(range(topk))], device=GPU_DEV),
+                          torch.tensor([0], device=GPU_DEV), topk, 1, D)
+        edges = [t * tile // 2 + d for t in range(1, 2 * V // tile + 1) for d in (-1, 0, 1)
+                 if 0 <= t * tile // 2 + d < V]
+        toks = rng.sample(edges, min(topk, len(edges)))
+        cand = torch.tensor([[0] + toks], device=GPU_DEV)
+        logits = torch.randn(1, D, V, generator=gen)
+        logits[0, :, edges] += torch.tensor([rng.choice([0.0, 6.0, 12.0]) for _ in edges])
+        probs = torch.softmax(logits, -1).to(GPU_DEV)
+        for fc in (0.0, 1e-7, rng.random(), 1 - 6e-8, 1.0):
+            draft = None if rng.random() < 0.5 else probs * torch.rand(probs.shape,
+                                                                      device=GPU_DEV)
+            compare(impl, cand, tree, torch.ones(1, D, device=GPU_DEV),
+                    torch.tensor([fc], device=GPU_DEV), probs, 1, 1.0, 1.0, draft)
 
 
 @pytest.mark.gpu

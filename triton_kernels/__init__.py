@@ -7,4 +7,6 @@
   draw over the vocabulary in tiles), one launch, one program per request.
 - :mod:`.kv_materialize`: DFlash fused KV materialization epilogue (K RMSNorm + RoPE, cast,
   store into every draft layer's cache) after one torch GEMM, one launch.
+- :mod:`.attention`: paged MHA/GQA attention for every forward mode (causal or bit-packed tree
+  mask, GQA rows packed, optional split-KV + merge), used by ``TritonBackend``.
 """

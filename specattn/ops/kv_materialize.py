@@ -23,7 +23,13 @@ Implementations (registry op ``materialize_kv``; all take the reference's signat
   (csrc/kv_materialize.cu) over all tokens x layers x K/V x heads: K RMSNorm + neox RoPE,
   ``kv_bias`` (added in float32 in the epilogue), cast, store into every layer's cache.
   Per-layer cache pointers travel in a ``__grid_constant__`` parameter table.  Head dims
-  ``D <= 256`` (``impl="auto"`` sends larger heads to Triton).
+  ``D <= 256`` (``impl="auto"`` sends larger heads to Triton).  Head and rotary dims that are
+  multiples of 16 with contiguous, 16-byte aligned side inputs (every common drafter) take
+  a kernel that gives each lane the K and V of 16 dims of one head (both RoPE halves) with
+  all its DRAM loads in flight at once; other shapes a generic kernel.  fp8 scaling there is
+  ``x * (1 / scale)`` with the reciprocal rounded to float32 once, which is how torch's CUDA
+  division by a Python scalar (so the reference run on a GPU, and SGLang's
+  ``set_kv_buffer``) computes ``x / scale``.
 - ``triton``: the same GEMM, then one Triton launch
   (:mod:`specattn.triton_kernels.kv_materialize`); per-layer caches through a device table of
   offsets built once per buffer list (first call per buffer list must be eager, before any
@@ -49,8 +55,14 @@ Precision contract of the fast paths (the reference does everything in float32):
   few ulp (tested: 1e-5), 16-bit / fp8 caches bit-exact or one step apart at a rounding
   boundary.  With TF32 on, expect ~1e-3 relative.
 - Compared with the reference run on the SAME rounded GEMM output (how the tests isolate
-  the epilogue), the fast paths agree to float32 rounding: float32 caches within a few ulp,
-  16-bit / fp8 caches bit-exact except rare one-step differences at rounding ties.
+  the epilogue), the fast paths evaluate the same float32 formula and differ only by float32
+  rounding: the summation order of ``mean(x^2)``, ``rsqrt`` vs ``1 / sqrt``, FMA contraction
+  (Triton), ``x / scale`` vs ``x * (1 / scale)``.  That is a few ulp of each result, so 16-bit
+  / fp8 caches are bit-exact but for one-step differences at rounding boundaries (~1e-5 of
+  the elements), EXCEPT where RoPE's ``y_i cos - y_p sin`` cancels: there the difference is
+  a few ulp of ``|y_i| + |y_p|``, which can be several cache steps of the small result (a
+  few elements in millions at the Qwen3-8B drafter shape).  Exact bound and derivation:
+  ``check_vs_epilogue`` in tests/test_kv_materialize_fast.py.
 """
 from __future__ import annotations
 

@@ -294,9 +294,11 @@ def tree_speculative_sampling(candidates: torch.Tensor, retrive_index: torch.Ten
     Thresholds below 1 accept more, lossily.
 
     Deterministic mode (always on): the CUDA and Triton kernels use a fixed reduction order
-    and no atomics, one program / block per request with a configuration that depends on
-    ``V``, ``D`` and ``num_steps`` only, so the same inputs and coins give the same outputs
-    run to run and whatever else is in the batch (SGLang's ``deterministic=True``).  Passing
+    and no floating-point atomics (Triton: one program per request; CUDA: the vocabulary in
+    fixed 8192-token tiles summed in tile order, split over several blocks per request that
+    hand over with an integer ticket, so neither the split nor the finishing order changes a
+    bit), so the same inputs and coins give the same outputs run to run and whatever else is
+    in the batch (SGLang's ``deterministic=True``).  Passing
     both coin tensors makes the op fully deterministic.  Against the reference: acceptance
     decisions (hence ``accept_index``, ``accept_length`` and the accepted drafts in
     ``predicts``) are bit-exact (float32 sums in sibling order, IEEE division); the bonus

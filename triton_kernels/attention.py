@@ -1,0 +1,306 @@
+"""Paged MHA/GQA attention for every forward mode: one Triton kernel (+ a split-KV merge).
+
+Used by :class:`specattn.backends.triton_backend.TritonBackend`.  Semantics are the
+:mod:`specattn.backends.forward_batch` convention: request ``i`` (``r = req_pool_indices[i]``)
+has ``P = seq_lens[i]`` committed keys and ``n = qo_indptr[i+1] - qo_indptr[i]`` new tokens,
+whose K/V are already in the cache; all ``P + n`` keys are at slots
+``req_to_token[r, 0 : P + n]``.  Query ``j`` (0-based among the ``n``) sees key position
+``p < P`` always (the prefix) and ``p = P + k`` (``0 <= k < n``) when
+
+- ``causal``: ``k <= j`` (EXTEND, DECODE, DRAFT_EXTEND_V2);
+- ``tree``: bit ``k % 32`` of word ``k // 32`` of ``tree_mask[i, j]`` (TARGET_VERIFY).
+
+A query that sees no key outputs zeros (only a malformed tree row can cause it).
+
+Kernel layout (after Triton's tutorial ``06-fused-attention``: one program owns a tile of
+query rows and streams key tiles through an online softmax in float32)
+------------------------------------------------------------------------------------------
+- Grid ``(row_tiles, num_kv_heads, bs * num_splits)``.  The rows of a request and KV head are
+  its query tokens x the GQA group, packed: row ``m`` is token ``m // G``, query head
+  ``kv_head * G + m % G``.  The ``G`` query heads of a KV head therefore share every K/V tile
+  load (a decode of G = 8 runs 8 rows, a 64-token tree verify 512 rows = 8 tiles of 64).
+  ``row_tiles = cdiv(max_q * G, BLOCK_M)`` uses a *static* ``max_q`` (the batch's
+  ``num_tokens_per_req``, 1 for DECODE, the host maximum for EXTEND), so the grid never
+  depends on device values; a program whose tile starts past its request's ``n * G`` rows
+  exits at once (padded graph requests, short EXTEND requests).
+- Keys are gathered per position through ``req_to_token`` (``slot = req_to_token[r, p]``,
+  int64 address arithmetic), so a page size > 1 changes nothing: pages only decide which
+  slots the allocator hands out, the slot table is per token.
+- Phase 1, the prefix ``[0, P)`` in ``BLOCK_N`` tiles: no visibility mask (only the bound
+  ``p < P`` on the last tile).  Phase 2, this forward's tokens ``P + [0, n)``: causal rows
+  stop at the tile's last token (``k <= j_max``); tree rows load their int32 mask words
+  (``[BLOCK_M, BLOCK_N]`` gathers of ``tree_mask[i, j, k // 32]``) and test bit ``k % 32``.
+- Scores ``q . k * sm_scale`` in the log2 domain (``exp2``), running max ``m``, running sum
+  ``l`` and accumulator in float32; a fully masked tile is harmless (``m = -inf`` handled).
+  ``q @ k^T`` and ``p @ v`` use ``tl.dot`` in the cache dtype (bf16/fp16: tensor cores,
+  fp32 accumulation; fp32: ``input_precision="ieee"``, no TF32).  If ``q`` and the cache
+  dtypes differ both are upcast to fp32.  Output in the output tensor's dtype (``q.dtype``).
+- head_dim and v_head_dim are constexprs padded to a power of two >= 16 (64 and 128 exact).
+
+Split-KV (``num_splits > 1``, for DECODE / TARGET_VERIFY / DRAFT_EXTEND_V2 with few
+programs): split ``s`` of a request covers prefix positions ``[s * c, min((s + 1) * c, P))``
+with ``c = cdiv(cdiv(P, S), BLOCK_N) * BLOCK_N`` computed in-kernel from ``P`` (no host
+value), the last split also covers phase 2.  Each split writes its normalised partial output
+(float32 ``[S, T, H, Dv]``) and its log2-sum-exp (float32 ``[S, T, H]``, ``-inf`` when it saw
+no key); :func:`_merge_kernel` (grid ``(T, H)``) combines them:
+``o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)``.  The workspace comes from
+PyTorch's caching allocator per call (inside a CUDA graph capture: the graph's private pool,
+so it is static for the graph's life).
+
+No host sync: every launch parameter is a Python int fixed by shapes and static maxima.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_attention", "choose_block_m"]
+
+MASK_CAUSAL, MASK_TREE = 0, 1
+
+
+@triton.jit
+def _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile: scores ``q @ kT`` (``[BLOCK_M, BLOCK_N]``) where ``vis``, online
+    softmax update of ``(acc, m_i, l_i)``; returns the new triple."""
+    if UPCAST:
+        kT = kT.to(tl.float32)
+        v = v.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, kT, input_precision="ieee")
+    else:
+        s = tl.dot(q, kT)
+    s = tl.where(vis, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+        Q, K, V, O, O_PART, LSE_PART,
+        req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+        stride_rtt, stride_tmb, stride_tmj,
+        qk_scale,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    hk = tl.program_id(1)
+    pid2 = tl.program_id(2)
+    req = pid2 // NUM_SPLITS
+    split = pid2 % NUM_SPLITS
+
+    q_start = tl.load(qo_indptr + req)
+    n = tl.load(qo_indptr + req + 1) - q_start
+    m0 = tile * BLOCK_M
+    if m0 >= n * GROUP:
+        return
+    P = tl.load(seq_lens + req)
+    r = tl.load(req_pool_indices + req).to(tl.int64)
+    rtt_row = req_to_token + r * stride_rtt
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    j = offs_m // GROUP
+    head = hk * GROUP + offs_m % GROUP
+    row_ok = j < n
+    tok = (q_start + j).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < V_DIM
+
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + hk.to(tl.int64) * stride_kh
+    v_base = V + hk.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    # ---------------- phase 1: the committed prefix, no visibility mask
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = P
+    else:
+        chunk = tl.cdiv(tl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(split * chunk, P)
+        hi = tl.minimum(lo + chunk, P)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        slot = tl.load(rtt_row + offs_n, mask=n_ok, other=0).to(tl.int64)
+        kT = tl.load(k_base + slot[None, :] * stride_kt + offs_d[:, None],
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vt + offs_dv[None, :],
+                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, n_ok[None, :], qk_scale, IEEE, UPCAST)
+
+    # ---------------- phase 2: this forward's tokens P + [0, n), masked (last split only)
+    if MASK_MODE == 1:
+        kv_hi = n
+    else:  # causal: no row of this tile sees past its last token
+        kv_hi = tl.minimum(n, (m0 + BLOCK_M - 1) // GROUP + 1)
+    if NUM_SPLITS > 1:
+        kv_hi = tl.where(split == NUM_SPLITS - 1, kv_hi, 0)
+    for start in range(0, kv_hi, BLOCK_N):
+        offs_k = start + tl.arange(0, BLOCK_N)
+        k_ok = offs_k < kv_hi
+        slot = tl.load(rtt_row + P + offs_k, mask=k_ok, other=0).to(tl.int64)
+        kT = tl.load(k_base + slot[None, :] * stride_kt + offs_d[:, None],
+                     mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vt + offs_dv[None, :],
+                    mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+        if MASK_MODE == 1:
+            wmask = row_ok[:, None] & k_ok[None, :]
+            words = tl.load(tree_mask + req.to(tl.int64) * stride_tmb + j[:, None] * stride_tmj
+                            + (offs_k // 32)[None, :], mask=wmask, other=0)
+            vis = (((words >> (offs_k % 32)[None, :]) & 1) != 0) & wmask
+        else:
+            vis = (offs_k[None, :] <= j[:, None]) & k_ok[None, :]
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE, UPCAST)
+
+    # ---------------- epilogue
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = tl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
+    st_mask = row_ok[:, None] & dv_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+                 out.to(O.dtype.element_ty), mask=st_mask)
+    else:
+        sp = split.to(tl.int64)
+        tl.store(O_PART + sp * stride_ps + tok[:, None] * stride_pt + head[:, None] * stride_ph
+                 + offs_dv[None, :], out, mask=st_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(O_PART, LSE_PART, O, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  stride_ot, stride_oh, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr):
+    """Grid ``(T, H)``: combine the ``NUM_SPLITS`` partial outputs of one (token, head)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_DV)
+    ok = offs < V_DIM
+    lse_max = float("-inf")
+    for s in tl.static_range(NUM_SPLITS):
+        lse_max = tl.maximum(lse_max, tl.load(LSE_PART + s * stride_ls + t * stride_lt + h))
+    base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    wsum = 0.0
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.math.exp2(tl.load(LSE_PART + s * stride_ls + t * stride_lt + h) - base)
+        o = tl.load(O_PART + s * stride_ps + t * stride_pt + h * stride_ph + offs, mask=ok, other=0.0)
+        acc += w * o
+        wsum += w
+    out = tl.where(wsum > 0.0, acc / tl.where(wsum > 0.0, wsum, 1.0), 0.0)
+    tl.store(O + t * stride_ot + h * stride_oh + offs, out.to(O.dtype.element_ty), mask=ok)
+
+
+def _pow2_at_least_16(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+def choose_block_m(max_rows: int) -> int:
+    """Row-tile height for ``max_rows = max_q * G`` packed rows: 16, 32 or 64."""
+    return min(64, _pow2_at_least_16(max_rows))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                    seq_lens: torch.Tensor, qo_indptr: torch.Tensor,
+                    tree_mask: Optional[torch.Tensor], max_q: int, sm_scale: float,
+                    num_splits: int = 1, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of ``q`` over the paged cache (module docstring: semantics, layout).
+
+    Args:
+        q: ``[T, H, Dqk]`` fp32/bf16/fp16, last dim contiguous; ``T = qo_indptr[-1]`` (the
+            kernel reads only rows named by ``qo_indptr``).
+        k_cache, v_cache: ``[num_slots, Hkv, Dqk]`` / ``[num_slots, Hkv, Dv]``, one dtype,
+            last dim contiguous; ``Hkv`` divides ``H``.
+        req_to_token: int32 ``[rows, width]``, last dim contiguous.
+        req_pool_indices: int64 ``[bs]``; seq_lens: int32 ``[bs]`` (``P``, committed keys);
+        qo_indptr: int32 ``[bs + 1]`` (token offsets of each request's ``n`` new tokens).
+        tree_mask: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY: tree visibility among the
+            new tokens) or None (causal).
+        max_q: static upper bound of ``n`` over the batch (sizes the grid; larger ``n`` is
+            silently truncated, so callers must pass a true bound).
+        sm_scale: multiplies ``q . k`` before the softmax.
+        num_splits: split-KV factor over the prefix (1: single pass).
+        out: optional ``[T, H, Dv]`` output (dtype of ``q`` unless given).
+    Returns:
+        ``[T, H, Dv]`` in ``q.dtype`` (or ``out``).  With ``num_splits == 1`` rows of no
+        request are left untouched; with splits the merge writes all ``T`` rows, so every row
+        must belong to a request (``qo_indptr[-1] == T``, as every ForwardBatch has).
+    Raises:
+        ValueError: inconsistent shapes or dtypes.
+    """
+    T, H, Dqk = q.shape
+    Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
+    bs = req_pool_indices.shape[0]
+    if k_cache.shape[2] != Dqk or H % Hkv or v_cache.shape[1] != Hkv:
+        raise ValueError(f"q {list(q.shape)} does not fit caches {list(k_cache.shape)} / {list(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must share a dtype")
+    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or req_to_token.stride(1) != 1:
+        raise ValueError("q, caches and req_to_token need a contiguous last dim")
+    if tree_mask is not None and (tree_mask.dtype != torch.int32 or tree_mask.stride(2) != 1):
+        raise ValueError("tree_mask must be int32 with a contiguous last dim")
+    if num_splits < 1:
+        raise ValueError("num_splits must be >= 1")
+    G = H // Hkv
+    if out is None:
+        out = torch.empty(T, H, Dv, dtype=q.dtype, device=q.device)
+    if bs == 0 or T == 0 or max_q == 0:
+        return out
+    upcast = q.dtype != k_cache.dtype
+    ieee = upcast or k_cache.dtype == torch.float32
+    BLOCK_M = choose_block_m(max_q * G)
+    BLOCK_D, BLOCK_DV = _pow2_at_least_16(Dqk), _pow2_at_least_16(Dv)
+    BLOCK_N = 64 if (not ieee and max(BLOCK_D, BLOCK_DV) <= 128) else 32
+    grid = (triton.cdiv(max_q * G, BLOCK_M), Hkv, bs * num_splits)
+    if num_splits > 1:
+        o_part = torch.empty(num_splits, T, H, Dv, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse = out, seq_lens  # unused placeholders
+    tm = tree_mask if tree_mask is not None else seq_lens
+    tm_strides = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
+    ps = o_part.stride() if num_splits > 1 else (0, 0, 0, 0)
+    ls = lse.stride() if num_splits > 1 else (0, 0, 0)
+    _attn_fwd_kernel[grid](
+        q, k_cache, v_cache, out, o_part, lse,
+        req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        ps[0], ps[1], ps[2], ls[0], ls[1],
+        req_to_token.stride(0), tm_strides[0], tm_strides[1],
+        sm_scale * 1.4426950408889634,
+        GROUP=G, HEAD_DIM=Dqk, V_DIM=Dv, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        MASK_MODE=MASK_TREE if tree_mask is not None else MASK_CAUSAL,
+        NUM_SPLITS=num_splits, IEEE=ieee, UPCAST=upcast, num_warps=4)
+    if num_splits > 1:
+        _merge_kernel[(T, H)](o_part, lse, out, ps[0], ps[1], ps[2], ls[0], ls[1],
+                              out.stride(0), out.stride(1), V_DIM=Dv, BLOCK_DV=BLOCK_DV,
+                              NUM_SPLITS=num_splits, num_warps=1 if BLOCK_DV <= 64 else 2)
+    return out
