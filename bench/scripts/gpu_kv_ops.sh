@@ -36,7 +36,7 @@ b() { timeout 120 python3 -m specattn bench "$@" 2>&1 | grep -v '^wrote' | tail 
   b kv_move_mla kv_move_mha -p impl=triton -p tokens=4096 --json /tmp/j7.json
   for t in 512 4096; do
     echo "## KV materialization, $t tokens (bf16 cache)"
-    for i in gemm cuda triton unfused; do b kv_materialize -p impl=$i -p tokens=$t --json /tmp/m_${i}_$t.json; done
+    for i in gemm cuda triton unfused cuda_epilogue triton_epilogue; do b kv_materialize -p impl=$i -p tokens=$t --json /tmp/m_${i}_$t.json; done
     echo "## KV materialization, $t tokens (fp8 cache)"
     for i in cuda triton; do b kv_materialize -p impl=$i -p tokens=$t -p cache_dtype=float8_e4m3fn --json /tmp/m8_${i}_$t.json; done
   done
