@@ -79,12 +79,14 @@ class _KVPoolBase:
         check_tensor(name, t, device=self.device, shape=(n, *shape))
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor, impl: str = "auto",
-                      group_size: Optional[int] = None) -> None:
+                      group_size: Optional[int] = None, check_values: bool = True) -> None:
         """For every layer, slot ``tgt_loc[i]`` gets what slot ``src_loc[i]`` held before the
         call (overlap-safe), all layers in one launch.  ``group_size``: the promise that
         selects the one-launch direct path (pairs of ``compact_accepted_path``:
-        ``num_draft_tokens``).  See :func:`specattn.ops.move_kv_cache` for it and for errors."""
-        move_kv_cache(self.buffers, tgt_loc, src_loc, impl=impl, group_size=group_size)
+        ``num_draft_tokens``); ``check_values=False`` skips the value checks (no host sync).
+        See :func:`specattn.ops.move_kv_cache` for both and for errors."""
+        move_kv_cache(self.buffers, tgt_loc, src_loc, impl=impl, group_size=group_size,
+                      check_values=check_values)
 
 
 class MHATokenToKVPool(_KVPoolBase):

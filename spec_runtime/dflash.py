@@ -227,7 +227,7 @@ class DFlashDrafter:
         ``fc`` GEMM + one fused :func:`specattn.ops.materialize_kv` for all layers."""
         ops.materialize_kv(self.context_hidden(features), self.w["w_kv"], self.w["k_norm"], positions,
                            self.cos_sin_cache, loc, pool.k_buffer, pool.v_buffer,
-                           eps=self.config.rms_norm_eps)
+                           eps=self.config.rms_norm_eps, check_values=False)  # our own slots
 
 
 # ---------------------------------------------------------------------- round pieces

@@ -195,3 +195,25 @@ def test_graph_buffers_pad_harmlessly():
     assert torch.equal(unpack_tree_mask(p.tree_mask[2:], 3), torch.eye(3, dtype=torch.bool).expand(2, 3, 3))
     with pytest.raises(ValueError):
         bufs.fill(b, 5)
+
+
+def test_move_kv_cache_check_values_false(seed):
+    """``check_values=False``: same result on valid overlapping moves, and the value checks
+    (here: two different moves into one slot) are skipped."""
+    from specattn.ops import move_kv_cache
+    slots = 16
+    buf = torch.randn(slots, 3)
+    tgt = torch.tensor([1, 2, 3])
+    src = torch.tensor([2, 3, 5])  # overlapping: slot 2 and 3 are read and written
+    want = buf.clone()
+    want[tgt] = buf[src]
+    for group_size in (None, 3):
+        got = buf.clone()
+        move_kv_cache([got], tgt, src, group_size=group_size, check_values=False,
+                      impl="reference")
+        assert torch.equal(got, want)
+    dup = torch.tensor([1, 1])
+    with pytest.raises(ValueError, match="two different moves"):
+        move_kv_cache([buf.clone()], dup, torch.tensor([2, 3]), impl="reference")
+    move_kv_cache([buf.clone()], dup, torch.tensor([2, 3]), check_values=False,
+                  impl="reference")  # not checked: the caller vouches for its slots

@@ -757,3 +757,29 @@ def test_triton_rounding_helpers_are_exact(target):
     got, expect, vals = got[~nan], expect[~nan], vals[~nan]
     bad = got != expect
     assert not bad.any(), f"{int(bad.sum())} mismatches, e.g. at {vals[bad][:5].tolist()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+def test_no_host_sync_with_check_values_false(impl):
+    """The eager fast path with ``check_values=False`` never syncs with the host (torch's
+    sync debug mode turns any sync into an error), and writes what the checked call writes."""
+    available(impl)
+    inp = make_inputs(T=64, L=3, Hkv=2, D=128, H=256, num_slots=128, dtype=torch.bfloat16,
+                      cache_dtype=torch.bfloat16, seed=int(torch.randint(0, 2**31, ())))
+    want = clone_inputs(inp)
+    run(want, impl)  # checked call (syncs)
+    run(inp, impl)  # warm-up on these very buffers (kernels compiled, pointer table cached)
+    for b in inp["k_buffers"] + inp["v_buffers"]:
+        b.fill_(float("nan"))  # poisoned again: the unchecked call must rewrite every row
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(inp, impl, check_values=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    loc = inp["out_cache_loc"]
+    for g, e in zip(inp["k_buffers"] + inp["v_buffers"], want["k_buffers"] + want["v_buffers"]):
+        assert not g[loc].isnan().any()
+        assert torch.equal(g[loc].view(torch.int16), e[loc].view(torch.int16))

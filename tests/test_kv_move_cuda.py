@@ -467,3 +467,28 @@ def test_sanitizer_smoke(seed):
             _check(bufs, tgt, src, idx_dtype, raw=True, group_size=64)    # column tiles
             tgt, src = _disjoint_moves(256, 60, gen)
             _check(bufs, tgt, src, idx_dtype, raw=True, group_size=1)     # direct, G = 1
+
+
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+def test_no_host_sync_with_check_values_false(impl, seed):
+    """``check_values=False`` with a ``group_size`` promise: the eager call never syncs with
+    the host (sync debug mode "error") and equals the reference on overlapping moves."""
+    gen = torch.Generator().manual_seed(seed)
+    bufs = _buffers(4, 512, (576,), torch.bfloat16, gen)
+    tgt, src = _accepted_path_moves(512, 6, 16, gen)
+    expected = [b.clone() for b in bufs]
+    t = torch.tensor(tgt, dtype=torch.int64, device=DEV)
+    s = torch.tensor(src, dtype=torch.int64, device=DEV)
+    move_kv_cache_reference(expected, t, s)
+    # warm-up on these very buffers with identity pairs (nothing moves): kernels compiled,
+    # Triton's pointer table cached
+    move_kv_cache(bufs, t, t, impl=impl, group_size=16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        move_kv_cache(bufs, t, s, impl=impl, group_size=16, check_values=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for got, exp in zip(bufs, expected):
+        assert torch.equal(_bits(got), _bits(exp))

@@ -293,3 +293,34 @@ def test_reference_directly_is_callable(seed):
     K, V = _naive(inp, 1e-6)
     torch.testing.assert_close(inp["v_buffers"][2][inp["out_cache_loc"]].double(), V[2],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_check_values_false_same_result_and_skips_checks(seed):
+    """``check_values=False`` computes the same cache contents on valid input, and skips the
+    value checks (an out-of-range position is no longer rejected by the wrapper)."""
+    from specattn.ops import make_cos_sin_cache, materialize_kv
+    L, hkv, d, hid, T, slots = 2, 2, 8, 16, 5, 12
+    hidden = torch.randn(T, hid)
+    w_kv = torch.randn(L * 2 * hkv * d, hid)
+    k_norm = torch.rand(L, d) + 0.5
+    pos = torch.randint(0, 32, (T,))
+    cs = make_cos_sin_cache(32, d)
+    loc = torch.randperm(slots)[:T]
+    outs = []
+    for check in (True, False):
+        kb = [torch.full((slots, hkv, d), float("nan")) for _ in range(L)]
+        vb = [torch.full((slots, hkv, d), float("nan")) for _ in range(L)]
+        materialize_kv(hidden, w_kv, k_norm, pos, cs, loc, kb, vb, check_values=check,
+                       impl="reference")
+        outs.append(kb + vb)
+    for a, b in zip(*outs):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    bad = pos.clone()
+    bad[0] = 32  # outside the cos/sin cache
+    kb = [torch.zeros(slots, hkv, d) for _ in range(L)]
+    with pytest.raises(IndexError, match="positions"):
+        materialize_kv(hidden, w_kv, k_norm, bad, cs, loc, kb, kb, impl="reference")
+    with pytest.raises(IndexError) as e:  # torch's own error from the reference's gather
+        materialize_kv(hidden, w_kv, k_norm, bad, cs, loc, kb, kb, check_values=False,
+                       impl="reference")
+    assert "positions has values" not in str(e.value)

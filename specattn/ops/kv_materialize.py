@@ -272,7 +272,8 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
                    out_cache_loc: torch.Tensor, k_buffers: Sequence[torch.Tensor],
                    v_buffers: Sequence[torch.Tensor], *, eps: float = 1e-6,
                    kv_bias: Optional[torch.Tensor] = None, k_scale: float = 1.0,
-                   v_scale: float = 1.0, impl: str = "auto") -> None:
+                   v_scale: float = 1.0, check_values: bool = True,
+                   impl: str = "auto") -> None:
     """Compute the K/V of every DFlash draft layer for context tokens and write them into the
     draft KV cache, in place.
 
@@ -321,6 +322,9 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
             when the extension is built and the tensors are on a GPU (Triton for head dims
             above 256), else Triton on a GPU, else the reference.  The fast paths' precision
             contract (bf16 GEMM output rounding): see the module docstring.
+        check_values: run the value checks under Raises (default); ``False``: skip them and
+            never sync with the host (the hot path of a runtime whose slots and positions
+            come from its own allocator).
     Raises:
         TypeError: a non-tensor argument, buffers not given as a list, non-float scales.
         ValueError: wrong ranks / shapes / dtypes, tensors on different devices, non-contiguous
@@ -329,7 +333,11 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
             repeated slots in ``out_cache_loc``.
         IndexError: a slot outside ``[0, num_slots)`` or a position outside ``[0, max_pos)``
             (one host sync each; skipped during CUDA-graph capture).
-        All checks run before anything is written.
+        All checks run before anything is written.  ``check_values=False`` skips the value
+        checks (slot / position ranges, repeated slots), so the eager call never syncs with
+        the host either; the CUDA / Triton kernels then skip the rows of out-of-range slots or
+        positions instead of touching memory, and the reference raises torch's own indexing
+        error.  Shape, dtype and device checks always run (they read no device memory).
     """
     check_tensor("hidden", hidden, dim=2, dtypes=FLOAT_DTYPES)
     dev = hidden.device
@@ -371,10 +379,11 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
     v_scale = _check_scale("v_scale", v_scale, fp8)
     if num_tokens == 0:
         return
-    check_index_range("out_cache_loc", out_cache_loc, num_slots)
-    check_index_range("positions", positions, max_pos)
-    if not capturing() and torch.unique(out_cache_loc).numel() != num_tokens:
-        raise ValueError("out_cache_loc repeats a slot; the write would be ambiguous")
+    if check_values:
+        check_index_range("out_cache_loc", out_cache_loc, num_slots)
+        check_index_range("positions", positions, max_pos)
+        if not capturing() and torch.unique(out_cache_loc).numel() != num_tokens:
+            raise ValueError("out_cache_loc repeats a slot; the write would be ambiguous")
     if impl == "auto" and d > CUDA_MAX_HEAD_DIM and dev.type == "cuda":
         # the CUDA kernel covers head dims <= 256; larger heads take the next candidate
         avail = registry.availability("materialize_kv")

@@ -87,7 +87,8 @@ def _check_moves(tgt_loc: torch.Tensor, src_loc: torch.Tensor, num_slots: int,
 
 
 def move_kv_cache(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor, src_loc: torch.Tensor,
-                  *, impl: str = "auto", group_size: Optional[int] = None) -> None:
+                  *, impl: str = "auto", group_size: Optional[int] = None,
+                  check_values: bool = True) -> None:
     """Copy KV rows ``src_loc -> tgt_loc`` in every buffer, in place.
 
     After the call, for every ``i`` and every buffer, ``buf[tgt_loc[i]]`` equals what
@@ -119,6 +120,11 @@ def move_kv_cache(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor, src_lo
             (request ``b``'s pairs are block ``b`` and only touch its own slots).  Checked
             eagerly; during CUDA-graph capture the promise is trusted (a false one there
             gives undefined row contents, never out-of-bounds accesses).
+        check_values: ``True`` (default): the value checks below, one host sync in eager
+            mode.  ``False``: none of them, so the call never syncs with the host (for a hot
+            path whose slots come from the allocator); ``group_size=None`` then always stages.
+            The CUDA / Triton kernels skip out-of-range pairs instead of touching them; the
+            reference raises torch's own indexing error.
     Raises:
         TypeError: ``group_size`` not an int.
         ValueError: empty ``buffers``, non-contiguous buffers, mismatched devices / slot counts
@@ -150,6 +156,6 @@ def move_kv_cache(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor, src_lo
         raise ValueError(f"tgt_loc {list(tgt_loc.shape)} and src_loc {list(src_loc.shape)} differ")
     if tgt_loc.numel() == 0:
         return
-    if not capturing():
+    if check_values and not capturing():
         group_size = _check_moves(tgt_loc, src_loc, slots, group_size)
     registry.dispatch("move_kv_cache", impl, dev)(buffers, tgt_loc, src_loc, group_size=group_size)
