@@ -3,7 +3,8 @@
 Each public function validates its inputs, then runs the CUDA, Triton or reference
 implementation (``impl=`` forces one):
 
-- :func:`build_tree`: EAGLE top-k drafts -> tree mask, positions, ``retrive_*``;
+- :func:`build_tree`: EAGLE top-k drafts -> tree mask, positions, ``retrive_*`` (and
+  FlashInfer's packed custom mask on request, :func:`flashinfer_mask_bytes`);
 - :func:`verify_tree_greedy`, :func:`tree_speculative_sampling`: tree verification;
 - :func:`compact_accepted_path`: accepted path to the front of each block + KV move pairs;
 - :func:`move_kv_cache`: KV slot moves for all layers at once;
@@ -14,12 +15,14 @@ from .compaction import CompactedPath, compact_accepted_path, compact_accepted_p
 from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, materialize_kv,
                              materialize_kv_reference, rms_norm_reference, stack_kv_proj_weights)
 from .kv_move import move_kv_cache, move_kv_cache_reference
-from .tree import TreeInfo, build_tree, build_tree_reference, num_tree_candidates
+from .tree import (TreeInfo, build_tree, build_tree_reference, flashinfer_mask_bytes,
+                   num_tree_candidates)
 from .verify import (VerifyResult, tree_speculative_sampling, tree_speculative_sampling_reference,
                      verify_tree_greedy, verify_tree_greedy_reference)
 
 __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
            "TreeInfo", "build_tree", "build_tree_reference", "num_tree_candidates",
+           "flashinfer_mask_bytes",
            "VerifyResult", "verify_tree_greedy", "verify_tree_greedy_reference",
            "tree_speculative_sampling", "tree_speculative_sampling_reference",
            "CompactedPath", "compact_accepted_path", "compact_accepted_path_reference",
