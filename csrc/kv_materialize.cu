@@ -98,6 +98,13 @@
 //      block lifetime (~1-2 us): predicted epilogue ~8-9 us, the op ~73-74 us (GEMM 65.2 us);
 //      why: with 1.2 waves the second wave runs latency-bound; the data is partly L2-resident
 //      at this size (kv just written by the GEMM: 10.5 MB; caches 22 MB) which helps.
+//   MEASURED (H100, 2026-11-22, bench/results/2026-11-22-h100-kv-ops/, epilogue alone on a
+//   precomputed GEMM output): 76.6 us at 4096 tokens (2.19 TB/s, 72.5 % of copy bandwidth;
+//   predicted ~58), 14.2 us at 512 (predicted 8-9, L2 flushed between iterations); whole op
+//   498.0 / 72.3 us.  Triton's epilogue took 65.7 / 14.3 us in the same run, so at 4096 tokens
+//   the prediction missed by 1.3x and Triton's epilogue alone is ahead; the whole op was
+//   still 1.2 % faster through CUDA (498.0 vs 504.0 us; both within the bars), so "auto"
+//   keeps CUDA.  Next: (a)/(b) below.
 //   Risks to check on the GPU: (a) if the 512-token figure is tail-bound, 128-thread blocks
 //   (kMinBlocks 8) balance the 1.2 waves better; (b) if DRAM efficiency at 4096 tokens is
 //   below ~90%, streaming stores (st.global.cs) for the cache writes and evict-first loads of

@@ -98,6 +98,9 @@
 //   8192-token rescan from L2, outputs).  The work per block is T / C tiles, so a request's
 //   tail waits for its slowest block; the tail after the stream is what keeps it above the
 //   ~11 us floor.
+//   measured (H100, 2026-11-22, bench/results/2026-11-22-h100-tree-ops/): 32.4 us, 1017 GB/s,
+//   half of the one-block kernel's 64.4 us but above the prediction: the serial parts (walk
+//   before the stream, last block's rescan) cost more than estimated.  Not yet explained.
 //
 // Only c10 CUDA headers (no ATen/cuda/CUDAContext.h): the file also compiles against a
 // CPU-only torch with a bare nvcc (CI), like kv_move.cu.

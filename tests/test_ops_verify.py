@@ -354,3 +354,19 @@ def test_sampling_is_lossless_statistically():
     assert chi2_stat(c2, probs1[1].double()) < 33.38
     # and the acceptance rate of draft 1 is q_root(token 0) = 0.35 (5 sigma ~ 0.017)
     assert abs(took1.double().mean().item() - 0.35) < 0.017
+
+
+def test_retrive_index_outside_own_block_rejected():
+    """The kernels write each request's own block of the flat outputs: a ``retrive_index`` row
+    of another request is refused before any implementation runs."""
+    cand = torch.tensor([[0, 1], [0, 2]])
+    ri = torch.tensor([[0, 3], [2, 1]])  # in [0, bs*D) but crossing blocks
+    nxt = torch.tensor([[1, -1], [1, -1]])
+    sib = torch.full((2, 2), -1)
+    for impl in ("reference", "auto"):
+        with pytest.raises(ValueError, match="block"):
+            verify_tree_greedy(cand, ri, nxt, sib, torch.zeros(2, 2, dtype=torch.long), 1,
+                               impl=impl)
+        with pytest.raises(ValueError, match="block"):
+            tree_speculative_sampling(cand, ri, nxt, sib, torch.full((2, 2, 3), 1 / 3), 1,
+                                      impl=impl)

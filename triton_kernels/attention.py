@@ -242,8 +242,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qo_indptr: int32 ``[bs + 1]`` (token offsets of each request's ``n`` new tokens).
         tree_mask: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY: tree visibility among the
             new tokens) or None (causal).
-        max_q: static upper bound of ``n`` over the batch (sizes the grid; larger ``n`` is
-            silently truncated, so callers must pass a true bound).
+        max_q: static upper bound of ``n`` over the batch (sizes the grid).  It is a
+            contract, not checked here (checking would sync with the host): the backend passes
+            ``num_tokens_per_req`` (fixed per mode and graph) or the eager batch's true maximum;
+            rows past ``max_q`` would be left unwritten.
         sm_scale: multiplies ``q . k`` before the softmax.
         num_splits: split-KV factor over the prefix (1: single pass).
         out: optional ``[T, H, Dv]`` output (dtype of ``q`` unless given).
@@ -252,7 +254,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         request are left untouched; with splits the merge writes all ``T`` rows, so every row
         must belong to a request (``qo_indptr[-1] == T``, as every ForwardBatch has).
     Raises:
-        ValueError: inconsistent shapes or dtypes.
+        ValueError: inconsistent shapes, dtypes or devices; a ``tree_mask`` smaller than
+            ``[bs, max_q, ceil(max_q/32)]``.
     """
     T, H, Dqk = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
@@ -265,6 +268,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("q, caches and req_to_token need a contiguous last dim")
     if tree_mask is not None and (tree_mask.dtype != torch.int32 or tree_mask.stride(2) != 1):
         raise ValueError("tree_mask must be int32 with a contiguous last dim")
+    if tree_mask is not None and (tree_mask.dim() != 3 or tree_mask.shape[0] < bs
+                                  or tree_mask.shape[1] < max_q
+                                  or tree_mask.shape[2] < (max_q + 31) // 32):
+        raise ValueError(f"tree_mask must be [>= {bs}, >= {max_q}, >= {(max_q + 31) // 32}] "
+                         f"int32 words for max_q = {max_q}, got {list(tree_mask.shape)}")
+    for name, t, dt in (("req_pool_indices", req_pool_indices, torch.int64),
+                        ("seq_lens", seq_lens, torch.int32), ("qo_indptr", qo_indptr, torch.int32),
+                        ("req_to_token", req_to_token, torch.int32)):
+        if t.dtype != dt or t.device != q.device:
+            raise ValueError(f"{name} must be {dt} on {q.device}, got {t.dtype} on {t.device}")
+    if qo_indptr.shape != (bs + 1,) or seq_lens.shape != (bs,):
+        raise ValueError(f"qo_indptr must be [{bs + 1}] and seq_lens [{bs}], got "
+                         f"{list(qo_indptr.shape)} / {list(seq_lens.shape)}")
     if num_splits < 1:
         raise ValueError("num_splits must be >= 1")
     G = H // Hkv

@@ -172,6 +172,12 @@ def _verify_greedy_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al
     ridx = tl.load(ri_ptr + b * ri_s0 + jj * ri_s1, mask=vm, other=0).to(tl.int64)
     nxt = tl.load(nx_ptr + b * nx_s0 + jj * nx_s1, mask=vm, other=-1).to(tl.int32)
     sib = tl.load(sb_ptr + b * sb_s0 + jj * sb_s1, mask=vm, other=-1).to(tl.int32)
+    # never an address outside the request (the wrapper's value checks are skipped while a
+    # CUDA graph is captured): links outside [0, D) end the chain, rows outside the block
+    # fall back to the token's own row
+    nxt = tl.where((nxt >= 0) & (nxt < D), nxt, -1)
+    sib = tl.where((sib >= 0) & (sib < D), sib, -1)
+    ridx = tl.where((ridx >= b * D) & (ridx < b * D + D), ridx, b * D + jj)
     ks = tl.arange(0, BLOCK_S)
 
     last = _gather(ridx, 0, jj)  # flat row of the last accepted token

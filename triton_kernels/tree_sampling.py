@@ -94,6 +94,10 @@ def _tree_sampling_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al
     ridx = tl.load(ri_ptr + b * ri_s0 + jj * ri_s1, mask=vm, other=0).to(tl.int64)
     nxt = tl.load(nx_ptr + b * nx_s0 + jj * nx_s1, mask=vm, other=-1).to(tl.int32)
     sib = tl.load(sb_ptr + b * sb_s0 + jj * sb_s1, mask=vm, other=-1).to(tl.int32)
+    # links outside [0, D) end the chain: never an address (the wrapper's range checks are
+    # skipped while a CUDA graph is captured)
+    nxt = tl.where((nxt >= 0) & (nxt < D), nxt, -1)
+    sib = tl.where((sib >= 0) & (sib < D), sib, -1)
     ks = tl.arange(0, BLOCK_S)
 
     # ---- walk: children in sibling order, float32 running sum (bit-exact with the reference)
@@ -114,7 +118,7 @@ def _tree_sampling_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al
         rej = jj < 0
         while (c != -1) & (hit == -1) & (guard <= D):
             tok = _gather(cand, c, jj)
-            q = tl.load(q_row + tok)
+            q = tl.load(q_row + tok, mask=(tok >= 0) & (tok < V), other=0.0)
             prob_acc = prob_acc + q
             ok = (coin <= tl.math.div_rn(prob_acc, th_acc)) | (q >= th_single)
             hit = tl.where(ok, c, hit)

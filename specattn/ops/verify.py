@@ -195,6 +195,13 @@ def _check_tree(candidates, retrive_index, retrive_next_token, retrive_next_sibl
                     ("retrive_next_sibling", retrive_next_sibling)):
         check_tensor(name, t, dtypes=INDEX_DTYPES, device=dev, shape=(bs, D))
     check_index_range("retrive_index", retrive_index, bs * D)
+    if not capturing() and bs > 0:
+        # the kernels give each request its own block of the flat outputs
+        own = (retrive_index.long() // D) == torch.arange(bs, device=dev)[:, None]
+        if not bool(own.all()):
+            b, j = (int(x) for x in (~own).nonzero()[0])
+            raise ValueError(f"retrive_index[{b}, {j}] = {int(retrive_index[b, j])} is not a row "
+                             f"of request {b}'s block [{b * D}, {b * D + D})")
     check_index_range("retrive_next_token", retrive_next_token, D, lower=-1)
     check_index_range("retrive_next_sibling", retrive_next_sibling, D, lower=-1)
     return bs, D, dev
@@ -222,7 +229,8 @@ def verify_tree_greedy(candidates: torch.Tensor, retrive_index: torch.Tensor,
         candidates: int32/int64 ``[bs, D]``: draft token ids, column 0 the root (SGLang's
             ``draft_token.reshape(bs, D)``).
         retrive_index, retrive_next_token, retrive_next_sibling: int32/int64 ``[bs, D]`` from
-            :func:`specattn.ops.build_tree`; ``retrive_index`` in ``[0, bs*D)``, the links in
+            :func:`specattn.ops.build_tree`; ``retrive_index[b]`` in request ``b``'s own
+            block ``[b*D, b*D + D)`` (``build_tree`` gives ``b*D + j``), the links in
             ``[-1, D)``.
         target_predict: int32/int64 ``[bs, D]``: the target's argmax after each draft token,
             read at the flat row ``retrive_index[b, j]`` (as SGLang).
@@ -234,8 +242,9 @@ def verify_tree_greedy(candidates: torch.Tensor, retrive_index: torch.Tensor,
         accept_length int32 [bs])`` (module docstring: accept_length excludes the bonus).
     Raises:
         TypeError / ValueError: wrong types, ranks, dtypes, shapes or devices; a cyclic
-            sibling chain (reference).  IndexError: ``retrive_*`` out of range (host sync,
-            skipped during CUDA-graph capture).
+            sibling chain (reference); a ``retrive_index`` row outside its request's block.
+            IndexError: ``retrive_*`` out of range (host sync, skipped during CUDA-graph
+            capture).
     """
     bs, D, dev = _check_tree(candidates, retrive_index, retrive_next_token,
                              retrive_next_sibling, num_steps)
@@ -333,7 +342,8 @@ def tree_speculative_sampling(candidates: torch.Tensor, retrive_index: torch.Ten
         the accepted drafts' tokens, at the end the bonus sample).
     Raises:
         TypeError / ValueError: wrong types, ranks, dtypes, shapes, strides or devices,
-            thresholds outside ``[0, 1]``, coins outside ``[0, 1]``.  IndexError:
+            thresholds outside ``[0, 1]``, coins outside ``[0, 1]``, a ``retrive_index`` row
+            outside its request's block.  IndexError:
             ``retrive_*`` or ``candidates`` out of range.  Value checks are skipped during
             CUDA-graph capture.
     """
