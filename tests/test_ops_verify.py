@@ -229,11 +229,19 @@ def test_bad_input():
     with pytest.raises(ValueError, match="uniform_samples_for_final_sampling"):
         tree_speculative_sampling(cand, ri, nx, sb, probs, 2,
                                   uniform_samples_for_final_sampling=torch.rand(3))
-    # a forced implementation that is not there (the CUDA op without the extension) says so
-    missing = [i for i, why in registry.availability("tree_speculative_sampling").items() if why]
-    if missing:
-        with pytest.raises(RuntimeError, match="unavailable"):
-            tree_speculative_sampling(cand, ri, nx, sb, probs, 2, impl=missing[0])
+    # a forced implementation that is not there says so (made missing here, so the check
+    # runs also where every implementation is built)
+    registry.register("tree_speculative_sampling", "cuda", _missing_loader)
+    try:
+        with pytest.raises(RuntimeError, match="unavailable: built without it"):
+            tree_speculative_sampling(cand, ri, nx, sb, probs, 2, impl="cuda")
+    finally:
+        registry.register("tree_speculative_sampling", "cuda",
+                          registry.from_ext("tree_speculative_sampling"))
+
+
+def _missing_loader():
+    raise ImportError("built without it")
 
 
 # ----------------------------------------------------------------------------- properties

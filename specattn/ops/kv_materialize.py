@@ -204,12 +204,7 @@ def _load_cuda():
     """The ``cuda`` implementation: ``kv = hidden @ w_kv.T`` through torch (cuBLAS, input
     dtype), then ``torch.ops.specattn.materialize_kv_epilogue`` (csrc/kv_materialize.cu) in
     one launch.  Raises ImportError when the extension is missing or lacks the op."""
-    from specattn import _ext
-    if not _ext.EXT_AVAILABLE:
-        raise ImportError(_ext.EXT_MISSING_REASON)
-    if not hasattr(torch.ops.specattn, "materialize_kv_epilogue"):
-        raise ImportError("specattn._C has no op 'materialize_kv_epilogue' (rebuild the extension)")
-    op = torch.ops.specattn.materialize_kv_epilogue
+    op = registry.from_ext("materialize_kv_epilogue")()
 
     def materialize_kv_cuda(hidden, w_kv, k_norm_weight, positions, cos_sin_cache, out_cache_loc,
                             k_buffers, v_buffers, *, eps, kv_bias=None, k_scale=1.0,
