@@ -1,8 +1,10 @@
-"""``TritonBackend``: MHA/GQA attention in Triton for every mode, eager and CUDA graph.
+"""``TritonBackend``: MHA/GQA and absorbed-MLA attention in Triton for every mode, eager and
+CUDA graph.
 
-Kernels: :mod:`specattn.triton_kernels.attention` (one kernel for every mode; its module
-docstring has the layout).  MLA (absorbed, 512 + 64: decode, extend, tree verify) is the next
-step of issue 6; ``supports(..., kind=MLA)`` is False until then.
+Kernels: :mod:`specattn.triton_kernels.attention` (MHA/GQA) and
+:mod:`specattn.triton_kernels.attention_mla` (absorbed MLA, ``kv_lora_rank + qk_rope_head_dim``
+latent, e.g. 512 + 64); one kernel per kind for every mode; their module docstrings have the
+layouts.  The metadata below is the same for both kinds.
 
 Metadata (:class:`TritonMetadata`), derived on the device from the batch alone with ONE
 builder (:func:`fill_triton_metadata`) used by eager, capture and replay -- only where it
@@ -15,9 +17,10 @@ graph mode):
 - ``req_pool_indices`` int64 ``[bs]``;
 - ``tree_mask`` int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY only, else None);
 - host ints fixed per batch shape: ``max_q`` (grid bound: ``num_tokens_per_req`` for
-  TARGET_VERIFY / DRAFT_EXTEND_V2, 1 for DECODE, the host maximum of ``extend_lens`` for
-  EXTEND) and ``max_prefix`` (eager only: host maximum of ``seq_lens``, for the split-KV
-  choice; None in graph mode, where no device value may reach the host).
+  TARGET_VERIFY / DRAFT_EXTEND_V2, 1 for DECODE; EXTEND: the host maximum of ``extend_lens``
+  eager, ``min(num_tokens, req_to_token width)`` in graph mode) and ``max_prefix`` (eager
+  only: host maximum of ``seq_lens``, for the split-KV choice; None in graph mode, where no
+  device value may reach the host).
 
 Worked example (the TARGET_VERIFY batch of :mod:`~specattn.backends.forward_batch`, bs = 2,
 ``D = 3``, ``req_pool_indices = [3, 0]``, ``seq_lens = [8, 5]``)::
@@ -30,19 +33,40 @@ EXTEND of that module's example: ``qo_indptr = [0, 3, 5]``, ``seq_lens = [4, 2]`
 ``max_q = 3``; DECODE: ``qo_indptr = [0, 1, 2]``, ``max_q = 1``; DRAFT_EXTEND_V2:
 ``qo_indptr = [0, 3, 6]``, ``max_q = 3``, causal.
 
+MLA, the same TARGET_VERIFY batch with 16 heads, ``kv_lora_rank = 512``,
+``qk_rope_head_dim = 64``, bf16: ``q [6, 16, 576]`` (``[q_nope_absorbed | q_pe]``), the layer's
+latent cache ``[slots, 1, 576]``, output ``[6, 16, 512]``; the 3 tokens x 16 heads of a
+request are 48 packed rows, one ``block_m = 64`` tile: grid ``(1, 1, 2 * num_splits)``.
+
 CUDA graphs: ``init_cuda_graph_state(max_bs, max_num_tokens)`` allocates the static buffers
 (``qo_indptr [max_bs + 1]``, ``seq_lens [max_bs]``, ``req_pool_indices [max_bs]``, a tree-mask
 area of ``max_num_tokens * ceil(max_num_tokens / 32)`` int32 words).  Capture and replay run
 the same builder into views of them (device copies and a cumsum only; no host sync, no
 allocation).  Padded requests (``seq_lens = 0``, ``req_pool_indices = 0``, ``n = D``) read
 some valid slots and write only their own (discarded) output rows.  The kernel grid depends
-only on ``(bs, max_q, num_kv_heads, group, num_splits)``, all static per captured graph.
+only on ``(bs, max_q, heads, num_splits, kernel config)``, all static per captured graph.
 The static buffers are shared by every graph of this backend (the replay of a graph rewrites
 them just before it runs).
 
+EXTEND in a CUDA graph: the padded batch has a static ``bs`` and a static token count ``T``
+(``<= max_num_tokens``) while ``extend_lens`` are device values, so ``max_q = min(T,
+req_to_token width)`` bounds every request's ``n`` and the grid is static; the programs past a
+request's ``n`` exit at once (cost: ``bs * cdiv(max_q * G, block_m)`` programs, most of them
+empty).  Padded requests should have ``n = 0`` (every request, padded ones included, needs
+``P + n <= req_to_token width``); token rows past ``qo_indptr[-1]`` belong to no request and
+are left unwritten (EXTEND never splits, so no merge touches them).  Example: padded
+``bs = 4``, ``T = 16``, live ``extend_lens = [3, 2]`` padded to ``[3, 2, 0, 0]``:
+``qo_indptr = [0, 3, 5, 5, 5]``, ``max_q = 16``, rows 5..15 untouched.
+(:class:`~specattn.backends.GraphInputBuffers` does not build EXTEND batches yet.)
+
 Split-KV: DECODE, TARGET_VERIFY and DRAFT_EXTEND_V2 split the prefix when the batch alone
-would launch fewer programs than ~2 waves of the GPU's SMs (eager also bounds the splits by
-``max_prefix / 256``); ``num_kv_splits=`` forces a count (tests).  EXTEND never splits.
+would launch fewer programs than ~2 waves of the GPU's SMs for MHA (1 with 128-row tiles), ~1 wave for MLA (its
+64-head x 512 tiles hold about one program per SM); eager also bounds the splits by
+``max_prefix / 256``.  ``num_kv_splits=`` forces a count (tests, sweeps).  EXTEND never splits.
+
+Kernel config: ``kernel_config={"block_m": .., "block_n": .., "num_warps": .., "num_stages":
+..}`` (MLA also ``"block_dv"``: ``kv_lora_rank`` or half of it) overrides the kernels'
+defaults for every forward (sweeps); keys and values are checked at construction.
 """
 from __future__ import annotations
 
@@ -61,6 +85,7 @@ from .tree_mask import num_mask_words
 __all__ = ["TritonBackend", "TritonMetadata", "fill_triton_metadata"]
 
 MAX_KV_SPLITS = 16
+MLA_MAX_KV_SPLITS = 32
 MIN_SPLIT_KEYS = 256
 
 
@@ -93,32 +118,68 @@ def fill_triton_metadata(batch: ForwardBatch, md: TritonMetadata) -> TritonMetad
     return md
 
 
-def _max_q_static(batch: ForwardBatch) -> int:
-    """Tokens per request fixed by the mode (graph mode), else raise."""
+def _max_q_static(batch: ForwardBatch, width: int) -> int:
+    """Static grid bound of the tokens per request in graph mode: ``num_tokens_per_req``
+    (TARGET_VERIFY, DRAFT_EXTEND_V2), 1 (DECODE), ``min(num_tokens, width)`` (EXTEND, whose
+    per-request counts are device values; ``width`` is the ``req_to_token`` width)."""
     mode = batch.forward_mode
     if mode.has_fixed_tokens_per_req():
         return int(batch.num_tokens_per_req)
     if mode == ForwardMode.DECODE:
         return 1
+    if mode == ForwardMode.EXTEND:
+        return min(batch.num_tokens, width)
     raise ValueError(f"{mode.name} has no static tokens per request")
 
 
+_MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+def _check_kernel_config(config: Optional[dict], kind: AttentionKind, kv_pool) -> dict:
+    """Validated copy of ``config`` (ValueError on an unknown key for ``kind`` or a value that
+    is not a power of two; ``block_*`` >= 16; MLA ``block_dv`` = rank or rank / 2)."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ValueError(f"kernel_config must be a dict, got {type(config).__name__}")
+    from specattn.triton_kernels.attention_mla import check_mla_config
+    if kind == AttentionKind.MLA:
+        check_mla_config(config, kv_pool.kv_lora_rank)
+    else:
+        bad = sorted(set(config) - set(_MHA_CONFIG_KEYS))
+        if bad:
+            raise ValueError(f"unknown MHA kernel config keys {bad}; allowed: {list(_MHA_CONFIG_KEYS)}")
+        check_mla_config(config)  # the same value rules
+    return {k: v for k, v in config.items() if v is not None}
+
+
 class TritonBackend(AttentionBackend):
-    """MHA/GQA Triton backend (see the module docstring).
+    """MHA/GQA and absorbed-MLA Triton backend (see the module docstring).
 
     Args:
-        req_to_token_pool, kv_pool: the pools (``MHATokenToKVPool``; an MLA pool builds but
-            ``supports`` answers False and ``forward`` raises ``UnsupportedError``).
+        req_to_token_pool, kv_pool: the pools (``MHATokenToKVPool`` or ``MLATokenToKVPool``;
+            MLA needs ``kv_lora_rank`` and ``qk_rope_head_dim`` powers of two >= 16).
         num_kv_splits: force the split-KV factor (1 = never split) for the modes that split;
             None picks it from the batch shape and the GPU's SM count (1 on CPU).
+        kernel_config: kernel config overrides passed to every kernel call: ``block_m``,
+            ``block_n``, ``num_warps``, ``num_stages`` (MLA also ``block_dv``); powers of two.
+    Raises:
+        ValueError: a bad ``num_kv_splits``, ``kernel_config`` key or value, or MLA dims.
     """
 
     name = "triton"
 
-    def __init__(self, req_to_token_pool, kv_pool, num_kv_splits: Optional[int] = None):
+    def __init__(self, req_to_token_pool, kv_pool, num_kv_splits: Optional[int] = None,
+                 kernel_config: Optional[dict] = None):
         super().__init__(req_to_token_pool, kv_pool)
         if num_kv_splits is not None and not 1 <= num_kv_splits <= 64:
             raise ValueError(f"num_kv_splits must be in [1, 64], got {num_kv_splits}")
+        if self.kind == AttentionKind.MLA:
+            for name in ("kv_lora_rank", "qk_rope_head_dim"):
+                d = getattr(kv_pool, name)
+                if d < 16 or d & (d - 1):
+                    raise ValueError(f"TritonBackend MLA needs {name} a power of two >= 16, got {d}")
+        self.kernel_config = _check_kernel_config(kernel_config, self.kind, kv_pool)
         self.num_kv_splits = num_kv_splits
         self._g = None
         dev = req_to_token_pool.device
@@ -128,11 +189,12 @@ class TritonBackend(AttentionBackend):
     # --------------------------------------------------------------- capability
     @classmethod
     def supports(cls, mode: ForwardMode, *, graph: bool, kind: AttentionKind) -> bool:
-        """MHA/GQA: every mode eager; DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2 and IDLE in
-        CUDA graphs (EXTEND is variable-length).  MLA: not yet (issue 6, next step)."""
-        if kind != AttentionKind.MHA:
+        """MHA/GQA and MLA: every mode eager; every mode in CUDA graphs too (DECODE,
+        TARGET_VERIFY, DRAFT_EXTEND_V2, IDLE, and EXTEND with a static token count: module
+        docstring)."""
+        if kind not in (AttentionKind.MHA, AttentionKind.MLA):
             return False
-        return (not graph) or mode.is_cuda_graph()
+        return (not graph) or mode.is_cuda_graph() or mode == ForwardMode.EXTEND
 
     # --------------------------------------------------------------- eager
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -181,9 +243,10 @@ class TritonBackend(AttentionBackend):
         if self._g is None:
             raise RuntimeError("init_cuda_graph_state was not called")
         g, bs = self._g, batch.batch_size
-        max_q = _max_q_static(batch)
-        if bs > g["max_bs"] or bs * max_q > g["max_num_tokens"]:
-            raise ValueError(f"graph batch ({bs} requests x {max_q}) exceeds "
+        max_q = _max_q_static(batch, self.req_to_token_pool.max_context_len)
+        tokens = batch.num_tokens if mode == ForwardMode.EXTEND else bs * max_q
+        if bs > g["max_bs"] or tokens > g["max_num_tokens"]:
+            raise ValueError(f"graph batch ({bs} requests, {tokens} tokens) exceeds "
                              f"init_cuda_graph_state({g['max_bs']}, {g['max_num_tokens']})")
         tm = None
         if mode == ForwardMode.TARGET_VERIFY:
@@ -203,31 +266,52 @@ class TritonBackend(AttentionBackend):
         self.forward_metadata = self._graph_metadata(batch)
 
     # --------------------------------------------------------------- forward
-    def _num_splits(self, md: TritonMetadata, num_kv_heads: int, group: int) -> int:
+    def _num_splits(self, md: TritonMetadata, layer: AttentionLayer) -> int:
         if md.mode == ForwardMode.EXTEND:
             return 1
         if self.num_kv_splits is not None:
             return self.num_kv_splits
         if self._num_sms == 0:
             return 1
-        from specattn.triton_kernels.attention import choose_block_m
-        rows = md.max_q * group
-        programs = -(-rows // choose_block_m(rows)) * num_kv_heads * md.batch_size
-        splits = min(MAX_KV_SPLITS, max(1, (2 * self._num_sms) // max(programs, 1)))
+        cfg = self.kernel_config
+        if self.kind == AttentionKind.MLA:
+            from specattn.triton_kernels.attention_mla import default_mla_config
+            rows, heads, max_splits, waves = md.max_q * layer.num_heads, 1, MLA_MAX_KV_SPLITS, 1
+            dtype = self.kv_pool.dtype
+            d = default_mla_config(rows, layer.kv_lora_rank, dtype == torch.float32)
+            block_m = cfg.get("block_m", d["block_m"])
+            heads *= layer.kv_lora_rank // cfg.get("block_dv", d["block_dv"])
+        else:
+            from specattn.triton_kernels.attention import default_config
+            rows, heads, max_splits, waves = md.max_q * layer.group_size, layer.num_kv_heads, MAX_KV_SPLITS, 2
+            width = max(16, 1 << (max(layer.head_dim, layer.v_head_dim) - 1).bit_length())
+            ieee = self.kv_pool.dtype == torch.float32
+            block_m = cfg.get("block_m", default_config(rows, width, ieee)["block_m"])
+            if block_m >= 128:  # 8-warp tiles: one wave (H100 sweep: 8 splits beat 16 at bs=1)
+                waves = 1
+        programs = -(-rows // block_m) * heads * md.batch_size
+        splits = min(max_splits, max(1, (waves * self._num_sms) // max(programs, 1)))
         if md.max_prefix is not None:
             splits = min(splits, max(1, md.max_prefix // MIN_SPLIT_KEYS))
         return splits
 
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        from specattn.triton_kernels.attention import paged_attention
         md: Optional[TritonMetadata] = self.forward_metadata
         if md is None or md.mode != batch.forward_mode or md.batch_size != batch.batch_size:
             raise RuntimeError("init_forward_metadata was not called for this batch")
-        k_cache = self.kv_pool.get_key_buffer(layer.layer_id)
-        v_cache = self.kv_pool.get_value_buffer(layer.layer_id)
-        splits = self._num_splits(md, layer.num_kv_heads, layer.group_size)
+        splits = self._num_splits(md, layer)
         if q.stride(2) != 1:
             q = q.contiguous()
-        return paged_attention(q, k_cache, v_cache, self.req_to_token_pool.req_to_token,
+        rtt = self.req_to_token_pool.req_to_token
+        if self.kind == AttentionKind.MLA:
+            from specattn.triton_kernels.attention_mla import mla_paged_attention
+            return mla_paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id), rtt,
+                                       md.req_pool_indices, md.seq_lens, md.qo_indptr, md.tree_mask,
+                                       md.max_q, layer.scaling, layer.kv_lora_rank,
+                                       num_splits=splits, page_size=self.kv_pool.page_size,
+                                       **self.kernel_config)
+        from specattn.triton_kernels.attention import paged_attention
+        return paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id),
+                               self.kv_pool.get_value_buffer(layer.layer_id), rtt,
                                md.req_pool_indices, md.seq_lens, md.qo_indptr, md.tree_mask,
-                               md.max_q, layer.scaling, num_splits=splits)
+                               md.max_q, layer.scaling, num_splits=splits, **self.kernel_config)

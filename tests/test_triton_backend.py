@@ -1,8 +1,9 @@
 """TritonBackend (MHA/GQA) against TorchReferenceBackend, every mode, eager and the graph
-builders.  On a CPU-only machine the kernel runs in Triton's interpreter (small shapes,
-float32, tolerance 1e-5 relative); GPU-marked tests cover bf16/fp16, page sizes 1/16/64,
-GQA groups 1..8, head_dim 64/128, trees up to 64 draft tokens, prefixes up to 32k and real
-CUDA graphs (capture at a padded bs, replay with a smaller one, outputs poisoned)."""
+builders (EXTEND included; MLA is in test_triton_backend_mla.py).  On a CPU-only machine the
+kernel runs in Triton's interpreter (small shapes, float32, tolerance 1e-5 relative);
+GPU-marked tests cover bf16/fp16, page sizes 1/16/64, GQA groups 1..8, head_dim 64/128, trees
+up to 64 draft tokens, prefixes up to 32k and real CUDA graphs (capture at a padded bs, replay
+with a smaller one, outputs poisoned), EXTEND in real graphs too."""
 import os
 
 import torch
@@ -19,7 +20,7 @@ pytest.importorskip("triton")
 from scenarios import make_scenario, naive_attention, random_qkv  # noqa: E402
 from specattn.backends import (AttentionKind, ForwardBatch, ForwardMode,  # noqa: E402
                                GraphInputBuffers, ReqToTokenPool, TorchReferenceBackend,
-                               UnsupportedError, create_backend, pack_tree_mask)
+                               create_backend, pack_tree_mask)
 from specattn.backends.triton_backend import TritonBackend  # noqa: E402
 from specattn.triton_kernels.attention import paged_attention  # noqa: E402
 
@@ -155,23 +156,32 @@ def test_idle():
 
 
 def test_supports_and_errors():
+    """Every mode, eager and graph (EXTEND with a static token count), MHA and MLA."""
     for mode in ForwardMode:
-        assert TritonBackend.supports(mode, graph=False, kind=AttentionKind.MHA)
-        assert TritonBackend.supports(mode, graph=True, kind=AttentionKind.MHA) == (mode != ForwardMode.EXTEND)
         for graph in (False, True):
-            assert not TritonBackend.supports(mode, graph=graph, kind=AttentionKind.MLA)
-    sc = make_scenario(ForwardMode.DECODE, kind="mla", bs=1)
-    be = create_backend("triton", sc.req_pool, sc.kv_pool)
-    q, k, v = random_qkv(sc)
-    with pytest.raises(UnsupportedError):
-        be.forward(q, k, v, sc.layer, sc.batch)
+            for kind in AttentionKind:
+                assert TritonBackend.supports(mode, graph=graph, kind=kind)
     sc = make_scenario(ForwardMode.EXTEND)
     be = TritonBackend(sc.req_pool, sc.kv_pool)
-    be.init_cuda_graph_state(4, 32)
-    with pytest.raises(ValueError):
+    be.init_cuda_graph_state(4, sc.batch.num_tokens - 1)  # one token short
+    with pytest.raises(ValueError, match="exceeds"):
+        be.init_forward_metadata_capture_cuda_graph(sc.batch)
+    be = TritonBackend(sc.req_pool, sc.kv_pool)
+    with pytest.raises(RuntimeError, match="init_cuda_graph_state"):
         be.init_forward_metadata_capture_cuda_graph(sc.batch)
     with pytest.raises(ValueError):
         TritonBackend(sc.req_pool, sc.kv_pool, num_kv_splits=0)
+    with pytest.raises(ValueError, match="unknown"):
+        TritonBackend(sc.req_pool, sc.kv_pool, kernel_config=dict(block_dv=64))
+
+
+def test_kernel_config_reaches_the_kernel(seed):
+    """A forced MHA config (block_m 16, block_n 16, 2 warps, 1 stage) gives the same answer."""
+    rng = random.Random(seed)
+    sc = make_scenario(ForwardMode.TARGET_VERIFY, bs=2, D=6, num_heads=4, num_kv_heads=2,
+                       head_dim=32, max_prefix=40, rng=rng)
+    from triton_cases import check as check_cfg
+    check_cfg(sc, splits=2, kernel_config=dict(block_m=16, block_n=16, num_warps=2, num_stages=1))
 
 
 def test_worked_example_metadata():
@@ -265,7 +275,31 @@ def test_graph_builders_on_cpu(mode, page_size, seed):
     _graph_case(mode, page_size, "cpu", False, seed, splits=random.Random(seed).choice([1, 2]))
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_graph_builders_on_cpu(page_size, seed):
+    """EXTEND under the graph builders: static token count, padded requests with n = 0,
+    max_q = min(T, req_to_token width)."""
+    from triton_cases import graph_case
+    graph_case("mha", ForwardMode.EXTEND, page_size, "cpu", False, seed, num_heads=4,
+               num_kv_heads=2, head_dim=32, padded_bs=3, ext_max=6)
+
+
 # ------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("ext_max", [7, 100])
+def test_extend_cuda_graph_replay(page_size, dtype, ext_max, seed):
+    """EXTEND captured in a real CUDA graph (static token count padded_bs * ext_max), replayed
+    with fewer requests and tokens, outputs poisoned, under sync-debug 'error'."""
+    from triton_cases import graph_case
+    rng = random.Random(seed)
+    group = rng.choice([1, 4, 8])
+    graph_case("mha", ForwardMode.EXTEND, page_size, "cuda", True, seed, dtype=dtype,
+               num_heads=2 * group, num_kv_heads=2, head_dim=rng.choice([64, 128]),
+               max_prefix=rng.choice([20, 2000]), padded_bs=8, ext_max=ext_max)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

@@ -9,4 +9,6 @@
   store into every draft layer's cache) after one torch GEMM, one launch.
 - :mod:`.attention`: paged MHA/GQA attention for every forward mode (causal or bit-packed tree
   mask, GQA rows packed, optional split-KV + merge), used by ``TritonBackend``.
+- :mod:`.attention_mla`: the same for absorbed MLA (latent ``kv_lora_rank + qk_rope_head_dim``
+  read once per tile for scores and values; heads packed into rows), used by ``TritonBackend``.
 """

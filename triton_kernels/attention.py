@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_attention", "choose_block_m"]
+__all__ = ["paged_attention", "choose_block_m", "default_config"]
 
 MASK_CAUSAL, MASK_TREE = 0, 1
 
@@ -88,6 +88,28 @@ def _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE: tl.constexpr, UPC
 
 
 @triton.jit
+def _online_step_full(acc, m_i, l_i, q, kT, v, qk_scale, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """:func:`_online_step` for a tile every row sees entirely (no mask, scores finite)."""
+    if UPCAST:
+        kT = kT.to(tl.float32)
+        v = v.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, kT, input_precision="ieee")
+    else:
+        s = tl.dot(q, kT)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attn_fwd_kernel(
         Q, K, V, O, O_PART, LSE_PART,
         req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
@@ -98,7 +120,7 @@ def _attn_fwd_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        IEEE: tl.constexpr, UPCAST: tl.constexpr):
+        IEEE: tl.constexpr, UPCAST: tl.constexpr, SLOT_T: tl.constexpr):
     tile = tl.program_id(0)
     hk = tl.program_id(1)
     pid2 = tl.program_id(2)
@@ -143,10 +165,20 @@ def _attn_fwd_kernel(
         chunk = tl.cdiv(tl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = tl.minimum(split * chunk, P)
         hi = tl.minimum(lo + chunk, P)
-    for start in range(lo, hi, BLOCK_N):
+    # full tiles without bound checks, then at most one partial tile
+    hi_full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
+    for start in range(lo, hi_full, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
+        slot = tl.load(rtt_row + offs_n).to(SLOT_T)
+        kT = tl.load(k_base + slot[None, :] * stride_kt + offs_d[:, None],
+                     mask=d_ok[:, None], other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vt + offs_dv[None, :],
+                    mask=dv_ok[None, :], other=0.0)
+        acc, m_i, l_i = _online_step_full(acc, m_i, l_i, q, kT, v, qk_scale, IEEE, UPCAST)
+    if hi_full < hi:
+        offs_n = hi_full + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        slot = tl.load(rtt_row + offs_n, mask=n_ok, other=0).to(tl.int64)
+        slot = tl.load(rtt_row + offs_n, mask=n_ok, other=0).to(SLOT_T)
         kT = tl.load(k_base + slot[None, :] * stride_kt + offs_d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_dv[None, :],
@@ -163,7 +195,7 @@ def _attn_fwd_kernel(
     for start in range(0, kv_hi, BLOCK_N):
         offs_k = start + tl.arange(0, BLOCK_N)
         k_ok = offs_k < kv_hi
-        slot = tl.load(rtt_row + P + offs_k, mask=k_ok, other=0).to(tl.int64)
+        slot = tl.load(rtt_row + P + offs_k, mask=k_ok, other=0).to(SLOT_T)
         kT = tl.load(k_base + slot[None, :] * stride_kt + offs_d[:, None],
                      mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_dv[None, :],
@@ -225,11 +257,29 @@ def choose_block_m(max_rows: int) -> int:
     return min(64, _pow2_at_least_16(max_rows))
 
 
+def default_config(max_rows: int, block_d: int, ieee: bool, num_splits: int = 1) -> dict:
+    """Kernel config for ``max_rows = max_q * G`` packed rows per (request, KV head), the
+    padded head width ``block_d``, fp32 (``ieee``) inputs and the split-KV factor:
+    ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` (from the H100 sweep of
+    ``bench/scripts/attention_sweep.py``, 2026-11-22)."""
+    if ieee or block_d > 128:
+        return dict(block_m=min(64, choose_block_m(max_rows)), block_n=32, num_warps=4, num_stages=2)
+    if max_rows >= 128:  # compute-bound rows (tree verify, extend)
+        if num_splits > 1:  # short loops per program: a shallower pipeline
+            return dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+        return dict(block_m=128, block_n=128, num_warps=8, num_stages=4)
+    return dict(block_m=choose_block_m(max_rows), block_n=128 if max_rows <= 16 else 64,
+                num_warps=4, num_stages=4)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                     seq_lens: torch.Tensor, qo_indptr: torch.Tensor,
                     tree_mask: Optional[torch.Tensor], max_q: int, sm_scale: float,
-                    num_splits: int = 1, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    num_splits: int = 1, out: Optional[torch.Tensor] = None, *,
+                    block_m: Optional[int] = None, block_n: Optional[int] = None,
+                    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                    off32: Optional[bool] = None) -> torch.Tensor:
     """Attention of ``q`` over the paged cache (module docstring: semantics, layout).
 
     Args:
@@ -249,6 +299,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         sm_scale: multiplies ``q . k`` before the softmax.
         num_splits: split-KV factor over the prefix (1: single pass).
         out: optional ``[T, H, Dv]`` output (dtype of ``q`` unless given).
+        block_m, block_n, num_warps, num_stages: kernel config overrides (powers of two,
+            ``block_m``/``block_n`` >= 16; tuning sweeps); None = the defaults of
+            :func:`default_config`.
+        off32: int32 slot address offsets (None: whenever every cache element offset fits
+            in 31 bits; False forces int64, True is ignored when they do not fit).
     Returns:
         ``[T, H, Dv]`` in ``q.dtype`` (or ``out``).  With ``num_splits == 1`` rows of no
         request are left untouched; with splits the merge writes all ``T`` rows, so every row
@@ -290,9 +345,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     upcast = q.dtype != k_cache.dtype
     ieee = upcast or k_cache.dtype == torch.float32
-    BLOCK_M = choose_block_m(max_q * G)
     BLOCK_D, BLOCK_DV = _pow2_at_least_16(Dqk), _pow2_at_least_16(Dv)
-    BLOCK_N = 64 if (not ieee and max(BLOCK_D, BLOCK_DV) <= 128) else 32
+    cfg = default_config(max_q * G, max(BLOCK_D, BLOCK_DV), ieee, num_splits)
+    for key, val in (("block_m", block_m), ("block_n", block_n), ("num_warps", num_warps),
+                     ("num_stages", num_stages)):
+        if val is not None:
+            if key == "num_stages":
+                if val < 1:
+                    raise ValueError(f"num_stages must be >= 1, got {val}")
+            elif val < 1 or val & (val - 1) or (key.startswith("block") and val < 16):
+                raise ValueError(f"{key} must be a power of two (>= 16 for blocks), got {val}")
+            cfg[key] = val
+    BLOCK_M, BLOCK_N = cfg["block_m"], cfg["block_n"]
+    # int32 slot offsets when the largest element offset of both caches fits in 31 bits
+    fits = all(c.shape[0] * c.stride(0) + c.shape[1] * c.stride(1) < 2**31 for c in (k_cache, v_cache))
+    off32 = fits if off32 is None else (bool(off32) and fits)
     grid = (triton.cdiv(max_q * G, BLOCK_M), Hkv, bs * num_splits)
     if num_splits > 1:
         o_part = torch.empty(num_splits, T, H, Dv, dtype=torch.float32, device=q.device)
@@ -314,7 +381,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=G, HEAD_DIM=Dqk, V_DIM=Dv, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         MASK_MODE=MASK_TREE if tree_mask is not None else MASK_CAUSAL,
-        NUM_SPLITS=num_splits, IEEE=ieee, UPCAST=upcast, num_warps=4)
+        NUM_SPLITS=num_splits, IEEE=ieee, UPCAST=upcast, SLOT_T=tl.int32 if off32 else tl.int64, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     if num_splits > 1:
         _merge_kernel[(T, H)](o_part, lse, out, ps[0], ps[1], ps[2], ls[0], ls[1],
                               out.stride(0), out.stride(1), V_DIM=Dv, BLOCK_DV=BLOCK_DV,

@@ -1,0 +1,159 @@
+"""Shared cases for the Triton backend tests (MHA/GQA and MLA): eager comparison against
+TorchReferenceBackend, and the CUDA-graph case (capture at a padded batch size, replay with
+fresh smaller live batches, outputs poisoned), EXTEND included (static token count, padded
+requests with ``n = 0``).  Importing this module does not import triton."""
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+import torch
+
+from scenarios import make_scenario, random_qkv
+from specattn.backends import ForwardBatch, ForwardMode, GraphInputBuffers, TorchReferenceBackend
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def rel_err(out, ref):
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def run_both(sc, splits=None, q=None, kernel_config=None):
+    """Triton forward (writes this batch's KV) then the reference on the same cache."""
+    from specattn.backends.triton_backend import TritonBackend
+    q0, k, v = random_qkv(sc)
+    q = q0 if q is None else q
+    tri = TritonBackend(sc.req_pool, sc.kv_pool, num_kv_splits=splits, kernel_config=kernel_config)
+    tri.init_forward_metadata(sc.batch)
+    out = tri.forward(q, k, v, sc.layer, sc.batch)
+    ref = TorchReferenceBackend(sc.req_pool, sc.kv_pool)
+    ref.init_forward_metadata(sc.batch)
+    expect = ref.forward(q, k, v, sc.layer, sc.batch, save_kv_cache=False)
+    assert out.dtype == q.dtype and out.shape == expect.shape
+    assert torch.isfinite(out).all()
+    return out, expect, q
+
+
+def check(sc, splits=None, tol=None, kernel_config=None):
+    out, expect, _ = run_both(sc, splits, kernel_config=kernel_config)
+    err = rel_err(out, expect)
+    assert err < (tol or TOL[sc.kv_pool.dtype]), f"relative error {err}"
+
+
+class ExtendGraphBuffers:
+    """Static inputs of an EXTEND batch for graphs: ``max_bs`` requests, ``max_tokens`` tokens.
+    ``fill`` pads requests with ``req_pool_indices = 0, seq_lens = 0, extend_lens = 0`` and the
+    token tail with ``out_cache_loc = 0`` (the reserved page), ``positions = 0``.  (What
+    ``GraphInputBuffers`` would do for EXTEND; it supports the fixed-shape modes only.)"""
+
+    def __init__(self, max_bs: int, max_tokens: int, device):
+        self.max_bs, self.max_tokens = max_bs, max_tokens
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.extend_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.out_cache_loc = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+
+    def fill(self, batch: ForwardBatch, padded_bs: int) -> ForwardBatch:
+        bs, T = batch.batch_size, batch.num_tokens
+        assert batch.forward_mode == ForwardMode.EXTEND
+        assert bs <= padded_bs <= self.max_bs and T <= self.max_tokens
+        for buf, src in ((self.req_pool_indices, batch.req_pool_indices),
+                         (self.seq_lens, batch.seq_lens), (self.extend_lens, batch.extend_lens)):
+            buf[:bs].copy_(src)
+            buf[bs:padded_bs].zero_()
+        for buf, src in ((self.out_cache_loc, batch.out_cache_loc), (self.positions, batch.positions)):
+            buf[:T].copy_(src)
+            buf[T:].zero_()
+        return ForwardBatch(ForwardMode.EXTEND, self.req_pool_indices[:padded_bs],
+                            self.seq_lens[:padded_bs], self.extend_lens[:padded_bs],
+                            self.out_cache_loc, self.positions)
+
+
+def graph_case(kind: str, mode: ForwardMode, page_size: int, device, use_graph: bool, seed: int, *,
+               dtype=torch.float32, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 64,
+               kv_lora_rank: int = 32, qk_rope_head_dim: int = 16, D: int = 5,
+               splits: Optional[int] = None, max_prefix: int = 20, padded_bs: int = 4,
+               ext_max: int = 7, kernel_config: Optional[dict] = None, trials: int = 2) -> None:
+    """Capture at ``padded_bs`` (from a full random batch), then ``trials`` replays with fresh
+    live batches of bs ``1..padded_bs`` (the first strictly smaller), each checked against the
+    reference backend run eagerly on the live batch.  EXTEND: live requests have
+    ``1..ext_max`` tokens, the static token count is ``padded_bs * ext_max``.  With
+    ``use_graph`` a real CUDA graph is captured and replayed under sync-debug "error" with its
+    output poisoned; else only the capture/replay metadata path runs (CPU)."""
+    from specattn.backends.triton_backend import TritonBackend
+    rng = random.Random(seed)
+    ext = mode == ForwardMode.EXTEND
+    D = 1 if mode == ForwardMode.DECODE else (ext_max if ext else D)
+    T_static = padded_bs * D
+    kw = dict(kind=kind, D=D, page_size=page_size, device=device, rng=rng, capacity_bs=padded_bs,
+              dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+              kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, max_prefix=max_prefix)
+
+    def scenario(bs):
+        lens = [rng.randint(1, ext_max) for _ in range(bs)] if ext else None
+        return make_scenario(mode, bs=bs, extend_lens=lens, **kw)
+
+    first = scenario(padded_bs)
+    be = TritonBackend(first.req_pool, first.kv_pool, num_kv_splits=splits, kernel_config=kernel_config)
+    be.init_cuda_graph_state(max_bs=padded_bs, max_num_tokens=T_static)
+    bufs = ExtendGraphBuffers(padded_bs, T_static, device) if ext else GraphInputBuffers(padded_bs, D, device)
+    layer = first.layer
+    q_static = torch.zeros(T_static, layer.num_heads, layer.head_dim, device=device, dtype=dtype)
+    k_static = torch.zeros(T_static, layer.num_kv_heads, layer.head_dim, device=device, dtype=dtype)
+    v_static = None if kind == "mla" else \
+        torch.zeros(T_static, layer.num_kv_heads, layer.v_head_dim, device=device, dtype=dtype)
+
+    def run(b):
+        return be.forward(q_static, k_static, v_static, layer, b)
+
+    padded = bufs.fill(first.batch, padded_bs)
+    be.init_forward_metadata_capture_cuda_graph(padded)
+    captured = be.forward_metadata
+    if use_graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            run(padded)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out_static = run(padded)
+    for trial in range(trials):
+        bs = rng.randint(1, padded_bs - 1) if trial == 0 and padded_bs > 1 else rng.randint(1, padded_bs)
+        sc = scenario(bs)
+        for dst, src in zip(first.kv_pool.buffers, sc.kv_pool.buffers):
+            dst.copy_(src)
+        first.req_pool.req_to_token.copy_(sc.req_pool.req_to_token)
+        sc.kv_pool, sc.req_pool = first.kv_pool, first.req_pool
+        q, k, v = random_qkv(sc)
+        T = sc.batch.num_tokens
+        for buf, src in ((q_static, q), (k_static, k), (v_static, v)):  # garbage in padded rows
+            if buf is not None:
+                buf.normal_()
+                buf[:T].copy_(src)
+        padded = bufs.fill(sc.batch, padded_bs)
+        if use_graph:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                be.init_forward_metadata_replay_cuda_graph(padded)
+                out_static.fill_(float("nan"))
+                g.replay()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            out = out_static[:T].clone()
+        else:
+            be.init_forward_metadata_replay_cuda_graph(padded)
+            out = run(padded)[:T]
+        md = be.forward_metadata
+        for name in ("qo_indptr", "seq_lens", "req_pool_indices"):  # the static buffers
+            assert getattr(md, name).data_ptr() == getattr(captured, name).data_ptr()
+        assert md.max_q == captured.max_q
+        ref = TorchReferenceBackend(sc.req_pool, sc.kv_pool)
+        ref.init_forward_metadata(sc.batch)
+        expect = ref.forward(q, k, v, layer, sc.batch)  # writes the live batch's KV (same values)
+        assert torch.isfinite(out).all(), f"bs {bs}: non-finite rows"
+        err = rel_err(out, expect)
+        assert err < TOL[dtype], f"relative error {err} (bs {bs}, seed {seed})"

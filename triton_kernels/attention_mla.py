@@ -1,0 +1,421 @@
+"""Paged absorbed-MLA attention for every forward mode: one Triton kernel (+ the split-KV merge).
+
+Used by :class:`specattn.backends.triton_backend.TritonBackend` for ``AttentionKind.MLA``.
+
+Absorbed MLA (DeepSeek-V2, arXiv:2405.04434, section 2.1 and its "absorb" remark; the form
+FlashMLA and SGLang's MLA backends run): the per-head key up-projection ``W_UK`` is folded into
+the query and ``W_UV`` into the output projection, so every head attends over ONE shared latent
+per token.  With ``r = kv_lora_rank`` and ``d_r = qk_rope_head_dim``:
+
+- ``q [T, H, r + d_r] = [q_nope_absorbed | q_pe]`` (per head);
+- the cache (``MLATokenToKVPool``) ``[num_slots, 1, r + d_r] = [c_kv | k_pe]`` (one "KV head");
+- ``score(t, h, key) = (q_nope[t, h] . c_kv[key] + q_pe[t, h] . k_pe[key]) * sm_scale``;
+- ``out[t, h] = softmax(scores) @ c_kv`` -> ``[T, H, r]`` (the values are the first ``r``
+  entries of the latent; the caller applies ``W_UV`` afterwards).
+
+Visibility is exactly :mod:`specattn.triton_kernels.attention`'s (the
+:mod:`specattn.backends.forward_batch` convention): request ``i`` (``r_i = req_pool_indices[i]``)
+has ``P = seq_lens[i]`` committed keys and ``n = qo_indptr[i+1] - qo_indptr[i]`` new tokens whose
+latents are already in the cache; its keys are at slots ``req_to_token[r_i, 0 : P + n]``.
+Query ``j`` sees every prefix key ``p < P`` and key ``P + k`` when ``k <= j`` (``causal``:
+EXTEND, DECODE, DRAFT_EXTEND_V2) or bit ``k % 32`` of word ``k // 32`` of ``tree_mask[i, j]``
+is set (``tree``: TARGET_VERIFY).  A query that sees no key outputs zeros.
+
+Kernel layout
+-------------
+- Grid ``(row_tiles, r // BLOCK_DV, bs * num_splits)``.  MLA has one KV head, so the GQA
+  packing of ``attention.py`` applies with ``G = H``: row ``m`` of a request is token
+  ``m // H``, head ``m % H``; ``row_tiles = cdiv(max_q * H, BLOCK_M)`` with a static
+  ``max_q``; a tile starting past the request's ``n * H`` rows exits at once.  With
+  ``H = 128`` and ``BLOCK_M = 64`` a decode token is two tiles of 64 heads (the tile FlashMLA's
+  decode kernel uses: 64 query heads per CTA, 8 warps); a 64-token tree verify is 128 tiles
+  per request.
+- Per key tile of ``BLOCK_N`` positions the program gathers the slots through ``req_to_token``
+  (int64 address arithmetic; the slot table is per token, so any page size works) and loads
+  the latent tile ONCE: ``c [BLOCK_N, BLOCK_DV]`` (its own value slice of ``c_kv``) and
+  ``k_pe [d_r, BLOCK_N]``.  Scores are two ``tl.dot``'s accumulated in float32,
+  ``q_nope @ c^T`` (``r`` wide) plus ``q_pe @ k_pe`` (``d_r`` wide): no padding of
+  ``r + d_r = 576`` to a power of two.  The same ``c`` tile is the value operand of
+  ``p @ c``.  (FlashMLA shares the K and V tile in shared memory the same way.)
+- With ``page_size % BLOCK_N == 0`` (``page_size`` argument) every prefix tile (they start
+  at multiples of ``BLOCK_N``) lies in one page, whose slots are consecutive in the pool's
+  layout (token ``p`` at offset ``p % page_size`` of its page): the program reads one slot
+  per tile instead of one per key.  Phase 2 always gathers per key.
+- ``BLOCK_DV`` (``block_dv``) is ``r`` (default) or ``r / 2``.  With ``r / 2`` two programs
+  own the two halves of the value width (accumulator ``BLOCK_M x r/2`` fp32: half the
+  registers); each also loads the other half of ``c_kv`` and recomputes the full scores
+  (``1.5x`` the FLOPs of the unsplit kernel at ``r = 512, d_r = 64``).
+- Phase 1: the prefix ``[0, P)`` unmasked (bound ``p < P`` on the last tile).  Phase 2:
+  this forward's tokens ``P + [0, n)``, causal rows stop at the tile's last token, tree rows
+  test their int32 mask words.  Online softmax in the log2 domain (``exp2``), running max,
+  sum and accumulator in float32.
+- dtypes: bf16/fp16 caches use tensor-core dots with fp32 accumulation; an fp32 cache uses
+  ``input_precision="ieee"`` (no TF32; the lossless runtime tests); a ``q`` whose dtype
+  differs from the cache's is upcast with the cache tile to fp32.  Output in ``q.dtype``.
+- ``r`` and ``d_r`` must be powers of two >= 16 (the real ones are 512 and 64; CPU tests use
+  32 + 16).
+
+Split-KV (``num_splits = S > 1``): split ``s`` covers prefix positions
+``[s * c, min((s + 1) * c, P))`` with ``c = cdiv(cdiv(P, S), BLOCK_N) * BLOCK_N`` computed in
+the kernel; the last split also covers phase 2.  Partial outputs (float32 ``[S, T, H, r]``)
+and log2-sum-exps (float32 ``[S, T, H]``) are combined by ``attention._merge_kernel``
+(grid ``(T, H)``), which then writes every one of the ``T`` rows.
+
+Worked shape example (DeepSeek-V3 decode, bf16): ``bs = 128``, ``H = 128``, ``r = 512``,
+``d_r = 64``, ``P = 8192`` per request, page 64.  ``q [128, 128, 576]``, cache
+``[>= 128 * 8256, 1, 576]``, output ``[128, 128, 512]``.  Defaults ``BLOCK_M = 64``,
+``BLOCK_DV = 512``: grid ``(2, 1, 128)`` = 256 programs; each streams its request's 8192
+latents (9.4 MB) once from HBM-or-L2 (the two tiles of a request share them through L2), so
+the kernel reads ~1.2 GB and does ``2 * 128 * 128 * 8192 * (576 + 512) = 292`` GFLOP.  A
+TARGET_VERIFY with 64 draft tokens runs ``64 * 128 / 64 = 128`` tiles per request, each over
+the same ``P + 64`` latents: compute-bound.
+
+Code generation on sm_90 (offline compile with Triton 3.9, bf16, ``r = 512``, 128 heads): the
+latent tile goes to shared memory by async copies (one copy per piece), both score dots and
+the value dot are wgmma.  Because the score dot feeds another dot, Triton puts all warps along
+its M axis, so with ``BLOCK_M = 64`` on 8 warps both warpgroups compute the same ``64 x
+BLOCK_N`` scores (wgmma work ``(2 * 576 + 512) / (576 + 512) = 1.53x`` the useful work); the
+value dot is split between them (each ``64 x 256`` of the accumulator, 128 registers per
+thread).  ``block_dv = r / 2`` or ``block_m = 128`` trade that for recomputation across
+programs instead.  The default config uses 255 registers with a small spill (~200 bytes);
+``block_dv = 256`` none.
+
+Sources: DeepSeek-V2 (arXiv:2405.04434) for absorbed MLA; FlashMLA (deepseek-ai/FlashMLA:
+64-head tiles, 8 warps, K and V sharing one shared-memory tile, split-KV plus a combine
+kernel) for the decode design points; Triton's tutorial ``06-fused-attention`` for the
+online-softmax program layout.  No code copied.
+
+No host sync: every launch parameter is a Python int fixed by shapes and static maxima.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import _merge_kernel
+
+__all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
+
+MASK_CAUSAL, MASK_TREE = 0, 1
+MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages")
+
+
+@triton.jit
+def _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, kv_row, ok, vis, offs_own, offs_oth, offs_r,
+              qk_scale, NUM_DV: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile.  ``kv_row [BLOCK_N]``: pointers to the latent rows (``KV + slot * stride``),
+    ``ok [BLOCK_N]``: which of them exist, ``vis [BLOCK_M, BLOCK_N]``: visibility.  Loads the
+    latent tile once (own value slice, the other slice when ``NUM_DV == 2``, ``k_pe``), updates
+    the online softmax ``(acc, m_i, l_i)`` and returns it."""
+    c = tl.load(kv_row[:, None] + offs_own[None, :], mask=ok[:, None], other=0.0)     # [N, DV]
+    kpe = tl.load(kv_row[None, :] + offs_r[:, None], mask=ok[None, :], other=0.0)     # [R, N]
+    if UPCAST:
+        c = c.to(tl.float32)
+        kpe = kpe.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q_own, tl.trans(c), input_precision="ieee")
+        s = tl.dot(q_pe, kpe, s, input_precision="ieee")
+    else:
+        s = tl.dot(q_own, tl.trans(c))
+        s = tl.dot(q_pe, kpe, s)
+    if NUM_DV == 2:
+        c2 = tl.load(kv_row[None, :] + offs_oth[:, None], mask=ok[None, :], other=0.0)  # [DV, N]
+        if UPCAST:
+            c2 = c2.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q_oth, c2, s, input_precision="ieee")
+        else:
+            s = tl.dot(q_oth, c2, s)
+    s = tl.where(vis, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p.to(c.dtype), c, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(c.dtype), c, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _mla_fwd_kernel(
+        Q, KV, O, O_PART, LSE_PART,
+        req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
+        stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
+        stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+        stride_rtt, stride_tmb, stride_tmj,
+        qk_scale,
+        NUM_HEADS: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+        NUM_DV: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        CONTIG: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    dvi = tl.program_id(1)
+    pid2 = tl.program_id(2)
+    req = pid2 // NUM_SPLITS
+    split = pid2 % NUM_SPLITS
+
+    q_start = tl.load(qo_indptr + req)
+    n = tl.load(qo_indptr + req + 1) - q_start
+    m0 = tile * BLOCK_M
+    if m0 >= n * NUM_HEADS:
+        return
+    P = tl.load(seq_lens + req)
+    r = tl.load(req_pool_indices + req).to(tl.int64)
+    rtt_row = req_to_token + r * stride_rtt
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    j = offs_m // NUM_HEADS
+    head = offs_m % NUM_HEADS
+    row_ok = j < n
+    tok = (q_start + j).to(tl.int64)
+    if NUM_DV == 1:
+        offs_own = tl.arange(0, BLOCK_DV)
+        offs_oth = offs_own
+    else:
+        offs_own = dvi * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        offs_oth = (1 - dvi) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    offs_r = KV_LORA + tl.arange(0, ROPE)
+
+    q_row = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    q_own = tl.load(q_row + offs_own[None, :], mask=row_ok[:, None], other=0.0)
+    q_pe = tl.load(q_row + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+    if NUM_DV == 2:
+        q_oth = tl.load(q_row + offs_oth[None, :], mask=row_ok[:, None], other=0.0)
+    else:
+        q_oth = q_own
+    if UPCAST:
+        q_own = q_own.to(tl.float32)
+        q_oth = q_oth.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    # ---------------- phase 1: the committed prefix, no visibility mask
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = P
+    else:
+        chunk = tl.cdiv(tl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(split * chunk, P)
+        hi = tl.minimum(lo + chunk, P)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        if CONTIG:  # the tile lies in one page: its slots are consecutive
+            slot = tl.load(rtt_row + start).to(tl.int64) + tl.arange(0, BLOCK_N)
+        else:
+            slot = tl.load(rtt_row + offs_n, mask=n_ok, other=0).to(tl.int64)
+        acc, m_i, l_i = _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, KV + slot * stride_kvt, n_ok,
+                                  n_ok[None, :], offs_own, offs_oth, offs_r, qk_scale,
+                                  NUM_DV, IEEE, UPCAST)
+
+    # ---------------- phase 2: this forward's tokens P + [0, n), masked (last split only)
+    if MASK_MODE == 1:
+        kv_hi = n
+    else:  # causal: no row of this tile sees past its last token
+        kv_hi = tl.minimum(n, (m0 + BLOCK_M - 1) // NUM_HEADS + 1)
+    if NUM_SPLITS > 1:
+        kv_hi = tl.where(split == NUM_SPLITS - 1, kv_hi, 0)
+    for start in range(0, kv_hi, BLOCK_N):
+        offs_k = start + tl.arange(0, BLOCK_N)
+        k_ok = offs_k < kv_hi
+        slot = tl.load(rtt_row + P + offs_k, mask=k_ok, other=0).to(tl.int64)
+        if MASK_MODE == 1:
+            wmask = row_ok[:, None] & k_ok[None, :]
+            words = tl.load(tree_mask + req.to(tl.int64) * stride_tmb + j[:, None] * stride_tmj
+                            + (offs_k // 32)[None, :], mask=wmask, other=0)
+            vis = (((words >> (offs_k % 32)[None, :]) & 1) != 0) & wmask
+        else:
+            vis = (offs_k[None, :] <= j[:, None]) & k_ok[None, :]
+        acc, m_i, l_i = _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, KV + slot * stride_kvt, k_ok,
+                                  vis, offs_own, offs_oth, offs_r, qk_scale, NUM_DV, IEEE, UPCAST)
+
+    # ---------------- epilogue
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = tl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
+    if NUM_SPLITS == 1:
+        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_own[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        sp = split.to(tl.int64)
+        tl.store(O_PART + sp * stride_ps + tok[:, None] * stride_pt + head[:, None] * stride_ph
+                 + offs_own[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse,
+                 mask=row_ok & ((head * 0 + dvi) == 0))  # one writer per row
+
+
+def _pow2(x: int) -> bool:
+    return isinstance(x, int) and x >= 1 and not x & (x - 1)
+
+
+def default_mla_config(max_rows: int, kv_lora_rank: int, ieee: bool) -> dict:
+    """Default kernel config for ``max_rows = max_q * H`` packed rows per request, rank
+    ``kv_lora_rank`` and fp32 (``ieee``) inputs.  Returns ``block_m``, ``block_n``,
+    ``block_dv``, ``num_warps``, ``num_stages``.  With >= 128 rows and rank >= 256 (MLA decode
+    at 128 heads, tree verify): 128-row tiles, half the value width per program, 64 keys,
+    one stage -- the best of the H100 sweep of ``bench/scripts/attention_sweep.py`` for both
+    (2026-11-22).  Otherwise 64-row tiles with the whole value width on 8 warps (FlashMLA's
+    tile), 32 keys per tile (a bf16 latent tile of 32 x 576 is 36 KB of shared memory)."""
+    big = kv_lora_rank >= 256
+    block_m = min(64, max(16, triton.next_power_of_2(max(max_rows, 1))))
+    if ieee:
+        return dict(block_m=min(block_m, 32) if big else block_m, block_n=16 if big else 32,
+                    block_dv=kv_lora_rank, num_warps=8 if big else 4, num_stages=1)
+    if big and max_rows >= 128:  # H100 sweep (bench/scripts/attention_sweep.py), 2026-11-22
+        return dict(block_m=128, block_n=64, block_dv=kv_lora_rank // 2, num_warps=8, num_stages=1)
+    return dict(block_m=block_m, block_n=32 if big else 64, block_dv=kv_lora_rank,
+                num_warps=8 if big else 4, num_stages=2)
+
+
+def check_mla_config(config: dict, kv_lora_rank: Optional[int] = None) -> None:
+    """Raise ValueError unless ``config``'s keys are among :data:`MLA_CONFIG_KEYS` and every
+    value is a power of two (``block_*`` >= 16; ``block_dv`` = ``kv_lora_rank`` or half of it
+    when the rank is given).  None values mean "default"."""
+    bad = sorted(set(config) - set(MLA_CONFIG_KEYS))
+    if bad:
+        raise ValueError(f"unknown MLA kernel config keys {bad}; allowed: {list(MLA_CONFIG_KEYS)}")
+    for key, val in config.items():
+        if val is None:
+            continue
+        if key == "num_stages":
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"num_stages must be an int >= 1, got {val!r}")
+        elif not _pow2(val) or (key.startswith("block") and val < 16):
+            raise ValueError(f"{key} must be a power of two (>= 16 for blocks), got {val!r}")
+    dv = config.get("block_dv")
+    if dv is not None and kv_lora_rank is not None and dv not in (kv_lora_rank, kv_lora_rank // 2):
+        raise ValueError(f"block_dv must be kv_lora_rank ({kv_lora_rank}) or half of it, got {dv}")
+
+
+def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
+                        req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                        qo_indptr: torch.Tensor, tree_mask: Optional[torch.Tensor], max_q: int,
+                        sm_scale: float, kv_lora_rank: int, num_splits: int = 1,
+                        out: Optional[torch.Tensor] = None, *, page_size: int = 1,
+                        block_m: Optional[int] = None,
+                        block_n: Optional[int] = None, block_dv: Optional[int] = None,
+                        num_warps: Optional[int] = None,
+                        num_stages: Optional[int] = None) -> torch.Tensor:
+    """Absorbed-MLA attention of ``q`` over the paged latent cache (module docstring).
+
+    Args:
+        q: ``[T, H, kv_lora_rank + qk_rope_head_dim]`` fp32/bf16/fp16 (``[q_nope_absorbed |
+            q_pe]``), last dim contiguous; ``T = qo_indptr[-1]`` (only rows named by
+            ``qo_indptr`` are read).
+        kv_cache: ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (``[c_kv | k_pe]``),
+            last dim contiguous (``MLATokenToKVPool.get_key_buffer``).
+        req_to_token: int32 ``[rows, width]``, last dim contiguous.
+        req_pool_indices: int64 ``[bs]``; seq_lens: int32 ``[bs]`` (``P``, committed keys);
+        qo_indptr: int32 ``[bs + 1]`` (token offsets of each request's ``n`` new tokens).
+        tree_mask: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or None (causal).
+        max_q: static upper bound of ``n`` over the batch (sizes the grid; a contract, not
+            checked: rows past it are left unwritten).
+        sm_scale: multiplies ``q . k`` before the softmax.
+        kv_lora_rank: ``r``, the value width; ``qk_rope_head_dim = q.shape[2] - r``.  Both
+            must be powers of two >= 16.
+        num_splits: split-KV factor over the prefix (1: single pass).
+        out: optional ``[T, H, kv_lora_rank]`` output, last dim contiguous.
+        page_size: the pool's page size.  When ``block_n`` divides it, the prefix tiles
+            (which start at multiples of ``block_n``) each lie in one page, so the kernel
+            reads one slot per tile (``req_to_token[r, start]``) and takes the next
+            ``block_n - 1`` slots as consecutive -- the page layout of
+            :mod:`~specattn.backends.pools` (token ``p`` at offset ``p % page_size`` of its
+            page).  1 (default): one slot per key, any layout.
+        block_m, block_n, block_dv, num_warps, num_stages: kernel config overrides (powers of
+            two; ``block_m``/``block_n`` >= 16; ``block_dv`` = ``r`` or ``r / 2``); None = the
+            defaults of :func:`default_mla_config`.
+    Returns:
+        ``[T, H, kv_lora_rank]`` in ``q.dtype`` (or ``out``).  With ``num_splits == 1`` rows of
+        no request are left untouched; with splits every one of the ``T`` rows is written, so
+        every row must belong to a request (``qo_indptr[-1] == T``).
+    Raises:
+        ValueError: inconsistent shapes, dtypes or devices; dims not powers of two >= 16; a
+            ``tree_mask`` smaller than ``[bs, max_q, ceil(max_q/32)]``; a bad config value.
+    """
+    if q.dim() != 3 or kv_cache.dim() != 3:
+        raise ValueError(f"q and kv_cache must be 3-D, got {list(q.shape)} / {list(kv_cache.shape)}")
+    T, H, Dqk = q.shape
+    rank, rope = kv_lora_rank, Dqk - kv_lora_rank
+    bs = req_pool_indices.shape[0]
+    if kv_cache.shape[1] != 1 or kv_cache.shape[2] != Dqk:
+        raise ValueError(f"kv_cache must be [slots, 1, {Dqk}] for q {list(q.shape)}, got "
+                         f"{list(kv_cache.shape)}")
+    for name, d in (("kv_lora_rank", rank), ("qk_rope_head_dim", rope)):
+        if not _pow2(d) or d < 16:
+            raise ValueError(f"{name} must be a power of two >= 16, got {d}")
+    if q.stride(2) != 1 or kv_cache.stride(2) != 1 or req_to_token.stride(1) != 1:
+        raise ValueError("q, kv_cache and req_to_token need a contiguous last dim")
+    if q.device != kv_cache.device:
+        raise ValueError(f"q is on {q.device}, kv_cache on {kv_cache.device}")
+    if tree_mask is not None and (tree_mask.dtype != torch.int32 or tree_mask.dim() != 3
+                                  or tree_mask.stride(2) != 1 or tree_mask.shape[0] < bs
+                                  or tree_mask.shape[1] < max_q
+                                  or tree_mask.shape[2] < (max_q + 31) // 32):
+        raise ValueError(f"tree_mask must be int32 [>= {bs}, >= {max_q}, >= {(max_q + 31) // 32}] "
+                         f"with a contiguous last dim, got {tree_mask.dtype} {list(tree_mask.shape)}")
+    for name, t, dt in (("req_pool_indices", req_pool_indices, torch.int64),
+                        ("seq_lens", seq_lens, torch.int32), ("qo_indptr", qo_indptr, torch.int32),
+                        ("req_to_token", req_to_token, torch.int32)):
+        if t.dtype != dt or t.device != q.device:
+            raise ValueError(f"{name} must be {dt} on {q.device}, got {t.dtype} on {t.device}")
+    if qo_indptr.shape != (bs + 1,) or seq_lens.shape != (bs,):
+        raise ValueError(f"qo_indptr must be [{bs + 1}] and seq_lens [{bs}], got "
+                         f"{list(qo_indptr.shape)} / {list(seq_lens.shape)}")
+    if num_splits < 1:
+        raise ValueError("num_splits must be >= 1")
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if out is None:
+        out = torch.empty(T, H, rank, dtype=q.dtype, device=q.device)
+    elif out.shape != (T, H, rank) or out.stride(2) != 1 or out.device != q.device:
+        raise ValueError(f"out must be [{T}, {H}, {rank}] on {q.device} with a contiguous last "
+                         f"dim, got {list(out.shape)}")
+    upcast = q.dtype != kv_cache.dtype
+    ieee = upcast or kv_cache.dtype == torch.float32
+    cfg = default_mla_config(max_q * H, rank, ieee)
+    over = dict(block_m=block_m, block_n=block_n, block_dv=block_dv, num_warps=num_warps,
+                num_stages=num_stages)
+    check_mla_config(over, rank)
+    cfg.update({k: v for k, v in over.items() if v is not None})
+    if bs == 0 or T == 0 or max_q == 0:
+        return out
+    BLOCK_M, BLOCK_N, BLOCK_DV = cfg["block_m"], cfg["block_n"], cfg["block_dv"]
+    num_dv = rank // BLOCK_DV
+    grid = (triton.cdiv(max_q * H, BLOCK_M), num_dv, bs * num_splits)
+    if num_splits > 1:
+        o_part = torch.empty(num_splits, T, H, rank, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=q.device)
+        ps, ls = o_part.stride(), lse.stride()
+    else:
+        o_part, lse = out, seq_lens  # unused placeholders
+        ps, ls = (0, 0, 0, 0), (0, 0, 0)
+    tm = tree_mask if tree_mask is not None else seq_lens
+    tm_strides = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
+    _mla_fwd_kernel[grid](
+        q, kv_cache, out, o_part, lse,
+        req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
+        q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
+        ps[0], ps[1], ps[2], ls[0], ls[1],
+        req_to_token.stride(0), tm_strides[0], tm_strides[1],
+        sm_scale * 1.4426950408889634,
+        NUM_HEADS=H, KV_LORA=rank, ROPE=rope, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_DV=BLOCK_DV, NUM_DV=num_dv,
+        MASK_MODE=MASK_TREE if tree_mask is not None else MASK_CAUSAL,
+        NUM_SPLITS=num_splits, CONTIG=page_size % BLOCK_N == 0, IEEE=ieee, UPCAST=upcast,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    if num_splits > 1:
+        _merge_kernel[(T, H)](o_part, lse, out, ps[0], ps[1], ps[2], ls[0], ls[1],
+                              out.stride(0), out.stride(1), V_DIM=rank, BLOCK_DV=rank,
+                              NUM_SPLITS=num_splits, num_warps=4 if rank >= 256 else 1)
+    return out
