@@ -1,0 +1,714 @@
+"""Attention bench cases of issue 6: the Triton backend next to FlashInfer / FlashMLA.
+
+Cases (``-p impl=...`` picks the implementation; every other parameter is shared, so the
+rows of one point are timed on identical inputs)::
+
+    case             impl                                          issue points (-p ...)
+    tree_verify      triton | flashinfer_mask | flashinfer_split   bs/prefix 1/4096 16/2048
+                                                                   64/4096 16/16384
+    mla_tree_verify  triton                                        bs 1 | 16, prefix 4096
+    mla_decode       triton | flashmla                             bs 128, seq_len 8192
+    decode           triton | flashinfer                           bs 1|32|128 x seq_len 1024|8192
+    extend           triton | flashinfer                           bs 1, 2048 new, prefix 0|4096
+
+- ``triton``: :class:`~specattn.backends.triton_backend.TritonBackend`;
+  ``init_forward_metadata`` runs eagerly once per input set at setup, the timed call is
+  ``backend._forward(q, layer, batch)`` (the KV of every position, this forward's included,
+  is written at setup), captured in a CUDA graph by the harness.
+- ``flashinfer_mask``: one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` over the
+  ``P + D`` keys with FlashInfer's packed custom mask (built on the device from our bit-packed
+  rows by :func:`~specattn.backends.tree_mask.tree_mask_to_flashinfer`); ``plan()`` at setup,
+  ``run()`` timed.  FlashInfer 0.7.2's ``plan(packed_custom_mask=...)`` derives the per-request
+  mask offsets in *bits* (``q_len * kv_len``) where its kernel reads *bytes* (flashinfer PR
+  #2201, open), so the byte offsets are installed after ``plan()``
+  (:func:`install_mask_indptr`); bs = 1 is unaffected.
+- ``flashinfer_split``: the anchor of issue 6: a non-causal paged prefill over the ``P``
+  prefix keys and a custom-mask prefill over the ``D`` draft keys, both with ``return_lse``,
+  merged by ``flashinfer.merge_state``.  Timed: both runs + the merge.  Needs
+  ``prefix % page_size == 0`` (the draft keys must start a page).
+- ``flashinfer`` (decode): ``BatchDecodeWithPagedKVCacheWrapper`` with
+  ``use_tensor_cores=True`` by default (it then runs FlashInfer's fa2 prefill kernel, the
+  module the other FlashInfer impls use; ``-p fi_use_tensor_cores=False`` times the CUDA-core
+  decode kernel, one more JIT module); (extend): ``BatchPrefillWithPagedKVCacheWrapper``
+  with ``causal=True``.
+- ``flashmla``: ``flash_mla.flash_mla_with_kvcache`` (dense bf16 decode; on SM90 that is the
+  legacy kernel, ``use_legacy=True``) on ``[pages, 64, 1, 576]`` with its block table; the
+  scheduler metadata (``get_mla_decoding_metadata``) is computed at setup.
+
+FlashInfer wrappers are built with ``backend=fi_backend``, default ``"fa2"``: what SGLang's
+FlashInfer backend passes for its paged prefill and decode wrappers, and ONE JIT module (the
+fa2 batch-prefill module for bf16, head_dim 128, int32 indices) serves the mask, both split
+parts, tensor-core decode and extend; ``merge_state`` adds the small ``cascade`` module.
+``-p fi_backend=auto`` lets FlashInfer pick fa3 on Hopper for the mask-free prefills (split
+prefix part, extend): one more JIT module.  FlashInfer and FlashMLA are imported only inside
+the impls that need them: a missing one raises ImportError naming the extra
+(``pip install specattn[flashinfer]`` / ``specattn[flashmla]``).
+
+Inputs, built once on the device: one KV pool (one layer) holding ``input_sets`` disjoint
+batches; each request's pages are drawn at random from the pool (a cache after some churn;
+``-p contiguous=True`` for in-order pages) and ``req_to_token`` lists them position by
+position; K/V, q ~ N(0, 1).  Trees are random EAGLE trees
+(:func:`specattn.bench.cases_tree.random_eagle_tree`, ``topk = 8, num_steps = 5`` for 64
+tokens) built by :func:`specattn.ops.build_tree` (reference).  ``input_sets=None`` picks
+``clamp(256 MiB // bytes_per_set, 1, 4)`` sets; the harness flushes L2 when they are small.
+Every request of a point has the same prefix; ``seq_len`` (decode) counts the keys a query
+sees, its own included (``P = seq_len - 1`` committed + 1 new).
+
+Accounting (the same for every impl of a point, so GB/s and TFLOP/s compare):
+
+- ``bytes`` = the KV of every key read once (``P + n`` keys per request: prefix + this
+  forward's tokens; MHA ``Hkv * (Dqk + Dv)`` elements per key, absorbed MLA the
+  ``kv_lora_rank + qk_rope_head_dim`` latent once, its values being a prefix of it) + q read
+  once + o written once.  Index tables, masks and split-KV partials are not counted.
+- ``flops`` = ``2 * H * (Dqk + Dv) * visible`` with ``visible`` = the (query token, key)
+  pairs that are visible (QK^T and PV, 2 flops per multiply-add; masked pairs are free):
+  tree verify ``P + popcount(mask row)`` per token (mean over the input sets), decode
+  ``seq_len``, extend ``P + j + 1`` for new token ``j``.
+- % of roofline = ``max(% copy bandwidth, % bf16 matmul rate)`` of the harness's measured
+  ceilings = (roofline time ``max(bytes / BW, flops / peak)``) / measured time; the JSON has
+  both fractions (``pct_copy_bw``, ``pct_matmul``), :mod:`.attention_report` adds the max.
+"""
+from __future__ import annotations
+
+import importlib
+import random
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from specattn.backends.forward_batch import ForwardBatch
+from specattn.backends.forward_mode import ForwardMode
+from specattn.backends.layer import AttentionLayer
+from specattn.backends.pools import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from specattn.backends.tree_mask import tree_mask_to_flashinfer, unpack_tree_mask
+from specattn.ops import build_tree, num_tree_candidates
+
+from .cases import Workload, case
+from .cases_tree import random_eagle_batch
+
+__all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_impl",
+           "require_library", "attention_bytes", "attention_flops", "auto_input_sets",
+           "make_paged_inputs", "random_tree_masks", "flashinfer_page_metadata",
+           "flashinfer_verify_metadata", "install_mask_indptr", "paged_view",
+           "FI_WORKSPACE_BYTES", "MLA_SCALING"]
+
+IMPLS: Dict[str, Tuple[str, ...]] = {
+    "tree_verify": ("triton", "flashinfer_mask", "flashinfer_split"),
+    "mla_tree_verify": ("triton",),
+    "mla_decode": ("triton", "flashmla"),
+    "decode": ("triton", "flashinfer"),
+    "extend": ("triton", "flashinfer"),
+}
+# impl -> (import name, pip extra, distribution)
+LIBRARIES: Dict[str, Tuple[str, str, str]] = {
+    "flashinfer": ("flashinfer", "specattn[flashinfer]", "flashinfer-python"),
+    "flashinfer_mask": ("flashinfer", "specattn[flashinfer]", "flashinfer-python"),
+    "flashinfer_split": ("flashinfer", "specattn[flashinfer]", "flashinfer-python"),
+    "flashmla": ("flash_mla", "specattn[flashmla]", "sgl-flash-mla"),
+}
+FI_WORKSPACE_BYTES = 256 << 20
+AUTO_SETS_BUDGET = 256 << 20
+MAX_AUTO_SETS = 4
+MLA_SCALING = (128 + 64) ** -0.5  # DeepSeek-V3: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+
+
+# ----------------------------------------------------------------------------- checks
+def check_impl(case_name: str, impl: str, device: torch.device) -> None:
+    """Raise ValueError unless ``impl`` is one of ``IMPLS[case_name]`` and, for a library
+    impl (FlashInfer / FlashMLA), ``device`` is a CUDA device."""
+    allowed = IMPLS[case_name]
+    if impl not in allowed:
+        raise ValueError(f"{case_name}: impl must be one of {allowed}, got {impl!r}")
+    if impl in LIBRARIES and torch.device(device).type != "cuda":
+        raise ValueError(f"{case_name}: impl={impl!r} runs {LIBRARIES[impl][2]} kernels and "
+                         f"needs a CUDA device, got {device}")
+
+
+def require_library(impl: str):
+    """Import and return the library module of ``impl`` (``flashinfer`` / ``flash_mla``).
+
+    Raises:
+        ImportError: not installed, naming the extra to install (``pip install
+            specattn[flashinfer]`` / ``specattn[flashmla]``).
+    """
+    module, extra, dist = LIBRARIES[impl]
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"impl={impl!r} needs {dist} (import {module!r} failed: {e}); "
+                          f"install it with: pip install {extra}") from e
+
+
+def _positive(**kw) -> None:
+    for k, v in kw.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k} must be an int >= 1, got {v!r}")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, str(name), None)
+    if dt not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype must be bfloat16, float16 or float32, got {name!r}")
+    return dt
+
+
+# ----------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class AttnShape:
+    """One attention layer's shape.  ``kind="mha"``: ``num_heads`` q heads over
+    ``num_kv_heads`` KV heads of ``head_dim``; ``kind="mla"``: absorbed MLA, one latent KV
+    head of ``kv_lora_rank + qk_rope_head_dim`` whose first ``kv_lora_rank`` are the values."""
+    kind: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int       # q / k width (MLA: kv_lora_rank + qk_rope_head_dim)
+    v_head_dim: int     # v / o width (MLA: kv_lora_rank)
+    dtype: torch.dtype
+    scaling: float
+
+    @classmethod
+    def mha(cls, num_heads: int, num_kv_heads: int, head_dim: int, dtype) -> "AttnShape":
+        """Raises ValueError unless ``num_kv_heads`` divides ``num_heads``."""
+        _positive(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+        return cls("mha", num_heads, num_kv_heads, head_dim, head_dim, _dtype(dtype),
+                   head_dim ** -0.5)
+
+    @classmethod
+    def mla(cls, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype) -> "AttnShape":
+        _positive(num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+                  qk_rope_head_dim=qk_rope_head_dim)
+        return cls("mla", num_heads, 1, kv_lora_rank + qk_rope_head_dim, kv_lora_rank,
+                   _dtype(dtype), MLA_SCALING)
+
+    @property
+    def kv_elems_per_key(self) -> int:
+        """Cache elements read per key: MHA ``Hkv * (Dqk + Dv)``, MLA the latent once."""
+        if self.kind == "mla":
+            return self.head_dim
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
+    def layer(self) -> AttentionLayer:
+        if self.kind == "mla":
+            return AttentionLayer.mla(0, self.num_heads, self.v_head_dim,
+                                      self.head_dim - self.v_head_dim, scaling=self.scaling)
+        return AttentionLayer.mha(0, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  self.v_head_dim, scaling=self.scaling)
+
+    def make_pool(self, size: int, page_size: int, device):
+        if self.kind == "mla":
+            return MLATokenToKVPool(size, page_size, self.dtype, 1, device, self.v_head_dim,
+                                    self.head_dim - self.v_head_dim)
+        return MHATokenToKVPool(size, page_size, self.dtype, self.num_kv_heads, self.head_dim,
+                                1, device, self.v_head_dim)
+
+
+def attention_bytes(shape: AttnShape, num_keys: int, num_tokens: int) -> int:
+    """Minimum device traffic of one attention call: ``num_keys`` keys' cache rows read once
+    (:attr:`AttnShape.kv_elems_per_key` elements each), ``num_tokens`` query rows read
+    (``H * Dqk``) and output rows written (``H * Dv``), in ``shape.dtype`` bytes."""
+    e = shape.dtype.itemsize
+    return e * (num_keys * shape.kv_elems_per_key
+                + num_tokens * shape.num_heads * (shape.head_dim + shape.v_head_dim))
+
+
+def attention_flops(shape: AttnShape, visible_pairs: int) -> int:
+    """``2 * H * (Dqk + Dv) * visible_pairs``: QK^T and PV over the visible (query token,
+    key) pairs, every query head, 2 flops per multiply-add."""
+    return 2 * shape.num_heads * (shape.head_dim + shape.v_head_dim) * int(visible_pairs)
+
+
+def auto_input_sets(bytes_per_set: int, budget: int = AUTO_SETS_BUDGET,
+                    max_sets: int = MAX_AUTO_SETS) -> int:
+    """``clamp(budget // bytes_per_set, 1, max_sets)``: enough rotation for small points,
+    one set for the ones that dwarf L2 anyway."""
+    return max(1, min(max_sets, budget // max(1, bytes_per_set)))
+
+
+# ----------------------------------------------------------------------------- inputs
+@dataclass
+class PagedSet:
+    """One batch of ``bs`` requests inside :class:`PagedInputs`.
+
+    Attributes:
+        rows: ``req_to_token`` rows of the requests (host ints).
+        req_pool_indices: int64 ``[bs]`` on the device.
+        seq_lens, extend_lens: committed keys ``P`` and this forward's tokens ``n`` per
+            request (host ints; the keys are ``req_to_token[row, :P + n]``).
+        out_cache_loc: int64 ``[sum(n)]`` slots of this forward's tokens.
+        page_table: int32 ``[bs, pages_per_req]`` page ids in position order (slot of
+            position ``p`` = ``page_table[i, p // page_size] * page_size + p % page_size``).
+    """
+    rows: List[int]
+    req_pool_indices: torch.Tensor
+    seq_lens: List[int]
+    extend_lens: List[int]
+    out_cache_loc: torch.Tensor
+    page_table: torch.Tensor
+
+    @property
+    def kv_lens(self) -> List[int]:
+        return [p + n for p, n in zip(self.seq_lens, self.extend_lens)]
+
+
+@dataclass
+class PagedInputs:
+    """A one-layer KV pool holding ``len(sets)`` disjoint batches (random K/V everywhere)."""
+    req_pool: ReqToTokenPool
+    kv_pool: Any
+    page_size: int
+    shape: AttnShape
+    sets: List[PagedSet] = field(default_factory=list)
+
+
+def make_paged_inputs(device, shape: AttnShape, *, num_sets: int, bs: int, prefix: int,
+                      new_tokens: int, page_size: int, seed: int,
+                      contiguous: bool = False) -> PagedInputs:
+    """``num_sets`` batches of ``bs`` requests, each with ``prefix`` committed keys and
+    ``new_tokens`` tokens this forward, in one pool of ``num_sets * bs *
+    ceil((prefix + new_tokens) / page_size)`` pages (+ the reserved page 0).
+
+    Pages are a random permutation of the pool's pages (``contiguous=True``: in order);
+    ``req_to_token`` lists each request's slots position by position; every K/V element is
+    N(0, 1) (seeded), this forward's positions included.
+
+    Raises:
+        ValueError: a size < 1 (``prefix`` may be 0), bad page size.
+    """
+    _positive(num_sets=num_sets, bs=bs, new_tokens=new_tokens, page_size=page_size)
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+        raise ValueError(f"prefix must be an int >= 0, got {prefix!r}")
+    device = torch.device(device)
+    ps = page_size
+    ppr = -(-(prefix + new_tokens) // ps)            # pages per request
+    width = ppr * ps
+    num_req = num_sets * bs
+    total_pages = num_req * ppr
+    req_pool = ReqToTokenPool(num_req, width, device)
+    kv_pool = shape.make_pool(total_pages * ps, ps, device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pages = (torch.arange(total_pages) if contiguous else torch.randperm(total_pages, generator=g))
+    pages = (pages + 1).view(num_req, ppr)           # page 0 is reserved by the pool
+    slots = (pages[:, :, None] * ps + torch.arange(ps)).view(num_req, width)
+    req_pool.req_to_token.copy_(slots.to(device, torch.int32))
+    gd = torch.Generator(device=device).manual_seed(seed)
+    for buf in kv_pool.buffers:
+        buf.normal_(generator=gd)
+    rows = list(range(num_req))
+    random.Random(seed).shuffle(rows)                # request rows in no particular order
+    sets = []
+    for s in range(num_sets):
+        r = rows[s * bs:(s + 1) * bs]
+        rt = torch.tensor(r, dtype=torch.int64, device=device)
+        loc = req_pool.req_to_token[rt, prefix:prefix + new_tokens].reshape(-1).long()
+        sets.append(PagedSet(r, rt, [prefix] * bs, [new_tokens] * bs, loc,
+                             pages[r].to(device, torch.int32)))
+    return PagedInputs(req_pool, kv_pool, ps, shape, sets)
+
+
+def random_tree_masks(rng: random.Random, bs: int, num_draft_tokens: int, topk: int,
+                      num_steps: int, seq_lens: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``bs`` random EAGLE trees of ``num_draft_tokens`` tokens (root included) as
+    :func:`specattn.ops.build_tree` (reference, on the CPU) builds them.
+
+    Returns:
+        ``(tree_mask int32 [bs, D, ceil(D/32)], positions int64 [bs * D])`` on the CPU,
+        positions ``seq_lens[i] + depth``.
+    Raises:
+        ValueError: ``D - 1`` exceeds the ``topk + (num_steps-1) * topk**2`` candidates.
+    """
+    D = num_draft_tokens
+    if D - 1 > num_tree_candidates(topk, num_steps):
+        raise ValueError(f"num_draft_tokens={D} needs {D - 1} candidates; topk={topk}, "
+                         f"num_steps={num_steps} draft {num_tree_candidates(topk, num_steps)}")
+    pl, sel, _, _ = random_eagle_batch(rng, bs, topk, num_steps, D)
+    vsl = torch.tensor(list(seq_lens), dtype=torch.int64)
+    info = build_tree(pl, sel, vsl, topk, num_steps, D, impl="reference")
+    return info.tree_mask, info.positions
+
+
+def paged_view(buf: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A pool buffer ``[slots, heads, dim]`` as pages ``[slots / page_size, page_size, heads,
+    dim]`` (FlashInfer NHD, FlashMLA).  A view, no copy."""
+    return buf.view(buf.shape[0] // page_size, page_size, *buf.shape[1:])
+
+
+def flashinfer_page_metadata(page_table: torch.Tensor, kv_lens: Sequence[int], page_size: int,
+                             first_key: int = 0):
+    """FlashInfer's paged-KV description of keys ``[first_key, first_key + kv_lens[i])`` of
+    each request.
+
+    Args:
+        page_table: int32 ``[bs, pages]`` (:attr:`PagedSet.page_table`).
+        kv_lens: keys per request (host ints, >= 1).
+        first_key: first key position; a multiple of ``page_size``.
+    Returns:
+        ``(kv_indptr int32 [bs + 1], kv_indices int32 [kv_indptr[-1]], kv_last_page_len
+        int32 [bs])`` on ``page_table``'s device.
+    Raises:
+        ValueError: ``first_key`` not page-aligned, a length < 1, or pages past the table.
+    """
+    ps, dev = page_size, page_table.device
+    if first_key % ps:
+        raise ValueError(f"first_key ({first_key}) must be a multiple of page_size ({ps})")
+    if len(kv_lens) != page_table.shape[0] or min(kv_lens, default=1) < 1:
+        raise ValueError("kv_lens needs one length >= 1 per page_table row")
+    p0 = first_key // ps
+    npages = [-(-n // ps) for n in kv_lens]
+    if p0 + max(npages, default=0) > page_table.shape[1]:
+        raise ValueError(f"keys up to {first_key + max(kv_lens)} need more than the "
+                         f"{page_table.shape[1]} pages of the table")
+    indptr = torch.tensor([0] + npages, dtype=torch.int64).cumsum(0).to(dev, torch.int32)
+    indices = torch.cat([page_table[i, p0:p0 + k] for i, k in enumerate(npages)])
+    last = torch.tensor([n - (k - 1) * ps for n, k in zip(kv_lens, npages)], dtype=torch.int32,
+                        device=dev)
+    return indptr, indices.to(torch.int32).contiguous(), last
+
+
+def flashinfer_verify_metadata(pset: PagedSet, tree_mask: torch.Tensor, page_size: int,
+                               split: bool) -> Dict[str, Any]:
+    """Everything FlashInfer's plan() gets for a TARGET_VERIFY batch (``D`` tokens per
+    request).
+
+    ``split=False`` (custom mask): ``{"qo_indptr", "kv": (indptr, indices, last),
+    "packed_mask", "mask_indptr"}`` over the ``P + D`` keys; the mask is FlashInfer's packed
+    ``[D, P + D]`` rows (prefix columns set) with BYTE offsets ``mask_indptr``.
+    ``split=True``: ``{"qo_indptr", "prefix_kv", "draft_kv", "packed_mask", "mask_indptr"}``,
+    the prefix part over keys ``[0, P)`` (no mask) and the draft part over ``[P, P + D)`` with
+    the ``[D, D]`` tree rows.
+
+    Raises:
+        ValueError: (split) a request with ``P = 0`` or ``P`` not a multiple of ``page_size``.
+    """
+    dev = pset.out_cache_loc.device
+    D = pset.extend_lens[0]
+    qo = torch.arange(len(pset.rows) + 1, dtype=torch.int32, device=dev) * D
+    P_cpu = torch.tensor(pset.seq_lens, dtype=torch.int64)
+    if not split:
+        packed, mask_indptr = tree_mask_to_flashinfer(tree_mask, P_cpu)
+        kv = flashinfer_page_metadata(pset.page_table, pset.kv_lens, page_size)
+        return dict(qo_indptr=qo, kv=kv, packed_mask=packed, mask_indptr=mask_indptr)
+    for p in pset.seq_lens:
+        if p < 1 or p % page_size:
+            raise ValueError(f"flashinfer_split needs a prefix >= 1 that is a multiple of "
+                             f"page_size ({page_size}), got {p}")
+    packed, mask_indptr = tree_mask_to_flashinfer(tree_mask, torch.zeros_like(P_cpu))
+    pre = flashinfer_page_metadata(pset.page_table, pset.seq_lens, page_size)
+    # the draft keys start a page (P % page_size == 0): one table per request, shifted
+    drafts = [flashinfer_page_metadata(pset.page_table[i:i + 1], [D], page_size, p)
+              for i, p in enumerate(pset.seq_lens)]
+    d_indptr = torch.tensor([0] + [int(d[0][1]) for d in drafts], dtype=torch.int64)
+    draft = (d_indptr.cumsum(0).to(dev, torch.int32), torch.cat([d[1] for d in drafts]),
+             torch.cat([d[2] for d in drafts]))
+    return dict(qo_indptr=qo, prefix_kv=pre, draft_kv=draft, packed_mask=packed,
+                mask_indptr=mask_indptr)
+
+
+def install_mask_indptr(wrapper, mask_indptr: torch.Tensor) -> None:
+    """After ``wrapper.plan(..., packed_custom_mask=...)``: write the BYTE offsets of each
+    request's mask segment into the wrapper's mask indptr.
+
+    FlashInfer 0.7.2 computes that indptr as ``cumsum(q_len * kv_len)`` (bits) when given a
+    packed mask, while its kernel adds it to a uint8 pointer (flashinfer PR #2201: requests
+    after the first read the wrong bits).  Raises RuntimeError if the wrapper has no such
+    buffer of the expected shape (a FlashInfer whose internals moved: check that PR)."""
+    buf = getattr(wrapper, "_mask_indptr_buf", None)
+    if not torch.is_tensor(buf) or buf.shape != mask_indptr.shape:
+        raise RuntimeError("FlashInfer wrapper has no _mask_indptr_buf of shape "
+                           f"{tuple(mask_indptr.shape)}; the packed-mask indptr fix "
+                           "(flashinfer PR #2201) needs updating for this version")
+    buf.copy_(mask_indptr.to(buf.device, buf.dtype))
+
+
+def _random_q(shape: AttnShape, tokens: int, gen: torch.Generator, device) -> torch.Tensor:
+    return torch.randn(tokens, shape.num_heads, shape.head_dim, generator=gen,
+                       device=device).to(shape.dtype)
+
+
+# ----------------------------------------------------------------------------- impls
+def _triton_sets(inputs: PagedInputs, batches, qs, num_kv_splits):
+    """One eagerly initialised TritonBackend per input set: ``(backend, q, batch)``."""
+    from specattn.backends.triton_backend import TritonBackend
+    out = []
+    for batch, q in zip(batches, qs):
+        be = TritonBackend(inputs.req_pool, inputs.kv_pool, num_kv_splits=num_kv_splits)
+        be.init_forward_metadata(batch)
+        out.append((be, q, batch))
+    return out
+
+
+def _triton_workload(inputs, batches, qs, num_kv_splits, nbytes, flops, state) -> Workload:
+    layer = inputs.shape.layer()
+
+    def call(backend, q, batch):
+        return backend._forward(q, layer, batch)
+    return Workload(fn=call, bytes=nbytes, flops=flops,
+                    input_sets=_triton_sets(inputs, batches, qs, num_kv_splits), state=state)
+
+
+def _fi_kv(inputs: PagedInputs):
+    pool = inputs.kv_pool
+    return (paged_view(pool.get_key_buffer(0), inputs.page_size),
+            paged_view(pool.get_value_buffer(0), inputs.page_size))
+
+
+def _fi_plan_prefill(fi, workspace, fi_backend, shape, qo_indptr, kv, page_size, **kw):
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=fi_backend)
+    w.plan(qo_indptr, *kv, shape.num_heads, shape.num_kv_heads, shape.head_dim, page_size,
+           head_dim_vo=shape.v_head_dim, sm_scale=shape.scaling, q_data_type=shape.dtype,
+           kv_data_type=shape.dtype, **kw)
+    return w
+
+
+def _fi_verify_workload(impl, inputs: PagedInputs, masks, qs, fi_backend, nbytes, flops,
+                        state) -> Workload:
+    fi = require_library(impl)
+    shape, ps, dev = inputs.shape, inputs.page_size, qs[0].device
+    workspace = torch.empty(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+    kv = _fi_kv(inputs)
+    H, Dv, f32 = shape.num_heads, shape.v_head_dim, torch.float32
+    sets = []
+    for pset, tm, q in zip(inputs.sets, masks, qs):
+        md = flashinfer_verify_metadata(pset, tm.to(dev), ps, split=impl == "flashinfer_split")
+        T = q.shape[0]
+        if impl == "flashinfer_mask":
+            w = _fi_plan_prefill(fi, workspace, fi_backend, shape, md["qo_indptr"], md["kv"],
+                                 ps, packed_custom_mask=md["packed_mask"])
+            install_mask_indptr(w, md["mask_indptr"])
+            sets.append((w, q, torch.empty(T, H, Dv, dtype=shape.dtype, device=dev)))
+        else:
+            wp = _fi_plan_prefill(fi, workspace, fi_backend, shape, md["qo_indptr"],
+                                  md["prefix_kv"], ps, causal=False)
+            wd = _fi_plan_prefill(fi, workspace, fi_backend, shape, md["qo_indptr"],
+                                  md["draft_kv"], ps, packed_custom_mask=md["packed_mask"])
+            install_mask_indptr(wd, md["mask_indptr"])
+            bufs = tuple(torch.empty(T, H, *d, dtype=t, device=dev)
+                         for d, t in (((Dv,), shape.dtype), ((), f32), ((Dv,), shape.dtype),
+                                      ((), f32)))
+            sets.append((wp, wd, q, bufs))
+    state.update(workspace=workspace)
+    if impl == "flashinfer_mask":
+        def call(w, q, out):
+            return w.run(q, kv, out=out)
+    else:
+        def call(wp, wd, q, bufs):
+            op, lp, od, ld = bufs
+            wp.run(q, kv, out=op, lse=lp, return_lse=True)
+            wd.run(q, kv, out=od, lse=ld, return_lse=True)
+            return fi.merge_state(op, lp, od, ld)[0]
+    return Workload(fn=call, bytes=nbytes, flops=flops, input_sets=sets, state=state)
+
+
+def _verify_setup(case_name, device, shape: AttnShape, *, bs, prefix, num_draft_tokens,
+                  page_size, topk, num_steps, input_sets, seed, impl, num_kv_splits,
+                  fi_backend, contiguous) -> Workload:
+    check_impl(case_name, impl, device)
+    _positive(bs=bs, num_draft_tokens=num_draft_tokens, page_size=page_size, topk=topk,
+              num_steps=num_steps)
+    D = num_draft_tokens
+    if impl == "flashinfer_split" and (prefix < 1 or prefix % page_size):
+        raise ValueError(f"flashinfer_split needs a prefix >= 1 that is a multiple of "
+                         f"page_size ({page_size}), got {prefix}")
+    nbytes = attention_bytes(shape, bs * (prefix + D), bs * D)
+    n_sets = input_sets if input_sets is not None else auto_input_sets(nbytes)
+    inputs = make_paged_inputs(device, shape, num_sets=n_sets, bs=bs, prefix=prefix,
+                               new_tokens=D, page_size=page_size, seed=seed,
+                               contiguous=contiguous)
+    rng = random.Random(seed)
+    gq = torch.Generator(device=device).manual_seed(seed + 1)
+    masks, qs, batches, visible = [], [], [], 0
+    for pset in inputs.sets:
+        tm, pos = random_tree_masks(rng, bs, D, topk, num_steps, pset.seq_lens)
+        batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, pset.req_pool_indices,
+                                   pset.seq_lens, D, pset.out_cache_loc, positions=pos,
+                                   tree_mask=tm, device=device).with_cpu_copies()
+        visible += bs * D * prefix + int(unpack_tree_mask(tm, D).sum())
+        masks.append(tm)
+        batches.append(batch)
+        qs.append(_random_q(shape, bs * D, gq, device))
+    flops = attention_flops(shape, round(visible / n_sets))
+    state = dict(impl=impl, inputs=inputs, batches=batches, qs=qs, tree_masks=masks,
+                 layer=shape.layer())
+    if impl == "triton":
+        return _triton_workload(inputs, batches, qs, num_kv_splits, nbytes, flops, state)
+    return _fi_verify_workload(impl, inputs, masks, qs, fi_backend, nbytes, flops, state)
+
+
+def _decode_setup(case_name, device, shape: AttnShape, *, bs, seq_len, page_size, input_sets,
+                  seed, impl, num_kv_splits, fi_backend, fi_use_tensor_cores, contiguous
+                  ) -> Workload:
+    check_impl(case_name, impl, device)
+    _positive(bs=bs, seq_len=seq_len, page_size=page_size)
+    P = seq_len - 1
+    nbytes = attention_bytes(shape, bs * seq_len, bs)
+    n_sets = input_sets if input_sets is not None else auto_input_sets(nbytes)
+    inputs = make_paged_inputs(device, shape, num_sets=n_sets, bs=bs, prefix=P, new_tokens=1,
+                               page_size=page_size, seed=seed, contiguous=contiguous)
+    gq = torch.Generator(device=device).manual_seed(seed + 1)
+    batches = [ForwardBatch.decode(s.req_pool_indices, s.seq_lens, s.out_cache_loc,
+                                   device=device).with_cpu_copies() for s in inputs.sets]
+    qs = [_random_q(shape, bs, gq, device) for _ in inputs.sets]
+    flops = attention_flops(shape, bs * seq_len)
+    state = dict(impl=impl, inputs=inputs, batches=batches, qs=qs, layer=shape.layer())
+    if impl == "triton":
+        return _triton_workload(inputs, batches, qs, num_kv_splits, nbytes, flops, state)
+    lib = require_library(impl)
+    ps, H, Dv = page_size, shape.num_heads, shape.v_head_dim
+    sets = []
+    if impl == "flashmla":
+        if not lib.has_legacy():
+            raise RuntimeError("impl='flashmla': this sgl-flash-mla build has no legacy "
+                               "kernels (dense bf16 MLA decode on SM90 lives there)")
+        k_cache = paged_view(inputs.kv_pool.get_key_buffer(0), ps)   # [pages, ps, 1, 576]
+        for pset, q in zip(inputs.sets, qs):
+            seqlens = torch.tensor(pset.kv_lens, dtype=torch.int32, device=device)
+            meta, _ = lib.get_mla_metadata()
+            meta.tile_scheduler_metadata, meta.num_splits = lib.get_mla_decoding_metadata(
+                seqlens, H // shape.num_kv_heads, shape.num_kv_heads, H, is_fp8_kvcache=False,
+                topk=None, use_legacy=True)
+            sets.append((q.view(bs, 1, H, shape.head_dim), pset.page_table, seqlens, meta))
+
+        def call(q4, block_table, seqlens, meta):
+            out, _ = lib.flash_mla_with_kvcache(q4, k_cache, block_table, seqlens, Dv, meta,
+                                                softmax_scale=shape.scaling, causal=False,
+                                                use_legacy=True)
+            return out.view(-1, H, Dv)
+        return Workload(fn=call, bytes=nbytes, flops=flops, input_sets=sets, state=state)
+    workspace = torch.empty(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    kv = _fi_kv(inputs)
+    for pset, q in zip(inputs.sets, qs):
+        w = lib.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                   use_tensor_cores=fi_use_tensor_cores,
+                                                   backend=fi_backend)
+        w.plan(*flashinfer_page_metadata(pset.page_table, pset.kv_lens, ps), H,
+               shape.num_kv_heads, shape.head_dim, ps, sm_scale=shape.scaling,
+               q_data_type=shape.dtype, kv_data_type=shape.dtype)
+        sets.append((w, q, torch.empty(bs, H, Dv, dtype=shape.dtype, device=device)))
+    state.update(workspace=workspace)
+
+    def call(w, q, out):
+        return w.run(q, kv, out=out)
+    return Workload(fn=call, bytes=nbytes, flops=flops, input_sets=sets, state=state)
+
+
+# ----------------------------------------------------------------------------- cases
+_VERIFY_DOC = ("bytes = KV of P+D keys read once + q + o; flops = 2*H*(Dqk+Dv)*visible "
+               "(prefix + tree bits); random EAGLE trees (topk 8, 5 steps)")
+
+
+@case("tree_verify",
+      "TARGET_VERIFY, Llama-3-8B GQA 32 q / 8 kv heads x 128, bf16, page 1, random 64-token "
+      "EAGLE trees over a P-token prefix (issue points bs/prefix 1/4096 16/2048 64/4096 "
+      "16/16384); impl=triton|flashinfer_mask|flashinfer_split; " + _VERIFY_DOC,
+      bs=1, prefix=4096, num_draft_tokens=64, num_heads=32, num_kv_heads=8, head_dim=128,
+      dtype="bfloat16", page_size=1, topk=8, num_steps=5, input_sets=None, seed=0,
+      impl="triton", num_kv_splits=None, fi_backend="fa2", contiguous=False)
+def _tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, num_kv_heads, head_dim,
+                 dtype, page_size, topk, num_steps, input_sets, seed, impl, num_kv_splits,
+                 fi_backend, contiguous):
+    """Tree verify (MHA/GQA); see the module docstring."""
+    shape = AttnShape.mha(num_heads, num_kv_heads, head_dim, dtype)
+    return _verify_setup("tree_verify", device, shape, bs=bs, prefix=prefix,
+                         num_draft_tokens=num_draft_tokens, page_size=page_size, topk=topk,
+                         num_steps=num_steps, input_sets=input_sets, seed=seed, impl=impl,
+                         num_kv_splits=num_kv_splits, fi_backend=fi_backend,
+                         contiguous=contiguous)
+
+
+@case("mla_tree_verify",
+      "TARGET_VERIFY, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, random "
+      "64-token EAGLE trees over a 4096 prefix (issue points bs 1 | 16); impl=triton (no "
+      "public library has MLA tree verify with a custom mask); " + _VERIFY_DOC,
+      bs=1, prefix=4096, num_draft_tokens=64, num_heads=128, kv_lora_rank=512,
+      qk_rope_head_dim=64, dtype="bfloat16", page_size=64, topk=8, num_steps=5,
+      input_sets=None, seed=0, impl="triton", num_kv_splits=None, contiguous=False)
+def _mla_tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, kv_lora_rank,
+                     qk_rope_head_dim, dtype, page_size, topk, num_steps, input_sets, seed,
+                     impl, num_kv_splits, contiguous):
+    """Tree verify (absorbed MLA); see the module docstring."""
+    shape = AttnShape.mla(num_heads, kv_lora_rank, qk_rope_head_dim, dtype)
+    return _verify_setup("mla_tree_verify", device, shape, bs=bs, prefix=prefix,
+                         num_draft_tokens=num_draft_tokens, page_size=page_size, topk=topk,
+                         num_steps=num_steps, input_sets=input_sets, seed=seed, impl=impl,
+                         num_kv_splits=num_kv_splits, fi_backend=None, contiguous=contiguous)
+
+
+@case("mla_decode",
+      "DECODE, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, s_q=1, bs=128 x "
+      "seq_len 8192 keys (issue bar: within 1.5x of FlashMLA's 538 us on an H200); "
+      "impl=triton|flashmla; bytes = latent of every key once + q + o",
+      bs=128, seq_len=8192, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
+      dtype="bfloat16", page_size=64, input_sets=None, seed=0, impl="triton",
+      num_kv_splits=None, contiguous=False)
+def _mla_decode(device, *, bs, seq_len, num_heads, kv_lora_rank, qk_rope_head_dim, dtype,
+                page_size, input_sets, seed, impl, num_kv_splits, contiguous):
+    """MLA decode; see the module docstring."""
+    shape = AttnShape.mla(num_heads, kv_lora_rank, qk_rope_head_dim, dtype)
+    return _decode_setup("mla_decode", device, shape, bs=bs, seq_len=seq_len,
+                         page_size=page_size, input_sets=input_sets, seed=seed, impl=impl,
+                         num_kv_splits=num_kv_splits, fi_backend=None,
+                         fi_use_tensor_cores=None, contiguous=contiguous)
+
+
+@case("decode",
+      "DECODE, Llama-3-8B GQA 32 q / 8 kv heads x 128, bf16, page 16, seq_len keys per "
+      "request (issue points bs 1|32|128 x seq_len 1024|8192); impl=triton|flashinfer "
+      "(BatchDecodeWithPagedKVCacheWrapper, tensor cores); bytes = KV once + q + o",
+      bs=32, seq_len=8192, num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
+      page_size=16, input_sets=None, seed=0, impl="triton", num_kv_splits=None,
+      fi_backend="fa2", fi_use_tensor_cores=True, contiguous=False)
+def _decode(device, *, bs, seq_len, num_heads, num_kv_heads, head_dim, dtype, page_size,
+            input_sets, seed, impl, num_kv_splits, fi_backend, fi_use_tensor_cores, contiguous):
+    """GQA decode; see the module docstring."""
+    shape = AttnShape.mha(num_heads, num_kv_heads, head_dim, dtype)
+    return _decode_setup("decode", device, shape, bs=bs, seq_len=seq_len, page_size=page_size,
+                         input_sets=input_sets, seed=seed, impl=impl,
+                         num_kv_splits=num_kv_splits, fi_backend=fi_backend,
+                         fi_use_tensor_cores=fi_use_tensor_cores, contiguous=contiguous)
+
+
+@case("extend",
+      "EXTEND (causal prefill over a paged prefix), Llama-3-8B GQA 32 q / 8 kv heads x 128, "
+      "bf16, page 16, bs=1 x 2048 new tokens (issue points prefix 0 | 4096); "
+      "impl=triton|flashinfer (BatchPrefillWithPagedKVCacheWrapper, causal); bytes = KV of "
+      "P+n keys once + q + o; flops over the causal pairs",
+      bs=1, prefix=0, new_tokens=2048, num_heads=32, num_kv_heads=8, head_dim=128,
+      dtype="bfloat16", page_size=16, input_sets=None, seed=0, impl="triton",
+      fi_backend="fa2", contiguous=False)
+def _extend(device, *, bs, prefix, new_tokens, num_heads, num_kv_heads, head_dim, dtype,
+            page_size, input_sets, seed, impl, fi_backend, contiguous):
+    """GQA extend; see the module docstring."""
+    check_impl("extend", impl, device)
+    _positive(bs=bs, new_tokens=new_tokens, page_size=page_size)
+    shape = AttnShape.mha(num_heads, num_kv_heads, head_dim, dtype)
+    n, P = new_tokens, prefix
+    nbytes = attention_bytes(shape, bs * (P + n), bs * n)
+    n_sets = input_sets if input_sets is not None else auto_input_sets(nbytes)
+    inputs = make_paged_inputs(device, shape, num_sets=n_sets, bs=bs, prefix=P, new_tokens=n,
+                               page_size=page_size, seed=seed, contiguous=contiguous)
+    gq = torch.Generator(device=device).manual_seed(seed + 1)
+    batches = [ForwardBatch.extend(s.req_pool_indices, s.seq_lens, s.extend_lens,
+                                   s.out_cache_loc, device=device) for s in inputs.sets]
+    qs = [_random_q(shape, bs * n, gq, device) for _ in inputs.sets]
+    flops = attention_flops(shape, bs * (n * P + n * (n + 1) // 2))
+    state = dict(impl=impl, inputs=inputs, batches=batches, qs=qs, layer=shape.layer())
+    if impl == "triton":
+        return _triton_workload(inputs, batches, qs, None, nbytes, flops, state)
+    fi = require_library(impl)
+    workspace = torch.empty(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    kv = _fi_kv(inputs)
+    sets = []
+    for pset, q in zip(inputs.sets, qs):
+        qo = torch.arange(bs + 1, dtype=torch.int32, device=device) * n
+        w = _fi_plan_prefill(fi, workspace, fi_backend, shape, qo,
+                             flashinfer_page_metadata(pset.page_table, pset.kv_lens, page_size),
+                             page_size, causal=True)
+        sets.append((w, q, torch.empty(bs * n, shape.num_heads, shape.v_head_dim,
+                                       dtype=shape.dtype, device=device)))
+    state.update(workspace=workspace)
+
+    def call(w, q, out):
+        return w.run(q, kv, out=out)
+    return Workload(fn=call, bytes=nbytes, flops=flops, input_sets=sets, state=state)
