@@ -46,6 +46,68 @@ def _draft(path: Optional[str], device: str, dtype: torch.dtype):
     return LlamaModel(cfg, w, device, dtype)
 
 
+def engine_for(cfg, w, ids: List[List[int]], spec, *, backend: str, device: str, dtype: torch.dtype,
+               max_new_tokens: int, cuda_graph: Optional[bool] = None, draft_model=None):
+    """The engine ``specattn generate`` runs: one batch of all ``ids`` (``max_batch = len(ids)``),
+    ``max_context`` = longest prompt + ``max_new_tokens`` + one round's tokens + 8, CUDA graphs
+    by default on cuda devices.  Raises what :class:`~specattn.spec_runtime.engine.Engine` raises."""
+    from .engine import Engine
+    per_round = spec.block_size if spec.algo == "dflash" else spec.num_draft_tokens
+    return Engine(cfg, w, spec=spec, backend=backend, device=device, dtype=dtype,
+                  max_batch=len(ids), max_context=max(map(len, ids)) + max_new_tokens + per_round + 8,
+                  eos_token_ids=cfg.eos_token_ids,
+                  cuda_graph=str(device).startswith("cuda") if cuda_graph is None else cuda_graph,
+                  draft_model=draft_model)
+
+
+def measured_generate(eng, ids: List[List[int]], params, warmup: bool, progress=None):
+    """Run ``eng.generate(ids, params)`` for timing: first, if ``warmup``, one untimed
+    generation of the same prompts and limits (it meets exactly the shapes of the measured
+    run, so every Triton JIT compile, cuBLAS/allocator first use and lazy init happens there;
+    CUDA graphs are captured earlier, when the engine is built), then the measured one.
+
+    Why a full repeat and not a few tokens: the eager forwards' kernel variants depend on the
+    batch size and prefix length (requests finish at different steps; split-KV counts grow
+    with the prefix), so only the same run is sure to meet them all.
+
+    Returns:
+        ``(result of the measured run, warm-up seconds or None)``; ``result.seconds`` covers
+        only the measured run (prefill to the last token, device synchronised).
+    """
+    warm_s = None
+    if warmup:
+        warm_s = eng.generate(ids, params).seconds
+    return eng.generate(ids, params, progress=progress), warm_s
+
+
+def report_dict(eng, res, warm_s, *, texts: List[str], tok, algo: str, backend: str, dtype: str,
+                topk: int, num_steps: int, num_draft_tokens: int, block_size: int) -> dict:
+    """The ``--json`` report of one measured run (``res``, a ``GenerateResult``; ``warm_s``
+    from :func:`measured_generate`).  ``tokens_per_s`` = generated tokens / measured seconds
+    (warm-up excluded); ``mean_accept_length`` = tokens per target verify (1.0 without spec);
+    ``target_backend``/``draft_backend``: the backend objects' names; ``graph_modes`` /
+    ``eager_routed``: see :class:`~specattn.spec_runtime.engine.Engine`."""
+    hist = collections.Counter(a for per in res.accept_lengths for a in per)
+    draft_backend = getattr(eng, "draft_backend", None)
+    return {"algo": algo, "backend": backend, "target_backend": eng.target_backend.name,
+            "draft_backend": draft_backend.name if draft_backend is not None else None,
+            "device": str(eng.device), "dtype": dtype,
+            "device_name": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu",
+            "cuda_graph": bool(eng.runners), "graph_modes": list(eng.graph_modes),
+            "eager_routed": list(eng.eager_routed),
+            "warmup": warm_s is not None, "warmup_seconds": warm_s,
+            "draft_layers": eng.draft.num_layers if algo in ("eagle", "dflash") else None,
+            "topk": topk, "num_steps": num_steps, "num_draft_tokens": num_draft_tokens,
+            "block_size": block_size if algo == "dflash" else None,
+            "prompts": len(texts), "tokens": res.num_tokens, "seconds": res.seconds,
+            "tokens_per_s": res.num_tokens / res.seconds if res.seconds else None,
+            "mean_accept_length": res.mean_accept_length,
+            "accept_length_histogram": {str(k): hist[k] for k in sorted(hist)},
+            "target_forwards": res.num_forward_target,
+            "outputs": [{"prompt": t, "text": tok.decode(o, skip_special_tokens=True), "tokens": o,
+                         "finish_reason": f} for t, o, f in zip(texts, res.tokens, res.finish_reasons)]}
+
+
 def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="A file with one prompt per line."),
@@ -67,11 +129,15 @@ def generate(
     chat: bool = typer.Option(True, "--chat/--raw", help="Apply the chat template."),
     cuda_graph: Optional[bool] = typer.Option(None, "--cuda-graph/--eager",
                                               help="CUDA graphs (default: on for cuda devices)."),
+    warmup: Optional[bool] = typer.Option(None, "--warmup/--no-warmup",
+                                          help="One untimed generation of the same prompts first, so "
+                                               "tokens/s excludes JIT compiles and lazy init (default: "
+                                               "on for cuda devices)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report instead of text."),
 ):
     """Generate text with (speculative) decoding through the attention backends."""
     from . import loader
-    from .engine import Engine, SpecConfig
+    from .engine import SpecConfig
     from .sampling import SamplingParams
     texts: List[str] = ([prompt] if prompt else []) + (
         [l for l in prompts.read_text().splitlines() if l.strip()] if prompts else [])
@@ -82,33 +148,23 @@ def generate(
     cfg, w, tok = load_model(model, DTYPES[dtype])
     ids = [loader.apply_chat_template(tok, t) if chat else tok.encode(t) for t in texts]
     spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size)
-    per_round = block_size if algo == "dflash" else num_draft_tokens
     try:
-        eng = Engine(cfg, w, spec=spec, backend=backend, device=device, dtype=DTYPES[dtype],
-                     max_batch=len(ids), max_context=max(map(len, ids)) + max_new_tokens + per_round + 8,
-                     eos_token_ids=cfg.eos_token_ids,
-                     cuda_graph=device.startswith("cuda") if cuda_graph is None else cuda_graph,
-                     draft_model=_draft(draft_model, device, DTYPES[dtype]))
-    except (ValueError, ImportError) as e:
-        raise typer.BadParameter(str(e))
+        eng = engine_for(cfg, w, ids, spec, backend=backend, device=device, dtype=DTYPES[dtype],
+                         max_new_tokens=max_new_tokens, cuda_graph=cuda_graph,
+                         draft_model=_draft(draft_model, device, DTYPES[dtype]))
+    except (ValueError, ImportError, KeyError, NotImplementedError) as e:  # NotImplementedError: UnsupportedError
+        raise typer.BadParameter(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
     params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)
+    warm = eng.device.type == "cuda" if warmup is None else warmup
     console = Console(stderr=True)
     with Progress(console=console, transient=True, disable=as_json) as bar:
-        task = bar.add_task("generating", total=len(ids) * max_new_tokens)
-        res = eng.generate(ids, params, progress=lambda n: bar.update(task, completed=n))
+        task = bar.add_task("warming up, then generating" if warm else "generating", total=len(ids) * max_new_tokens)
+        res, warm_s = measured_generate(eng, ids, params, warm,
+                                        progress=lambda n: bar.update(task, completed=n))
+    report = report_dict(eng, res, warm_s, texts=texts, tok=tok, algo=algo, backend=backend, dtype=dtype,
+                         topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
+                         block_size=block_size)
     hist = collections.Counter(a for per in res.accept_lengths for a in per)
-    report = {"algo": algo, "backend": backend, "device": str(eng.device), "dtype": dtype,
-              "device_name": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu",
-              "cuda_graph": bool(eng.runners), "draft_layers": eng.draft.num_layers if algo in ("eagle", "dflash") else None,
-              "topk": topk, "num_steps": num_steps, "num_draft_tokens": num_draft_tokens,
-              "block_size": block_size if algo == "dflash" else None,
-              "tokens": res.num_tokens, "seconds": res.seconds,
-              "tokens_per_s": res.num_tokens / res.seconds if res.seconds else None,
-              "mean_accept_length": res.mean_accept_length,
-              "accept_length_histogram": {str(k): hist[k] for k in sorted(hist)},
-              "target_forwards": res.num_forward_target,
-              "outputs": [{"prompt": t, "text": tok.decode(o, skip_special_tokens=True), "tokens": o,
-                           "finish_reason": f} for t, o, f in zip(texts, res.tokens, res.finish_reasons)]}
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
@@ -116,7 +172,8 @@ def generate(
     for o in report["outputs"]:
         out.rule(o["prompt"][:70])
         out.print(o["text"])
-    t = Table(title=f"{algo} on {report['device']} ({backend}, {dtype})")
+    warm_note = f", after a {warm_s:.2f} s warm-up" if warm_s is not None else ", no warm-up"
+    t = Table(title=f"{algo} on {report['device']} ({backend}, {dtype}{warm_note})")
     for c in ("tokens", "seconds", "tokens/s", "mean accept length", "target forwards"):
         t.add_column(c, justify="right")
     t.add_row(str(res.num_tokens), f"{res.seconds:.2f}", f"{report['tokens_per_s']:.1f}",

@@ -303,11 +303,13 @@ def dflash_round(engine: "Engine", reqs: List["Request"], params: SamplingParams
 
 def capture_graphs(engine: "Engine", max_batch: int) -> None:
     """CUDA graphs for the drafter's block forward (``TARGET_VERIFY``, ``B`` tokens per request,
-    padded batch sizes up to ``max_batch``), registered where ``Engine._run`` looks them up.
+    padded batch sizes up to ``max_batch``), registered where ``Engine._run`` looks them up;
+    eager instead (``engine.eager_routed``) when the drafter's backend cannot capture it.
     The target's forwards stay eager (the verify needs the tap layers' hidden states)."""
     from .graph_runner import GraphRunner, padded_sizes
     B = engine.spec.block_size
-    engine.draft_backend.init_cuda_graph_state(max_batch, max_batch * B)
-    engine.runners[(id(engine.draft), ForwardMode.TARGET_VERIFY)] = GraphRunner(
-        engine.draft, engine.draft_backend, ForwardMode.TARGET_VERIFY, B, padded_sizes(max_batch),
-        torch.cuda.graph_pool_handle())
+    for _, model, backend, mode in engine.graph_plan(
+            [("draft", engine.draft, engine.draft_backend, ForwardMode.TARGET_VERIFY)]):
+        backend.init_cuda_graph_state(max_batch, max_batch * B)
+        engine.runners[(id(model), mode)] = GraphRunner(model, backend, mode, B, padded_sizes(max_batch),
+                                                        torch.cuda.graph_pool_handle())

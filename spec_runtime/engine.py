@@ -17,17 +17,26 @@ whose target KV is not yet written; the drafter already holds ``root``'s KV and 
 
 Each request keeps one ``req_to_token`` row; its KV slots are the same indices in the target's
 and the drafter's pools.  Page size is 1 here (backends support larger pages).
+
+Backends: the target and the drafter each get their own instance of the one named backend
+(``create_backend``).  Nothing here is specific to a backend: at construction the engine asks
+``backend.supports(mode, graph=False, kind=...)`` for every mode its algorithm runs on each
+model (:meth:`Engine.required_modes`) and raises ``UnsupportedError`` naming what is missing;
+with ``cuda_graph=True`` it captures only the modes whose backend answers
+``supports(mode, graph=True, ...)`` and runs the others eagerly (listed in
+:attr:`Engine.eager_routed`).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from specattn import ops
-from specattn.backends import ForwardBatch, ForwardMode, KVAllocator, ReqToTokenPool, create_backend
+from specattn.backends import (ForwardBatch, ForwardMode, KVAllocator, ReqToTokenPool, UnsupportedError,
+                               create_backend)
 
 from . import dflash
 from .model import LlamaModel
@@ -112,6 +121,20 @@ class Engine:
             ``draft_layers`` layers.
         cuda_graph: replay CUDA graphs for DECODE, TARGET_VERIFY and DRAFT_EXTEND_V2 (GPU
             only; captured at construction for padded batch sizes 1, 2, 4, .. up to the max).
+            A mode the backend cannot capture (``supports(mode, graph=True)`` False) runs
+            eagerly instead and is listed in :attr:`eager_routed`.
+
+    Attributes:
+        target_backend, draft_backend: the backends (``draft_backend`` only with a drafter).
+        graph_modes: ``"target:DECODE"``-style names of the captured (model, mode) pairs.
+        eager_routed: the same for modes run eagerly under ``cuda_graph=True`` because their
+            backend cannot capture them.
+
+    Raises:
+        ValueError: bad ``spec``, ``draft_model`` or ``cuda_graph`` off CUDA.
+        KeyError, ImportError: from ``create_backend`` (unknown / unavailable backend).
+        UnsupportedError: the backend does not support (eagerly) a mode the algorithm needs
+            for the model's attention kind; the message names every missing (model, mode).
     """
 
     def __init__(self, config, weights: Optional[Dict[str, torch.Tensor]] = None, *, spec: SpecConfig = None,
@@ -145,8 +168,11 @@ class Engine:
             self.draft = dflash.DFlashDrafter(self.target, self.spec.draft_layers or 2, max_positions=max_context)
             self.draft_pool = self.draft.make_kv_pool(size)
             self.draft_backend = create_backend(backend, self.req_pool, self.draft_pool)
+        self._check_support()
         self.num_forward_target = 0
         self.runners = {}
+        self.graph_modes: List[str] = []
+        self.eager_routed: List[str] = []
         if cuda_graph:
             if self.device.type != "cuda":
                 raise ValueError("cuda_graph needs a CUDA device")
@@ -155,17 +181,63 @@ class Engine:
             else:
                 self._capture_graphs(max_batch)
 
+    # ------------------------------------------------------------------ backends
+    def required_modes(self) -> List[Tuple[str, ForwardMode]]:
+        """``(role, mode)`` for every forward this engine's algorithm runs, ``role`` in
+        ``"target"``, ``"draft"``: the target's EXTEND (prefill) and DECODE (``none``) or
+        TARGET_VERIFY (EAGLE, DFlash); the EAGLE drafter's EXTEND, DRAFT_EXTEND_V2 and DECODE
+        (``num_steps > 1``); the DFlash drafter's TARGET_VERIFY (its block forward)."""
+        sp = self.spec
+        out = [("target", ForwardMode.EXTEND),
+               ("target", ForwardMode.DECODE if sp.algo == "none" else ForwardMode.TARGET_VERIFY)]
+        if sp.algo == "eagle":
+            out += [("draft", ForwardMode.EXTEND), ("draft", ForwardMode.DRAFT_EXTEND_V2)]
+            if sp.num_steps > 1:
+                out.append(("draft", ForwardMode.DECODE))
+        elif sp.algo == "dflash":
+            out.append(("draft", ForwardMode.TARGET_VERIFY))
+        return out
+
+    def _backend_of(self, role: str):
+        return self.target_backend if role == "target" else self.draft_backend
+
+    def _check_support(self) -> None:
+        """Raise ``UnsupportedError`` unless every required mode is supported eagerly."""
+        missing = []
+        for role, mode in self.required_modes():
+            b = self._backend_of(role)
+            if not b.supports(mode, graph=False, kind=b.kind):
+                missing.append(f"{role} {mode.name} ({b.kind.name})")
+        if missing:
+            raise UnsupportedError(f"backend {self.target_backend.name!r} does not support "
+                                   f"{', '.join(missing)} needed by algo {self.spec.algo!r}")
+
+    def graph_plan(self, candidates) -> list:
+        """Keep the ``(role, model, backend, mode, ...)`` entries whose backend can capture
+        ``mode`` (``supports(mode, graph=True)``); record the rest in :attr:`eager_routed`."""
+        keep = []
+        for entry in candidates:
+            role, _, backend, mode = entry[:4]
+            if backend.supports(mode, graph=True, kind=backend.kind):
+                keep.append(entry)
+                self.graph_modes.append(f"{role}:{mode.name}")
+            else:
+                self.eager_routed.append(f"{role}:{mode.name}")
+        return keep
+
     def _capture_graphs(self, max_batch: int) -> None:
         from .graph_runner import GraphRunner, padded_sizes
         sp, pool = self.spec, torch.cuda.graph_pool_handle()
         if sp.algo == "none":
-            plan = [(self.target, self.target_backend, ForwardMode.DECODE, 1, max_batch)]
+            plan = [("target", self.target, self.target_backend, ForwardMode.DECODE, 1, max_batch)]
         else:
             L = min(sp.num_steps, sp.num_draft_tokens - 1) + 1
-            plan = [(self.target, self.target_backend, ForwardMode.TARGET_VERIFY, sp.num_draft_tokens, max_batch),
-                    (self.draft, self.draft_backend, ForwardMode.DRAFT_EXTEND_V2, L, max_batch)]
+            plan = [("target", self.target, self.target_backend, ForwardMode.TARGET_VERIFY, sp.num_draft_tokens,
+                     max_batch),
+                    ("draft", self.draft, self.draft_backend, ForwardMode.DRAFT_EXTEND_V2, L, max_batch)]
             if sp.num_steps > 1:
-                plan.append((self.draft, self.draft_backend, ForwardMode.DECODE, 1, max_batch * sp.topk))
+                plan.append(("draft", self.draft, self.draft_backend, ForwardMode.DECODE, 1, max_batch * sp.topk))
+        plan = [p[1:] for p in self.graph_plan(plan)]
         sizes = {}
         for model, backend, mode, D, bs in plan:  # one static state per backend, sized for all
             mb, mt = sizes.get(id(backend), (0, 0))

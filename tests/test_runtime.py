@@ -1,12 +1,17 @@
 """End to end on the real model (SmolLM2-135M-Instruct GGUF), float32, CPU: our target-only
 greedy equals HF transformers' greedy token for token, and EAGLE chains and trees equal our
-target-only greedy (lossless), on a batch of chat prompts of different lengths."""
+target-only greedy (lossless), on a batch of chat prompts of different lengths.
+
+Every engine runs on the ``--backend`` of the test run (default ``torch_reference``;
+``tests/runtime_backend.py``): with a Triton backend on a CPU-only machine the real-model
+tests skip (interpreter too slow) and the tiny random-model tests run in the interpreter."""
 import random
 
 import pytest
 import torch
 
-from specattn.spec_runtime.engine import Engine, SpecConfig
+from runtime_backend import make_engine, skip_real_model_if_interpreted
+from specattn.spec_runtime.engine import SpecConfig
 from specattn.spec_runtime.loader import LlamaConfig, apply_chat_template, hf_greedy, load_hf_dir, write_random_hf_dir
 from specattn.spec_runtime.sampling import SamplingParams
 
@@ -22,9 +27,10 @@ def chat_ids(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def target_greedy(gguf_loaded, chat_ids):
+def target_greedy(gguf_loaded, chat_ids, backend_name):
+    skip_real_model_if_interpreted(backend_name)
     cfg, w = gguf_loaded
-    eng = Engine(cfg, dict(w), spec=SpecConfig("none"), max_context=256)
+    eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("none"), max_context=256)
     return eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW)).tokens
 
 
@@ -40,9 +46,11 @@ EAGLE = [SpecConfig("eagle", topk=1, num_steps=3, num_draft_tokens=4, draft_laye
 
 
 @pytest.mark.parametrize("spec", EAGLE, ids=lambda s: f"topk{s.topk}-steps{s.num_steps}-d{s.num_draft_tokens}")
-def test_eagle_lossless(gguf_loaded, chat_ids, target_greedy, spec):
+def test_eagle_lossless(gguf_loaded, chat_ids, target_greedy, spec, backend_name):
     cfg, w = gguf_loaded
-    res = Engine(cfg, dict(w), spec=spec, max_context=256).generate(chat_ids, SamplingParams(max_new_tokens=NEW))
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=256)
+    assert eng.target_backend.name == eng.draft_backend.name == backend_name
+    res = eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW))
     assert res.tokens == target_greedy
     rounds = [a for per in res.accept_lengths for a in per]
     cap = min(spec.num_steps, spec.num_draft_tokens - 1)
@@ -50,12 +58,12 @@ def test_eagle_lossless(gguf_loaded, chat_ids, target_greedy, spec):
     assert res.num_forward_target < len(chat_ids) * NEW  # fewer target forwards than tokens
 
 
-def test_requests_stop_on_their_own(gguf_loaded, chat_ids, target_greedy):
+def test_requests_stop_on_their_own(gguf_loaded, chat_ids, target_greedy, backend_name):
     """Per-request limits and EOS: each request is a prefix of its unlimited output, its KV
     is freed, and the others go on."""
     cfg, w = gguf_loaded
     eos = target_greedy[0][5]  # pretend this token is an EOS: request 0 stops there
-    eng = Engine(cfg, dict(w), spec=EAGLE[1], max_context=256, eos_token_ids=[eos])
+    eng = make_engine(backend_name, cfg, dict(w), spec=EAGLE[1], max_context=256, eos_token_ids=[eos])
     free0 = eng.alloc.available_size()
     res = eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW), max_new_tokens=[NEW, 7, 20])
     assert res.tokens[0] == target_greedy[0][:target_greedy[0].index(eos) + 1]
@@ -70,7 +78,7 @@ def test_requests_stop_on_their_own(gguf_loaded, chat_ids, target_greedy):
 
 @pytest.mark.parametrize("spec", [SpecConfig("eagle", 1, 1, 2, 1), SpecConfig("eagle", 3, 2, 7, 2),
                                   SpecConfig("eagle", 2, 5, 6, 3)], ids=str)
-def test_eagle_lossless_random_models(tmp_path, spec):
+def test_eagle_lossless_random_models(tmp_path, spec, backend_name):
     """Fresh random tiny models and prompts each run: eagle == target-only greedy."""
     seed = random.randrange(2**31)
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -79,12 +87,15 @@ def test_eagle_lossless_random_models(tmp_path, spec):
     cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed))
     rng = random.Random(seed)
     prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 4))]
-    base = Engine(cfg, dict(w), max_context=128).generate(prompts, SamplingParams(max_new_tokens=24))
-    res = Engine(cfg, dict(w), spec=spec, max_context=128).generate(prompts, SamplingParams(max_new_tokens=24))
+    base = make_engine(backend_name, cfg, dict(w), max_context=128).generate(
+        prompts, SamplingParams(max_new_tokens=24))
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128)
+    assert eng.target_backend.name == eng.draft_backend.name == backend_name
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=24))
     assert res.tokens == base.tokens, f"seed={seed}"
 
 
-def test_eagle_with_a_separate_draft_checkpoint(tmp_path):
+def test_eagle_with_a_separate_draft_checkpoint(tmp_path, backend_name):
     """A separate small draft model (other weights, fewer layers, same vocabulary)."""
     from specattn.spec_runtime.model import LlamaModel
     seed = random.randrange(2**31)
@@ -95,13 +106,15 @@ def test_eagle_with_a_separate_draft_checkpoint(tmp_path):
     rng = random.Random(seed)
     prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(3)]
     p = SamplingParams(max_new_tokens=20)
-    base = Engine(cfg, dict(w), max_context=128).generate(prompts, p)
+    base = make_engine(backend_name, cfg, dict(w), max_context=128).generate(prompts, p)
     draft = LlamaModel(dcfg, dw)
-    eng = Engine(cfg, dict(w), spec=SpecConfig("eagle", 2, 3, 6), max_context=128, draft_model=draft)
+    eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("eagle", 2, 3, 6), max_context=128,
+                      draft_model=draft)
     assert eng.draft is draft and eng.draft_pool.layer_num == 1
+    assert eng.draft_backend.name == backend_name and eng.draft_backend.kv_pool is eng.draft_pool
     assert eng.generate(prompts, p).tokens == base.tokens, f"seed={seed}"
     bad = LlamaModel(LlamaConfig(num_hidden_layers=1, **{**kw, "vocab_size": 97}),
                      {k: v for k, v in load_hf_dir(write_random_hf_dir(
                          tmp_path / "b", LlamaConfig(num_hidden_layers=1, **{**kw, "vocab_size": 97})))[1].items()})
     with pytest.raises(ValueError):
-        Engine(cfg, dict(w), spec=SpecConfig("eagle", 2, 3, 6), max_context=128, draft_model=bad)
+        make_engine(backend_name, cfg, dict(w), spec=SpecConfig("eagle", 2, 3, 6), max_context=128, draft_model=bad)

@@ -1,6 +1,7 @@
 """DFlash in the reference runtime (``spec_runtime/dflash.py``): lossless block drafting on
 fresh random tiny Llama models, the block forward against a dense non-causal reference, forced
-full/partial acceptance, sampling, EOS; and the lossless check on CUDA (marked gpu)."""
+full/partial acceptance, sampling, EOS; and the lossless check on CUDA (marked gpu).  Target
+and drafter run on the test run's ``--backend`` (``tests/runtime_backend.py``)."""
 import random
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 from specattn import ops
 from specattn.backends import ForwardBatch, ForwardMode, pack_tree_mask
 from specattn.spec_runtime import dflash
-from specattn.spec_runtime.engine import Engine, Request, SpecConfig
+from runtime_backend import make_engine
+from specattn.spec_runtime.engine import Request, SpecConfig
 from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, write_random_hf_dir
 from specattn.spec_runtime.sampling import SamplingParams
 
@@ -61,13 +63,13 @@ def test_validate():
         SpecConfig("dflash", block_size=1).validate()
 
 
-def test_block_forward_is_noncausal_attention_over_context(tmp_path):
+def test_block_forward_is_noncausal_attention_over_context(tmp_path, backend_name):
     """TARGET_VERIFY + all-ones mask on the drafter == a dense non-causal reference over the
     materialized context K/V (from the prefill's captured target features) + the block."""
     seed = random.randrange(2**31)
     cfg, w = random_model(tmp_path, seed)
     B = 5
-    eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=B), max_context=64)
+    eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=B), max_context=64)
     d = eng.draft
     feats = {}
     orig = d.write_context_kv
@@ -127,13 +129,16 @@ def test_block_forward_is_noncausal_attention_over_context(tmp_path):
 
 # ---------------------------------------------------------------------- end to end
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_dflash_lossless_random_models(tmp_path, block_size):
+def test_dflash_lossless_random_models(tmp_path, block_size, backend_name):
     """Fresh random tiny models and mixed-length prompt batches: dflash == target-only greedy."""
     seed = random.randrange(2**31)
     cfg, w = random_model(tmp_path, seed)
     prompts = random_prompts(seed)
-    base = Engine(cfg, dict(w), max_context=128).generate(prompts, SamplingParams(max_new_tokens=NEW))
-    eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=block_size), max_context=128)
+    base = make_engine(backend_name, cfg, dict(w), max_context=128).generate(
+        prompts, SamplingParams(max_new_tokens=NEW))
+    eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=block_size),
+                      max_context=128)
+    assert eng.target_backend.name == eng.draft_backend.name == backend_name
     free0 = eng.alloc.available_size()
     res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
     assert res.tokens == base.tokens, f"seed={seed}"
@@ -143,7 +148,7 @@ def test_dflash_lossless_random_models(tmp_path, block_size):
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size):
+def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size, backend_name):
     """Drafts replaced by the target's own greedy continuation (so every draft is right), then
     every other round corrupted at a random block position k: each round must accept exactly
     B-1 (clean) or k-1 (corrupted) drafts, and the output stays the target's."""
@@ -151,7 +156,7 @@ def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size):
     cfg, w = random_model(tmp_path, seed)
     B = block_size
     prompts = random_prompts(seed)
-    ref = Engine(cfg, dict(w), max_context=128).generate(
+    ref = make_engine(backend_name, cfg, dict(w), max_context=128).generate(
         prompts, SamplingParams(max_new_tokens=NEW + B)).tokens
     rng = random.Random(seed)
     expected = {i: [] for i in range(len(prompts))}
@@ -172,7 +177,7 @@ def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size):
         return toks
 
     monkeypatch.setattr(dflash, "propose_block", oracle)
-    eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=B), max_context=128)
+    eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=B), max_context=128)
     free0 = eng.alloc.available_size()
     res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
     assert res.tokens == [t[:NEW] for t in ref], f"seed={seed}"
@@ -182,11 +187,11 @@ def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size):
     check_released(eng, free0)
 
 
-def test_sampling_smoke(tmp_path):
+def test_sampling_smoke(tmp_path, backend_name):
     seed = random.randrange(2**31)
     cfg, w = random_model(tmp_path, seed)
     prompts = random_prompts(seed, 3)
-    eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=8), max_context=128)
+    eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=8), max_context=128)
     free0 = eng.alloc.available_size()
     limits = [5, 9, 13]
     res = eng.generate(prompts, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=NEW),
@@ -195,18 +200,21 @@ def test_sampling_smoke(tmp_path):
     assert res.finish_reasons == ["length"] * 3
     assert all(0 <= t < V for out in res.tokens for t in out)
     check_released(eng, free0)
-    again = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=8), max_context=128).generate(
+    again = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=8),
+                        max_context=128).generate(
         prompts, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=NEW), max_new_tokens=limits)
     assert again.tokens == res.tokens  # seeded
 
 
-def test_stops_on_eos(tmp_path):
+def test_stops_on_eos(tmp_path, backend_name):
     seed = random.randrange(2**31)
     cfg, w = random_model(tmp_path, seed)
     prompts = random_prompts(seed, 3)
-    base = Engine(cfg, dict(w), max_context=128).generate(prompts, SamplingParams(max_new_tokens=NEW)).tokens
+    base = make_engine(backend_name, cfg, dict(w), max_context=128).generate(
+        prompts, SamplingParams(max_new_tokens=NEW)).tokens
     eos = base[0][4]
-    eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=4), max_context=128, eos_token_ids=[eos])
+    eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=4), max_context=128,
+                      eos_token_ids=[eos])
     free0 = eng.alloc.available_size()
     res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
     for want, got, why in zip(base, res.tokens, res.finish_reasons):
@@ -218,17 +226,18 @@ def test_stops_on_eos(tmp_path):
 # ---------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_dflash_lossless_cuda(tmp_path, block_size):
+def test_dflash_lossless_cuda(tmp_path, block_size, backend_name):
     """On CUDA, eager and with cuda_graph=True (the drafter's block forward replays a graph;
     the target's verify runs eagerly since it returns hidden states): == target-only greedy."""
     seed = random.randrange(2**31)
     cfg, w = random_model(tmp_path, seed)
     prompts = random_prompts(seed, 5)
     kw = dict(device="cuda", max_context=128, max_batch=5)
-    base = Engine(cfg, dict(w), **kw).generate(prompts, SamplingParams(max_new_tokens=NEW))
+    base = make_engine(backend_name, cfg, dict(w), **kw).generate(prompts, SamplingParams(max_new_tokens=NEW))
     for graph in (False, True):
-        eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=block_size), cuda_graph=graph, **kw)
-        assert bool(eng.runners) == graph
+        eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=block_size),
+                          cuda_graph=graph, **kw)
+        assert bool(eng.runners or eng.eager_routed) == graph
         free0 = eng.alloc.available_size()
         res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
         assert res.tokens == base.tokens, f"seed={seed} cuda_graph={graph}"

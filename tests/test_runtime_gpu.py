@@ -1,10 +1,13 @@
-"""The runtime's lossless checks on a GPU with CUDA graphs on (marked gpu)."""
+"""The runtime's lossless checks on a GPU with CUDA graphs on (marked gpu), float32, on the
+``--backend`` of the test run (``tests/runtime_backend.py``; ``--backend triton`` runs the
+Triton kernels, whose float32 path is IEEE, no TF32): target and drafter share it."""
 import random
 
 import pytest
 import torch
 
-from specattn.spec_runtime.engine import Engine, SpecConfig
+from runtime_backend import make_engine
+from specattn.spec_runtime.engine import SpecConfig
 from specattn.spec_runtime.loader import (LlamaConfig, apply_chat_template, hf_greedy, load_hf_dir,
                                           write_random_hf_dir)
 from specattn.spec_runtime.sampling import SamplingParams
@@ -13,7 +16,17 @@ pytestmark = pytest.mark.gpu
 SPECS = [SpecConfig("eagle", 1, 3, 4, 24), SpecConfig("eagle", 2, 3, 6, 24), SpecConfig("eagle", 4, 4, 12, 24)]
 
 
-def test_graphs_match_eager_random_model(tmp_path):
+def _graphed(eng, spec):
+    """The engine captured graphs (modes the backend cannot capture run eagerly: listed in
+    ``eng.eager_routed``, printed) and the drafter runs on the target's backend."""
+    assert eng.runners, "no CUDA graphs were captured"
+    print(f"graphs: {eng.graph_modes}; routed eager: {eng.eager_routed}")
+    if spec.algo != "none":
+        assert eng.draft_backend.name == eng.target_backend.name
+    return eng
+
+
+def test_graphs_match_eager_random_model(tmp_path, backend_name):
     seed = random.randrange(2**31)
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -23,11 +36,13 @@ def test_graphs_match_eager_random_model(tmp_path):
     prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(5)]
     p = SamplingParams(max_new_tokens=24)
     kw = dict(device="cuda", max_context=128, max_batch=5)
-    eager = Engine(cfg, dict(w), **kw).generate(prompts, p)
-    graph = Engine(cfg, dict(w), cuda_graph=True, **kw).generate(prompts, p)
+    eager = make_engine(backend_name, cfg, dict(w), **kw).generate(prompts, p)
+    graph = _graphed(make_engine(backend_name, cfg, dict(w), cuda_graph=True, **kw), SpecConfig())
+    graph = graph.generate(prompts, p)
     assert graph.tokens == eager.tokens, f"seed={seed}"
     for spec in (SpecConfig("eagle", 1, 3, 4, 2), SpecConfig("eagle", 3, 3, 8, 3)):
-        res = Engine(cfg, dict(w), spec=spec, cuda_graph=True, **kw).generate(prompts, p)
+        eng = _graphed(make_engine(backend_name, cfg, dict(w), spec=spec, cuda_graph=True, **kw), spec)
+        res = eng.generate(prompts, p)
         assert res.tokens == eager.tokens, f"seed={seed} {spec}"
 
 
@@ -39,10 +54,10 @@ def chat_ids(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def gpu_target(gguf_loaded, chat_ids):
+def gpu_target(gguf_loaded, chat_ids, backend_name):
     cfg, w = gguf_loaded
-    return Engine(cfg, dict(w), device="cuda", cuda_graph=True, max_context=256, max_batch=3).generate(
-        chat_ids, SamplingParams(max_new_tokens=32)).tokens
+    eng = make_engine(backend_name, cfg, dict(w), device="cuda", cuda_graph=True, max_context=256, max_batch=3)
+    return _graphed(eng, SpecConfig()).generate(chat_ids, SamplingParams(max_new_tokens=32)).tokens
 
 
 def test_real_model_graph_matches_hf(gguf_path, chat_ids, gpu_target):
@@ -53,8 +68,21 @@ def test_real_model_graph_matches_hf(gguf_path, chat_ids, gpu_target):
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"topk{s.topk}-d{s.num_draft_tokens}")
-def test_real_model_eagle_graph_lossless(gguf_loaded, chat_ids, gpu_target, spec):
+def test_real_model_eagle_graph_lossless(gguf_loaded, chat_ids, gpu_target, spec, backend_name):
     cfg, w = gguf_loaded
-    res = Engine(cfg, dict(w), spec=spec, device="cuda", cuda_graph=True, max_context=256,
-                 max_batch=3).generate(chat_ids, SamplingParams(max_new_tokens=32))
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, device="cuda", cuda_graph=True, max_context=256,
+                      max_batch=3)
+    res = _graphed(eng, spec).generate(chat_ids, SamplingParams(max_new_tokens=32))
+    assert res.tokens == gpu_target
+
+
+def test_real_model_dflash_graph_lossless(gguf_loaded, chat_ids, gpu_target, backend_name):
+    """DFlash (random-init block drafter, graphed block forward; the target's verify eager)
+    on the real model: == target-only greedy, both on the chosen backend."""
+    cfg, w = gguf_loaded
+    spec = SpecConfig("dflash", block_size=8)
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, device="cuda", cuda_graph=True, max_context=256,
+                      max_batch=3)
+    assert "draft:TARGET_VERIFY" in eng.graph_modes or "draft:TARGET_VERIFY" in eng.eager_routed
+    res = _graphed(eng, spec).generate(chat_ids, SamplingParams(max_new_tokens=32))
     assert res.tokens == gpu_target

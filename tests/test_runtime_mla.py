@@ -1,13 +1,16 @@
 """The runtime on a DeepSeek-style MLA model (``spec_runtime/mla_model.py``, absorbed form,
 random init, float32):
 
-- the absorbed model through ``TorchReferenceBackend`` equals an independent *non-absorbed*
+- the absorbed model through the backend (default ``TorchReferenceBackend``) equals an independent *non-absorbed*
   dense oracle (below: per-head K/V materialised from the latent, causal attention over one
   sequence, float64): logits of a chunked batched prefill, the latents in the KV pool, and the
   engine's target-only greedy continuation;
 - EAGLE chains and trees on it are lossless (== target-only greedy), fresh models and prompts
   every run (the seed is printed and in every assertion message);
 - the same on a GPU with CUDA graphs (marked ``gpu``).
+
+The backend is the test run's ``--backend`` (``tests/runtime_backend.py``): a backend whose
+``supports()`` has no MLA makes these tests skip, saying so.
 """
 import math
 import random
@@ -15,9 +18,10 @@ import random
 import pytest
 import torch
 
-from specattn.backends import (AttentionKind, ForwardBatch, KVAllocator, MLATokenToKVPool, ReqToTokenPool,
-                               TorchReferenceBackend)
-from specattn.spec_runtime.engine import Engine, SpecConfig
+from runtime_backend import make_engine, require_support
+from specattn.backends import (AttentionKind, ForwardBatch, ForwardMode, KVAllocator, MLATokenToKVPool,
+                               ReqToTokenPool, TorchReferenceBackend, create_backend)
+from specattn.spec_runtime.engine import SpecConfig
 from specattn.spec_runtime.mla_model import MLAConfig, MLAModel, random_mla_weights
 from specattn.spec_runtime.sampling import SamplingParams
 
@@ -93,7 +97,7 @@ def _prompts(rng: random.Random, n: int, lo: int = 1, hi: int = 14):
 
 # ------------------------------------------------------------------ 1. absorbed == non-absorbed
 @pytest.mark.parametrize("q_lora_rank,tied", [(None, True), (24, False)], ids=["plainq-tied", "qlora-untied"])
-def test_chunked_prefill_matches_dense_oracle(seed, q_lora_rank, tied):
+def test_chunked_prefill_matches_dense_oracle(seed, q_lora_rank, tied, backend_name):
     """Two EXTEND chunks of a batch of 3 mixed-length prompts (the second reads the first's
     cached latents): every token's logits and every cached latent equal the oracle's."""
     cfg = MLAConfig(vocab_size=V, q_lora_rank=q_lora_rank, tie_word_embeddings=tied)
@@ -104,7 +108,8 @@ def test_chunked_prefill_matches_dense_oracle(seed, q_lora_rank, tied):
     req = ReqToTokenPool(4, 32)
     pool = model.make_kv_pool(128)
     alloc = KVAllocator(128)
-    backend = TorchReferenceBackend(req, pool)
+    backend = create_backend(backend_name, req, pool)
+    require_support(backend, ForwardMode.EXTEND)
     rows = [2, 0, 3]                                                 # not in order on purpose
     slots = [alloc.alloc(len(s)) for s in seqs]
     for r, s in zip(rows, slots):
@@ -133,13 +138,13 @@ def test_chunked_prefill_matches_dense_oracle(seed, q_lora_rank, tied):
             assert err < 1e-4, f"seed={seed} prompt {i} layer {layer}: cached latent rel err {err}"
 
 
-def test_target_greedy_matches_dense_oracle(seed):
+def test_target_greedy_matches_dense_oracle(seed, backend_name):
     """``Engine(SpecConfig("none"))`` greedy (prefill + DECODE steps over the absorbed model)
     == the oracle's greedy, checked token by token by teacher forcing: at every step the
     oracle's argmax over prompt + output so far is the token we emitted."""
     model = MLAModel(MLAConfig(vocab_size=V), seed=seed)
     prompts = _prompts(random.Random(seed), 4)
-    res = Engine(model, spec=SpecConfig("none"), max_context=128).generate(
+    res = make_engine(backend_name, model, spec=SpecConfig("none"), max_context=128).generate(
         prompts, SamplingParams(max_new_tokens=20))
     assert [len(t) for t in res.tokens] == [20] * 4
     assert len({t for out in res.tokens for t in out}) > 8, f"seed={seed}: degenerate continuations"
@@ -162,7 +167,7 @@ def _spec_id(s: SpecConfig) -> str:
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
-def test_eagle_lossless(seed, spec):
+def test_eagle_lossless(seed, spec, backend_name):
     """EAGLE greedy == target-only greedy on a batch of mixed-length prompts with mixed
     per-request limits; the drafts are really used (some accepted, and unless the drafter is
     the whole target, some rejected)."""
@@ -171,9 +176,11 @@ def test_eagle_lossless(seed, spec):
     prompts = _prompts(rng, 4)
     limits = [rng.randint(12, 28) for _ in prompts]
     params = SamplingParams(max_new_tokens=28)
-    base = Engine(model, spec=SpecConfig("none"), max_context=128).generate(prompts, params, max_new_tokens=limits)
-    eng = Engine(model, spec=spec, max_context=128)
+    base = make_engine(backend_name, model, spec=SpecConfig("none"), max_context=128).generate(
+        prompts, params, max_new_tokens=limits)
+    eng = make_engine(backend_name, model, spec=spec, max_context=128)
     assert eng.target_backend.kind == AttentionKind.MLA and isinstance(eng.draft_pool, MLATokenToKVPool)
+    assert eng.target_backend.name == eng.draft_backend.name == backend_name
     assert eng.draft.num_layers == spec.draft_layers
     free = eng.alloc.available_size()
     res = eng.generate(prompts, params, max_new_tokens=limits)
@@ -229,7 +236,7 @@ def test_model_interface(seed):
 
 # ------------------------------------------------------------------ 3. GPU + CUDA graphs
 @pytest.mark.gpu
-def test_eagle_lossless_cuda_graphs(seed):
+def test_eagle_lossless_cuda_graphs(seed, backend_name):
     """On CUDA with graphs (DECODE / TARGET_VERIFY / DRAFT_EXTEND_V2 replayed over the MLA
     pools): target-only with graphs == eager, and EAGLE chains and trees with graphs == it."""
     model = MLAModel(MLAConfig(vocab_size=V), device="cuda", seed=seed)
@@ -239,13 +246,14 @@ def test_eagle_lossless_cuda_graphs(seed):
     limits = [rng.randint(12, 28) for _ in prompts]
     params = SamplingParams(max_new_tokens=28)
     kw = dict(device="cuda", max_context=128, max_batch=5)
-    eager = Engine(model, spec=SpecConfig("none"), **kw).generate(prompts, params, max_new_tokens=limits)
-    graph = Engine(model, spec=SpecConfig("none"), cuda_graph=True, **kw)
-    assert graph.runners, "no CUDA graphs were captured"
+    eager = make_engine(backend_name, model, spec=SpecConfig("none"), **kw).generate(
+        prompts, params, max_new_tokens=limits)
+    graph = make_engine(backend_name, model, spec=SpecConfig("none"), cuda_graph=True, **kw)
+    assert len(graph.runners) + len(graph.eager_routed) == 1, (graph.graph_modes, graph.eager_routed)
     assert graph.generate(prompts, params, max_new_tokens=limits).tokens == eager.tokens, f"seed={seed}"
     for spec in SPECS[1:]:
-        eng = Engine(model, spec=spec, cuda_graph=True, **kw)
-        assert len(eng.runners) == 3
+        eng = make_engine(backend_name, model, spec=spec, cuda_graph=True, **kw)
+        assert len(eng.runners) + len(eng.eager_routed) == 3, (eng.graph_modes, eng.eager_routed)
         res = eng.generate(prompts, params, max_new_tokens=limits)
         assert res.tokens == eager.tokens, f"seed={seed} {spec}"
         assert sum(a for per in res.accept_lengths for a in per) > 0, f"seed={seed} {spec}"

@@ -3,37 +3,62 @@
 # (bash .model-a/put.sh; bash .model-b/put.sh) and gguf is importable (`source
 # .device/setup.sh`, or the gguf wheel alone carried in .whl: this script installs it):
 #   bash bench/scripts/gpu_runtime.sh $OUT
-# Builds specattn._C, runs the backend and runtime GPU tests (reference backend eager +
-# graphs, the runtime's lossless checks with CUDA graphs, where the spec ops now dispatch to
-# the CUDA kernels) and end-to-end generation on the real model: none / EAGLE chain / EAGLE
-# tree / DFlash (random-init drafter), CUDA graphs on.  The kernel tests, benches and
-# compute-sanitizer runs are in gpu_tree_ops.sh and gpu_kv_ops.sh.
+# Builds specattn._C, then (~6 min on an H100; the phases share a deadline of RT_BUDGET_S,
+# default 540 s from the start, so one call stays inside the device tool's 10 minutes):
+#  1. the runtime's lossless GPU tests (CUDA graphs on, float32) with --backend torch_reference
+#     (plus the reference backend's own GPU tests and the engine's graph-routing test) and with
+#     --backend triton: target and drafter on that backend; real model == HF greedy, EAGLE
+#     chains/trees and DFlash == target-only greedy, the random MLA model (skips, saying why,
+#     while the backend's supports() has no MLA);
+#  2. end to end on the real model (SmolLM2-135M-Instruct, 4 prompts x 64 tokens, batch 4,
+#     CUDA graphs, one untimed warm-up run then 3 measured runs): none / EAGLE chain / EAGLE
+#     tree / DFlash (random-init drafter) x torch_reference / triton x float32 / bfloat16.
+# Files in $OUT (7, the device tool returns at most 8):
+#   device.txt               GPU, versions, phase timings
+#   gpu_tests_summary.md     the GPU tests, one column per backend (pass/FAIL/skip + reason, s)
+#   gpu_tests_torch_reference.log, gpu_tests_triton.log   pytest output
+#   generate_summary.md      the end-to-end table (tokens/s, accept length, lossless flags)
+#   generate.json            every end-to-end report (outputs, histograms, per-run timings)
+#   errors.log               build output tail and generation stderr
+# The kernel tests, benches and compute-sanitizer runs are in gpu_tree_ops.sh / gpu_kv_ops.sh.
 set -u
-out=${1:?output dir}
-export PYTHONUNBUFFERED=1 SPECATTN_MODEL_PATH=/tmp/specattn-model/SmolLM2-135M-Instruct.Q4_1.gguf
-export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ SPECATTN_BUILD_EXT=1
+out=${1:?output dir}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 SPECATTN_MODEL_PATH=${SPECATTN_MODEL_PATH:-/tmp/specattn-model/SmolLM2-135M-Instruct.Q4_1.gguf}
+export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ SPECATTN_BUILD_EXT=1 SPECATTN_REQUIRE_MODEL=1
 if ! python3 -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pip install -e . --no-build-isolation --no-deps -q 2>&1 | tail -3
-{ date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } > "$out/device.txt"
-python3 -m pytest -m gpu tests/test_backend_reference.py tests/test_runtime_gpu.py \
-  tests/test_runtime_dflash.py tests/test_runtime_mla.py -q -p no:warnings 2>&1 | tee "$out/gpu_tests.log" | tail -8
-run() {  # name, then generate flags
-  name=$1; shift
-  python3 -m specattn generate --prompts bench/prompts.txt --device cuda --max-new-tokens 64 --json "$@" \
-    > "$out/gen_$name.json" 2>> "$out/gen_errors.log" || tail -5 "$out/gen_errors.log"
-  python3 - "$out/gen_$name.json" "$name" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-print(f"{sys.argv[2]:>12}: {r['tokens_per_s']:.1f} tok/s, mean accept {r['mean_accept_length']:.2f}, "
-      f"{r['target_forwards']} target forwards, graph={r['cuda_graph']}")
-PY
-}
-{
-run none --algo none
-run eagle_chain --algo eagle --topk 1 --num-steps 3 --num-draft-tokens 4 --draft-layers 24
-run eagle_tree --algo eagle --topk 4 --num-steps 4 --num-draft-tokens 12 --draft-layers 24
-run dflash --algo dflash --block-size 16
-} | tee "$out/generate_summary.txt"
+t0=$SECONDS; budget=${RT_BUDGET_S:-540}
+phase() { echo "phase $1: $((SECONDS - t0)) s since start" >> "$out/device.txt"; }
+left() {  # seconds for the next phase: min(cap, what the deadline leaves after a reserve)
+  local l=$((budget - (SECONDS - t0) - $2)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 10 ] && l=10; echo "$l"; }
+{ date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+  > "$out/device.txt" 2>&1
+python3 -m pip install -e . --no-build-isolation --no-deps -q > /tmp/rt_build.log 2>&1
+tail -3 /tmp/rt_build.log > "$out/errors.log"
+python3 -c "import specattn._ext as e; print('ext', e.EXT_AVAILABLE, e.EXT_MISSING_REASON)" >> "$out/device.txt" 2>&1
+phase build
+
+# 1. lossless GPU tests, one run per backend (the reference's own tests only once)
+files="tests/test_runtime_gpu.py tests/test_runtime_dflash.py tests/test_runtime_mla.py"
+for b in torch_reference triton; do
+  extra=""; [ "$b" = torch_reference ] && extra="tests/test_backend_reference.py tests/test_runtime_backends.py"
+  cap=150; [ "$b" = triton ] && cap=180   # triton: JIT compiles
+  timeout "$(left $cap 200)" python3 -m pytest -m gpu --backend "$b" $files $extra -q -p no:warnings -p no:cacheprovider \
+    -rs --durations=5 --junitxml="/tmp/rt_junit_$b.xml" > "$out/gpu_tests_$b.log" 2>&1
+  echo "pytest --backend $b: exit $?" >> "$out/gpu_tests_$b.log"
+  tail -2 "$out/gpu_tests_$b.log"
+  phase "tests_$b"
+done
+python3 bench/scripts/junit_table.py "$out/gpu_tests_summary.md" \
+  torch_reference=/tmp/rt_junit_torch_reference.xml triton=/tmp/rt_junit_triton.xml
+
+# 2. end to end, side by side (writes its tables after every configuration)
+gen_s=$(left 300 10)
+timeout "$gen_s" python3 bench/scripts/runtime_matrix.py --out "$out" --backends torch_reference triton \
+  --dtypes float32 bfloat16 --repeats 3 --max-new-tokens 64 --budget-s $((gen_s - 45)) 2>> "$out/errors.log"
+echo "runtime_matrix: exit $?" >> "$out/errors.log"
+phase generate
+cat "$out/generate_summary.md"

@@ -1,0 +1,172 @@
+"""End to end on the real model, side by side: algorithms x attention backends x dtypes.
+
+    python3 bench/scripts/runtime_matrix.py --out DIR [--backends torch_reference triton]
+        [--dtypes float32 bfloat16] [--algos none eagle_chain eagle_tree dflash]
+        [--repeats 3] [--max-new-tokens 64] [--budget-s 270] [--device cuda]
+
+Each configuration is what ``specattn generate --prompts bench/prompts.txt --json`` runs (the
+same engine, :func:`~specattn.spec_runtime.cli.engine_for`; the same warm-up and report,
+:func:`~specattn.spec_runtime.cli.measured_generate` / ``report_dict``), in one process so the
+model is loaded once per dtype: CUDA graphs on (on cuda), one untimed warm-up generation of the
+same prompts (Triton JIT compiles, lazy init), then ``--repeats`` measured runs; tokens/s is
+their median (every run in ``tokens_per_s_runs``).  Writes, after every configuration (a
+timeout keeps what is done):
+
+- ``DIR/generate.json``: every report (outputs included) plus ``same_tokens_as_none`` (the
+  output equals target-only decoding on the same backend and dtype: lossless, expected in
+  float32) and ``same_tokens_as_reference`` (equals ``torch_reference`` for the same algo
+  and dtype);
+- ``DIR/generate_summary.md``: one table.
+
+A configuration that fails (e.g. a backend without a mode: ``UnsupportedError``) is recorded
+with its error and the others go on.  ``--budget-s``: configurations not started within
+that many seconds are recorded as skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ALGOS = {  # name -> SpecConfig fields (as README's end-to-end table)
+    "none": dict(algo="none"),
+    "eagle_chain": dict(algo="eagle", topk=1, num_steps=3, num_draft_tokens=4, draft_layers=24),
+    "eagle_tree": dict(algo="eagle", topk=4, num_steps=4, num_draft_tokens=12, draft_layers=24),
+    "dflash": dict(algo="dflash", block_size=16),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _row(r: dict) -> str:
+    if "error" in r:
+        return (f"| {r['dtype']} | {r['name']} | {r['backend']} | {r['error'].splitlines()[0][:90]} "
+                f"| | | | | | |")
+    runs = r["tokens_per_s_runs"]
+    flag = {True: "yes", False: "**no**", None: "-"}
+    return (f"| {r['dtype']} | {r['name']} | {r['backend']} | {r['tokens_per_s']:.1f} "
+            f"| {min(runs):.1f}-{max(runs):.1f} | {r['mean_accept_length']:.2f} | {r['target_forwards']} "
+            f"| {flag[r['same_tokens_as_none']]} | {flag[r['same_tokens_as_reference']]} "
+            f"| {'on' if r['cuda_graph'] else 'off'}{' (eager: ' + ', '.join(r['eager_routed']) + ')' if r['eager_routed'] else ''} |")
+
+
+def write(out: Path, reports: list, meta: dict) -> None:
+    (out / "generate.json").write_text(json.dumps({"meta": meta, "runs": reports}, indent=1))
+    lines = [f"# End to end: {meta['model']}, {meta['prompts']} prompts x {meta['max_new_tokens']} new tokens, "
+             f"batch {meta['prompts']}, {meta['device_name']}",
+             "",
+             f"tokens/s: median of {meta['repeats']} measured runs "
+             f"{'after one untimed warm-up run' if meta['warmup'] else '(no warm-up)'} (range: min-max); accept: mean tokens per target verify; = none: same tokens as target-only "
+             f"decoding on the same backend and dtype (lossless); = ref: same tokens as torch_reference "
+             f"(same algo, dtype).  Spec ops: impl=auto.",
+             "",
+             "| dtype | algo | backend | tokens/s | range | accept | target fwd | = none | = ref | graphs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [_row(r) for r in reports]
+    (out / "generate_summary.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--backends", nargs="+", default=["torch_reference", "triton"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
+    ap.add_argument("--algos", nargs="+", default=list(ALGOS), choices=list(ALGOS))
+    ap.add_argument("--prompts", type=Path, default=Path("bench/prompts.txt"))
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--no-warmup", action="store_true")
+    a = ap.parse_args(argv)
+    if a.repeats < 1 or a.max_new_tokens < 1:
+        ap.error("--repeats and --max-new-tokens must be >= 1")
+
+    from specattn.spec_runtime import loader
+    from specattn.spec_runtime.cli import engine_for, load_model, measured_generate, report_dict
+    from specattn.spec_runtime.engine import SpecConfig
+    from specattn.spec_runtime.model_fetch import fetch_model
+    from specattn.spec_runtime.sampling import SamplingParams
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    texts = [l for l in a.prompts.read_text().splitlines() if l.strip()]
+    dev = torch.empty(0, device=a.device).device
+    meta = {"model": fetch_model().name, "prompts": len(texts), "max_new_tokens": a.max_new_tokens,
+            "repeats": a.repeats, "warmup": not a.no_warmup, "device": str(dev),
+            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "torch": torch.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        meta["triton"] = None
+    t_start = time.perf_counter()
+    params = SamplingParams(max_new_tokens=a.max_new_tokens)
+    reports = []
+    for dtype in a.dtypes:
+        cfg, w, tok = load_model(None, DTYPES[dtype])
+        ids = [loader.apply_chat_template(tok, t) for t in texts]
+        for name in a.algos:
+            for backend in a.backends:
+                base = {"name": name, "backend": backend, "dtype": dtype}
+                if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
+                    reports.append({**base, "error": f"skipped: past the {a.budget_s:.0f} s budget"})
+                    write(a.out, reports, meta)
+                    continue
+                t0 = time.perf_counter()
+                eng = None
+                try:
+                    spec = SpecConfig(**ALGOS[name])
+                    eng = engine_for(cfg, dict(w), ids, spec, backend=backend, device=str(dev),
+                                     dtype=DTYPES[dtype], max_new_tokens=a.max_new_tokens)
+                    setup_s = time.perf_counter() - t0
+                    res, warm_s = measured_generate(eng, ids, params, warmup=not a.no_warmup)
+                    runs, stable = [res], True
+                    for _ in range(a.repeats - 1):
+                        runs.append(eng.generate(ids, params))
+                        stable &= runs[-1].tokens == res.tokens
+                    r = report_dict(eng, res, warm_s, texts=texts, tok=tok, backend=backend, dtype=dtype,
+                                    **{k: getattr(spec, k) for k in ("algo", "topk", "num_steps",
+                                                                     "num_draft_tokens", "block_size")})
+                    tps = [x.num_tokens / x.seconds for x in runs]
+                    r.update(base, tokens_per_s=statistics.median(tps), tokens_per_s_runs=tps,
+                             seconds_runs=[x.seconds for x in runs], same_tokens_every_run=stable,
+                             setup_seconds=setup_s)
+                    none = next((x for x in reports if x["backend"] == backend and x["dtype"] == dtype
+                                 and x["name"] == "none" and "error" not in x), None)
+                    ref = next((x for x in reports if x["backend"] == "torch_reference" and x["dtype"] == dtype
+                                and x["name"] == name and "error" not in x), None)
+                    toks = [o["tokens"] for o in r["outputs"]]
+                    r["same_tokens_as_none"] = ([o["tokens"] for o in none["outputs"]] == toks
+                                                if none is not None and name != "none" else None)
+                    r["same_tokens_as_reference"] = ([o["tokens"] for o in ref["outputs"]] == toks
+                                                     if ref is not None and backend != "torch_reference" else None)
+                    print(f"{dtype:>9} {name:>12} {backend:>16}: {r['tokens_per_s']:7.1f} tok/s "
+                          f"(runs {', '.join(f'{x:.1f}' for x in tps)}), accept {r['mean_accept_length']:.2f}, "
+                          f"setup {setup_s:.1f} s, warm-up {warm_s or 0:.1f} s", flush=True)
+                except Exception as e:  # record and go on
+                    traceback.print_exc()
+                    reports.append({**base, "error": f"{type(e).__name__}: {e}"})
+                    print(f"{dtype:>9} {name:>12} {backend:>16}: FAILED {type(e).__name__}: {e}", flush=True)
+                else:
+                    reports.append(r)
+                finally:
+                    del eng
+                    gc.collect()
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+                write(a.out, reports, meta)
+        del w
+    meta["seconds"] = time.perf_counter() - t_start
+    write(a.out, reports, meta)
+    return 1 if any("error" in r and not r["error"].startswith("skipped") for r in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

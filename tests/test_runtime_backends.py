@@ -1,0 +1,193 @@
+"""The engine's backend handling and the timing path of ``specattn generate``:
+
+- ``Engine.required_modes`` per algorithm; a backend whose ``supports()`` says no to a needed
+  mode (eager) makes construction raise ``UnsupportedError`` naming every missing (model,
+  mode, kind); under CUDA graphs a mode it cannot capture runs eagerly (``eager_routed``) and
+  the output is unchanged (gpu);
+- ``measured_generate`` warms up with the same generation and times only the measured one;
+  the JSON report says whether warm-up ran and which backend target and drafter used;
+- the ``generate`` command end to end on a tiny random model (its loader stubbed), CPU.
+"""
+import json
+import random
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specattn.backends import ForwardMode, TorchReferenceBackend, UnsupportedError
+from specattn.spec_runtime import engine as engine_mod
+from specattn.spec_runtime.engine import Engine, SpecConfig
+from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, write_random_hf_dir
+from specattn.spec_runtime.sampling import SamplingParams
+
+V = 96
+M = ForwardMode
+
+
+@pytest.fixture
+def tiny(tmp_path, seed):
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=True, eos_token_ids=[])
+    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed % 100000))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+    return cfg, w, prompts
+
+
+def restricted_backend(monkeypatch, eager_no=(), graph_no=()):
+    """Make the engine build a reference backend that says no to ``eager_no`` modes (eager and
+    graph) and to ``graph_no`` modes in graphs; returns the list of backends built."""
+    built = []
+
+    class Restricted(TorchReferenceBackend):
+        name = "restricted"
+
+        @classmethod
+        def supports(cls, mode, *, graph, kind):
+            if mode in eager_no or (graph and mode in graph_no):
+                return False
+            return super().supports(mode, graph=graph, kind=kind)
+
+    def create(name, req_pool, kv_pool, **kw):
+        built.append(Restricted(req_pool, kv_pool))
+        return built[-1]
+
+    monkeypatch.setattr(engine_mod, "create_backend", create)
+    return built
+
+
+# ---------------------------------------------------------------------- supports()
+@pytest.mark.parametrize("spec,want", [
+    (SpecConfig("none"), [("target", M.EXTEND), ("target", M.DECODE)]),
+    (SpecConfig("eagle", 2, 3, 6, 2), [("target", M.EXTEND), ("target", M.TARGET_VERIFY), ("draft", M.EXTEND),
+                                       ("draft", M.DRAFT_EXTEND_V2), ("draft", M.DECODE)]),
+    (SpecConfig("eagle", 1, 1, 2, 2), [("target", M.EXTEND), ("target", M.TARGET_VERIFY), ("draft", M.EXTEND),
+                                       ("draft", M.DRAFT_EXTEND_V2)]),
+    (SpecConfig("dflash", block_size=4), [("target", M.EXTEND), ("target", M.TARGET_VERIFY),
+                                          ("draft", M.TARGET_VERIFY)]),
+], ids=["none", "eagle", "eagle-1step", "dflash"])
+def test_required_modes(tiny, spec, want):
+    cfg, w, _ = tiny
+    eng = Engine(cfg, dict(w), spec=spec, max_context=64)
+    assert eng.required_modes() == want
+    assert eng.graph_modes == [] and eng.eager_routed == []
+    if spec.algo != "none":  # the drafter has its own backend instance over its own pool
+        assert eng.draft_backend is not eng.target_backend and eng.draft_backend.kv_pool is eng.draft_pool
+
+
+def test_unsupported_modes_are_named(tiny, monkeypatch):
+    cfg, w, prompts = tiny
+    restricted_backend(monkeypatch, eager_no=(M.DRAFT_EXTEND_V2, M.TARGET_VERIFY))
+    with pytest.raises(UnsupportedError) as e:
+        Engine(cfg, dict(w), spec=SpecConfig("eagle", 2, 3, 6, 2), max_context=64)
+    msg = str(e.value)
+    assert "'restricted'" in msg and "target TARGET_VERIFY (MHA)" in msg and "draft DRAFT_EXTEND_V2 (MHA)" in msg
+    assert "'eagle'" in msg and "DECODE" not in msg
+    with pytest.raises(UnsupportedError, match="draft TARGET_VERIFY"):
+        Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=4), max_context=64)
+    # target-only needs neither: it runs
+    eng = Engine(cfg, dict(w), spec=SpecConfig("none"), max_context=64)
+    assert eng.target_backend.name == "restricted"
+    assert len(eng.generate(prompts, SamplingParams(max_new_tokens=3)).tokens[0]) == 3
+
+
+def test_unsupported_kind_is_named(monkeypatch, seed):
+    from specattn.spec_runtime.mla_model import MLAConfig, MLAModel
+
+    class NoMLA(TorchReferenceBackend):
+        name = "no_mla"
+
+        @classmethod
+        def supports(cls, mode, *, graph, kind):
+            return kind.name != "MLA"
+
+    monkeypatch.setattr(engine_mod, "create_backend", lambda name, r, k, **kw: NoMLA(r, k))
+    with pytest.raises(UnsupportedError, match=r"target EXTEND \(MLA\)"):
+        Engine(MLAModel(MLAConfig(vocab_size=64), seed=seed), spec=SpecConfig("eagle", 1, 2, 3, 2), max_context=64)
+
+
+@pytest.mark.gpu
+def test_graph_routing_runs_uncapturable_modes_eagerly(tiny, monkeypatch):
+    """A backend that cannot capture TARGET_VERIFY: the engine graphs the drafter's modes,
+    runs the verify eagerly, and the output equals the plain eager engine's."""
+    cfg, w, prompts = tiny
+    kw = dict(device="cuda", max_context=128, max_batch=len(prompts))
+    p = SamplingParams(max_new_tokens=16)
+    want = Engine(cfg, dict(w), **kw).generate(prompts, p).tokens
+    built = restricted_backend(monkeypatch, graph_no=(M.TARGET_VERIFY,))
+    eng = Engine(cfg, dict(w), spec=SpecConfig("eagle", 2, 3, 6, 2), cuda_graph=True, **kw)
+    assert [b.name for b in built] == ["restricted", "restricted"]
+    assert eng.eager_routed == ["target:TARGET_VERIFY"]
+    assert eng.graph_modes == ["draft:DRAFT_EXTEND_V2", "draft:DECODE"]
+    assert (id(eng.target), M.TARGET_VERIFY) not in eng.runners and len(eng.runners) == 2
+    assert eng.generate(prompts, p).tokens == want
+    eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=4), cuda_graph=True, **kw)
+    assert eng.eager_routed == ["draft:TARGET_VERIFY"] and not eng.runners
+    assert eng.generate(prompts, p).tokens == want
+
+
+# ---------------------------------------------------------------------- warm-up and report
+class StubTokenizer:
+    """``encode``: bytes mod the vocabulary; ``decode``: the ids as text."""
+
+    def encode(self, text):
+        return [b % V for b in text.encode()][:12] or [1]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_measured_generate_times_only_the_measured_run(tiny, monkeypatch):
+    from specattn.spec_runtime.cli import measured_generate, report_dict
+    cfg, w, prompts = tiny
+    eng = Engine(cfg, dict(w), spec=SpecConfig("eagle", 2, 3, 6, 2), max_context=64)
+    calls = []
+    real = eng.generate
+    monkeypatch.setattr(eng, "generate", lambda *a, **k: calls.append(k.get("progress")) or real(*a, **k))
+    params = SamplingParams(max_new_tokens=8)
+    res, warm_s = measured_generate(eng, prompts, params, warmup=True, progress=print)
+    assert len(calls) == 2 and calls[0] is None and calls[1] is print  # warm-up first, untracked
+    assert warm_s > 0 and res.seconds > 0
+    assert res.tokens == real(prompts, params).tokens                 # same run, same tokens
+    texts = [f"p{i}" for i in range(len(prompts))]
+    r = report_dict(eng, res, warm_s, texts=texts, tok=StubTokenizer(), algo="eagle", backend="torch_reference",
+                    dtype="float32", topk=2, num_steps=3, num_draft_tokens=6, block_size=16)
+    assert r["warmup"] is True and r["warmup_seconds"] == warm_s
+    assert r["tokens_per_s"] == pytest.approx(res.num_tokens / res.seconds)
+    assert r["target_backend"] == r["draft_backend"] == "torch_reference"
+    assert r["cuda_graph"] is False and r["graph_modes"] == [] and r["eager_routed"] == []
+    assert r["mean_accept_length"] == res.mean_accept_length and r["block_size"] is None
+    calls.clear()
+    res, warm_s = measured_generate(eng, prompts, params, warmup=False)
+    assert len(calls) == 1 and warm_s is None
+
+
+def _cli(monkeypatch, tiny, *args):
+    from specattn import cli
+    from specattn.spec_runtime import cli as rcli
+    cfg, w, _ = tiny
+    monkeypatch.setattr(rcli, "load_model", lambda model, dtype: (cfg, dict(w), StubTokenizer()))
+    return CliRunner().invoke(cli.app, ["generate", "--prompt", "hello there", "--raw",
+                                        "--device", "cpu", "--max-new-tokens", "5", *args])
+
+
+def test_generate_command_json(tiny, monkeypatch):
+    res = _cli(monkeypatch, tiny, "--algo", "eagle", "--topk", "2", "--num-draft-tokens", "5",
+               "--draft-layers", "2", "--json", "--warmup")
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["warmup"] is True and r["warmup_seconds"] > 0 and r["tokens"] == 5
+    assert r["target_backend"] == r["draft_backend"] == "torch_reference" and r["draft_layers"] == 2
+    res = _cli(monkeypatch, tiny, "--algo", "dflash", "--block-size", "4", "--json")   # CPU default: no warm-up
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["warmup"] is False and r["warmup_seconds"] is None and r["draft_backend"] == "torch_reference"
+    res = _cli(monkeypatch, tiny)                                                      # the text report
+    assert res.exit_code == 0 and "no warm-up" in res.stdout, res.output
+
+
+def test_generate_command_bad_backend(tiny, monkeypatch):
+    res = _cli(monkeypatch, tiny, "--backend", "nope")
+    assert res.exit_code == 2 and "unknown backend 'nope'" in res.output, res.output
