@@ -5,9 +5,12 @@
 - :class:`AttentionBackend`, the ABC every backend implements;
 - pools (:class:`ReqToTokenPool`, :class:`MHATokenToKVPool`, :class:`MLATokenToKVPool`,
   :class:`KVAllocator`) and :class:`GraphInputBuffers` for CUDA graphs;
-- :class:`TorchReferenceBackend`, the oracle; ``TritonBackend`` (MHA/GQA, every mode, eager
-  and graph; imported on first access, it needs triton).  ``create_backend(name, ...)`` builds any
-  backend by name; ``available_backends()`` says which can be built here and why not.
+- :class:`TorchReferenceBackend`, the oracle; ``TritonBackend`` (MHA/GQA and absorbed MLA,
+  every mode, eager and graph; imported on first access, it needs triton); ``flashinfer`` and ``flashmla``
+  (``backends/flashinfer_backend.py``, ``backends/flashmla_backend.py``: their packages are
+  imported only when such a backend is built or probed, never by importing this package).
+  ``create_backend(name, ...)`` builds any backend by name; ``available_backends()`` says which
+  can be built here and why not.
 """
 import importlib
 from typing import Dict, Optional
@@ -26,9 +29,9 @@ _BACKENDS = {
     "torch_reference": ("specattn.backends.torch_reference", "TorchReferenceBackend", None),
     "triton": ("specattn.backends.triton_backend", "TritonBackend", "needs triton (pip install triton)"),
     "flashinfer": ("specattn.backends.flashinfer_backend", "FlashInferBackend",
-                   "not implemented yet (issue 7); needs pip install 'specattn[flashinfer]'"),
+                   "needs flashinfer-python: pip install \"specattn[flashinfer]\""),
     "flashmla": ("specattn.backends.flashmla_backend", "FlashMLABackend",
-                 "not implemented yet (issue 7); needs pip install 'specattn[flashmla]'"),
+                 "needs sgl-flash-mla: pip install \"specattn[flashmla]\""),
 }
 
 
@@ -37,11 +40,16 @@ def _load(name: str):
         raise KeyError(f"unknown backend {name!r}; known: {sorted(_BACKENDS)}")
     module, cls, missing = _BACKENDS[name]
     try:
-        return getattr(importlib.import_module(module), cls)
+        backend_cls = getattr(importlib.import_module(module), cls)
     except ModuleNotFoundError as e:
         if e.name == module:
             raise ImportError(missing) from None
         raise ImportError(f"{name} needs {e.name}: {missing or e}") from e
+    probe = getattr(backend_cls, "unavailable_reason", None)  # optional packages, devices
+    why = probe() if probe is not None else None
+    if why:
+        raise ImportError(why)
+    return backend_cls
 
 
 def available_backends() -> Dict[str, Optional[str]]:
