@@ -15,7 +15,7 @@
 import importlib
 from typing import Dict, Optional
 
-from .base import AttentionBackend, UnsupportedError
+from .base import AttentionBackend, UnsupportedConfigError, UnsupportedError
 from .cuda_graph import GraphInputBuffers
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
@@ -77,7 +77,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AttentionBackend", "UnsupportedError", "GraphInputBuffers", "ForwardBatch",
+__all__ = ["AttentionBackend", "UnsupportedError", "UnsupportedConfigError", "GraphInputBuffers", "ForwardBatch",
            "ForwardMode", "AttentionKind", "AttentionLayer", "KVAllocator", "MHATokenToKVPool",
            "MLATokenToKVPool", "ReqToTokenPool", "TorchReferenceBackend", "TritonBackend", "num_mask_words",
            "pack_tree_mask", "tree_mask_to_flashinfer", "unpack_tree_mask", "available_backends",

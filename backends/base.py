@@ -32,6 +32,11 @@ class UnsupportedError(NotImplementedError):
     """The backend does not support this mode / kind / graph combination."""
 
 
+class UnsupportedConfigError(UnsupportedError, ValueError):
+    """The backend's library cannot run these pools (dtype, head size, page size): both an
+    :class:`UnsupportedError` (callers that route or skip catch it) and a ValueError."""
+
+
 class AttentionBackend(ABC):
     """Base class.  Subclasses implement the builders and ``_forward`` (per mode or not).
 

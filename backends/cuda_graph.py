@@ -16,6 +16,14 @@ from .forward_mode import ForwardMode
 from .tree_mask import num_mask_words, pack_tree_mask
 
 
+def capturing() -> bool:
+    """True inside a CUDA-graph capture on the current stream (False on CPU-only torch)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except RuntimeError:  # CPU-only builds define a dummy that raises
+        return False
+
+
 class GraphInputBuffers:
     """Static buffers for up to ``max_bs`` requests of up to ``max_tokens_per_req`` tokens."""
 

@@ -73,7 +73,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .base import AttentionBackend, UnsupportedError
+from .base import AttentionBackend, UnsupportedConfigError, UnsupportedError
+from .cuda_graph import capturing
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
@@ -629,15 +630,17 @@ class FlashInferBackend(AttentionBackend):
             return q.new_empty(0, layer.num_heads, layer.v_head_dim)
         pool = self.kv_pool
         if self.kind == AttentionKind.MHA and (layer.num_kv_heads != pool.head_num
-                                               or layer.head_dim != pool.head_dim):
-            raise ValueError(f"layer has {layer.num_kv_heads} KV heads of {layer.head_dim}, the "
-                             f"pool {pool.head_num} of {pool.head_dim}")
+                                               or layer.head_dim != pool.head_dim
+                                               or layer.v_head_dim != pool.v_head_dim):
+            raise ValueError(f"layer has {layer.num_kv_heads} KV heads of {layer.head_dim} / "
+                             f"{layer.v_head_dim}, the pool {pool.head_num} of {pool.head_dim} / "
+                             f"{pool.v_head_dim}")
         if self.kind == AttentionKind.MLA and (layer.kv_lora_rank != pool.kv_lora_rank
                                                or layer.qk_rope_head_dim != pool.qk_rope_head_dim):
             raise ValueError("layer and pool disagree on kv_lora_rank / qk_rope_head_dim")
         key = self._layer_key(layer)
         if md.planned_key != key:
-            if _capturing():
+            if capturing():
                 raise RuntimeError("FlashInfer must plan before a CUDA graph capture: run one "
                                    "forward (warm-up) after init_forward_metadata_capture_cuda_graph")
             self._plan(md, key)
@@ -656,25 +659,17 @@ class FlashInferBackend(AttentionBackend):
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def _capturing() -> bool:
-    """True inside a CUDA-graph capture on the current stream (False on CPU-only torch)."""
-    try:
-        return bool(torch.cuda.is_current_stream_capturing())
-    except RuntimeError:  # CPU-only builds define a dummy that raises
-        return False
-
-
 def _check_pools(req_to_token_pool, kv_pool, kind: AttentionKind) -> None:
-    """Raise ValueError for what FlashInfer cannot run (before importing it)."""
+    """Raise UnsupportedConfigError (a ValueError) for what FlashInfer cannot run (before importing it)."""
     if kv_pool.dtype not in DTYPES:
-        raise ValueError(f"FlashInfer has no {kv_pool.dtype} attention: use a bfloat16 or float16 "
+        raise UnsupportedConfigError(f"FlashInfer has no {kv_pool.dtype} attention: use a bfloat16 or float16 "
                          f"KV pool (float32: the triton or torch_reference backend)")
     if kind == AttentionKind.MHA:
         if kv_pool.head_dim not in MHA_HEAD_DIMS or kv_pool.v_head_dim != kv_pool.head_dim:
-            raise ValueError(f"FlashInfer MHA here needs head_dim in {MHA_HEAD_DIMS} and "
+            raise UnsupportedConfigError(f"FlashInfer MHA here needs head_dim in {MHA_HEAD_DIMS} and "
                              f"v_head_dim == head_dim, got {kv_pool.head_dim}/{kv_pool.v_head_dim}")
     elif kv_pool.kv_lora_rank % 128 or kv_pool.qk_rope_head_dim % 64:
-        raise ValueError(f"FlashInfer MLA needs kv_lora_rank % 128 == 0 and qk_rope_head_dim % 64 "
+        raise UnsupportedConfigError(f"FlashInfer MLA needs kv_lora_rank % 128 == 0 and qk_rope_head_dim % 64 "
                          f"== 0, got {kv_pool.kv_lora_rank} + {kv_pool.qk_rope_head_dim}")
     if req_to_token_pool.device.type != "cuda" or kv_pool.device != req_to_token_pool.device:
         raise ValueError(f"FlashInfer needs both pools on one CUDA device, got "

@@ -49,7 +49,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .base import AttentionBackend, UnsupportedError
+from .base import AttentionBackend, UnsupportedConfigError, UnsupportedError
+from .cuda_graph import capturing
 from .flashinfer_backend import chain_tree_mask  # pure torch: imports no flashinfer
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
@@ -344,7 +345,7 @@ class FlashMLABackend(AttentionBackend):
                              f"{layer.qk_rope_head_dim}")
         H = layer.num_heads
         if md.sched is None or md.sched.heads != H:
-            if _capturing():
+            if capturing():
                 raise RuntimeError("FlashMLA's scheduler metadata must exist before a CUDA graph "
                                    "capture: run one forward (warm-up) after "
                                    "init_forward_metadata_capture_cuda_graph")
@@ -366,26 +367,18 @@ class FlashMLABackend(AttentionBackend):
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def _capturing() -> bool:
-    """True inside a CUDA-graph capture on the current stream (False on CPU-only torch)."""
-    try:
-        return bool(torch.cuda.is_current_stream_capturing())
-    except RuntimeError:  # CPU-only builds define a dummy that raises
-        return False
-
-
 def _check_pools(req_to_token_pool, kv_pool, kind: AttentionKind) -> None:
-    """Raise ValueError for what FlashMLA cannot run (before importing it)."""
+    """Raise UnsupportedConfigError (a ValueError) for what FlashMLA cannot run (before importing it)."""
     if kind != AttentionKind.MLA:
-        raise ValueError("FlashMLA runs absorbed MLA only: pass an MLATokenToKVPool")
+        raise UnsupportedConfigError("FlashMLA runs absorbed MLA only: pass an MLATokenToKVPool")
     if kv_pool.page_size != PAGE_SIZE:
-        raise ValueError(f"FlashMLA needs page_size {PAGE_SIZE}, the pool has {kv_pool.page_size}")
+        raise UnsupportedConfigError(f"FlashMLA needs page_size {PAGE_SIZE}, the pool has {kv_pool.page_size}")
     if (kv_pool.kv_lora_rank, kv_pool.qk_rope_head_dim) != (KV_LORA_RANK, QK_ROPE_HEAD_DIM):
-        raise ValueError(f"FlashMLA needs kv_lora_rank {KV_LORA_RANK} + qk_rope_head_dim "
+        raise UnsupportedConfigError(f"FlashMLA needs kv_lora_rank {KV_LORA_RANK} + qk_rope_head_dim "
                          f"{QK_ROPE_HEAD_DIM}, the pool has {kv_pool.kv_lora_rank} + "
                          f"{kv_pool.qk_rope_head_dim}")
     if kv_pool.dtype not in DTYPES:
-        raise ValueError(f"FlashMLA has no {kv_pool.dtype} kernels: use a bfloat16 or float16 "
+        raise UnsupportedConfigError(f"FlashMLA has no {kv_pool.dtype} kernels: use a bfloat16 or float16 "
                          f"pool (float32: the triton or torch_reference backend)")
     if req_to_token_pool.device.type != "cuda" or kv_pool.device != req_to_token_pool.device:
         raise ValueError(f"FlashMLA needs both pools on one CUDA device, got "

@@ -60,13 +60,16 @@ are left unwritten (EXTEND never splits, so no merge touches them).  Example: pa
 (:class:`~specattn.backends.GraphInputBuffers` does not build EXTEND batches yet.)
 
 Split-KV: DECODE, TARGET_VERIFY and DRAFT_EXTEND_V2 split the prefix when the batch alone
-would launch fewer programs than ~2 waves of the GPU's SMs for MHA (1 with 128-row tiles), ~1 wave for MLA (its
-64-head x 512 tiles hold about one program per SM); eager also bounds the splits by
-``max_prefix / 256``.  ``num_kv_splits=`` forces a count (tests, sweeps).  EXTEND never splits.
+would launch fewer programs than ~2 waves of the GPU's SMs for MHA (1 wave with 128-row
+tiles), ~1 wave for MLA (its 128-row x 256-value tiles hold about one 8-warp program per SM);
+eager also bounds the splits by ``max_prefix / 256`` (graph mode cannot see the prefix, so a
+captured small-batch decode may split a short prefix more than eager would).
+``num_kv_splits=`` forces a count (tests, sweeps).  EXTEND never splits.
 
 Kernel config: ``kernel_config={"block_m": .., "block_n": .., "num_warps": .., "num_stages":
 ..}`` (MLA also ``"block_dv"``: ``kv_lora_rank`` or half of it) overrides the kernels'
 defaults for every forward (sweeps); keys and values are checked at construction.
+``page_aligned`` (default True): see :class:`TritonBackend`.
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ from .base import AttentionBackend
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
-from .tree_mask import num_mask_words
+from .tree_mask import check_tree_mask, num_mask_words
 
 __all__ = ["TritonBackend", "TritonMetadata", "fill_triton_metadata"]
 
@@ -132,9 +135,6 @@ def _max_q_static(batch: ForwardBatch, width: int) -> int:
     raise ValueError(f"{mode.name} has no static tokens per request")
 
 
-_MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
-
-
 def _check_kernel_config(config: Optional[dict], kind: AttentionKind, kv_pool) -> dict:
     """Validated copy of ``config`` (ValueError on an unknown key for ``kind`` or a value that
     is not a power of two; ``block_*`` >= 16; MLA ``block_dv`` = rank or rank / 2)."""
@@ -142,14 +142,12 @@ def _check_kernel_config(config: Optional[dict], kind: AttentionKind, kv_pool) -
         return {}
     if not isinstance(config, dict):
         raise ValueError(f"kernel_config must be a dict, got {type(config).__name__}")
-    from specattn.triton_kernels.attention_mla import check_mla_config
     if kind == AttentionKind.MLA:
+        from specattn.triton_kernels.attention_mla import check_mla_config
         check_mla_config(config, kv_pool.kv_lora_rank)
     else:
-        bad = sorted(set(config) - set(_MHA_CONFIG_KEYS))
-        if bad:
-            raise ValueError(f"unknown MHA kernel config keys {bad}; allowed: {list(_MHA_CONFIG_KEYS)}")
-        check_mla_config(config)  # the same value rules
+        from specattn.triton_kernels.attention import MHA_CONFIG_KEYS, check_kernel_config
+        check_kernel_config(config, MHA_CONFIG_KEYS)
     return {k: v for k, v in config.items() if v is not None}
 
 
@@ -162,7 +160,14 @@ class TritonBackend(AttentionBackend):
         num_kv_splits: force the split-KV factor (1 = never split) for the modes that split;
             None picks it from the batch shape and the GPU's SM count (1 on CPU).
         kernel_config: kernel config overrides passed to every kernel call: ``block_m``,
-            ``block_n``, ``num_warps``, ``num_stages`` (MLA also ``block_dv``); powers of two.
+            ``block_n``, ``num_warps``, ``num_stages`` (MLA also ``block_dv``); powers of two
+            (``num_stages``: any int >= 1).
+        page_aligned: promise that ``req_to_token`` rows follow the pools' page layout (token
+            ``p`` of a request at offset ``p % page_size`` of its page, as ``KVAllocator``
+            hands slots out), so the MLA kernel reads one slot per key tile when ``block_n``
+            divides ``page_size`` (measured figures use this).  Pass False for rows built
+            otherwise (e.g. scratch rows copied from other requests with ``page_size > 1``):
+            the kernels then gather every key's slot.  The MHA kernel always gathers per key.
     Raises:
         ValueError: a bad ``num_kv_splits``, ``kernel_config`` key or value, or MLA dims.
     """
@@ -170,8 +175,9 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, req_to_token_pool, kv_pool, num_kv_splits: Optional[int] = None,
-                 kernel_config: Optional[dict] = None):
+                 kernel_config: Optional[dict] = None, page_aligned: bool = True):
         super().__init__(req_to_token_pool, kv_pool)
+        self.page_aligned = bool(page_aligned)
         if num_kv_splits is not None and not 1 <= num_kv_splits <= 64:
             raise ValueError(f"num_kv_splits must be in [1, 64], got {num_kv_splits}")
         if self.kind == AttentionKind.MLA:
@@ -199,8 +205,10 @@ class TritonBackend(AttentionBackend):
     # --------------------------------------------------------------- eager
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Eager metadata (one host read of ``extend_lens``/``seq_lens`` maxima unless the
-        batch carries CPU copies).  Raises ValueError when a request's ``P + n`` exceeds the
-        ``req_to_token`` width."""
+        batch carries CPU copies, and one of the ``req_pool_indices`` range).  Raises ValueError
+        when a request's ``P + n`` exceeds the ``req_to_token`` width, a ``req_pool_indices``
+        row is out of range, or a TARGET_VERIFY ``tree_mask`` is missing or not int32
+        ``[bs, D, ceil(D/32)]``."""
         mode = batch.forward_mode
         if mode == ForwardMode.IDLE:
             self.forward_metadata = None
@@ -214,9 +222,18 @@ class TritonBackend(AttentionBackend):
         if max_kv > self.req_to_token_pool.max_context_len:
             raise ValueError(f"a request needs {max_kv} KV positions, req_to_token has "
                              f"{self.req_to_token_pool.max_context_len}")
+        if bs:
+            rows = batch.req_pool_indices
+            lo, hi = int(rows.min()), int(rows.max())
+            if lo < 0 or hi >= self.req_to_token_pool.req_to_token.shape[0]:
+                raise ValueError(f"req_pool_indices must be in [0, "
+                                 f"{self.req_to_token_pool.req_to_token.shape[0]}), got [{lo}, {hi}]")
         tm = None
         if mode == ForwardMode.TARGET_VERIFY:
             D = batch.num_tokens_per_req
+            if batch.tree_mask is None:
+                raise ValueError("TARGET_VERIFY needs batch.tree_mask")
+            check_tree_mask(batch.tree_mask, bs, D)
             tm = torch.empty(bs, D, num_mask_words(D), dtype=torch.int32, device=dev)
         md = TritonMetadata(mode, torch.empty(bs + 1, dtype=torch.int32, device=dev),
                             torch.empty(bs, dtype=torch.int32, device=dev),
@@ -266,7 +283,7 @@ class TritonBackend(AttentionBackend):
         self.forward_metadata = self._graph_metadata(batch)
 
     # --------------------------------------------------------------- forward
-    def _num_splits(self, md: TritonMetadata, layer: AttentionLayer) -> int:
+    def _num_splits(self, md: TritonMetadata, layer: AttentionLayer, q_dtype: torch.dtype) -> int:
         if md.mode == ForwardMode.EXTEND:
             return 1
         if self.num_kv_splits is not None:
@@ -285,7 +302,7 @@ class TritonBackend(AttentionBackend):
             from specattn.triton_kernels.attention import default_config
             rows, heads, max_splits, waves = md.max_q * layer.group_size, layer.num_kv_heads, MAX_KV_SPLITS, 2
             width = max(16, 1 << (max(layer.head_dim, layer.v_head_dim) - 1).bit_length())
-            ieee = self.kv_pool.dtype == torch.float32
+            ieee = self.kv_pool.dtype == torch.float32 or q_dtype != self.kv_pool.dtype
             block_m = cfg.get("block_m", default_config(rows, width, ieee)["block_m"])
             if block_m >= 128:  # 8-warp tiles: one wave (H100 sweep: 8 splits beat 16 at bs=1)
                 waves = 1
@@ -299,7 +316,7 @@ class TritonBackend(AttentionBackend):
         md: Optional[TritonMetadata] = self.forward_metadata
         if md is None or md.mode != batch.forward_mode or md.batch_size != batch.batch_size:
             raise RuntimeError("init_forward_metadata was not called for this batch")
-        splits = self._num_splits(md, layer)
+        splits = self._num_splits(md, layer, q.dtype)
         if q.stride(2) != 1:
             q = q.contiguous()
         rtt = self.req_to_token_pool.req_to_token
@@ -308,7 +325,8 @@ class TritonBackend(AttentionBackend):
             return mla_paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id), rtt,
                                        md.req_pool_indices, md.seq_lens, md.qo_indptr, md.tree_mask,
                                        md.max_q, layer.scaling, layer.kv_lora_rank,
-                                       num_splits=splits, page_size=self.kv_pool.page_size,
+                                       num_splits=splits,
+                                       page_size=self.kv_pool.page_size if self.page_aligned else 1,
                                        **self.kernel_config)
         from specattn.triton_kernels.attention import paged_attention
         return paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id),

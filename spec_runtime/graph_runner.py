@@ -3,8 +3,10 @@
 Per padded batch size the runner captures ``model.logits(model.forward(...))`` over static
 inputs (:class:`~specattn.backends.GraphInputBuffers` + token ids).  ``run(batch, ids)`` copies
 the live batch into the static buffers (padding the tail harmlessly), lets the backend write
-the metadata into its static buffers (``init_forward_metadata_replay_cuda_graph``: device work
-only) and replays the smallest graph that fits.  All graphs share one memory pool.
+the metadata into its static buffers (``init_forward_metadata_replay_cuda_graph``: device work,
+plus a host-side plan where the backend's library needs one -- FlashInfer reads ``seq_lens``
+back and calls ``plan()``; torch_reference, triton and flashmla replay without a host sync)
+and replays the smallest graph that fits.  All graphs share one memory pool.
 """
 from __future__ import annotations
 

@@ -69,6 +69,16 @@ def make_engine(name: str, *args, **kwargs):
     return eng
 
 
+def make_backend(name: str, req_to_token_pool, kv_pool, **kwargs):
+    """``create_backend(name, ...)``, or skip when the backend cannot run these pools here
+    (``UnsupportedError``, e.g. FlashInfer with a float32 pool)."""
+    from specattn.backends import create_backend
+    try:
+        return create_backend(name, req_to_token_pool, kv_pool, **kwargs)
+    except UnsupportedError as e:
+        pytest.skip(f"--backend {name}: {e}")
+
+
 def require_support(backend, *modes, graph: bool = False) -> None:
     """Skip unless ``backend.supports(mode, graph=graph, kind=backend.kind)`` for every mode."""
     skip_cpu_tensors_without_interpreter(backend.name, backend.req_to_token_pool.device)

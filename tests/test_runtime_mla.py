@@ -18,9 +18,9 @@ import random
 import pytest
 import torch
 
-from runtime_backend import make_engine, require_support
+from runtime_backend import make_backend, make_engine, require_support
 from specattn.backends import (AttentionKind, ForwardBatch, ForwardMode, KVAllocator, MLATokenToKVPool,
-                               ReqToTokenPool, TorchReferenceBackend, create_backend)
+                               ReqToTokenPool, TorchReferenceBackend)
 from specattn.spec_runtime.engine import SpecConfig
 from specattn.spec_runtime.mla_model import MLAConfig, MLAModel, random_mla_weights
 from specattn.spec_runtime.sampling import SamplingParams
@@ -108,7 +108,7 @@ def test_chunked_prefill_matches_dense_oracle(seed, q_lora_rank, tied, backend_n
     req = ReqToTokenPool(4, 32)
     pool = model.make_kv_pool(128)
     alloc = KVAllocator(128)
-    backend = create_backend(backend_name, req, pool)
+    backend = make_backend(backend_name, req, pool)
     require_support(backend, ForwardMode.EXTEND)
     rows = [2, 0, 3]                                                 # not in order on purpose
     slots = [alloc.alloc(len(s)) for s in seqs]

@@ -19,42 +19,13 @@ pytest.importorskip("triton")
 
 from scenarios import make_scenario, naive_attention, random_qkv  # noqa: E402
 from specattn.backends import (AttentionKind, ForwardBatch, ForwardMode,  # noqa: E402
-                               GraphInputBuffers, ReqToTokenPool, TorchReferenceBackend,
-                               create_backend, pack_tree_mask)
+                               ReqToTokenPool, create_backend, pack_tree_mask)
 from specattn.backends.triton_backend import TritonBackend  # noqa: E402
 from specattn.triton_kernels.attention import paged_attention  # noqa: E402
+from triton_cases import check, rel_err, run_both  # noqa: E402
 
 MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
 GRAPH_MODES = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-
-
-def rel_err(out, ref):
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
-
-
-def run_both(sc, splits=None, q=None):
-    """Triton forward (writes this batch's KV) then the reference on the same cache."""
-    if q is None:
-        q, k, v = random_qkv(sc)
-    else:
-        _, k, v = random_qkv(sc)
-    tri = TritonBackend(sc.req_pool, sc.kv_pool, num_kv_splits=splits)
-    tri.init_forward_metadata(sc.batch)
-    out = tri.forward(q, k, v, sc.layer, sc.batch)
-    ref = TorchReferenceBackend(sc.req_pool, sc.kv_pool)
-    ref.init_forward_metadata(sc.batch)
-    expect = ref.forward(q, k, v, sc.layer, sc.batch, save_kv_cache=False)
-    assert out.dtype == q.dtype and out.shape == expect.shape
-    assert torch.isfinite(out).all()
-    return out, expect, q
-
-
-def check(sc, splits=None, tol=None):
-    out, expect, _ = run_both(sc, splits)
-    err = rel_err(out, expect)
-    assert err < (tol or TOL[sc.kv_pool.dtype]), f"relative error {err}"
 
 
 # ------------------------------------------------------------------------- CPU (interpreter)
@@ -175,6 +146,24 @@ def test_supports_and_errors():
         TritonBackend(sc.req_pool, sc.kv_pool, kernel_config=dict(block_dv=64))
 
 
+def test_eager_metadata_rejects_bad_batches():
+    """Out-of-range request rows and malformed tree masks fail before any kernel runs."""
+    import dataclasses
+    sc = make_scenario(ForwardMode.TARGET_VERIFY, bs=2, D=5)
+    be = TritonBackend(sc.req_pool, sc.kv_pool)
+    rows = sc.batch.req_pool_indices.clone()
+    rows[1] = sc.req_pool.req_to_token.shape[0]
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        be.init_forward_metadata(dataclasses.replace(sc.batch, req_pool_indices=rows))
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        be.init_forward_metadata(dataclasses.replace(sc.batch, req_pool_indices=rows.fill_(-1)))
+    with pytest.raises(ValueError, match="tree_mask"):
+        be.init_forward_metadata(dataclasses.replace(sc.batch, tree_mask=sc.batch.tree_mask[:1]))
+    with pytest.raises(ValueError, match="tree_mask"):
+        be.init_forward_metadata(dataclasses.replace(sc.batch, tree_mask=None))
+    be.init_forward_metadata(sc.batch)  # the unmodified batch still passes
+
+
 def test_kernel_config_reaches_the_kernel(seed):
     """A forced MHA config (block_m 16, block_n 16, 2 warps, 1 stage) gives the same answer."""
     rng = random.Random(seed)
@@ -203,69 +192,11 @@ def test_worked_example_metadata():
 
 def _graph_case(mode, page_size, device, use_graph, seed, dtype=torch.float32, group=2,
                 head_dim=64, D=5, splits=None, max_prefix=20, padded_bs=4):
-    """Capture at ``padded_bs``, replay twice with fresh live batches of bs 1..padded_bs;
-    check against the reference backend on each live batch."""
-    rng = random.Random(seed)
-    D = 1 if mode == ForwardMode.DECODE else D
-    kw = dict(D=D, page_size=page_size, device=device, rng=rng, capacity_bs=padded_bs,
-              dtype=dtype, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, max_prefix=max_prefix)
-    first = make_scenario(mode, bs=padded_bs, **kw)
-    be = TritonBackend(first.req_pool, first.kv_pool, num_kv_splits=splits)
-    be.init_cuda_graph_state(max_bs=padded_bs, max_num_tokens=padded_bs * D)
-    bufs = GraphInputBuffers(padded_bs, D, device)
-    layer = first.layer
-    q_static = torch.zeros(padded_bs * D, layer.num_heads, layer.head_dim, device=device, dtype=dtype)
-    k_static = torch.zeros(padded_bs * D, layer.num_kv_heads, layer.head_dim, device=device, dtype=dtype)
-    v_static = torch.zeros(padded_bs * D, layer.num_kv_heads, layer.v_head_dim, device=device, dtype=dtype)
-
-    def run(b):
-        return be.forward(q_static, k_static, v_static, layer, b)
-
-    padded = bufs.fill(first.batch, padded_bs)
-    be.init_forward_metadata_capture_cuda_graph(padded)
-    captured = be.forward_metadata
-    if use_graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            run(padded)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out_static = run(padded)
-    for trial in range(2):
-        bs = rng.randint(1, padded_bs - 1) if trial == 0 else rng.randint(1, padded_bs)
-        sc = make_scenario(mode, bs=bs, **kw)
-        for dst, src in zip(first.kv_pool.buffers, sc.kv_pool.buffers):
-            dst.copy_(src)
-        first.req_pool.req_to_token.copy_(sc.req_pool.req_to_token)
-        sc.kv_pool, sc.req_pool = first.kv_pool, first.req_pool
-        q, k, v = random_qkv(sc)
-        T = sc.batch.num_tokens
-        q_static.normal_(); k_static.normal_(); v_static.normal_()  # garbage in padded rows
-        q_static[:T].copy_(q); k_static[:T].copy_(k); v_static[:T].copy_(v)
-        padded = bufs.fill(sc.batch, padded_bs)
-        if use_graph:
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                be.init_forward_metadata_replay_cuda_graph(padded)
-                out_static.fill_(float("nan"))
-                g.replay()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            out = out_static[:T].clone()
-        else:
-            be.init_forward_metadata_replay_cuda_graph(padded)
-            out = run(padded)[:T]
-        md = be.forward_metadata
-        for name in ("qo_indptr", "seq_lens", "req_pool_indices"):  # the static buffers
-            assert getattr(md, name).data_ptr() == getattr(captured, name).data_ptr()
-        ref = TorchReferenceBackend(sc.req_pool, sc.kv_pool)
-        ref.init_forward_metadata(sc.batch)
-        expect = ref.forward(q, k, v, layer, sc.batch)  # writes the live batch's KV (same values)
-        assert torch.isfinite(out).all()
-        err = rel_err(out, expect)
-        assert err < TOL[dtype], f"relative error {err} (bs {bs})"
+    """:func:`triton_cases.graph_case` for an MHA layer of 2 KV heads x ``group``."""
+    from triton_cases import graph_case
+    graph_case("mha", mode, page_size, device, use_graph, seed, dtype=dtype, num_heads=2 * group,
+               num_kv_heads=2, head_dim=head_dim, D=D, splits=splits, max_prefix=max_prefix,
+               padded_bs=padded_bs)
 
 
 @pytest.mark.parametrize("mode", GRAPH_MODES, ids=lambda m: m.name)

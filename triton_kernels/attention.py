@@ -57,7 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_attention", "choose_block_m", "default_config"]
+__all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_config",
+           "MHA_CONFIG_KEYS"]
 
 MASK_CAUSAL, MASK_TREE = 0, 1
 
@@ -257,6 +258,30 @@ def choose_block_m(max_rows: int) -> int:
     return min(64, _pow2_at_least_16(max_rows))
 
 
+MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+def _pow2(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and not x & (x - 1)
+
+
+def check_kernel_config(config: dict, allowed) -> None:
+    """Raise ValueError unless every key of ``config`` is in ``allowed`` and every non-None
+    value is an int: ``block_*`` powers of two >= 16, ``num_warps`` a power of two,
+    ``num_stages`` >= 1.  (Shared by the MHA and MLA kernels and ``TritonBackend``.)"""
+    bad = sorted(set(config) - set(allowed))
+    if bad:
+        raise ValueError(f"unknown kernel config keys {bad}; allowed: {list(allowed)}")
+    for key, val in config.items():
+        if val is None:
+            continue
+        if key == "num_stages":
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"num_stages must be an int >= 1, got {val!r}")
+        elif not _pow2(val) or (key.startswith("block") and val < 16):
+            raise ValueError(f"{key} must be a power of two (>= 16 for blocks), got {val!r}")
+
+
 def default_config(max_rows: int, block_d: int, ieee: bool, num_splits: int = 1) -> dict:
     """Kernel config for ``max_rows = max_q * G`` packed rows per (request, KV head), the
     padded head width ``block_d``, fp32 (``ieee``) inputs and the split-KV factor:
@@ -347,15 +372,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ieee = upcast or k_cache.dtype == torch.float32
     BLOCK_D, BLOCK_DV = _pow2_at_least_16(Dqk), _pow2_at_least_16(Dv)
     cfg = default_config(max_q * G, max(BLOCK_D, BLOCK_DV), ieee, num_splits)
-    for key, val in (("block_m", block_m), ("block_n", block_n), ("num_warps", num_warps),
-                     ("num_stages", num_stages)):
-        if val is not None:
-            if key == "num_stages":
-                if val < 1:
-                    raise ValueError(f"num_stages must be >= 1, got {val}")
-            elif val < 1 or val & (val - 1) or (key.startswith("block") and val < 16):
-                raise ValueError(f"{key} must be a power of two (>= 16 for blocks), got {val}")
-            cfg[key] = val
+    overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    check_kernel_config(overrides, MHA_CONFIG_KEYS)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
     BLOCK_M, BLOCK_N = cfg["block_m"], cfg["block_n"]
     # int32 slot offsets when the largest element offset of both caches fits in 31 bits
     fits = all(c.shape[0] * c.stride(0) + c.shape[1] * c.stride(1) < 2**31 for c in (k_cache, v_cache))

@@ -40,8 +40,11 @@ Kernel layout
 - With ``page_size % BLOCK_N == 0`` (``page_size`` argument) every prefix tile (they start
   at multiples of ``BLOCK_N``) lies in one page, whose slots are consecutive in the pool's
   layout (token ``p`` at offset ``p % page_size`` of its page): the program reads one slot
-  per tile instead of one per key.  Phase 2 always gathers per key.
-- ``BLOCK_DV`` (``block_dv``) is ``r`` (default) or ``r / 2``.  With ``r / 2`` two programs
+  per tile instead of one per key.  Phase 2 always gathers per key.  This is a precondition
+  on ``req_to_token`` that the kernel cannot check: pass ``page_size=1`` for rows that do
+  not follow the page layout (``TritonBackend(page_aligned=False)`` does).
+- ``BLOCK_DV`` (``block_dv``) is ``r`` or ``r / 2`` (the default at >= 128 rows and
+  ``r >= 256``, see :func:`default_mla_config`).  With ``r / 2`` two programs
   own the two halves of the value width (accumulator ``BLOCK_M x r/2`` fp32: half the
   registers); each also loads the other half of ``c_kv`` and recomputes the full scores
   (``1.5x`` the FLOPs of the unsplit kernel at ``r = 512, d_r = 64``).
@@ -63,22 +66,27 @@ and log2-sum-exps (float32 ``[S, T, H]``) are combined by ``attention._merge_ker
 
 Worked shape example (DeepSeek-V3 decode, bf16): ``bs = 128``, ``H = 128``, ``r = 512``,
 ``d_r = 64``, ``P = 8192`` per request, page 64.  ``q [128, 128, 576]``, cache
-``[>= 128 * 8256, 1, 576]``, output ``[128, 128, 512]``.  Defaults ``BLOCK_M = 64``,
-``BLOCK_DV = 512``: grid ``(2, 1, 128)`` = 256 programs; each streams its request's 8192
-latents (9.4 MB) once from HBM-or-L2 (the two tiles of a request share them through L2), so
-the kernel reads ~1.2 GB and does ``2 * 128 * 128 * 8192 * (576 + 512) = 292`` GFLOP.  A
-TARGET_VERIFY with 64 draft tokens runs ``64 * 128 / 64 = 128`` tiles per request, each over
-the same ``P + 64`` latents: compute-bound.
+``[>= 128 * 8256, 1, 576]``, output ``[128, 128, 512]``.  Default config there
+(:func:`default_mla_config`): ``BLOCK_M = 128``, ``BLOCK_DV = 256``, ``BLOCK_N = 64``, 8 warps,
+1 stage: grid ``(1, 2, 128)`` = 256 programs (one per 128-head tile and value half); each
+streams its request's 8192 latents (9.4 MB; the two halves share them through L2), so the
+kernel reads ~1.2 GB from HBM and does ``2 * 128 * 128 * 8192 * (576 + 512) = 292`` GFLOP of
+useful work (1.53x that in tensor-core instructions, the scores being computed per half).  A TARGET_VERIFY with
+64 draft tokens runs ``64 * 128 / 128 = 64`` row tiles x 2 halves per request, each over the
+same ``P + 64`` latents: compute-bound.  Measured on an H100 (2026-11-22,
+``bench/results/2026-11-22-h100-attention/``): decode 1179 us (FlashMLA 513 us), tree verify
+bs 1 / 16 at P 4096: 310 / 4624 us.
 
-Code generation on sm_90 (offline compile with Triton 3.9, bf16, ``r = 512``, 128 heads): the
-latent tile goes to shared memory by async copies (one copy per piece), both score dots and
-the value dot are wgmma.  Because the score dot feeds another dot, Triton puts all warps along
-its M axis, so with ``BLOCK_M = 64`` on 8 warps both warpgroups compute the same ``64 x
-BLOCK_N`` scores (wgmma work ``(2 * 576 + 512) / (576 + 512) = 1.53x`` the useful work); the
-value dot is split between them (each ``64 x 256`` of the accumulator, 128 registers per
-thread).  ``block_dv = r / 2`` or ``block_m = 128`` trade that for recomputation across
-programs instead.  The default config uses 255 registers with a small spill (~200 bytes);
-``block_dv = 256`` none.
+Code generation on sm_90: the latent tile goes to shared memory by async copies (one copy per
+piece); both score dots and the value dot are wgmma.  Because the score dot feeds another
+dot, Triton puts all warps along its M axis, so with ``BLOCK_M = 64`` on 8 warps both
+warpgroups would compute the same ``64 x BLOCK_N`` scores (wgmma work ``(2 * 576 + 512) /
+(576 + 512) = 1.53x`` the useful work) and a ``64 x 512`` fp32 accumulator spills; 128-row
+tiles with half the value width (the default at 128 heads) recompute the scores in the other
+half's program instead (the same 1.53x, no spill), which the H100 sweep found fastest.
+Deeper pipelines do not fit in shared memory (a 2-stage ``BLOCK_N = 64`` latent pipeline
+needs 294 KB).  FlashMLA avoids the recomputation by splitting the value width across two
+warpgroups that share one score tile; that is the next step, beyond Triton's code generation.
 
 Sources: DeepSeek-V2 (arXiv:2405.04434) for absorbed MLA; FlashMLA (deepseek-ai/FlashMLA:
 64-head tiles, 8 warps, K and V sharing one shared-memory tile, split-KV plus a combine
@@ -95,7 +103,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _merge_kernel
+from .attention import _merge_kernel, _pow2, check_kernel_config
 
 __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
 
@@ -254,10 +262,6 @@ def _mla_fwd_kernel(
                  mask=row_ok & ((head * 0 + dvi) == 0))  # one writer per row
 
 
-def _pow2(x: int) -> bool:
-    return isinstance(x, int) and x >= 1 and not x & (x - 1)
-
-
 def default_mla_config(max_rows: int, kv_lora_rank: int, ieee: bool) -> dict:
     """Default kernel config for ``max_rows = max_q * H`` packed rows per request, rank
     ``kv_lora_rank`` and fp32 (``ieee``) inputs.  Returns ``block_m``, ``block_n``,
@@ -278,20 +282,11 @@ def default_mla_config(max_rows: int, kv_lora_rank: int, ieee: bool) -> dict:
 
 
 def check_mla_config(config: dict, kv_lora_rank: Optional[int] = None) -> None:
-    """Raise ValueError unless ``config``'s keys are among :data:`MLA_CONFIG_KEYS` and every
-    value is a power of two (``block_*`` >= 16; ``block_dv`` = ``kv_lora_rank`` or half of it
-    when the rank is given).  None values mean "default"."""
-    bad = sorted(set(config) - set(MLA_CONFIG_KEYS))
-    if bad:
-        raise ValueError(f"unknown MLA kernel config keys {bad}; allowed: {list(MLA_CONFIG_KEYS)}")
-    for key, val in config.items():
-        if val is None:
-            continue
-        if key == "num_stages":
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"num_stages must be an int >= 1, got {val!r}")
-        elif not _pow2(val) or (key.startswith("block") and val < 16):
-            raise ValueError(f"{key} must be a power of two (>= 16 for blocks), got {val!r}")
+    """Raise ValueError unless ``config``'s keys are among :data:`MLA_CONFIG_KEYS` with the
+    value rules of :func:`~specattn.triton_kernels.attention.check_kernel_config`, and
+    ``block_dv`` is ``kv_lora_rank`` or half of it (when the rank is given).  None values
+    mean "default"."""
+    check_kernel_config(config, MLA_CONFIG_KEYS)
     dv = config.get("block_dv")
     if dv is not None and kv_lora_rank is not None and dv not in (kv_lora_rank, kv_lora_rank // 2):
         raise ValueError(f"block_dv must be kv_lora_rank ({kv_lora_rank}) or half of it, got {dv}")

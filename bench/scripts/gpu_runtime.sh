@@ -8,8 +8,8 @@
 #  1. the runtime's lossless GPU tests (CUDA graphs on, float32) with --backend torch_reference
 #     (plus the reference backend's own GPU tests and the engine's graph-routing test) and with
 #     --backend triton: target and drafter on that backend; real model == HF greedy, EAGLE
-#     chains/trees and DFlash == target-only greedy, the random MLA model (skips, saying why,
-#     while the backend's supports() has no MLA);
+#     chains/trees and DFlash == target-only greedy, the random MLA model (a backend whose
+#     supports() lacks a mode the engine needs skips, saying which);
 #  2. end to end on the real model (SmolLM2-135M-Instruct, 4 prompts x 64 tokens, batch 4,
 #     CUDA graphs, one untimed warm-up run then 3 measured runs): none / EAGLE chain / EAGLE
 #     tree / DFlash (random-init drafter) x torch_reference / triton x float32 / bfloat16.
