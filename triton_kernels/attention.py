@@ -57,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import on_tensor_device
+
 __all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_config",
            "MHA_CONFIG_KEYS"]
 
@@ -297,6 +299,7 @@ def default_config(max_rows: int, block_d: int, ieee: bool, num_splits: int = 1)
                 num_warps=4, num_stages=4)
 
 
+@on_tensor_device
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                     seq_lens: torch.Tensor, qo_indptr: torch.Tensor,

@@ -103,6 +103,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import on_tensor_device
 from .attention import _merge_kernel, _pow2, check_kernel_config
 
 __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
@@ -292,6 +293,7 @@ def check_mla_config(config: dict, kv_lora_rank: Optional[int] = None) -> None:
         raise ValueError(f"block_dv must be kv_lora_rank ({kv_lora_rank}) or half of it, got {dv}")
 
 
+@on_tensor_device
 def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                         qo_indptr: torch.Tensor, tree_mask: Optional[torch.Tensor], max_q: int,

@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import on_tensor_device
+
 __all__ = ["materialize_kv", "materialize_kv_epilogue"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -240,6 +242,7 @@ def offset_table(k_buffers: Sequence[torch.Tensor],
     return table, align
 
 
+@on_tensor_device
 def materialize_kv_epilogue(kv: torch.Tensor, k_norm_weight: torch.Tensor, positions: torch.Tensor,
                             cos_sin_cache: torch.Tensor, out_cache_loc: torch.Tensor,
                             k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
@@ -283,6 +286,7 @@ def materialize_kv_epilogue(kv: torch.Tensor, k_norm_weight: torch.Tensor, posit
         num_warps=4)
 
 
+@on_tensor_device
 def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torch.Tensor,
                    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                    out_cache_loc: torch.Tensor, k_buffers: Sequence[torch.Tensor],

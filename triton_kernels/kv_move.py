@@ -56,6 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import on_tensor_device
+
 __all__ = ["move_kv_cache", "MAX_STAGING_BYTES"]
 
 MAX_STAGING_BYTES = 64 << 20   # staging per chunk of buffers (staged algorithm)
@@ -177,6 +179,7 @@ def _launch(mode, tab, nb, b0, nbufs, tgt, src, stage, n, num_slots, rows_per_gr
                             num_warps=NUM_WARPS)
 
 
+@on_tensor_device
 def move_kv_cache(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor, src_loc: torch.Tensor,
                   group_size: Optional[int] = None) -> None:
     """Move rows ``src_loc -> tgt_loc`` in every buffer (inputs validated by the wrapper).

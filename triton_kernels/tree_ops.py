@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import on_tensor_device
+
 __all__ = ["build_tree", "verify_tree_greedy", "compact_accepted_path"]
 
 
@@ -119,6 +121,7 @@ def _build_tree_kernel(pl_ptr, pl_s0, pl_s1, sel_ptr, sel_s0, sel_s1, vsl_ptr, v
             tl.store(fi_ptr + start + i, byte.to(tl.uint8), mask=i < avail)
 
 
+@on_tensor_device
 def build_tree(parent_list, selected_index, verified_seq_len, tree_mask, positions,
                retrive_index, retrive_next_token, retrive_next_sibling,
                topk: int, num_steps: int, num_draft_tokens: int,
@@ -211,6 +214,7 @@ def _verify_greedy_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al
     tl.store(pred_ptr + row * pred_s0, tg.to(tl.int32), mask=vm)
 
 
+@on_tensor_device
 def verify_tree_greedy(predicts, accept_index, accept_length, candidates, retrive_index,
                        retrive_next_token, retrive_next_sibling, target_predict) -> None:
     """Triton :func:`specattn.ops.verify_tree_greedy` (signature of
@@ -266,6 +270,7 @@ def _compact_kernel(ai_ptr, ai_s0, ai_s1, al_ptr, al_s0, ocl_ptr, ocl_s0, pr_ptr
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+@on_tensor_device
 def compact_accepted_path(accept_index, accept_length, out_cache_loc, predicts, hidden_states,
                           src_index, predicts_out, hidden_states_out, out_cache_loc_out,
                           tgt_loc, src_loc) -> None:

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import on_tensor_device
+
 __all__ = ["tree_speculative_sampling"]
 
 _MAX_BLOCK_V = 4096
@@ -169,6 +171,7 @@ def _tree_sampling_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al
     tl.store(pred_ptr + row * pred_s0, val.to(tl.int32), mask=vm)
 
 
+@on_tensor_device
 def tree_speculative_sampling(predicts, accept_index, accept_length, candidates, retrive_index,
                               retrive_next_token, retrive_next_sibling, uniform_samples,
                               uniform_samples_for_final_sampling, target_probs,

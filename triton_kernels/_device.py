@@ -1,0 +1,35 @@
+"""Device guard for the Triton launchers.
+
+Triton launches on the *current* CUDA device, so a call whose tensors live on another GPU
+would launch there and fault.  :func:`on_tensor_device` makes the launchers run with the
+device of their first tensor argument current (as ``torch.ops.specattn`` kernels do through
+their C++ guard).  No-op for CPU tensors (the interpreter) and when the device is already
+current (a cheap index exchange, safe inside CUDA-graph capture).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+
+def _first_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, Sequence) and not isinstance(x, str) and len(x) and isinstance(x[0], torch.Tensor):
+        return x[0]
+    return None
+
+
+def on_tensor_device(fn):
+    """Decorator: run ``fn`` with the CUDA device of its first tensor argument (or the first
+    tensor of a first list argument) current."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t = _first_tensor(args[0]) if args else None
+        if t is None or not t.is_cuda:
+            return fn(*args, **kwargs)
+        with torch.cuda.device(t.device):
+            return fn(*args, **kwargs)
+    return wrapper
