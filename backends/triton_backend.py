@@ -224,7 +224,7 @@ class TritonBackend(AttentionBackend):
                              f"{self.req_to_token_pool.max_context_len}")
         if bs:
             rows = batch.req_pool_indices
-            lo, hi = int(rows.min()), int(rows.max())
+            lo, hi = torch.stack((rows.min(), rows.max())).tolist()  # one host read
             if lo < 0 or hi >= self.req_to_token_pool.req_to_token.shape[0]:
                 raise ValueError(f"req_pool_indices must be in [0, "
                                  f"{self.req_to_token_pool.req_to_token.shape[0]}), got [{lo}, {hi}]")

@@ -1,8 +1,14 @@
-"""The Triton launchers run with their tensors' CUDA device current (``_device.on_tensor_device``)."""
-import pytest
+"""The Triton launchers run with their tensors' CUDA device current (``_util.on_tensor_device``)."""
+import os
+
 import torch
 
-from specattn.triton_kernels._device import on_tensor_device
+if not torch.cuda.is_available():  # before triton / specattn are imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from specattn.triton_kernels._util import on_tensor_device  # noqa: E402
 
 
 def test_guard_is_transparent_on_cpu():

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import on_tensor_device
+from ._util import is_pow2, next_pow2, on_tensor_device
 
 __all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_config",
            "MHA_CONFIG_KEYS"]
@@ -251,20 +251,12 @@ def _merge_kernel(O_PART, LSE_PART, O, stride_ps, stride_pt, stride_ph, stride_l
     tl.store(O + t * stride_ot + h * stride_oh + offs, out.to(O.dtype.element_ty), mask=ok)
 
 
-def _pow2_at_least_16(x: int) -> int:
-    return max(16, triton.next_power_of_2(x))
-
-
 def choose_block_m(max_rows: int) -> int:
     """Row-tile height for ``max_rows = max_q * G`` packed rows: 16, 32 or 64."""
-    return min(64, _pow2_at_least_16(max_rows))
+    return min(64, next_pow2(max_rows))
 
 
 MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
-
-
-def _pow2(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and not x & (x - 1)
 
 
 def check_kernel_config(config: dict, allowed) -> None:
@@ -280,7 +272,7 @@ def check_kernel_config(config: dict, allowed) -> None:
         if key == "num_stages":
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"num_stages must be an int >= 1, got {val!r}")
-        elif not _pow2(val) or (key.startswith("block") and val < 16):
+        elif not is_pow2(val) or (key.startswith("block") and val < 16):
             raise ValueError(f"{key} must be a power of two (>= 16 for blocks), got {val!r}")
 
 
@@ -373,7 +365,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     upcast = q.dtype != k_cache.dtype
     ieee = upcast or k_cache.dtype == torch.float32
-    BLOCK_D, BLOCK_DV = _pow2_at_least_16(Dqk), _pow2_at_least_16(Dv)
+    BLOCK_D, BLOCK_DV = next_pow2(Dqk), next_pow2(Dv)
     cfg = default_config(max_q * G, max(BLOCK_D, BLOCK_DV), ieee, num_splits)
     overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     check_kernel_config(overrides, MHA_CONFIG_KEYS)

@@ -103,8 +103,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import on_tensor_device
-from .attention import _merge_kernel, _pow2, check_kernel_config
+from ._util import is_pow2, on_tensor_device
+from .attention import _merge_kernel, check_kernel_config
 
 __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
 
@@ -348,7 +348,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         raise ValueError(f"kv_cache must be [slots, 1, {Dqk}] for q {list(q.shape)}, got "
                          f"{list(kv_cache.shape)}")
     for name, d in (("kv_lora_rank", rank), ("qk_rope_head_dim", rope)):
-        if not _pow2(d) or d < 16:
+        if not is_pow2(d) or d < 16:
             raise ValueError(f"{name} must be a power of two >= 16, got {d}")
     if q.stride(2) != 1 or kv_cache.stride(2) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("q, kv_cache and req_to_token need a contiguous last dim")

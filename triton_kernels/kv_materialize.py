@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import on_tensor_device
+from ._util import next_pow2, on_tensor_device
 
 __all__ = ["materialize_kv", "materialize_kv_epilogue"]
 
@@ -194,10 +194,6 @@ def _kv_epilogue_kernel(kv_ptr, kv_ld, bias_ptr, bias_s, w_ptr, w_s0, w_s1, cs_p
 _TABLES: Dict[Tuple, Tuple[torch.Tensor, int]] = {}
 
 
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
-
-
 def _cache_view(buf: torch.Tensor) -> Tuple[torch.Tensor, int]:
     if buf.dtype == torch.float8_e4m3fn:
         return buf.view(torch.uint8), _FP8_BITS
@@ -269,8 +265,8 @@ def materialize_kv_epilogue(kv: torch.Tensor, k_norm_weight: torch.Tensor, posit
     half = rot // 2
     table, align = offset_table(k_buffers, v_buffers)
     base, kind = _cache_view(k_buffers[0])
-    BLOCK_D = _pow2(D)
-    BLOCK_H = min(_pow2(hkv), max(1, 1024 // BLOCK_D))
+    BLOCK_D = next_pow2(D, 1)
+    BLOCK_H = min(next_pow2(hkv, 1), max(1, 1024 // BLOCK_D))
     tail = D - rot
     grid = (T, L, triton.cdiv(hkv, BLOCK_H))
     _kv_epilogue_kernel[grid](
@@ -282,7 +278,7 @@ def materialize_kv_epilogue(kv: torch.Tensor, k_norm_weight: torch.Tensor, posit
         base, table, L, hkv, D, half, rot, num_slots, max_pos,
         float(eps), float(k_scale), float(v_scale),
         HAS_BIAS=kv_bias is not None, CACHE_KIND=kind, ALIGN=align, BLOCK_H=BLOCK_H,
-        BLOCK_HALF=_pow2(half), BLOCK_TAIL=_pow2(tail), HAS_TAIL=tail > 0, BLOCK_D=BLOCK_D,
+        BLOCK_HALF=next_pow2(half, 1), BLOCK_TAIL=next_pow2(tail, 1), HAS_TAIL=tail > 0, BLOCK_D=BLOCK_D,
         num_warps=4)
 
 

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import on_tensor_device
+from ._util import on_tensor_device
 
 __all__ = ["move_kv_cache", "MAX_STAGING_BYTES"]
 

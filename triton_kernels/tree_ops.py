@@ -26,13 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import on_tensor_device
+from ._util import next_pow2, on_tensor_device
 
 __all__ = ["build_tree", "verify_tree_greedy", "compact_accepted_path"]
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(int(n), 1)))
 
 
 # ----------------------------------------------------------------------------- build_tree
@@ -152,7 +148,7 @@ def build_tree(parent_list, selected_index, verified_seq_len, tree_mask, positio
         flashinfer_packed_mask.numel() if has_fi else 0,
         flashinfer_mask_indptr if has_fi else tree_mask,
         flashinfer_mask_indptr.stride(0) if has_fi else 0,
-        topk, num_steps, D, W, BLOCK_D=_pow2(D), HAS_FI=has_fi, BLOCK_B=128,
+        topk, num_steps, D, W, BLOCK_D=next_pow2(D), HAS_FI=has_fi, BLOCK_B=128,
         num_warps=4 if D <= 64 else 8)
 
 
@@ -231,7 +227,7 @@ def verify_tree_greedy(predicts, accept_index, accept_length, candidates, retriv
         retrive_next_token, retrive_next_token.stride(0), retrive_next_token.stride(1),
         retrive_next_sibling, retrive_next_sibling.stride(0), retrive_next_sibling.stride(1),
         target_predict, target_predict.stride(0), target_predict.stride(1), D, S,
-        BLOCK_D=_pow2(D), BLOCK_S=_pow2(S), num_warps=1 if D <= 64 else 2)
+        BLOCK_D=next_pow2(D), BLOCK_S=next_pow2(S), num_warps=1 if D <= 64 else 2)
 
 
 # ----------------------------------------------------------------------------- compaction
@@ -296,7 +292,7 @@ def compact_accepted_path(accept_index, accept_length, out_cache_loc, predicts, 
             hso = hidden_states_out.view(bs * D, H).view(_SAME_SIZE_INT[isz])
         else:
             hso = torch.empty((bs * D, H), dtype=_SAME_SIZE_INT[isz], device=hs.device)
-        BLOCK_D = _pow2(D)
+        BLOCK_D = next_pow2(D)
         BLOCK_H = max(16, min(triton.next_power_of_2(max(H, 1)), max(16, 8192 // BLOCK_D)))
         n_tiles = max(1, triton.cdiv(H, BLOCK_H))
     dummy = out_cache_loc
@@ -310,6 +306,6 @@ def compact_accepted_path(accept_index, accept_length, out_cache_loc, predicts, 
         hso if has_hs else dummy,
         out_cache_loc_out, out_cache_loc_out.stride(0), tgt_loc, tgt_loc.stride(0),
         src_loc, src_loc.stride(0), D, S, H,
-        HAS_PRED=has_pred, HAS_HS=has_hs, BLOCK_D=_pow2(D), BLOCK_H=BLOCK_H, num_warps=4)
+        HAS_PRED=has_pred, HAS_HS=has_hs, BLOCK_D=next_pow2(D), BLOCK_H=BLOCK_H, num_warps=4)
     if has_hs and not hidden_states_out.is_contiguous():
         hso_final.copy_(hso.view(hidden_states_out.dtype).view(hidden_states_out.shape))

@@ -41,15 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import on_tensor_device
+from ._util import next_pow2, on_tensor_device
 
 __all__ = ["tree_speculative_sampling"]
 
 _MAX_BLOCK_V = 4096
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(int(n), 1)))
 
 
 @triton.jit
@@ -191,7 +187,7 @@ def tree_speculative_sampling(predicts, accept_index, accept_length, candidates,
     has_draft = draft_probs is not None
     if has_draft and V > 1 and draft_probs.stride(2) != 1:
         raise ValueError("draft_probs must have stride 1 in its last dim")
-    BLOCK_V = block_v or min(_pow2(V), _MAX_BLOCK_V)
+    BLOCK_V = block_v or min(next_pow2(V), _MAX_BLOCK_V)
     dp = draft_probs if has_draft else target_probs  # never read without HAS_DRAFT
     _tree_sampling_kernel[(bs,)](
         predicts, predicts.stride(0), accept_index, accept_index.stride(0), accept_index.stride(1),
@@ -205,5 +201,5 @@ def tree_speculative_sampling(predicts, accept_index, accept_length, candidates,
         target_probs, target_probs.stride(0), target_probs.stride(1),
         dp, dp.stride(0), dp.stride(1),
         float(threshold_single), float(max(threshold_acc, 1e-9)), D, S, V,
-        HAS_DRAFT=has_draft, BLOCK_D=_pow2(D), BLOCK_S=_pow2(S), BLOCK_V=BLOCK_V,
+        HAS_DRAFT=has_draft, BLOCK_D=next_pow2(D), BLOCK_S=next_pow2(S), BLOCK_V=BLOCK_V,
         num_warps=8 if BLOCK_V >= 2048 else 4)

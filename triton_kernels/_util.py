@@ -1,4 +1,4 @@
-"""Device guard for the Triton launchers.
+"""Host-side helpers shared by the Triton launchers: the device guard and block sizes.
 
 Triton launches on the *current* CUDA device, so a call whose tensors live on another GPU
 would launch there and fault.  :func:`on_tensor_device` makes the launchers run with the
@@ -12,6 +12,7 @@ import functools
 from typing import Sequence
 
 import torch
+import triton
 
 
 def _first_tensor(x):
@@ -33,3 +34,13 @@ def on_tensor_device(fn):
         with torch.cuda.device(t.device):
             return fn(*args, **kwargs)
     return wrapper
+
+
+def next_pow2(n: int, lo: int = 16) -> int:
+    """The smallest power of two >= ``max(n, 1)``, at least ``lo`` (a ``tl.arange`` block size)."""
+    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+
+
+def is_pow2(x) -> bool:
+    """True for a positive int (not a bool) that is a power of two."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and not x & (x - 1)
