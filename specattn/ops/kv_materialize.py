@@ -47,7 +47,11 @@ Precision contract of the fast paths (the reference does everything in float32):
 - bf16 activations: every stored K element differs from the reference by at most
   ``2^-6 * (|ref[i]| + |ref[partner(i)]|) + 2^-10 * rms(ref row)`` (``partner(i) = i +- R/2``,
   absent for V and for dims past ``R``); fp8 caches add one e4m3 step (``2^-3 * |ref|``)
-  plus the subnormal step ``2^-9 * scale``.  Tested at the Qwen3-8B drafter shape; the
+  plus the subnormal step ``2^-9 * scale``.  With ``kv_bias``, ``|ref[j]|`` reads
+  ``|ref[j]| + beta[j]``: the bias is added after the GEMM output is rounded, so where it
+  cancels the projection the projection's rounding remains.  ``beta`` is the bias at the
+  output's scale, ``|bias|`` for V and ``|bias| * |k_norm_weight| / rms(pre-norm K head
+  row)`` for K (found by a CI run with a random bias cancelling a projection element).  Tested at the Qwen3-8B drafter shape; the
   measured worst case is about half of it (two bf16 roundings of the pair magnitude).
 - float32 activations: the GEMM is float32 as long as TF32 is off
   (``torch.backends.cuda.matmul.allow_tf32 = False``, torch's default); then the results
