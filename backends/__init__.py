@@ -10,7 +10,8 @@
   (``backends/flashinfer_backend.py``, ``backends/flashmla_backend.py``: their packages are
   imported only when such a backend is built or probed, never by importing this package).
   ``create_backend(name, ...)`` builds any backend by name; ``available_backends()`` says which
-  can be built here and why not.
+  can be built here and why not; :class:`RoutedBackend` runs some modes on another backend
+  over the same pools (what a runtime does for a mode its backend lacks).
 """
 import importlib
 from typing import Dict, Optional
@@ -21,6 +22,7 @@ from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
 from .pools import KVAllocator, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from .routing import RoutedBackend
 from .torch_reference import TorchReferenceBackend
 from .tree_mask import num_mask_words, pack_tree_mask, tree_mask_to_flashinfer, unpack_tree_mask
 
@@ -81,4 +83,4 @@ __all__ = ["AttentionBackend", "UnsupportedError", "UnsupportedConfigError", "Gr
            "ForwardMode", "AttentionKind", "AttentionLayer", "KVAllocator", "MHATokenToKVPool",
            "MLATokenToKVPool", "ReqToTokenPool", "TorchReferenceBackend", "TritonBackend", "num_mask_words",
            "pack_tree_mask", "tree_mask_to_flashinfer", "unpack_tree_mask", "available_backends",
-           "create_backend"]
+           "create_backend", "RoutedBackend"]

@@ -43,13 +43,22 @@ class AttentionBackend(ABC):
     Args:
         req_to_token_pool: :class:`~specattn.backends.pools.ReqToTokenPool`.
         kv_pool: :class:`~specattn.backends.pools.MHATokenToKVPool` or ``MLATokenToKVPool``.
+        topk: the drafter's top-k when known, a promise about every TARGET_VERIFY this
+            instance will run: ``1`` means chain drafts (backends with a faster or only a
+            causal verify use it, e.g. FlashInfer / FlashMLA on MLA); ``None`` (default):
+            any tree.  Every backend accepts it, so a runtime can pass it to any of them.
+    Raises:
+        ValueError: ``topk`` not a positive int or None.
     """
 
     name = "base"
 
-    def __init__(self, req_to_token_pool, kv_pool):
+    def __init__(self, req_to_token_pool, kv_pool, *, topk: Optional[int] = None):
+        if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+            raise ValueError(f"topk must be a positive int or None, got {topk!r}")
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
+        self.topk = topk
         self.kind = AttentionKind.MLA if hasattr(kv_pool, "kv_lora_rank") else AttentionKind.MHA
         self.forward_metadata = None
 

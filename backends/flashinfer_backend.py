@@ -336,12 +336,9 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, req_to_token_pool, kv_pool, *, topk: Optional[int] = None,
                  workspace_bytes: int = WORKSPACE_BYTES, prefill_backend: str = "fa2",
                  mla_backend: str = "auto"):
-        super().__init__(req_to_token_pool, kv_pool)
-        if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
-            raise ValueError(f"topk must be a positive int or None, got {topk!r}")
+        super().__init__(req_to_token_pool, kv_pool, topk=topk)
         _check_pools(req_to_token_pool, kv_pool, self.kind)
         self._fi = _import_flashinfer()
-        self.topk = topk
         if topk == 1:  # this instance can promise chains: its supports() answers for them
             self.supports = functools.partial(type(self).supports, topk=1)
         self.page_size = kv_pool.page_size

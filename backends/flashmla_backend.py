@@ -161,14 +161,11 @@ class FlashMLABackend(AttentionBackend):
 
     def __init__(self, req_to_token_pool, kv_pool, *, topk: Optional[int] = None,
                  triton_kwargs: Optional[dict] = None):
-        super().__init__(req_to_token_pool, kv_pool)
-        if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
-            raise ValueError(f"topk must be a positive int or None, got {topk!r}")
+        super().__init__(req_to_token_pool, kv_pool, topk=topk)
         _check_pools(req_to_token_pool, kv_pool, self.kind)
         self._fm = _import_flash_mla()
         if not self._fm.has_legacy():
             raise ImportError("this sgl-flash-mla build has no legacy (SM90 dense) kernels")
-        self.topk = topk
         self.supports = functools.partial(type(self).supports, topk=topk)
         self._triton_kwargs = dict(triton_kwargs or {})
         self._inner_backend = None

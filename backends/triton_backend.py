@@ -168,15 +168,19 @@ class TritonBackend(AttentionBackend):
             divides ``page_size`` (measured figures use this).  Pass False for rows built
             otherwise (e.g. scratch rows copied from other requests with ``page_size > 1``):
             the kernels then gather every key's slot.  The MHA kernel always gathers per key.
+        topk: accepted for the contract (:class:`~specattn.backends.base.AttentionBackend`);
+            the Triton kernels run any tree, so it changes nothing here.
     Raises:
-        ValueError: a bad ``num_kv_splits``, ``kernel_config`` key or value, or MLA dims.
+        ValueError: a bad ``num_kv_splits``, ``kernel_config`` key or value, MLA dims, or
+            ``topk``.
     """
 
     name = "triton"
 
     def __init__(self, req_to_token_pool, kv_pool, num_kv_splits: Optional[int] = None,
-                 kernel_config: Optional[dict] = None, page_aligned: bool = True):
-        super().__init__(req_to_token_pool, kv_pool)
+                 kernel_config: Optional[dict] = None, page_aligned: bool = True,
+                 topk: Optional[int] = None):
+        super().__init__(req_to_token_pool, kv_pool, topk=topk)
         self.page_aligned = bool(page_aligned)
         if num_kv_splits is not None and not 1 <= num_kv_splits <= 64:
             raise ValueError(f"num_kv_splits must be in [1, 64], got {num_kv_splits}")

@@ -16,13 +16,21 @@ whose target KV is not yet written; the drafter already holds ``root``'s KV and 
 7. commit ``P += accept_length + 1``, free the rest of the round's slots.
 
 Each request keeps one ``req_to_token`` row; its KV slots are the same indices in the target's
-and the drafter's pools.  Page size is 1 here (backends support larger pages).
+and the drafter's pools.  Pages (``page_size``, 1 by default): a request's positions fill its
+pages in order (position ``p`` at offset ``p % page_size``, ``KVAllocator.alloc_extend``), and a
+round frees only the pages wholly past the new root.  EAGLE beams (scratch rows) share the
+prefix's full pages; the page holding a beam's draft position is private to the beam, a fresh
+page with the source beam's drafter KV copied in (one ``move_kv_cache`` for all drafter
+layers per step), as SGLang copies the last partial page per beam when ``topk > 1``.
 
 Backends: the target and the drafter each get their own instance of the one named backend
-(``create_backend``).  Nothing here is specific to a backend: at construction the engine asks
-``backend.supports(mode, graph=False, kind=...)`` for every mode its algorithm runs on each
-model (:meth:`Engine.required_modes`) and raises ``UnsupportedError`` naming what is missing;
-with ``cuda_graph=True`` it captures only the modes whose backend answers
+(``create_backend``, told the drafts' ``topk``: 1 for chains).  Nothing here is specific to a
+backend: at construction the engine asks ``backend.supports(mode, graph=False, kind=...)`` for
+every mode its algorithm runs on each model (:meth:`Engine.required_modes`); a mode the
+backend lacks goes to the ``triton`` backend over the same pools when that one supports it
+(:class:`~specattn.backends.RoutedBackend`, listed in :attr:`Engine.mode_routed`; e.g.
+FlashInfer's missing MLA tree verify), else construction raises ``UnsupportedError`` naming
+what is missing.  With ``cuda_graph=True`` it captures only the modes whose backend answers
 ``supports(mode, graph=True, ...)`` and runs the others eagerly (listed in
 :attr:`Engine.eager_routed`).
 """
@@ -35,8 +43,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from specattn import ops
-from specattn.backends import (ForwardBatch, ForwardMode, KVAllocator, ReqToTokenPool, UnsupportedError,
-                               create_backend)
+from specattn.backends import (ForwardBatch, ForwardMode, KVAllocator, ReqToTokenPool, RoutedBackend,
+                               UnsupportedError, create_backend)
 
 from . import dflash
 from .model import LlamaModel
@@ -115,6 +123,8 @@ class Engine:
         spec: :class:`SpecConfig`.
         backend: attention backend name (``specattn.backends.create_backend``).
         max_batch, max_context: capacity (requests at once, tokens per request).
+        page_size: KV page size of both pools (``max_context`` a multiple of it); e.g. 64 for
+            FlashMLA.
         eos_token_ids: generation stops after emitting one of these.
         draft_model: EAGLE only: a separate drafter (same interface and vocabulary as the
             target, e.g. a small checkpoint loaded the same way) instead of the target's first
@@ -129,9 +139,11 @@ class Engine:
         graph_modes: ``"target:DECODE"``-style names of the captured (model, mode) pairs.
         eager_routed: the same for modes run eagerly under ``cuda_graph=True`` because their
             backend cannot capture them.
+        mode_routed: ``"target:TARGET_VERIFY->triton"``-style names of the modes the named
+            backend lacks, run by the ``triton`` backend over the same pools.
 
     Raises:
-        ValueError: bad ``spec``, ``draft_model`` or ``cuda_graph`` off CUDA.
+        ValueError: bad ``spec``, ``draft_model``, ``page_size`` or ``cuda_graph`` off CUDA.
         KeyError, ImportError: from ``create_backend`` (unknown / unavailable backend).
         UnsupportedError: the backend does not support (eagerly) a mode the algorithm needs
             for the model's attention kind; the message names every missing (model, mode).
@@ -140,20 +152,28 @@ class Engine:
     def __init__(self, config, weights: Optional[Dict[str, torch.Tensor]] = None, *, spec: SpecConfig = None,
                  backend: str = "torch_reference", device="cpu", dtype=torch.float32,
                  max_batch: int = 8, max_context: int = 1024, eos_token_ids: Sequence[int] = (),
-                 cuda_graph: bool = False, draft_model=None):
+                 cuda_graph: bool = False, draft_model=None, page_size: int = 1):
         self.spec = spec or SpecConfig()
         self.spec.validate()
+        if page_size < 1 or max_context % page_size:
+            raise ValueError(f"max_context ({max_context}) must be a multiple of page_size ({page_size})")
         self.eos = set(eos_token_ids)
         self.target = LlamaModel(config, weights, device, dtype) if weights is not None else config
         self.device, self.dtype = self.target.device, self.target.dtype
         k = self.spec.topk if self.spec.algo == "eagle" else 0
-        self.max_context = max_context
+        self.max_context, self.page_size = max_context, page_size
         self.req_pool = ReqToTokenPool(max_batch * (1 + 2 * k), max_context, device)
-        size = max_batch * max_context + max_batch * max(1, k) * self.spec.num_steps
-        self.alloc = KVAllocator(size, 1, device)
+        # every request's pages + one private page per beam and draft step
+        size = page_size * (max_batch * (max_context // page_size) + max_batch * max(1, k) * self.spec.num_steps)
+        self.alloc = KVAllocator(size, page_size, device)
+        self.mode_routed: List[str] = []
+        roles = {}
+        for role, mode in self.required_modes():
+            roles.setdefault(role, []).append(mode)
 
-        self.target_pool = self.target.make_kv_pool(size)
-        self.target_backend = create_backend(backend, self.req_pool, self.target_pool)
+        self.target_pool = self.target.make_kv_pool(size, page_size)
+        topk = self.spec.topk if self.spec.algo == "eagle" else 1  # DFlash verifies a chain
+        self.target_backend = self._make_backend(backend, "target", self.target_pool, roles["target"], topk)
         if self.spec.algo == "eagle":
             if draft_model is not None:
                 if draft_model.vocab_size != self.target.vocab_size or draft_model.device != self.device:
@@ -162,12 +182,13 @@ class Engine:
             else:
                 n = self.spec.draft_layers or max(1, 3 * self.target.num_layers // 4)
                 self.draft = self.target.with_layers(n)
-            self.draft_pool = self.draft.make_kv_pool(size)
-            self.draft_backend = create_backend(backend, self.req_pool, self.draft_pool)
+            self.draft_pool = self.draft.make_kv_pool(size, page_size)
+            self.draft_backend = self._make_backend(backend, "draft", self.draft_pool, roles["draft"], topk)
         elif self.spec.algo == "dflash":  # block drafter whose context KV comes from target hidden states
             self.draft = dflash.DFlashDrafter(self.target, self.spec.draft_layers or 2, max_positions=max_context)
-            self.draft_pool = self.draft.make_kv_pool(size)
-            self.draft_backend = create_backend(backend, self.req_pool, self.draft_pool)
+            self.draft_pool = self.draft.make_kv_pool(size, page_size)
+            # its block forward is a TARGET_VERIFY with an all-ones (non-causal) mask: no chain promise
+            self.draft_backend = self._make_backend(backend, "draft", self.draft_pool, roles["draft"], None)
         self._check_support()
         self.num_forward_target = 0
         self.runners = {}
@@ -197,6 +218,23 @@ class Engine:
         elif sp.algo == "dflash":
             out.append(("draft", ForwardMode.TARGET_VERIFY))
         return out
+
+    def _make_backend(self, name: str, role: str, pool, modes, topk: Optional[int]):
+        """Backend ``name`` over ``pool``; the modes it lacks (eagerly) go to ``triton`` over the
+        same pools when triton runs them (recorded in :attr:`mode_routed`)."""
+        backend = create_backend(name, self.req_pool, pool, topk=topk)
+        missing = [m for m in modes if not backend.supports(m, graph=False, kind=backend.kind)]
+        if not missing or name == "triton":
+            return backend
+        try:
+            fallback = create_backend("triton", self.req_pool, pool, topk=topk)
+        except (ImportError, UnsupportedError):
+            return backend  # _check_support names what is missing
+        routes = {m: fallback for m in missing if fallback.supports(m, graph=False, kind=fallback.kind)}
+        if not routes:
+            return backend
+        self.mode_routed += [f"{role}:{m.name}->{fallback.name}" for m in routes]
+        return RoutedBackend(backend, routes)
 
     def _backend_of(self, role: str):
         return self.target_backend if role == "target" else self.draft_backend
@@ -275,10 +313,43 @@ class Engine:
         self.req_pool.free([req.row])
 
     def _alloc(self, n: int) -> torch.Tensor:
+        """``n`` slots filling fresh pages in order."""
         slots = self.alloc.alloc(n)
         if slots is None:
             raise RuntimeError(f"out of KV slots: need {n}, have {self.alloc.available_size()}")
         return slots
+
+    def _grow(self, reqs: List[Request], n: int) -> torch.Tensor:
+        """Slots for positions ``P+1 .. P+n`` of each request, continuing in the page of
+        position ``P`` (int64 ``[len(reqs), n]``; one host read of the last slots)."""
+        last = [-1] * len(reqs)
+        if self.page_size > 1:
+            rows, P = self._tensor([r.row for r in reqs]), self._tensor([r.P for r in reqs])
+            last = self.req_pool.req_to_token[rows, P].tolist()
+        slots = self.alloc.alloc_extend([r.P + 1 for r in reqs], [n] * len(reqs), last)
+        if slots is None:
+            raise RuntimeError(f"out of KV slots: need {n} per request, have {self.alloc.available_size()}")
+        return slots.view(len(reqs), n)
+
+    def _beam_slots(self, rows: torch.Tensor, src_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Scratch beam rows ``rows`` (copies of ``src_rows``) get a slot at position ``pos``
+        each.  Pages > 1: the page holding ``pos`` becomes a fresh page per beam, with the
+        drafter KV of the source's page copied in (its positions before ``pos``: prefix,
+        root, ancestors), so the beams never write into a shared page.  Returns the slots
+        (int64 ``[n]``) and every slot to free after drafting."""
+        rtt, n, ps = self.req_pool.req_to_token, rows.numel(), self.page_size
+        if ps == 1:
+            slots = self._alloc(n)
+            rtt[rows, pos] = slots.to(rtt.dtype)
+            return slots, slots
+        pages = self._alloc(n * ps).view(n, ps)                 # one fresh page per beam
+        start = pos // ps * ps
+        offs = torch.arange(ps, device=self.device)
+        src_page = rtt[src_rows, start].long() // ps * ps      # pos == start: nothing to copy
+        self.draft_pool.move_kv_cache(pages.flatten(), (src_page[:, None] + offs).flatten(),
+                                      check_values=False)
+        rtt[rows[:, None], start[:, None] + offs] = pages.to(rtt.dtype)
+        return pages.gather(1, (pos - start)[:, None]).squeeze(1), pages.flatten()
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, reqs: List[Request], params: SamplingParams) -> None:
@@ -286,8 +357,12 @@ class Engine:
         if rows is None:
             raise RuntimeError("more requests than max_batch")
         lens = [len(r.prompt) for r in reqs]
-        # each request gets its prompt's slots plus the root's slot (position P)
-        slots = self._alloc(sum(lens) + len(reqs)).split([n + 1 for n in lens])
+        # each request gets its prompt's slots plus the root's slot (position P), in its own pages
+        slots = self.alloc.alloc_extend([0] * len(reqs), [n + 1 for n in lens], [-1] * len(reqs))
+        if slots is None:
+            raise RuntimeError(f"out of KV slots: need {sum(lens) + len(reqs)} in whole pages, "
+                               f"have {self.alloc.available_size()}")
+        slots = slots.split([n + 1 for n in lens])
         for r, row, s in zip(reqs, rows, slots):
             r.row, r.P = row, len(r.prompt)
             self.req_pool.write(row, 0, s)
@@ -321,7 +396,7 @@ class Engine:
         logits = self._run(self.target, self.target_backend, self._tensor([r.root for r in reqs]), batch)
         self.num_forward_target += 1
         nxt = sample(logits, params, self.generator).tolist()
-        new = self._alloc(len(reqs))
+        new = self._grow(reqs, 1)[:, 0]
         for r, t, s in zip(reqs, nxt, new):
             r.P += 1
             self.req_pool.write(r.row, r.P, s[None])
@@ -348,10 +423,10 @@ class Engine:
         for s in range(1, S):
             cur = bufs[s % 2]
             rtt[cur.flatten()] = rtt[src_rows.flatten()]               # prefix + root + ancestors
-            slots = self._alloc(bs * K)
-            scratch.append(slots)
-            rtt[cur.flatten(), (P + s).repeat_interleave(K)] = slots.to(rtt.dtype)
-            batch = ForwardBatch.decode(cur.flatten(), (P + s).repeat_interleave(K), slots, device=dev)
+            pos = (P + s).repeat_interleave(K)
+            slots, owned = self._beam_slots(cur.flatten(), src_rows.flatten(), pos)
+            scratch.append(owned)
+            batch = ForwardBatch.decode(cur.flatten(), pos, slots, device=dev)
             logits = self._run(self.draft, self.draft_backend, beam_tokens.flatten(), batch)
             lp = torch.log_softmax(logits, -1).view(bs, K, -1)
             child_scores, child_tokens = lp.topk(K, dim=-1)             # [bs, K, K]
@@ -400,7 +475,7 @@ class Engine:
         """Allocate ``n`` slots per request for positions ``P+1 .. P+n`` (position ``P``, the
         root's, is held already).  Returns ``(rows int64 [bs], P int64 [bs], out_cache_loc
         int64 [bs*n])``: the slots of positions ``P .. P+n-1``, where the verify writes."""
-        new = self._alloc(len(reqs) * n).view(len(reqs), n)
+        new = self._grow(reqs, n)
         for i, r in enumerate(reqs):
             self.req_pool.write(r.row, r.P + 1, new[i])
         rows, P = self._tensor([r.row for r in reqs]), self._tensor([r.P for r in reqs])
@@ -429,9 +504,9 @@ class Engine:
     def _commit_round(self, reqs: List[Request], path: torch.Tensor, n_acc: torch.Tensor, n: int,
                       params: SamplingParams) -> None:
         """Emit each request's accepted drafts + bonus (``path [bs, n]``, compacted), commit
-        ``P += accept_length + 1``, make the bonus the new root and free the round's slots
-        past the new root's."""
-        rtt = self.req_pool.req_to_token
+        ``P += accept_length + 1``, make the bonus the new root and free the round's pages
+        wholly past the new root's position."""
+        rtt, ps = self.req_pool.req_to_token, self.page_size
         for i, r in enumerate(reqs):
             a = int(n_acc[i])
             r.accept_lengths.append(a)
@@ -439,7 +514,9 @@ class Engine:
             r.root = int(path[i, a])
             old_end = r.P + n
             r.P += a + 1
-            self.alloc.free(rtt[r.row, r.P + 1:old_end + 1])
+            keep = -(-(r.P + 1) // ps) * ps           # positions < keep share the root's pages
+            if keep <= old_end:
+                self.alloc.free(rtt[r.row, keep:old_end + 1])
 
     # ------------------------------------------------------------------ driver
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = None,

@@ -1,0 +1,132 @@
+"""The engine with KV pages larger than one token (``Engine(page_size=...)``), on the test
+run's ``--backend`` (CPU: the reference backend, or Triton's interpreter):
+
+- page layout: every forward's ``req_to_token`` rows put position ``p`` at offset
+  ``p % page_size`` of one page per ``page_size`` positions (what FlashMLA's block table and
+  the Triton MLA kernel's one-slot-per-tile path read), for the requests AND the EAGLE beams;
+- the same tokens AND the same accept lengths as with one-token pages, float32: the drafter's
+  KV is unchanged by paging (beams with ``topk > 1`` each write a private copy of the page
+  holding their draft position; a shared page would corrupt the other beams' drafts, which
+  verification hides in the tokens but not in the accept lengths);
+- no page leaks: every page is back in the allocator after ``generate``;
+- EAGLE chains and trees, DFlash, the MLA model; prompts crossing page boundaries.
+"""
+import random
+
+import pytest
+import torch
+
+from runtime_backend import make_engine
+from specattn.backends import ForwardMode
+from specattn.spec_runtime import engine as engine_mod
+from specattn.spec_runtime.engine import Engine, SpecConfig
+from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, write_random_hf_dir
+from specattn.spec_runtime.mla_model import MLAConfig, MLAModel
+from specattn.spec_runtime.sampling import SamplingParams
+
+V = 96
+
+
+@pytest.fixture
+def tiny(tmp_path, seed):
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=True, eos_token_ids=[])
+    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed % 100000))
+    rng = random.Random(seed)
+    # lengths straddling page boundaries of 4 and 8: 3, 4, 5, 8, 9 .. 14
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in rng.sample([3, 4, 5, 8, 9, 14], 3)]
+    return cfg, w, prompts
+
+
+def watch_layout(monkeypatch, page_size):
+    """Check every forward's rows against the page layout; returns the list of modes seen."""
+    seen = []
+    real = Engine._run
+
+    def run(self, model, backend, tokens, batch):
+        rtt = self.req_pool.req_to_token
+        span = int((batch.seq_lens + batch.extend_lens).max()) if batch.batch_size else 0
+        if span:
+            rows = rtt[batch.req_pool_indices.long(), :span].long()
+            pos = torch.arange(span, device=rows.device)
+            first = rows[:, pos - pos % page_size]                  # slot of each page's first position
+            mask = pos[None, :] < (batch.seq_lens + batch.extend_lens).long()[:, None]
+            assert torch.equal((rows - first)[mask], (pos % page_size).expand_as(rows)[mask]), \
+                f"{batch.forward_mode.name}: a row breaks the page layout"
+            assert torch.equal((first % page_size)[mask], torch.zeros_like(first)[mask])
+        seen.append(batch.forward_mode)
+        return real(self, model, backend, tokens, batch)
+
+    monkeypatch.setattr(Engine, "_run", run)
+    return seen
+
+
+def generate_pair(backend_name, model_args, spec, prompts, page_size, monkeypatch, **kw):
+    p = SamplingParams(max_new_tokens=20)
+    base = make_engine(backend_name, *model_args, spec=spec, max_context=64, **kw).generate(prompts, p)
+    seen = watch_layout(monkeypatch, page_size)
+    eng = make_engine(backend_name, *model_args, spec=spec, max_context=64, page_size=page_size, **kw)
+    free = eng.alloc.available_size()
+    res = eng.generate(prompts, p)
+    assert eng.alloc.page_size == page_size and eng.target_pool.page_size == page_size
+    assert eng.alloc.available_size() == free, "pages leaked"
+    assert eng.req_pool.available_size() == eng.req_pool.size
+    return base, res, seen
+
+
+@pytest.mark.parametrize("page_size", [4, 8])
+@pytest.mark.parametrize("spec", [SpecConfig("none"), SpecConfig("eagle", 1, 3, 4, 2),
+                                  SpecConfig("eagle", 3, 3, 8, 3), SpecConfig("eagle", 4, 4, 12, 3)],
+                         ids=["none", "chain", "tree", "wide-tree"])
+def test_paged_equals_unpaged(tiny, spec, page_size, backend_name, monkeypatch):
+    cfg, w, prompts = tiny
+    base, res, seen = generate_pair(backend_name, (cfg, dict(w)), spec, prompts, page_size, monkeypatch)
+    assert res.tokens == base.tokens
+    assert res.accept_lengths == base.accept_lengths
+    if spec.algo == "eagle" and spec.num_steps > 1:
+        assert ForwardMode.DECODE in seen  # the beams' draft steps were checked too
+
+
+def test_paged_dflash(tiny, backend_name, monkeypatch):
+    cfg, w, prompts = tiny
+    base, res, _ = generate_pair(backend_name, (cfg, dict(w)), SpecConfig("dflash", block_size=6),
+                                 prompts, 8, monkeypatch)
+    assert res.tokens == base.tokens and res.accept_lengths == base.accept_lengths
+
+
+def test_paged_mla(seed, backend_name, monkeypatch):
+    model = MLAModel(MLAConfig(vocab_size=128), seed=seed)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 14))] for _ in range(3)]
+    base, res, _ = generate_pair(backend_name, (model,), SpecConfig("eagle", 2, 3, 6, 2), prompts, 8,
+                                 monkeypatch)
+    assert res.tokens == base.tokens and res.accept_lengths == base.accept_lengths
+
+
+def test_shared_beam_page_is_caught(tiny, monkeypatch):
+    """The accept-length comparison has teeth: beams writing one shared page (no private
+    copy) change the drafts."""
+    cfg, w, prompts = tiny
+    spec = SpecConfig("eagle", 3, 3, 8, 3)
+    p = SamplingParams(max_new_tokens=20)
+    base = Engine(cfg, dict(w), spec=spec, max_context=64).generate(prompts, p)
+
+    def shared(self, rows, src_rows, pos):  # every beam of a request writes its source's page
+        rtt = self.req_pool.req_to_token
+        slots = rtt[src_rows, pos - pos % self.page_size].long() + pos % self.page_size
+        rtt[rows, pos] = slots.to(rtt.dtype)
+        return slots, slots[:0]
+
+    monkeypatch.setattr(engine_mod.Engine, "_beam_slots", shared)
+    bad = Engine(cfg, dict(w), spec=spec, max_context=64, page_size=8).generate(prompts, p)
+    assert bad.tokens == base.tokens          # verification keeps the output lossless ...
+    assert bad.accept_lengths != base.accept_lengths   # ... but the drafts were corrupted
+
+
+def test_page_size_must_divide_max_context(tiny):
+    cfg, w, _ = tiny
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        Engine(cfg, dict(w), max_context=60, page_size=8)
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        Engine(cfg, dict(w), max_context=64, page_size=0)
