@@ -331,9 +331,10 @@ class TritonBackend(AttentionBackend):
                                        md.max_q, layer.scaling, layer.kv_lora_rank,
                                        num_splits=splits,
                                        page_size=self.kv_pool.page_size if self.page_aligned else 1,
-                                       **self.kernel_config)
+                                       check_bounds=False, **self.kernel_config)
         from specattn.triton_kernels.attention import paged_attention
         return paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id),
                                self.kv_pool.get_value_buffer(layer.layer_id), rtt,
                                md.req_pool_indices, md.seq_lens, md.qo_indptr, md.tree_mask,
-                               md.max_q, layer.scaling, num_splits=splits, **self.kernel_config)
+                               md.max_q, layer.scaling, num_splits=splits, check_bounds=False,
+                               **self.kernel_config)

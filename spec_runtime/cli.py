@@ -47,17 +47,22 @@ def _draft(path: Optional[str], device: str, dtype: torch.dtype):
 
 
 def engine_for(cfg, w, ids: List[List[int]], spec, *, backend: str, device: str, dtype: torch.dtype,
-               max_new_tokens: int, cuda_graph: Optional[bool] = None, draft_model=None):
+               max_new_tokens: int, cuda_graph: Optional[bool] = None, draft_model=None,
+               page_size: int = 1):
     """The engine ``specattn generate`` runs: one batch of all ``ids`` (``max_batch = len(ids)``),
-    ``max_context`` = longest prompt + ``max_new_tokens`` + one round's tokens + 8, CUDA graphs
-    by default on cuda devices.  Raises what :class:`~specattn.spec_runtime.engine.Engine` raises."""
+    ``max_context`` = longest prompt + ``max_new_tokens`` + one round's tokens + 8, rounded up to
+    a multiple of ``page_size``; CUDA graphs by default on cuda devices.  Raises what
+    :class:`~specattn.spec_runtime.engine.Engine` raises."""
     from .engine import Engine
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
     per_round = spec.block_size if spec.algo == "dflash" else spec.num_draft_tokens
+    need = max(map(len, ids)) + max_new_tokens + per_round + 8
     return Engine(cfg, w, spec=spec, backend=backend, device=device, dtype=dtype,
-                  max_batch=len(ids), max_context=max(map(len, ids)) + max_new_tokens + per_round + 8,
+                  max_batch=len(ids), max_context=-(-need // page_size) * page_size,
                   eos_token_ids=cfg.eos_token_ids,
                   cuda_graph=str(device).startswith("cuda") if cuda_graph is None else cuda_graph,
-                  draft_model=draft_model)
+                  draft_model=draft_model, page_size=page_size)
 
 
 def measured_generate(eng, ids: List[List[int]], params, warmup: bool, progress=None):
@@ -85,8 +90,9 @@ def report_dict(eng, res, warm_s, *, texts: List[str], tok, algo: str, backend: 
     """The ``--json`` report of one measured run (``res``, a ``GenerateResult``; ``warm_s``
     from :func:`measured_generate`).  ``tokens_per_s`` = generated tokens / measured seconds
     (warm-up excluded); ``mean_accept_length`` = tokens per target verify (1.0 without spec);
-    ``target_backend``/``draft_backend``: the backend objects' names; ``graph_modes`` /
-    ``eager_routed``: see :class:`~specattn.spec_runtime.engine.Engine`."""
+    ``target_backend``/``draft_backend``: the backend objects' names (``flashinfer+triton``
+    when modes were routed); ``graph_modes`` / ``eager_routed`` / ``mode_routed``, ``page_size``:
+    see :class:`~specattn.spec_runtime.engine.Engine`."""
     hist = collections.Counter(a for per in res.accept_lengths for a in per)
     draft_backend = getattr(eng, "draft_backend", None)
     return {"algo": algo, "backend": backend, "target_backend": eng.target_backend.name,
@@ -94,7 +100,8 @@ def report_dict(eng, res, warm_s, *, texts: List[str], tok, algo: str, backend: 
             "device": str(eng.device), "dtype": dtype,
             "device_name": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu",
             "cuda_graph": bool(eng.runners), "graph_modes": list(eng.graph_modes),
-            "eager_routed": list(eng.eager_routed),
+            "eager_routed": list(eng.eager_routed), "mode_routed": list(eng.mode_routed),
+            "page_size": eng.page_size,
             "warmup": warm_s is not None, "warmup_seconds": warm_s,
             "draft_layers": eng.draft.num_layers if algo in ("eagle", "dflash") else None,
             "topk": topk, "num_steps": num_steps, "num_draft_tokens": num_draft_tokens,
@@ -118,6 +125,7 @@ def generate(
     draft_layers: Optional[int] = typer.Option(None, help="Drafter layers (EAGLE default 3/4 of the target; DFlash 2)."),
     block_size: int = typer.Option(16, help="DFlash block: root + block_size - 1 drafts per round."),
     backend: str = typer.Option("torch_reference", help="Attention backend."),
+    page_size: int = typer.Option(1, min=1, help="KV page size (FlashMLA: 64)."),
     device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
     max_new_tokens: int = typer.Option(64, min=1),
@@ -151,7 +159,7 @@ def generate(
     try:
         eng = engine_for(cfg, w, ids, spec, backend=backend, device=device, dtype=DTYPES[dtype],
                          max_new_tokens=max_new_tokens, cuda_graph=cuda_graph,
-                         draft_model=_draft(draft_model, device, DTYPES[dtype]))
+                         draft_model=_draft(draft_model, device, DTYPES[dtype]), page_size=page_size)
     except (ValueError, ImportError, KeyError, NotImplementedError) as e:  # NotImplementedError: UnsupportedError
         raise typer.BadParameter(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
     params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)

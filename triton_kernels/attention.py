@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import is_pow2, next_pow2, on_tensor_device
+from ._util import check_paged_metadata, is_pow2, next_pow2, on_tensor_device
 
 __all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_config",
            "MHA_CONFIG_KEYS"]
@@ -231,22 +231,30 @@ def _attn_fwd_kernel(
 def _merge_kernel(O_PART, LSE_PART, O, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                   stride_ot, stride_oh, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
                   NUM_SPLITS: tl.constexpr):
-    """Grid ``(T, H)``: combine the ``NUM_SPLITS`` partial outputs of one (token, head)."""
+    """Grid ``(T, H)``: combine the ``NUM_SPLITS`` partial outputs of one (token, head).
+    The split offsets advance the (64-bit) pointers by one stride per split: no 32-bit
+    ``split * stride`` product that could overflow on a large ``T``."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_DV)
     ok = offs < V_DIM
     lse_max = float("-inf")
+    lse_ptr = LSE_PART + t * stride_lt + h
     for s in tl.static_range(NUM_SPLITS):
-        lse_max = tl.maximum(lse_max, tl.load(LSE_PART + s * stride_ls + t * stride_lt + h))
+        lse_max = tl.maximum(lse_max, tl.load(lse_ptr))
+        lse_ptr += stride_ls
     base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     acc = tl.zeros([BLOCK_DV], tl.float32)
     wsum = 0.0
+    lse_ptr = LSE_PART + t * stride_lt + h
+    o_ptr = O_PART + t * stride_pt + h * stride_ph + offs
     for s in tl.static_range(NUM_SPLITS):
-        w = tl.math.exp2(tl.load(LSE_PART + s * stride_ls + t * stride_lt + h) - base)
-        o = tl.load(O_PART + s * stride_ps + t * stride_pt + h * stride_ph + offs, mask=ok, other=0.0)
+        w = tl.math.exp2(tl.load(lse_ptr) - base)
+        o = tl.load(o_ptr, mask=ok, other=0.0)
         acc += w * o
         wsum += w
+        lse_ptr += stride_ls
+        o_ptr += stride_ps
     out = tl.where(wsum > 0.0, acc / tl.where(wsum > 0.0, wsum, 1.0), 0.0)
     tl.store(O + t * stride_ot + h * stride_oh + offs, out.to(O.dtype.element_ty), mask=ok)
 
@@ -299,7 +307,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     num_splits: int = 1, out: Optional[torch.Tensor] = None, *,
                     block_m: Optional[int] = None, block_n: Optional[int] = None,
                     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                    off32: Optional[bool] = None) -> torch.Tensor:
+                    off32: Optional[bool] = None, check_bounds: bool = True) -> torch.Tensor:
     """Attention of ``q`` over the paged cache (module docstring: semantics, layout).
 
     Args:
@@ -312,10 +320,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qo_indptr: int32 ``[bs + 1]`` (token offsets of each request's ``n`` new tokens).
         tree_mask: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY: tree visibility among the
             new tokens) or None (causal).
-        max_q: static upper bound of ``n`` over the batch (sizes the grid).  It is a
-            contract, not checked here (checking would sync with the host): the backend passes
-            ``num_tokens_per_req`` (fixed per mode and graph) or the eager batch's true maximum;
-            rows past ``max_q`` would be left unwritten.
+        max_q: static upper bound of ``n`` over the batch (sizes the grid): the backend
+            passes ``num_tokens_per_req`` (fixed per mode and graph) or the eager batch's true
+            maximum.  Checked with ``check_bounds``.
         sm_scale: multiplies ``q . k`` before the softmax.
         num_splits: split-KV factor over the prefix (1: single pass).
         out: optional ``[T, H, Dv]`` output (dtype of ``q`` unless given).
@@ -324,13 +331,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             :func:`default_config`.
         off32: int32 slot address offsets (None: whenever every cache element offset fits
             in 31 bits; False forces int64, True is ignored when they do not fit).
+        check_bounds: check every index the kernel follows before launching (one host read,
+            skipped during CUDA-graph capture; see
+            :func:`~specattn.triton_kernels._util.check_paged_metadata`).  Backends that
+            validated the batch pass False.
     Returns:
         ``[T, H, Dv]`` in ``q.dtype`` (or ``out``).  With ``num_splits == 1`` rows of no
         request are left untouched; with splits the merge writes all ``T`` rows, so every row
         must belong to a request (``qo_indptr[-1] == T``, as every ForwardBatch has).
     Raises:
         ValueError: inconsistent shapes, dtypes or devices; a ``tree_mask`` smaller than
-            ``[bs, max_q, ceil(max_q/32)]``.
+            ``[bs, max_q, ceil(max_q/32)]``; with ``check_bounds``, an index out of range
+            (a request with more than ``max_q`` new tokens, rows or slots outside the tables).
     """
     T, H, Dqk = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
@@ -341,23 +353,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("k_cache and v_cache must share a dtype")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("q, caches and req_to_token need a contiguous last dim")
-    if tree_mask is not None and (tree_mask.dtype != torch.int32 or tree_mask.stride(2) != 1):
-        raise ValueError("tree_mask must be int32 with a contiguous last dim")
-    if tree_mask is not None and (tree_mask.dim() != 3 or tree_mask.shape[0] < bs
-                                  or tree_mask.shape[1] < max_q
-                                  or tree_mask.shape[2] < (max_q + 31) // 32):
-        raise ValueError(f"tree_mask must be [>= {bs}, >= {max_q}, >= {(max_q + 31) // 32}] "
-                         f"int32 words for max_q = {max_q}, got {list(tree_mask.shape)}")
-    for name, t, dt in (("req_pool_indices", req_pool_indices, torch.int64),
-                        ("seq_lens", seq_lens, torch.int32), ("qo_indptr", qo_indptr, torch.int32),
-                        ("req_to_token", req_to_token, torch.int32)):
-        if t.dtype != dt or t.device != q.device:
-            raise ValueError(f"{name} must be {dt} on {q.device}, got {t.dtype} on {t.device}")
-    if qo_indptr.shape != (bs + 1,) or seq_lens.shape != (bs,):
-        raise ValueError(f"qo_indptr must be [{bs + 1}] and seq_lens [{bs}], got "
-                         f"{list(qo_indptr.shape)} / {list(seq_lens.shape)}")
-    if num_splits < 1:
-        raise ValueError("num_splits must be >= 1")
+    check_paged_metadata(q, req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask, max_q,
+                         num_splits, k_cache.shape[0], check_bounds)
     G = H // Hkv
     if out is None:
         out = torch.empty(T, H, Dv, dtype=q.dtype, device=q.device)

@@ -103,7 +103,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import is_pow2, on_tensor_device
+from ._util import check_paged_metadata, is_pow2, on_tensor_device
 from .attention import _merge_kernel, check_kernel_config
 
 __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
@@ -302,7 +302,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
                         block_m: Optional[int] = None,
                         block_n: Optional[int] = None, block_dv: Optional[int] = None,
                         num_warps: Optional[int] = None,
-                        num_stages: Optional[int] = None) -> torch.Tensor:
+                        num_stages: Optional[int] = None, check_bounds: bool = True) -> torch.Tensor:
     """Absorbed-MLA attention of ``q`` over the paged latent cache (module docstring).
 
     Args:
@@ -315,8 +315,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         req_pool_indices: int64 ``[bs]``; seq_lens: int32 ``[bs]`` (``P``, committed keys);
         qo_indptr: int32 ``[bs + 1]`` (token offsets of each request's ``n`` new tokens).
         tree_mask: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or None (causal).
-        max_q: static upper bound of ``n`` over the batch (sizes the grid; a contract, not
-            checked: rows past it are left unwritten).
+        max_q: static upper bound of ``n`` over the batch (sizes the grid; checked with
+            ``check_bounds``).
         sm_scale: multiplies ``q . k`` before the softmax.
         kv_lora_rank: ``r``, the value width; ``qk_rope_head_dim = q.shape[2] - r``.  Both
             must be powers of two >= 16.
@@ -331,13 +331,17 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         block_m, block_n, block_dv, num_warps, num_stages: kernel config overrides (powers of
             two; ``block_m``/``block_n`` >= 16; ``block_dv`` = ``r`` or ``r / 2``); None = the
             defaults of :func:`default_mla_config`.
+        check_bounds: check every index the kernel follows before launching (one host read,
+            skipped during CUDA-graph capture; :func:`~specattn.triton_kernels._util.
+            check_paged_metadata`).  Backends that validated the batch pass False.
     Returns:
         ``[T, H, kv_lora_rank]`` in ``q.dtype`` (or ``out``).  With ``num_splits == 1`` rows of
         no request are left untouched; with splits every one of the ``T`` rows is written, so
         every row must belong to a request (``qo_indptr[-1] == T``).
     Raises:
         ValueError: inconsistent shapes, dtypes or devices; dims not powers of two >= 16; a
-            ``tree_mask`` smaller than ``[bs, max_q, ceil(max_q/32)]``; a bad config value.
+            ``tree_mask`` smaller than ``[bs, max_q, ceil(max_q/32)]``; a bad config value;
+            with ``check_bounds``, an index out of range (``check_paged_metadata``).
     """
     if q.dim() != 3 or kv_cache.dim() != 3:
         raise ValueError(f"q and kv_cache must be 3-D, got {list(q.shape)} / {list(kv_cache.shape)}")
@@ -354,22 +358,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         raise ValueError("q, kv_cache and req_to_token need a contiguous last dim")
     if q.device != kv_cache.device:
         raise ValueError(f"q is on {q.device}, kv_cache on {kv_cache.device}")
-    if tree_mask is not None and (tree_mask.dtype != torch.int32 or tree_mask.dim() != 3
-                                  or tree_mask.stride(2) != 1 or tree_mask.shape[0] < bs
-                                  or tree_mask.shape[1] < max_q
-                                  or tree_mask.shape[2] < (max_q + 31) // 32):
-        raise ValueError(f"tree_mask must be int32 [>= {bs}, >= {max_q}, >= {(max_q + 31) // 32}] "
-                         f"with a contiguous last dim, got {tree_mask.dtype} {list(tree_mask.shape)}")
-    for name, t, dt in (("req_pool_indices", req_pool_indices, torch.int64),
-                        ("seq_lens", seq_lens, torch.int32), ("qo_indptr", qo_indptr, torch.int32),
-                        ("req_to_token", req_to_token, torch.int32)):
-        if t.dtype != dt or t.device != q.device:
-            raise ValueError(f"{name} must be {dt} on {q.device}, got {t.dtype} on {t.device}")
-    if qo_indptr.shape != (bs + 1,) or seq_lens.shape != (bs,):
-        raise ValueError(f"qo_indptr must be [{bs + 1}] and seq_lens [{bs}], got "
-                         f"{list(qo_indptr.shape)} / {list(seq_lens.shape)}")
-    if num_splits < 1:
-        raise ValueError("num_splits must be >= 1")
+    check_paged_metadata(q, req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask, max_q,
+                         num_splits, kv_cache.shape[0], check_bounds)
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if out is None:

@@ -74,8 +74,8 @@ def mha_point(kind, bs, P, n, dtype=torch.bfloat16, H=32, Hkv=8, hd=128, device=
     def fn(cfg):
         cfg = dict(cfg)
         splits = cfg.pop("num_splits", split_default)
-        return lambda: paged_attention(q, k, v, rtt, rpi, seq, qo, tm, n, hd ** -0.5,
-                                       num_splits=splits, **cfg)
+        return lambda: paged_attention(q, k, v, rtt, rpi, seq, qo, tm, n, hd ** -0.5,  # inputs built valid
+                                       num_splits=splits, check_bounds=False, **cfg)
 
     grid = []
     bms = [16] if n * G <= 16 else ([32, 64] if n * G <= 64 else [64, 128])

@@ -2,7 +2,7 @@
 
     python3 bench/scripts/runtime_matrix.py --out DIR [--backends torch_reference triton]
         [--dtypes float32 bfloat16] [--algos none eagle_chain eagle_tree dflash]
-        [--repeats 3] [--max-new-tokens 64] [--budget-s 270] [--device cuda]
+        [--repeats 3] [--max-new-tokens 64] [--budget-s 270] [--device cuda] [--page-size 1 ..]
 
 Each configuration is what ``specattn generate --prompts bench/prompts.txt --json`` runs (the
 same engine, :func:`~specattn.spec_runtime.cli.engine_for`; the same warm-up and report,
@@ -50,10 +50,12 @@ def _row(r: dict) -> str:
                 f"| | | | | | |")
     runs = r["tokens_per_s_runs"]
     flag = {True: "yes", False: "**no**", None: "-"}
-    return (f"| {r['dtype']} | {r['name']} | {r['backend']} | {r['tokens_per_s']:.1f} "
+    backend = r["target_backend"] + (f" (page {r['page_size']})" if r.get("page_size", 1) != 1 else "")
+    routed = f"; routed: {', '.join(r['mode_routed'])}" if r.get("mode_routed") else ""
+    return (f"| {r['dtype']} | {r['name']} | {backend} | {r['tokens_per_s']:.1f} "
             f"| {min(runs):.1f}-{max(runs):.1f} | {r['mean_accept_length']:.2f} | {r['target_forwards']} "
             f"| {flag[r['same_tokens_as_none']]} | {flag[r['same_tokens_as_reference']]} "
-            f"| {'on' if r['cuda_graph'] else 'off'}{' (eager: ' + ', '.join(r['eager_routed']) + ')' if r['eager_routed'] else ''} |")
+            f"| {'on' if r['cuda_graph'] else 'off'}{' (eager: ' + ', '.join(r['eager_routed']) + ')' if r['eager_routed'] else ''}{routed} |")
 
 
 def write(out: Path, reports: list, meta: dict) -> None:
@@ -84,9 +86,14 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--page-size", type=int, nargs="+", default=[1],
+                    help="KV page size per backend, in --backends order (one value: all); FlashMLA needs 64")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.max_new_tokens < 1:
         ap.error("--repeats and --max-new-tokens must be >= 1")
+    if len(a.page_size) not in (1, len(a.backends)):
+        ap.error("--page-size: one value, or one per backend")
+    page_of = dict(zip(a.backends, a.page_size * len(a.backends) if len(a.page_size) == 1 else a.page_size))
 
     from specattn.spec_runtime import loader
     from specattn.spec_runtime.cli import engine_for, load_model, measured_generate, report_dict
@@ -124,7 +131,8 @@ def main(argv=None) -> int:
                 try:
                     spec = SpecConfig(**ALGOS[name])
                     eng = engine_for(cfg, dict(w), ids, spec, backend=backend, device=str(dev),
-                                     dtype=DTYPES[dtype], max_new_tokens=a.max_new_tokens)
+                                     dtype=DTYPES[dtype], max_new_tokens=a.max_new_tokens,
+                                     page_size=page_of[backend])
                     setup_s = time.perf_counter() - t0
                     res, warm_s = measured_generate(eng, ids, params, warmup=not a.no_warmup)
                     runs, stable = [res], True

@@ -1,0 +1,88 @@
+"""Greedy correctness of a low-precision (bf16 / fp16) run: near-ties may flip, nothing else.
+
+A bf16 run is not token-identical to a float32 run (nor to another bf16 kernel: different
+summation orders flip near-ties, and after one flip the continuations differ), so the
+runtime's lossless checks for backends without float32 kernels (FlashInfer, FlashMLA) are
+per token instead:
+
+1. teacher-force each request's ``prompt + output`` through the float32 model (the SAME
+   weights, already rounded to the run's dtype, reference backend, one EXTEND) and take
+   each emitted token's *gap* ``max(logits) - logits[token]`` at its position;
+2. the precision's own logit noise ``delta``: the largest ``|logits_lowp - logits_fp32|`` of
+   the reference backend on those same sequences (the bf16 model vs the float32 model);
+3. every gap must be ``<= tol = 4 * delta``: a correct kernel with noise ``delta'`` only
+   picks tokens whose float32 gap is at most ``2 * delta'``; 4x leaves room for a kernel
+   twice as noisy as the reference;
+4. the check must have teeth: on average at most ``max_share`` (10 %) of the vocabulary lies
+   within ``tol`` of the maximum, so a wrong token passes with low probability per
+   position (the mean share is reported; a model whose logits are too flat fails here
+   rather than passing vacuously).
+
+Each position is checked on the run's own context, so a flip does not cascade.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+from specattn.backends import ForwardBatch, KVAllocator, ReqToTokenPool, TorchReferenceBackend
+
+__all__ = ["teacher_forced_logits", "NearGreedy", "check_near_greedy"]
+
+
+def teacher_forced_logits(model, seqs: Sequence[Sequence[int]]) -> List[torch.Tensor]:
+    """Float32 logits ``[len(s), V]`` of every position of every sequence (row ``i`` predicts
+    token ``i + 1``), one EXTEND batch on the reference backend over fresh pools."""
+    dev = model.device
+    lens = [len(s) for s in seqs]
+    width = max(lens)
+    req = ReqToTokenPool(len(seqs), width, dev)
+    size = sum(lens)
+    pool, alloc = model.make_kv_pool(size), KVAllocator(size, 1, dev)
+    slots = alloc.alloc(size)
+    for i, part in enumerate(slots.split(lens)):
+        req.write(i, 0, part)
+    backend = TorchReferenceBackend(req, pool)
+    batch = ForwardBatch.extend(list(range(len(seqs))), [0] * len(seqs), lens, slots, device=dev)
+    backend.init_forward_metadata(batch)
+    ids = torch.tensor([t for s in seqs for t in s], device=dev)
+    hidden, _ = model.forward(ids, batch, backend)
+    return list(model.logits(hidden).float().split(lens))
+
+
+@dataclass
+class NearGreedy:
+    """What :func:`check_near_greedy` measured: ``delta`` (the precision's logit noise),
+    ``tol``, the largest gap of an emitted token, how many tokens were not the float32
+    argmax (of ``num_tokens``), and the mean share of the vocabulary within ``tol``."""
+    delta: float
+    tol: float
+    max_gap: float
+    num_flips: int
+    num_tokens: int
+    vocab_share: float
+
+
+def check_near_greedy(model32, model_lowp, prompts, outputs, factor: float = 4.0,
+                      max_share: float = 0.1) -> NearGreedy:
+    """Assert every token of ``outputs`` (per request, after ``prompts``) is within
+    ``factor * delta`` of the float32 greedy choice on its own context (module docstring).
+    ``model32`` / ``model_lowp``: the same weights in float32 / the run's dtype."""
+    seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
+    ref = teacher_forced_logits(model32, seqs)
+    low = teacher_forced_logits(model_lowp, seqs)
+    delta = max(float((a - b).abs().max()) for a, b in zip(ref, low))
+    tol = factor * delta
+    gaps, shares = [], []
+    for p, o, lg in zip(prompts, outputs, ref):
+        rows = lg[len(p) - 1:len(p) - 1 + len(o)]                        # rows predicting o
+        top = rows.max(-1).values
+        gaps.append(top - rows.gather(1, torch.tensor(o, device=rows.device)[:, None])[:, 0])
+        shares.append((rows >= top[:, None] - tol).float().mean(-1))
+    gap, share = torch.cat(gaps), torch.cat(shares)
+    res = NearGreedy(delta, tol, float(gap.max()), int((gap > 0).sum()), gap.numel(), float(share.mean()))
+    assert res.vocab_share <= max_share, f"the check has no teeth here (logits too flat): {res}"
+    assert res.max_gap <= tol, f"a token beyond the precision's near-ties: {res}"
+    return res

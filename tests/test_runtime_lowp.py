@@ -1,0 +1,120 @@
+"""The runtime's lossless checks in bf16, for backends without float32 kernels (FlashInfer,
+FlashMLA; any ``--backend`` runs them): every emitted token is the float32 greedy choice up
+to the precision's near-ties (``tests/lowp_oracle.py``), on the run's ``--backend`` with CUDA
+graphs on (gpu):
+
+- the real model (SmolLM2-135M): target-only, EAGLE chain and trees, DFlash; pages 1 and 16;
+- the random MLA model at FlashMLA / FlashInfer MLA shapes (``kv_lora_rank`` 512,
+  ``qk_rope_head_dim`` 64): target-only, EAGLE chain and tree; pages 1 and 64 (FlashMLA runs
+  64 only, the others skip with the backend's reason).  Modes a backend lacks run on Triton
+  over the same pools (``Engine.mode_routed``, printed with the graph plan).
+
+CPU: the check itself has teeth (a verify that ignores the tree mask fails it, the
+reference backend in bf16 passes it).
+"""
+import random
+
+import pytest
+import torch
+
+from lowp_oracle import check_near_greedy
+from runtime_backend import make_engine
+from specattn.spec_runtime.engine import Engine, SpecConfig
+from specattn.spec_runtime.loader import LlamaConfig, apply_chat_template, load_hf_dir, write_random_hf_dir
+from specattn.spec_runtime.mla_model import MLAConfig, MLAModel, random_mla_weights
+from specattn.spec_runtime.model import LlamaModel
+from specattn.spec_runtime.sampling import SamplingParams
+
+DT = torch.bfloat16
+SPECS = {"none": SpecConfig("none"), "chain": SpecConfig("eagle", 1, 3, 4, 24),
+         "tree": SpecConfig("eagle", 2, 3, 6, 24), "wide": SpecConfig("eagle", 4, 4, 12, 24),
+         "dflash": SpecConfig("dflash", block_size=8)}
+
+
+def rounded(w, dtype=DT):
+    """The weights rounded to ``dtype``, and the same values in float32 (the oracle's)."""
+    low = {k: v.to(dtype) for k, v in w.items()}
+    return low, {k: v.float() for k, v in low.items()}
+
+
+def report(eng, res, stats):
+    print(f"{eng.target_backend.name}: graphs {eng.graph_modes}; eager {eng.eager_routed}; "
+          f"routed {eng.mode_routed}; accept {res.mean_accept_length:.2f}; {stats}")
+
+
+# ----------------------------------------------------------------------------- CPU: the check
+@pytest.fixture
+def tiny_bf16(tmp_path, seed):
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      tie_word_embeddings=True, eos_token_ids=[])
+    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed % 100000))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+    return cfg, rounded(w), prompts
+
+
+def test_check_passes_reference_and_catches_a_broken_verify(tiny_bf16, monkeypatch):
+    cfg, (w16, w32), prompts = tiny_bf16
+    m32, m16 = LlamaModel(cfg, dict(w32)), LlamaModel(cfg, dict(w16), dtype=DT)
+    spec, p = SpecConfig("eagle", 2, 3, 6, 3), SamplingParams(max_new_tokens=20)
+    good = Engine(cfg, dict(w16), spec=spec, dtype=DT, max_context=64).generate(prompts, p)
+    stats = check_near_greedy(m32, m16, prompts, good.tokens)
+    assert stats.num_tokens == 60 and stats.max_gap <= stats.tol
+    import specattn.backends.torch_reference as tr
+    unpack = tr.unpack_tree_mask
+    monkeypatch.setattr(tr, "unpack_tree_mask", lambda m, D: torch.ones_like(unpack(m, D)))
+    bad = Engine(cfg, dict(w16), spec=spec, dtype=DT, max_context=64).generate(prompts, p)
+    with pytest.raises(AssertionError, match="beyond the precision's near-ties"):
+        check_near_greedy(m32, m16, prompts, bad.tokens)
+
+
+# ----------------------------------------------------------------------------- GPU: real model
+@pytest.fixture(scope="module")
+def real_bf16(gguf_loaded):
+    cfg, w = gguf_loaded
+    w16, w32 = rounded(w)
+    w16 = {k: v.cuda() for k, v in w16.items()}
+    return cfg, w16, LlamaModel(cfg, dict(w32), "cuda"), LlamaModel(cfg, dict(w16), "cuda", DT)
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tokenizer):
+    return [apply_chat_template(tokenizer, t) for t in
+            ["What is the capital of France?", "Write a haiku about the sea.",
+             "List three prime numbers and explain why each is prime, briefly."]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("algo", list(SPECS))
+def test_real_model_bf16_near_greedy(real_bf16, chat_ids, algo, page_size, backend_name):
+    cfg, w16, m32, m16 = real_bf16
+    eng = make_engine(backend_name, cfg, dict(w16), spec=SPECS[algo], device="cuda", dtype=DT,
+                      cuda_graph=True, max_context=256, max_batch=3, page_size=page_size)
+    assert eng.runners, "no CUDA graphs were captured"
+    res = eng.generate(chat_ids, SamplingParams(max_new_tokens=32))
+    report(eng, res, check_near_greedy(m32, m16, chat_ids, res.tokens))
+    if algo != "none":
+        assert res.mean_accept_length > 1.0
+
+
+# ----------------------------------------------------------------------------- GPU: MLA model
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("algo", ["none", "chain", "tree"])
+def test_mla_model_bf16_near_greedy(seed, algo, page_size, backend_name):
+    cfg = MLAConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                    num_attention_heads=16, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64,
+                    v_head_dim=64)
+    w16, w32 = rounded(random_mla_weights(cfg, seed))
+    m32 = MLAModel(cfg, dict(w32), device="cuda")
+    m16 = MLAModel(cfg, dict(w16), device="cuda", dtype=DT)
+    spec = SPECS[algo] if algo == "none" else SpecConfig("eagle", SPECS[algo].topk, 3, SPECS[algo].num_draft_tokens, 2)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 90))] for _ in range(3)]
+    eng = make_engine(backend_name, m16, spec=spec, cuda_graph=True, max_context=192, max_batch=3,
+                      page_size=page_size)
+    assert eng.runners, "no CUDA graphs were captured"
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=24))
+    report(eng, res, check_near_greedy(m32, m16, prompts, res.tokens))
