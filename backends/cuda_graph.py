@@ -1,11 +1,22 @@
-"""Static input buffers for CUDA-graph capture and replay of the fixed-shape modes.
+"""Static input buffers for CUDA-graph capture and replay.
 
 The graph runner owns one :class:`GraphInputBuffers`; ``fill(batch, padded_bs)`` copies a
 live batch (``bs <= padded_bs``) into the buffers and returns a :class:`ForwardBatch` of
 ``padded_bs`` requests viewing them.  Padded requests are harmless: ``req_pool_indices = 0``,
 ``seq_lens = 0``, ``positions = 0``, ``out_cache_loc = 0`` (the reserved page, see
 :mod:`~specattn.backends.pools`) and a tree mask where each padded token sees only itself.
-Device copies only: no host sync.
+Device copies only: no host sync.  A live batch that carries host copies of its lengths
+(``seq_lens_cpu`` / ``extend_lens_cpu``: the runtime's batches do) gets them padded too, so
+backends that plan on the host (FlashInfer) need no device read at replay.
+
+Fixed-shape modes (DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2): ``D`` tokens per request (1 for
+DECODE), padded requests too.  EXTEND (for backends that capture it, e.g. Triton): the
+per-request counts are device values, so the padded batch has a static token count
+``padded_tokens`` (default ``padded_bs * max_tokens_per_req``); padded requests get
+``extend_lens = 0`` and the token tail past the live tokens belongs to no request
+(``out_cache_loc = 0``, ``positions = 0``).  Example: live ``extend_lens = [3, 2]``,
+``padded_bs = 4``, ``padded_tokens = 8`` -> ``extend_lens = [3, 2, 0, 0]``, 8 token rows of
+which 5 are live.
 """
 from __future__ import annotations
 
@@ -24,8 +35,21 @@ def capturing() -> bool:
         return False
 
 
+def _host_lens(batch: ForwardBatch, padded_bs: int, pad_n: int) -> dict:
+    """The live batch's host copies of ``seq_lens`` / ``extend_lens`` padded like the device
+    buffers (padded requests: ``P = 0``, ``n = pad_n``), so host planners (FlashInfer's
+    ``plan()``) read no device value at replay; empty when the batch has none."""
+    if batch.seq_lens_cpu is None or batch.extend_lens_cpu is None:
+        return {}
+    pad = padded_bs - batch.batch_size
+    return dict(seq_lens_cpu=torch.cat([batch.seq_lens_cpu, torch.zeros(pad, dtype=torch.int32)]),
+                extend_lens_cpu=torch.cat([batch.extend_lens_cpu,
+                                           torch.full((pad,), pad_n, dtype=torch.int32)]))
+
+
 class GraphInputBuffers:
-    """Static buffers for up to ``max_bs`` requests of up to ``max_tokens_per_req`` tokens."""
+    """Static buffers for up to ``max_bs`` requests of up to ``max_tokens_per_req`` tokens
+    (EXTEND: up to ``max_bs * max_tokens_per_req`` tokens in all)."""
 
     def __init__(self, max_bs: int, max_tokens_per_req: int, device):
         self.max_bs, self.max_tokens_per_req = max_bs, max_tokens_per_req
@@ -37,13 +61,18 @@ class GraphInputBuffers:
         self.positions = torch.zeros(T, dtype=torch.int64, device=device)
         self.tree_mask = torch.zeros(max_bs, D, num_mask_words(D), dtype=torch.int32, device=device)
 
-    def fill(self, batch: ForwardBatch, padded_bs: int) -> ForwardBatch:
-        """Copy ``batch`` into the buffers, pad to ``padded_bs`` requests, return the view.
+    def fill(self, batch: ForwardBatch, padded_bs: int, padded_tokens: int = None) -> ForwardBatch:
+        """Copy ``batch`` into the buffers, pad to ``padded_bs`` requests (EXTEND: and to
+        ``padded_tokens`` tokens), return the view.
 
         Raises:
-            ValueError: mode not capturable, or the batch does not fit.
+            ValueError: IDLE, ``padded_tokens`` outside EXTEND, or the batch does not fit.
         """
         mode, bs = batch.forward_mode, batch.batch_size
+        if mode == ForwardMode.EXTEND:
+            return self._fill_extend(batch, padded_bs, padded_tokens)
+        if padded_tokens is not None:
+            raise ValueError("padded_tokens is for EXTEND batches only")
         if not mode.is_cuda_graph() or mode == ForwardMode.IDLE:
             raise ValueError(f"{mode.name} has no static input buffers")
         D = batch.num_tokens_per_req if mode.has_fixed_tokens_per_req() else 1
@@ -70,4 +99,24 @@ class GraphInputBuffers:
         return ForwardBatch(mode, self.req_pool_indices[:padded_bs], self.seq_lens[:padded_bs],
                             self.extend_lens[:padded_bs], self.out_cache_loc[:PT],
                             self.positions[:PT],
-                            num_tokens_per_req=batch.num_tokens_per_req, tree_mask=tree_mask)
+                            num_tokens_per_req=batch.num_tokens_per_req, tree_mask=tree_mask,
+                            **_host_lens(batch, padded_bs, D))
+
+    def _fill_extend(self, batch: ForwardBatch, padded_bs: int, padded_tokens) -> ForwardBatch:
+        bs, T = batch.batch_size, batch.num_tokens
+        PT = padded_bs * self.max_tokens_per_req if padded_tokens is None else padded_tokens
+        if not bs <= padded_bs <= self.max_bs or not T <= PT <= self.out_cache_loc.shape[0]:
+            raise ValueError(f"EXTEND batch of {bs} requests / {T} tokens does not fit padded "
+                             f"{padded_bs} / {PT} (buffers: {self.max_bs} requests, "
+                             f"{self.out_cache_loc.shape[0]} tokens)")
+        for buf, src in ((self.req_pool_indices, batch.req_pool_indices),
+                         (self.seq_lens, batch.seq_lens), (self.extend_lens, batch.extend_lens)):
+            buf[:bs].copy_(src)
+            buf[bs:padded_bs].zero_()
+        for buf, src in ((self.out_cache_loc, batch.out_cache_loc), (self.positions, batch.positions)):
+            buf[:T].copy_(src)
+            buf[T:PT].zero_()
+        return ForwardBatch(ForwardMode.EXTEND, self.req_pool_indices[:padded_bs],
+                            self.seq_lens[:padded_bs], self.extend_lens[:padded_bs],
+                            self.out_cache_loc[:PT], self.positions[:PT],
+                            **_host_lens(batch, padded_bs, 0))

@@ -89,6 +89,14 @@ def _i64(x, device) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.int64, device=device)
 
 
+def _host_i32(x) -> Optional[torch.Tensor]:
+    """An int32 CPU copy of ``x`` when that needs no device read (a list, tuple or CPU
+    tensor), else None."""
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.int32).clone() if x.device.type == "cpu" else None
+    return torch.as_tensor(x, dtype=torch.int32)
+
+
 @dataclass
 class ForwardBatch:
     """One forward's batch (see the module docstring for the meaning of every field).
@@ -158,21 +166,27 @@ class ForwardBatch:
     @classmethod
     def decode(cls, req_pool_indices, seq_lens, out_cache_loc, positions=None, device=None
                ) -> "ForwardBatch":
-        """DECODE batch; ``positions`` default to ``seq_lens``."""
+        """DECODE batch; ``positions`` default to ``seq_lens``.  Host ``seq_lens`` (a list or
+        CPU tensor) are also kept as ``seq_lens_cpu`` / ``extend_lens_cpu`` (for host planners,
+        no device read)."""
         dev = device if device is not None else torch.as_tensor(out_cache_loc).device
+        host = _host_i32(seq_lens)
         seq_lens = _i32(seq_lens, dev)
         pos = seq_lens.long() if positions is None else _i64(positions, dev)
         return cls(ForwardMode.DECODE, _i64(req_pool_indices, dev), seq_lens,
-                   torch.ones_like(seq_lens), _i64(out_cache_loc, dev), pos)
+                   torch.ones_like(seq_lens), _i64(out_cache_loc, dev), pos, seq_lens_cpu=host,
+                   extend_lens_cpu=None if host is None else torch.ones_like(host))
 
     @classmethod
     def fixed(cls, mode: ForwardMode, req_pool_indices, seq_lens, num_tokens_per_req: int,
               out_cache_loc, positions=None, tree_mask=None, device=None) -> "ForwardBatch":
         """TARGET_VERIFY (``tree_mask`` and ``positions`` required) or DRAFT_EXTEND_V2
-        (``positions`` default to ``P .. P + D - 1``) batch with ``D`` tokens per request."""
+        (``positions`` default to ``P .. P + D - 1``) batch with ``D`` tokens per request.
+        Host ``seq_lens`` are also kept as ``seq_lens_cpu`` / ``extend_lens_cpu``."""
         if not mode.has_fixed_tokens_per_req():
             raise ValueError(f"{mode.name} has no fixed tokens per request")
         dev = device if device is not None else torch.as_tensor(out_cache_loc).device
+        host = _host_i32(seq_lens)
         seq_lens = _i32(seq_lens, dev)
         bs, D = seq_lens.shape[0], num_tokens_per_req
         if mode == ForwardMode.TARGET_VERIFY and (tree_mask is None or positions is None):
@@ -182,7 +196,8 @@ class ForwardBatch:
         return cls(mode, _i64(req_pool_indices, dev), seq_lens,
                    torch.full((bs,), D, dtype=torch.int32, device=dev), _i64(out_cache_loc, dev),
                    _i64(positions, dev), num_tokens_per_req=D,
-                   tree_mask=None if tree_mask is None else torch.as_tensor(tree_mask, device=dev))
+                   tree_mask=None if tree_mask is None else torch.as_tensor(tree_mask, device=dev),
+                   seq_lens_cpu=host, extend_lens_cpu=None if host is None else torch.full_like(host, D))
 
     @classmethod
     def idle(cls, device="cpu") -> "ForwardBatch":

@@ -57,7 +57,7 @@ empty).  Padded requests should have ``n = 0`` (every request, padded ones inclu
 are left unwritten (EXTEND never splits, so no merge touches them).  Example: padded
 ``bs = 4``, ``T = 16``, live ``extend_lens = [3, 2]`` padded to ``[3, 2, 0, 0]``:
 ``qo_indptr = [0, 3, 5, 5, 5]``, ``max_q = 16``, rows 5..15 untouched.
-(:class:`~specattn.backends.GraphInputBuffers` does not build EXTEND batches yet.)
+(:class:`~specattn.backends.GraphInputBuffers` builds such batches.)
 
 Split-KV: DECODE, TARGET_VERIFY and DRAFT_EXTEND_V2 split the prefix when the batch alone
 would launch fewer programs than ~2 waves of the GPU's SMs for MHA (1 wave with 128-row

@@ -275,8 +275,8 @@ def propose_block(engine: "Engine", reqs: List["Request"], rows: torch.Tensor, P
     cols = P[:, None] + torch.arange(B, device=dev)
     loc = engine.req_pool.req_to_token[rows[:, None], cols].long().flatten()
     ones = pack_tree_mask(torch.ones(bs, B, B, dtype=torch.bool, device=dev))
-    batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows, P, B, loc, positions=cols.flatten(),
-                               tree_mask=ones, device=dev)
+    batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows, [r.P for r in reqs], B, loc,
+                               positions=cols.flatten(), tree_mask=ones, device=dev)
     logits = engine._run(drafter, engine.draft_backend, ids.flatten(), batch).view(bs, B, -1)
     return torch.cat([roots[:, None], logits[:, 1:].argmax(-1)], dim=1)
 
@@ -288,7 +288,7 @@ def dflash_round(engine: "Engine", reqs: List["Request"], params: SamplingParams
     draft_tokens = propose_block(engine, reqs, rows, P)                 # [bs, B], root first
     # verify the chain on the target (capturing the tap layers)
     tree = chain_tree(P, B)
-    batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows, P, B, out_cache_loc,
+    batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows, [r.P for r in reqs], B, out_cache_loc,
                                positions=tree.positions, tree_mask=tree.tree_mask, device=dev)
     logits, feats = _target_forward(engine, draft_tokens.flatten(), batch)
     engine.num_forward_target += 1

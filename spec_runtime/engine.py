@@ -426,7 +426,8 @@ class Engine:
             pos = (P + s).repeat_interleave(K)
             slots, owned = self._beam_slots(cur.flatten(), src_rows.flatten(), pos)
             scratch.append(owned)
-            batch = ForwardBatch.decode(cur.flatten(), pos, slots, device=dev)
+            host_pos = [r.P + s for r in reqs for _ in range(K)]  # host copy: no device read to plan
+            batch = ForwardBatch.decode(cur.flatten(), host_pos, slots, device=dev)
             logits = self._run(self.draft, self.draft_backend, beam_tokens.flatten(), batch)
             lp = torch.log_softmax(logits, -1).view(bs, K, -1)
             child_scores, child_tokens = lp.topk(K, dim=-1)             # [bs, K, K]
@@ -455,7 +456,8 @@ class Engine:
         rtt = self.req_pool.req_to_token
         parent_list, selected, draft_tokens = self._draft_tree(reqs)
         tree = ops.build_tree(parent_list, selected, P.to(torch.int32), K, S, D)
-        batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows_t, P, D, out_cache_loc,
+        host_P = [r.P for r in reqs]  # seq_lens from the host: batches carry seq_lens_cpu
+        batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows_t, host_P, D, out_cache_loc,
                                    positions=tree.positions, tree_mask=tree.tree_mask, device=dev)
         logits = self._run(self.target, self.target_backend, draft_tokens.flatten(), batch)
         self.num_forward_target += 1
@@ -463,7 +465,8 @@ class Engine:
         path = cp.predicts.view(bs, D).long()                          # accepted drafts + bonus first
         # drafter: accepted drafts + bonus (+ padding) at P+1 .., fixed L tokens per request
         ext_loc = rtt[rows_t[:, None], P[:, None] + 1 + torch.arange(L, device=dev)].long().flatten()
-        batch = ForwardBatch.fixed(ForwardMode.DRAFT_EXTEND_V2, rows_t, P + 1, L, ext_loc, device=dev)
+        batch = ForwardBatch.fixed(ForwardMode.DRAFT_EXTEND_V2, rows_t, [p + 1 for p in host_P], L, ext_loc,
+                                   device=dev)
         dlogits = self._run(self.draft, self.draft_backend, path[:, :L].flatten(), batch).view(bs, L, -1)
         bonus_logits = dlogits[torch.arange(bs, device=dev), n_acc]
         self._commit_round(reqs, path, n_acc, D, params)

@@ -7,8 +7,6 @@ backends standing in for FlashInfer-without-a-mode and for Triton):
   the routed backend ``primary+triton``, and the output equals the unrouted engine's;
 - no route when the fallback lacks the mode too: construction names what is missing.
 """
-import random
-
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from specattn.backends import (AttentionLayer, ForwardBatch, ForwardMode, MHATok
                                RoutedBackend, TorchReferenceBackend, UnsupportedError, pack_tree_mask)
 from specattn.spec_runtime import engine as engine_mod
 from specattn.spec_runtime.engine import Engine, SpecConfig
-from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, write_random_hf_dir
+from tiny_models import random_prompts, tiny_llama
 from specattn.spec_runtime.sampling import SamplingParams
 
 M = ForwardMode
@@ -90,12 +88,8 @@ def test_routes_need_the_same_pools():
 
 @pytest.fixture
 def tiny(tmp_path, seed):
-    cfg = LlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      tie_word_embeddings=True, eos_token_ids=[])
-    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed % 100000))
-    rng = random.Random(seed)
-    return cfg, w, [[rng.randrange(80) for _ in range(rng.randint(1, 10))] for _ in range(3)]
+    cfg, w = tiny_llama(tmp_path, seed, vocab=80, layers=3)
+    return cfg, w, random_prompts(seed, 80, max_len=10)
 
 
 def fake_registry(monkeypatch, primary_cls, fallback_cls):

@@ -197,6 +197,29 @@ def test_graph_buffers_pad_harmlessly():
         bufs.fill(b, 5)
 
 
+def test_graph_buffers_pad_extend():
+    """EXTEND: a static token count (default padded_bs * max_tokens_per_req), padded requests
+    with extend_lens 0, the token tail zeroed (slot 0, position 0), stale values overwritten."""
+    bufs = GraphInputBuffers(4, 3, "cpu")
+    bufs.out_cache_loc.fill_(77)
+    bufs.extend_lens.fill_(9)
+    b = ForwardBatch.extend([2, 1], [4, 0], [3, 2], list(range(30, 35)))
+    p = bufs.fill(b, 4)
+    assert p.forward_mode == ForwardMode.EXTEND and p.batch_size == 4 and p.num_tokens == 12
+    assert p.extend_lens.tolist() == [3, 2, 0, 0] and p.seq_lens.tolist() == [4, 0, 0, 0]
+    assert p.req_pool_indices.tolist() == [2, 1, 0, 0]
+    assert p.out_cache_loc.tolist() == list(range(30, 35)) + [0] * 7
+    assert p.positions.tolist() == [4, 5, 6, 0, 1] + [0] * 7
+    assert bufs.fill(b, 2, padded_tokens=5).num_tokens == 5
+    for bad in (dict(padded_bs=1), dict(padded_bs=5), dict(padded_bs=2, padded_tokens=4),
+                dict(padded_bs=4, padded_tokens=13)):
+        with pytest.raises(ValueError, match="does not fit"):
+            bufs.fill(b, bad.pop("padded_bs"), **bad)
+    d = ForwardBatch.decode([0], [3], [9])
+    with pytest.raises(ValueError, match="EXTEND batches only"):
+        bufs.fill(d, 1, padded_tokens=3)
+
+
 def test_move_kv_cache_check_values_false(seed):
     """``check_values=False``: same result on valid overlapping moves, and the value checks
     (here: two different moves into one slot) are skipped."""

@@ -9,16 +9,14 @@
 - the ``generate`` command end to end on a tiny random model (its loader stubbed), CPU.
 """
 import json
-import random
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from specattn.backends import ForwardMode, TorchReferenceBackend, UnsupportedError
 from specattn.spec_runtime import engine as engine_mod
 from specattn.spec_runtime.engine import Engine, SpecConfig
-from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, write_random_hf_dir
+from tiny_models import random_prompts, tiny_llama
 from specattn.spec_runtime.sampling import SamplingParams
 
 V = 96
@@ -27,13 +25,8 @@ M = ForwardMode
 
 @pytest.fixture
 def tiny(tmp_path, seed):
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      tie_word_embeddings=True, eos_token_ids=[])
-    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed % 100000))
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 12))] for _ in range(3)]
-    return cfg, w, prompts
+    cfg, w = tiny_llama(tmp_path, seed, vocab=V)
+    return cfg, w, random_prompts(seed, V)
 
 
 def restricted_backend(monkeypatch, eager_no=(), graph_no=()):
@@ -191,3 +184,32 @@ def test_generate_command_json(tiny, monkeypatch):
 def test_generate_command_bad_backend(tiny, monkeypatch):
     res = _cli(monkeypatch, tiny, "--backend", "nope")
     assert res.exit_code == 2 and "unknown backend 'nope'" in res.output, res.output
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("none"), SpecConfig("eagle", 2, 3, 6, 2), SpecConfig("dflash", block_size=4)],
+                         ids=["none", "eagle", "dflash"])
+def test_batches_carry_host_lengths(tiny, spec, monkeypatch):
+    """Every batch the engine runs carries ``seq_lens_cpu`` / ``extend_lens_cpu`` equal to its
+    device lengths (host planners such as FlashInfer's then read no device value), and the
+    graph buffers pad them like the device ones."""
+    from specattn.backends import GraphInputBuffers
+    cfg, w, prompts = tiny
+    seen = []
+    real = TorchReferenceBackend.init_forward_metadata
+
+    def init(self, batch):  # every forward of the target and the drafter builds its metadata here
+        assert batch.seq_lens_cpu is not None and batch.extend_lens_cpu is not None, batch.forward_mode
+        assert batch.seq_lens_cpu.tolist() == batch.seq_lens.tolist()
+        assert batch.extend_lens_cpu.tolist() == batch.extend_lens.tolist()
+        if batch.forward_mode != M.EXTEND:
+            pad = GraphInputBuffers(batch.batch_size + 2, batch.num_tokens_per_req or 1, "cpu").fill(
+                batch, batch.batch_size + 2)
+            assert pad.seq_lens_cpu.tolist() == pad.seq_lens.tolist()
+            assert pad.extend_lens_cpu.tolist() == pad.extend_lens.tolist()
+        seen.append(batch.forward_mode)
+        return real(self, batch)
+
+    monkeypatch.setattr(TorchReferenceBackend, "init_forward_metadata", init)
+    eng = Engine(cfg, dict(w), spec=spec, max_context=64)
+    eng.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert set(seen) == {m for _, m in eng.required_modes()}

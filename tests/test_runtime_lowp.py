@@ -20,10 +20,11 @@ import torch
 from lowp_oracle import check_near_greedy
 from runtime_backend import make_engine
 from specattn.spec_runtime.engine import Engine, SpecConfig
-from specattn.spec_runtime.loader import LlamaConfig, apply_chat_template, load_hf_dir, write_random_hf_dir
+from specattn.spec_runtime.loader import apply_chat_template
 from specattn.spec_runtime.mla_model import MLAConfig, MLAModel, random_mla_weights
 from specattn.spec_runtime.model import LlamaModel
 from specattn.spec_runtime.sampling import SamplingParams
+from tiny_models import random_prompts, tiny_llama
 
 DT = torch.bfloat16
 SPECS = {"none": SpecConfig("none"), "chain": SpecConfig("eagle", 1, 3, 4, 24),
@@ -45,13 +46,8 @@ def report(eng, res, stats):
 # ----------------------------------------------------------------------------- CPU: the check
 @pytest.fixture
 def tiny_bf16(tmp_path, seed):
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      tie_word_embeddings=True, eos_token_ids=[])
-    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed % 100000))
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 12))] for _ in range(3)]
-    return cfg, rounded(w), prompts
+    cfg, w = tiny_llama(tmp_path, seed, vocab=512, hidden=128, head_dim=32)
+    return cfg, rounded(w), random_prompts(seed, 512)
 
 
 def test_check_passes_reference_and_catches_a_broken_verify(tiny_bf16, monkeypatch):

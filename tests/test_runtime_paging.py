@@ -20,19 +20,16 @@ from runtime_backend import make_engine
 from specattn.backends import ForwardMode
 from specattn.spec_runtime import engine as engine_mod
 from specattn.spec_runtime.engine import Engine, SpecConfig
-from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, write_random_hf_dir
 from specattn.spec_runtime.mla_model import MLAConfig, MLAModel
 from specattn.spec_runtime.sampling import SamplingParams
+from tiny_models import tiny_llama
 
 V = 96
 
 
 @pytest.fixture
 def tiny(tmp_path, seed):
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      tie_word_embeddings=True, eos_token_ids=[])
-    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed % 100000))
+    cfg, w = tiny_llama(tmp_path, seed, vocab=V)
     rng = random.Random(seed)
     # lengths straddling page boundaries of 4 and 8: 3, 4, 5, 8, 9 .. 14
     prompts = [[rng.randrange(V) for _ in range(n)] for n in rng.sample([3, 4, 5, 8, 9, 14], 3)]
@@ -130,3 +127,14 @@ def test_page_size_must_divide_max_context(tiny):
         Engine(cfg, dict(w), max_context=60, page_size=8)
     with pytest.raises(ValueError, match="multiple of page_size"):
         Engine(cfg, dict(w), max_context=64, page_size=0)
+
+
+def test_paged_sampling_equals_unpaged(tiny, backend_name, monkeypatch):
+    """Speculative sampling (temperature 0.8, one seed): the paged run draws the same tokens."""
+    cfg, w, prompts = tiny
+    spec = SpecConfig("eagle", 2, 3, 6, 3)
+    p = SamplingParams(temperature=0.8, max_new_tokens=20, seed=7)
+    base = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=64).generate(prompts, p)
+    watch_layout(monkeypatch, 8)
+    res = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=64, page_size=8).generate(prompts, p)
+    assert res.tokens == base.tokens and res.accept_lengths == base.accept_lengths

@@ -42,36 +42,6 @@ def check(sc, splits=None, tol=None, kernel_config=None):
     assert err < (tol or TOL[sc.kv_pool.dtype]), f"relative error {err}"
 
 
-class ExtendGraphBuffers:
-    """Static inputs of an EXTEND batch for graphs: ``max_bs`` requests, ``max_tokens`` tokens.
-    ``fill`` pads requests with ``req_pool_indices = 0, seq_lens = 0, extend_lens = 0`` and the
-    token tail with ``out_cache_loc = 0`` (the reserved page), ``positions = 0``.  (What
-    ``GraphInputBuffers`` would do for EXTEND; it supports the fixed-shape modes only.)"""
-
-    def __init__(self, max_bs: int, max_tokens: int, device):
-        self.max_bs, self.max_tokens = max_bs, max_tokens
-        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.extend_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.out_cache_loc = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-
-    def fill(self, batch: ForwardBatch, padded_bs: int) -> ForwardBatch:
-        bs, T = batch.batch_size, batch.num_tokens
-        assert batch.forward_mode == ForwardMode.EXTEND
-        assert bs <= padded_bs <= self.max_bs and T <= self.max_tokens
-        for buf, src in ((self.req_pool_indices, batch.req_pool_indices),
-                         (self.seq_lens, batch.seq_lens), (self.extend_lens, batch.extend_lens)):
-            buf[:bs].copy_(src)
-            buf[bs:padded_bs].zero_()
-        for buf, src in ((self.out_cache_loc, batch.out_cache_loc), (self.positions, batch.positions)):
-            buf[:T].copy_(src)
-            buf[T:].zero_()
-        return ForwardBatch(ForwardMode.EXTEND, self.req_pool_indices[:padded_bs],
-                            self.seq_lens[:padded_bs], self.extend_lens[:padded_bs],
-                            self.out_cache_loc, self.positions)
-
-
 def graph_case(kind: str, mode: ForwardMode, page_size: int, device, use_graph: bool, seed: int, *,
                dtype=torch.float32, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 64,
                kv_lora_rank: int = 32, qk_rope_head_dim: int = 16, D: int = 5,
@@ -99,7 +69,7 @@ def graph_case(kind: str, mode: ForwardMode, page_size: int, device, use_graph: 
     first = scenario(padded_bs)
     be = TritonBackend(first.req_pool, first.kv_pool, num_kv_splits=splits, kernel_config=kernel_config)
     be.init_cuda_graph_state(max_bs=padded_bs, max_num_tokens=T_static)
-    bufs = ExtendGraphBuffers(padded_bs, T_static, device) if ext else GraphInputBuffers(padded_bs, D, device)
+    bufs = GraphInputBuffers(padded_bs, D, device)  # EXTEND: padded_bs * D tokens in all
     layer = first.layer
     q_static = torch.zeros(T_static, layer.num_heads, layer.head_dim, device=device, dtype=dtype)
     k_static = torch.zeros(T_static, layer.num_kv_heads, layer.head_dim, device=device, dtype=dtype)

@@ -13,6 +13,14 @@
 #  2. end to end on the real model (SmolLM2-135M-Instruct, 4 prompts x 64 tokens, batch 4,
 #     CUDA graphs, one untimed warm-up run then 3 measured runs): none / EAGLE chain / EAGLE
 #     tree / DFlash (random-init drafter) x torch_reference / triton x float32 / bfloat16.
+# Backends: RT_BACKENDS (default "torch_reference triton") for the tests, RT_MATRIX_BACKENDS
+# (default the same) and RT_MATRIX_PAGES (page size per matrix backend, default 1 each) for
+# phase 2.  flashinfer / flashmla need their packages: carry .device in a THIRD call (the
+# model's two parts and .device do not fit one 64 MiB carry): call 1 `bash .model-a/put.sh`,
+# call 2 `bash .model-b/put.sh`, call 3 (carry .device) `source .device/setup.sh;
+# RT_BACKENDS="flashinfer flashmla" RT_MATRIX_BACKENDS="triton flashinfer flashmla"
+# RT_MATRIX_PAGES="1 1 64" RT_DTYPES=bfloat16 bash bench/scripts/gpu_runtime.sh $OUT`.
+# Phase 1 also runs the bf16 near-greedy checks (tests/test_runtime_lowp.py) per backend.
 # Files in $OUT (7, the device tool returns at most 8):
 #   device.txt               GPU, versions, phase timings
 #   gpu_tests_summary.md     the GPU tests, one column per backend (pass/FAIL/skip + reason, s)
@@ -42,23 +50,23 @@ python3 -c "import specattn._ext as e; print('ext', e.EXT_AVAILABLE, e.EXT_MISSI
 phase build
 
 # 1. lossless GPU tests, one run per backend (the reference's own tests only once)
-files="tests/test_runtime_gpu.py tests/test_runtime_dflash.py tests/test_runtime_mla.py"
-for b in torch_reference triton; do
+files="tests/test_runtime_gpu.py tests/test_runtime_dflash.py tests/test_runtime_mla.py tests/test_runtime_lowp.py"
+backends=${RT_BACKENDS:-torch_reference triton}
+for b in $backends; do
   extra=""; [ "$b" = torch_reference ] && extra="tests/test_backend_reference.py tests/test_runtime_backends.py"
-  cap=150; [ "$b" = triton ] && cap=180   # triton: JIT compiles
+  cap=200; [ "$b" = triton ] && cap=220   # triton: JIT compiles
   timeout "$(left $cap 200)" python3 -m pytest -m gpu --backend "$b" $files $extra -q -p no:warnings -p no:cacheprovider \
     -rs --durations=5 --junitxml="/tmp/rt_junit_$b.xml" > "$out/gpu_tests_$b.log" 2>&1
   echo "pytest --backend $b: exit $?" >> "$out/gpu_tests_$b.log"
   tail -2 "$out/gpu_tests_$b.log"
   phase "tests_$b"
 done
-python3 bench/scripts/junit_table.py "$out/gpu_tests_summary.md" \
-  torch_reference=/tmp/rt_junit_torch_reference.xml triton=/tmp/rt_junit_triton.xml
+python3 bench/scripts/junit_table.py "$out/gpu_tests_summary.md" $(for b in $backends; do echo "$b=/tmp/rt_junit_$b.xml"; done)
 
 # 2. end to end, side by side (writes its tables after every configuration)
 gen_s=$(left 300 10)
-timeout "$gen_s" python3 bench/scripts/runtime_matrix.py --out "$out" --backends torch_reference triton \
-  --dtypes float32 bfloat16 --repeats 3 --max-new-tokens 64 --budget-s $((gen_s - 45)) 2>> "$out/errors.log"
+timeout "$gen_s" python3 bench/scripts/runtime_matrix.py --out "$out" --backends ${RT_MATRIX_BACKENDS:-$backends} \
+  --page-size ${RT_MATRIX_PAGES:-1} --dtypes ${RT_DTYPES:-float32 bfloat16} --repeats 3 --max-new-tokens 64 --budget-s $((gen_s - 45)) 2>> "$out/errors.log"
 echo "runtime_matrix: exit $?" >> "$out/errors.log"
 phase generate
 cat "$out/generate_summary.md"
