@@ -76,6 +76,14 @@ def _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE: tl.constexpr, UPC
         s = tl.dot(q, kT, input_precision="ieee")
     else:
         s = tl.dot(q, kT)
+    return _masked_update(acc, m_i, l_i, s, vis, qk_scale, v, IEEE)
+
+
+@triton.jit
+def _masked_update(acc, m_i, l_i, s, vis, qk_scale, v, IEEE: tl.constexpr):
+    """The online-softmax update of ``(acc, m_i, l_i)`` by raw scores ``s`` (scaled here,
+    ``-inf`` where not ``vis``; a row that has seen no key keeps ``m = -inf``) and values ``v``
+    (``[BLOCK_N, DV]``); shared with the MLA kernel."""
     s = tl.where(vis, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -112,6 +120,96 @@ def _online_step_full(acc, m_i, l_i, q, kT, v, qk_scale, IEEE: tl.constexpr, UPC
     return acc, m_new, l_i
 
 
+# ---- pieces shared by this kernel and the MLA kernel (attention_mla.py); inlined by Triton
+@triton.jit
+def _program_request(qo_indptr, NUM_SPLITS: tl.constexpr):
+    """This program's request (axis 2 = request x split), split, first token row and new-token
+    count ``n``."""
+    pid2 = tl.program_id(2)
+    req = pid2 // NUM_SPLITS
+    split = pid2 % NUM_SPLITS
+    q_start = tl.load(qo_indptr + req)
+    n = tl.load(qo_indptr + req + 1) - q_start
+    return req, split, q_start, n
+
+
+@triton.jit
+def _tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt, req, q_start, m0,
+               BLOCK_M: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr):
+    """The tile's packed rows ``m0 + [0, BLOCK_M)`` (row = token ``j`` x head ``h`` of
+    ``ROWS_PER_TOKEN``): ``P``, the request's ``req_to_token`` row, ``j``, ``h``, row
+    validity (``j < n`` is the caller's: passed back as ``j``) and the int64 token rows."""
+    P = tl.load(seq_lens + req)
+    r = tl.load(req_pool_indices + req).to(tl.int64)
+    rtt_row = req_to_token + r * stride_rtt
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    j = offs_m // ROWS_PER_TOKEN
+    h = offs_m % ROWS_PER_TOKEN
+    tok = (q_start + j).to(tl.int64)
+    return P, rtt_row, j, h, tok
+
+
+@triton.jit
+def _prefix_range(P, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[lo, hi)``: this split's share of the prefix, in whole ``BLOCK_N`` tiles."""
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = P
+    else:
+        chunk = tl.cdiv(tl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(split * chunk, P)
+        hi = tl.minimum(lo + chunk, P)
+    return lo, hi
+
+
+@triton.jit
+def _draft_key_count(n, m0, split, ROWS_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                     MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """How many of this forward's keys the tile reads: all ``n`` (tree), up to the tile's
+    last token (causal); none but in the last split."""
+    if MASK_MODE == 1:
+        kv_hi = n
+    else:  # causal: no row of this tile sees past its last token
+        kv_hi = tl.minimum(n, (m0 + BLOCK_M - 1) // ROWS_PER_TOKEN + 1)
+    if NUM_SPLITS > 1:
+        kv_hi = tl.where(split == NUM_SPLITS - 1, kv_hi, 0)
+    return kv_hi
+
+
+@triton.jit
+def _draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, k_ok,
+                      MASK_MODE: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]``: row (token ``j``) sees draft key ``offs_k``: its tree bit
+    (``MASK_MODE == 1``) or ``offs_k <= j`` (causal)."""
+    if MASK_MODE == 1:
+        wmask = row_ok[:, None] & k_ok[None, :]
+        words = tl.load(tree_mask + req.to(tl.int64) * stride_tmb + j[:, None] * stride_tmj
+                        + (offs_k // 32)[None, :], mask=wmask, other=0)
+        vis = (((words >> (offs_k % 32)[None, :]) & 1) != 0) & wmask
+    else:
+        vis = (offs_k[None, :] <= j[:, None]) & k_ok[None, :]
+    return vis
+
+
+@triton.jit
+def _store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_v, st_mask, lse_mask, split,
+                stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                NUM_SPLITS: tl.constexpr):
+    """Normalise and store: the output (one split), or the split's partial output and its
+    base-2 log-sum-exp for the merge.  Rows that saw no key get zeros (LSE -inf)."""
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = tl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
+    if NUM_SPLITS == 1:
+        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_v[None, :],
+                 out.to(O.dtype.element_ty), mask=st_mask)
+    else:
+        sp = split.to(tl.int64)
+        tl.store(O_PART + sp * stride_ps + tok[:, None] * stride_pt + head[:, None] * stride_ph
+                 + offs_v[None, :], out, mask=st_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse, mask=lse_mask)
+
+
 @triton.jit
 def _attn_fwd_kernel(
         Q, K, V, O, O_PART, LSE_PART,
@@ -124,26 +222,15 @@ def _attn_fwd_kernel(
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr, SLOT_T: tl.constexpr):
-    tile = tl.program_id(0)
     hk = tl.program_id(1)
-    pid2 = tl.program_id(2)
-    req = pid2 // NUM_SPLITS
-    split = pid2 % NUM_SPLITS
-
-    q_start = tl.load(qo_indptr + req)
-    n = tl.load(qo_indptr + req + 1) - q_start
-    m0 = tile * BLOCK_M
+    req, split, q_start, n = _program_request(qo_indptr, NUM_SPLITS)
+    m0 = tl.program_id(0) * BLOCK_M
     if m0 >= n * GROUP:
         return
-    P = tl.load(seq_lens + req)
-    r = tl.load(req_pool_indices + req).to(tl.int64)
-    rtt_row = req_to_token + r * stride_rtt
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    j = offs_m // GROUP
-    head = hk * GROUP + offs_m % GROUP
+    P, rtt_row, j, g, tok = _tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt, req,
+                                       q_start, m0, BLOCK_M, GROUP)
+    head = hk * GROUP + g
     row_ok = j < n
-    tok = (q_start + j).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < HEAD_DIM
@@ -161,13 +248,7 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     # ---------------- phase 1: the committed prefix, no visibility mask
-    if NUM_SPLITS == 1:
-        lo = 0
-        hi = P
-    else:
-        chunk = tl.cdiv(tl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = tl.minimum(split * chunk, P)
-        hi = tl.minimum(lo + chunk, P)
+    lo, hi = _prefix_range(P, split, NUM_SPLITS, BLOCK_N)
     # full tiles without bound checks, then at most one partial tile
     hi_full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
     for start in range(lo, hi_full, BLOCK_N):
@@ -189,12 +270,7 @@ def _attn_fwd_kernel(
         acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, n_ok[None, :], qk_scale, IEEE, UPCAST)
 
     # ---------------- phase 2: this forward's tokens P + [0, n), masked (last split only)
-    if MASK_MODE == 1:
-        kv_hi = n
-    else:  # causal: no row of this tile sees past its last token
-        kv_hi = tl.minimum(n, (m0 + BLOCK_M - 1) // GROUP + 1)
-    if NUM_SPLITS > 1:
-        kv_hi = tl.where(split == NUM_SPLITS - 1, kv_hi, 0)
+    kv_hi = _draft_key_count(n, m0, split, GROUP, BLOCK_M, MASK_MODE, NUM_SPLITS)
     for start in range(0, kv_hi, BLOCK_N):
         offs_k = start + tl.arange(0, BLOCK_N)
         k_ok = offs_k < kv_hi
@@ -203,28 +279,13 @@ def _attn_fwd_kernel(
                      mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_dv[None, :],
                     mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
-        if MASK_MODE == 1:
-            wmask = row_ok[:, None] & k_ok[None, :]
-            words = tl.load(tree_mask + req.to(tl.int64) * stride_tmb + j[:, None] * stride_tmj
-                            + (offs_k // 32)[None, :], mask=wmask, other=0)
-            vis = (((words >> (offs_k % 32)[None, :]) & 1) != 0) & wmask
-        else:
-            vis = (offs_k[None, :] <= j[:, None]) & k_ok[None, :]
+        vis = _draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, k_ok,
+                                MASK_MODE)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE, UPCAST)
 
-    # ---------------- epilogue
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = tl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
-    st_mask = row_ok[:, None] & dv_ok[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-                 out.to(O.dtype.element_ty), mask=st_mask)
-    else:
-        sp = split.to(tl.int64)
-        tl.store(O_PART + sp * stride_ps + tok[:, None] * stride_pt + head[:, None] * stride_ph
-                 + offs_dv[None, :], out, mask=st_mask)
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
+    _store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_dv,
+                row_ok[:, None] & dv_ok[None, :], row_ok, split, stride_ot, stride_oh,
+                stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS)
 
 
 @triton.jit

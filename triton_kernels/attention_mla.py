@@ -104,7 +104,9 @@ import triton
 import triton.language as tl
 
 from ._util import check_paged_metadata, is_pow2, on_tensor_device
-from .attention import _merge_kernel, check_kernel_config
+from .attention import (_draft_key_count, _draft_visibility, _masked_update, _merge_kernel,
+                        _prefix_range, _program_request, _store_rows, _tile_rows,
+                        check_kernel_config)
 
 __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
 
@@ -138,18 +140,7 @@ def _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, kv_row, ok, vis, offs_own, offs
             s = tl.dot(q_oth, c2, s, input_precision="ieee")
         else:
             s = tl.dot(q_oth, c2, s)
-    s = tl.where(vis, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if IEEE:
-        acc = tl.dot(p.to(c.dtype), c, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(c.dtype), c, acc)
-    return acc, m_new, l_i
+    return _masked_update(acc, m_i, l_i, s, vis, qk_scale, c, IEEE)
 
 
 @triton.jit
@@ -164,26 +155,14 @@ def _mla_fwd_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_DV: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
         CONTIG: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    tile = tl.program_id(0)
     dvi = tl.program_id(1)
-    pid2 = tl.program_id(2)
-    req = pid2 // NUM_SPLITS
-    split = pid2 % NUM_SPLITS
-
-    q_start = tl.load(qo_indptr + req)
-    n = tl.load(qo_indptr + req + 1) - q_start
-    m0 = tile * BLOCK_M
+    req, split, q_start, n = _program_request(qo_indptr, NUM_SPLITS)
+    m0 = tl.program_id(0) * BLOCK_M
     if m0 >= n * NUM_HEADS:
         return
-    P = tl.load(seq_lens + req)
-    r = tl.load(req_pool_indices + req).to(tl.int64)
-    rtt_row = req_to_token + r * stride_rtt
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    j = offs_m // NUM_HEADS
-    head = offs_m % NUM_HEADS
+    P, rtt_row, j, head, tok = _tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt,
+                                          req, q_start, m0, BLOCK_M, NUM_HEADS)
     row_ok = j < n
-    tok = (q_start + j).to(tl.int64)
     if NUM_DV == 1:
         offs_own = tl.arange(0, BLOCK_DV)
         offs_oth = offs_own
@@ -209,13 +188,7 @@ def _mla_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     # ---------------- phase 1: the committed prefix, no visibility mask
-    if NUM_SPLITS == 1:
-        lo = 0
-        hi = P
-    else:
-        chunk = tl.cdiv(tl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = tl.minimum(split * chunk, P)
-        hi = tl.minimum(lo + chunk, P)
+    lo, hi = _prefix_range(P, split, NUM_SPLITS, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
@@ -228,39 +201,20 @@ def _mla_fwd_kernel(
                                   NUM_DV, IEEE, UPCAST)
 
     # ---------------- phase 2: this forward's tokens P + [0, n), masked (last split only)
-    if MASK_MODE == 1:
-        kv_hi = n
-    else:  # causal: no row of this tile sees past its last token
-        kv_hi = tl.minimum(n, (m0 + BLOCK_M - 1) // NUM_HEADS + 1)
-    if NUM_SPLITS > 1:
-        kv_hi = tl.where(split == NUM_SPLITS - 1, kv_hi, 0)
+    kv_hi = _draft_key_count(n, m0, split, NUM_HEADS, BLOCK_M, MASK_MODE, NUM_SPLITS)
     for start in range(0, kv_hi, BLOCK_N):
         offs_k = start + tl.arange(0, BLOCK_N)
         k_ok = offs_k < kv_hi
         slot = tl.load(rtt_row + P + offs_k, mask=k_ok, other=0).to(tl.int64)
-        if MASK_MODE == 1:
-            wmask = row_ok[:, None] & k_ok[None, :]
-            words = tl.load(tree_mask + req.to(tl.int64) * stride_tmb + j[:, None] * stride_tmj
-                            + (offs_k // 32)[None, :], mask=wmask, other=0)
-            vis = (((words >> (offs_k % 32)[None, :]) & 1) != 0) & wmask
-        else:
-            vis = (offs_k[None, :] <= j[:, None]) & k_ok[None, :]
+        vis = _draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, k_ok,
+                                MASK_MODE)
         acc, m_i, l_i = _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, KV + slot * stride_kvt, k_ok,
                                   vis, offs_own, offs_oth, offs_r, qk_scale, NUM_DV, IEEE, UPCAST)
 
-    # ---------------- epilogue
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = tl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
-    if NUM_SPLITS == 1:
-        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_own[None, :],
-                 out.to(O.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        sp = split.to(tl.int64)
-        tl.store(O_PART + sp * stride_ps + tok[:, None] * stride_pt + head[:, None] * stride_ph
-                 + offs_own[None, :], out, mask=row_ok[:, None])
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse,
-                 mask=row_ok & ((head * 0 + dvi) == 0))  # one writer per row
+    _store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_own, row_ok[:, None],
+                row_ok & ((head * 0 + dvi) == 0),  # one LSE writer per row
+                split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                NUM_SPLITS)
 
 
 def default_mla_config(max_rows: int, kv_lora_rank: int, ieee: bool) -> dict:
