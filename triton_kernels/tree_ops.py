@@ -160,22 +160,33 @@ def _gather(vec, idx, jj):
 
 
 @triton.jit
-def _verify_greedy_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al_s0,
-                          cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0, nx_s1,
-                          sb_ptr, sb_s0, sb_s1, tg_ptr, tg_s0, tg_s1, D, S,
-                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+def _tree_rows(cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0, nx_s1, sb_ptr, sb_s0,
+               sb_s1, b, D, BLOCK_D: tl.constexpr):
+    """Request ``b``'s tree as register vectors over ``jj = [0, BLOCK_D)`` (valid ``< D``):
+    ``(jj, cand int64, retrive_index int64, next_token int32, next_sibling int32)``.  Links
+    outside ``[0, D)`` become -1 (end of chain): the wrapper's range checks are skipped while a
+    CUDA graph is captured, so a bad link must never become an address."""
     jj = tl.arange(0, BLOCK_D)
     vm = jj < D
     cand = tl.load(cand_ptr + b * c_s0 + jj * c_s1, mask=vm, other=0).to(tl.int64)
     ridx = tl.load(ri_ptr + b * ri_s0 + jj * ri_s1, mask=vm, other=0).to(tl.int64)
     nxt = tl.load(nx_ptr + b * nx_s0 + jj * nx_s1, mask=vm, other=-1).to(tl.int32)
     sib = tl.load(sb_ptr + b * sb_s0 + jj * sb_s1, mask=vm, other=-1).to(tl.int32)
-    # never an address outside the request (the wrapper's value checks are skipped while a
-    # CUDA graph is captured): links outside [0, D) end the chain, rows outside the block
-    # fall back to the token's own row
     nxt = tl.where((nxt >= 0) & (nxt < D), nxt, -1)
     sib = tl.where((sib >= 0) & (sib < D), sib, -1)
+    return jj, cand, ridx, nxt, sib
+
+
+@triton.jit
+def _verify_greedy_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al_s0,
+                          cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0, nx_s1,
+                          sb_ptr, sb_s0, sb_s1, tg_ptr, tg_s0, tg_s1, D, S,
+                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    jj, cand, ridx, nxt, sib = _tree_rows(cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0,
+                                          nx_s1, sb_ptr, sb_s0, sb_s1, b, D, BLOCK_D)
+    vm = jj < D
+    # never an address outside the request: rows outside the block fall back to the token's own
     ridx = tl.where((ridx >= b * D) & (ridx < b * D + D), ridx, b * D + jj)
     ks = tl.arange(0, BLOCK_S)
 

@@ -42,16 +42,11 @@ import triton
 import triton.language as tl
 
 from ._util import next_pow2, on_tensor_device
+from .tree_ops import _gather, _tree_rows
 
 __all__ = ["tree_speculative_sampling"]
 
 _MAX_BLOCK_V = 4096
-
-
-@triton.jit
-def _gather(vec, idx, jj):
-    """``vec[idx]`` for a register vector ``vec`` and a scalar ``idx`` (0 if out of range)."""
-    return tl.sum(tl.where(jj == idx, vec, 0), axis=0)
 
 
 @triton.jit
@@ -86,16 +81,9 @@ def _tree_sampling_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al
                           HAS_DRAFT: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    jj = tl.arange(0, BLOCK_D)
+    jj, cand, ridx, nxt, sib = _tree_rows(cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0,
+                                          nx_s1, sb_ptr, sb_s0, sb_s1, b, D, BLOCK_D)
     vm = jj < D
-    cand = tl.load(cand_ptr + b * c_s0 + jj * c_s1, mask=vm, other=0).to(tl.int64)
-    ridx = tl.load(ri_ptr + b * ri_s0 + jj * ri_s1, mask=vm, other=0).to(tl.int64)
-    nxt = tl.load(nx_ptr + b * nx_s0 + jj * nx_s1, mask=vm, other=-1).to(tl.int32)
-    sib = tl.load(sb_ptr + b * sb_s0 + jj * sb_s1, mask=vm, other=-1).to(tl.int32)
-    # links outside [0, D) end the chain: never an address (the wrapper's range checks are
-    # skipped while a CUDA graph is captured)
-    nxt = tl.where((nxt >= 0) & (nxt < D), nxt, -1)
-    sib = tl.where((sib >= 0) & (sib < D), sib, -1)
     ks = tl.arange(0, BLOCK_S)
 
     # ---- walk: children in sibling order, float32 running sum (bit-exact with the reference)
