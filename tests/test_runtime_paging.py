@@ -92,12 +92,15 @@ def test_paged_dflash(tiny, backend_name, monkeypatch):
     assert res.tokens == base.tokens and res.accept_lengths == base.accept_lengths
 
 
-def test_paged_mla(seed, backend_name, monkeypatch):
+@pytest.mark.parametrize("page_size", [8, 32])
+def test_paged_mla(seed, page_size, backend_name, monkeypatch):
+    """Page 32 holds whole key tiles of the Triton MLA kernel (32 keys here): its
+    one-slot-per-tile path reads these rows."""
     model = MLAModel(MLAConfig(vocab_size=128), seed=seed)
     rng = random.Random(seed)
     prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 14))] for _ in range(3)]
-    base, res, _ = generate_pair(backend_name, (model,), SpecConfig("eagle", 2, 3, 6, 2), prompts, 8,
-                                 monkeypatch)
+    base, res, _ = generate_pair(backend_name, (model,), SpecConfig("eagle", 2, 3, 6, 2), prompts,
+                                 page_size, monkeypatch)
     assert res.tokens == base.tokens and res.accept_lengths == base.accept_lengths
 
 

@@ -1,0 +1,151 @@
+"""Compile the Triton attention and tree-verify kernels for SM90 offline (no GPU needed) and
+record what a refactor must not change: the multiset of PTX instructions and, where
+``ptxas`` is installed, registers and spill bytes per kernel config.
+
+    python3 bench/scripts/kernel_ptx.py --out /tmp/before      # on the old revision
+    python3 bench/scripts/kernel_ptx.py --out /tmp/after       # on the new one
+    python3 bench/scripts/kernel_ptx.py --compare /tmp/before /tmp/after
+
+``--compare`` prints each config whose instruction counts, registers or spills differ and
+exits 1 if any does.  Equal results mean the change only reordered instructions (e.g. code
+moved into inlined ``@triton.jit`` helpers): a performance-neutral refactor can be shown on
+a machine without a GPU.  Configs: ``CONFIGS`` below (MHA/MLA attention at several mask /
+split / value-split settings, greedy and sampling tree verify).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _configs():
+    import triton.language as tl
+    from specattn.triton_kernels import attention as A, attention_mla as M
+    from specattn.triton_kernels import tree_ops as T, tree_sampling as S
+    out = []
+    for mask, splits, slot, dt, ieee in ((0, 1, tl.int32, "bf16", False), (1, 4, tl.int64, "bf16", False),
+                                         (1, 1, tl.int32, "fp32", True)):
+        c = dict(GROUP=4, HEAD_DIM=128, V_DIM=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=64, BLOCK_N=64,
+                 MASK_MODE=mask, NUM_SPLITS=splits, IEEE=ieee, UPCAST=False, SLOT_T=slot)
+        out.append((f"mha_mask{mask}_splits{splits}_{dt}", A._attn_fwd_kernel, dt, c, 4))
+    for mask, splits, ndv, contig in ((0, 1, 1, 1), (1, 4, 2, 0), (1, 2, 1, 1)):
+        c = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_M=64, BLOCK_N=32, BLOCK_DV=512 // ndv,
+                 NUM_DV=ndv, MASK_MODE=mask, NUM_SPLITS=splits, CONTIG=contig, IEEE=False, UPCAST=False)
+        out.append((f"mla_mask{mask}_splits{splits}_dv{ndv}_contig{contig}", M._mla_fwd_kernel, "bf16", c, 8))
+    out.append(("verify_greedy", T._verify_greedy_kernel, None, dict(BLOCK_D=64, BLOCK_S=8), 4))
+    out.append(("verify_sampling", S._tree_sampling_kernel, None,
+                dict(HAS_DRAFT=True, BLOCK_D=64, BLOCK_S=8, BLOCK_V=1024), 4))
+    return out
+
+
+def _signature(fn, dt, consts) -> dict:
+    sig = {}
+    for n in fn.arg_names:
+        if dt is not None and n in ("Q", "K", "V", "O", "KV"):
+            sig[n] = "*" + dt
+        elif n in ("O_PART", "LSE_PART"):
+            sig[n] = "*fp32"
+        elif n in ("req_to_token", "seq_lens", "qo_indptr", "tree_mask"):
+            sig[n] = "*i32"
+        elif n == "req_pool_indices":
+            sig[n] = "*i64"
+        elif n == "qk_scale" or n.startswith("th_"):
+            sig[n] = "fp32"
+        elif n.endswith("_ptr"):
+            sig[n] = "*fp32" if n[:2] in ("us", "uf", "tp", "dp") else "*i64"
+        else:
+            sig[n] = "i32"
+    sig.update({k: "constexpr" for k in consts})
+    return sig
+
+
+def _instructions(ptx: str) -> dict:
+    count = collections.Counter()
+    for line in ptx.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("$", ".", "{", "}", "//", ")")) or line.endswith(":"):
+            continue
+        words = line.split()
+        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        count[op.rstrip(";")] += 1
+    return dict(count)
+
+
+def _ptxas(ptx: str) -> dict:
+    exe = shutil.which("ptxas")
+    if exe is None:
+        return {}
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.7", ptx, flags=re.M))  # ptxas of CUDA 13.0
+        run = subprocess.run([exe, "-arch=sm_90a", "-v", str(src), "-o", str(Path(d) / "k.cubin")],
+                             capture_output=True, text=True)
+    text = run.stdout + run.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spill.group(1)) if spill else None}
+
+
+def dump(out: Path) -> None:
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    out.mkdir(parents=True, exist_ok=True)
+    report = {}
+    for name, fn, dt, consts, warps in _configs():
+        src = ASTSource(fn=fn, signature=_signature(fn, dt, consts),
+                        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=warps, num_stages=2)).asm["ptx"]
+        (out / f"{name}.ptx").write_text(ptx)
+        report[name] = {"instructions": _instructions(ptx), **_ptxas(ptx)}
+        print(name, sum(report[name]["instructions"].values()), "instructions",
+              {k: v for k, v in report[name].items() if k != "instructions"}, flush=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+
+
+def compare(a: Path, b: Path) -> int:
+    ra, rb = (json.loads((d / "report.json").read_text()) for d in (a, b))
+    bad = 0
+    for name in sorted(set(ra) | set(rb)):
+        x, y = ra.get(name), rb.get(name)
+        if x is None or y is None:
+            print(f"{name}: only in {'b' if x is None else 'a'}")
+            bad += 1
+            continue
+        ops = {k: (x["instructions"].get(k, 0), y["instructions"].get(k, 0))
+               for k in set(x["instructions"]) | set(y["instructions"])
+               if x["instructions"].get(k, 0) != y["instructions"].get(k, 0)}
+        other = {k: (x.get(k), y.get(k)) for k in ("registers", "spill_store_bytes") if x.get(k) != y.get(k)}
+        if ops or other:
+            bad += 1
+            print(f"{name}: differs {other} {ops}")
+        else:
+            print(f"{name}: same")
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--out", type=Path)
+    g.add_argument("--compare", type=Path, nargs=2)
+    a = ap.parse_args(argv)
+    if a.out is not None:
+        dump(a.out)
+        return 0
+    return compare(*a.compare)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
