@@ -20,6 +20,8 @@ which 5 are live.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .forward_batch import ForwardBatch
@@ -61,7 +63,7 @@ class GraphInputBuffers:
         self.positions = torch.zeros(T, dtype=torch.int64, device=device)
         self.tree_mask = torch.zeros(max_bs, D, num_mask_words(D), dtype=torch.int32, device=device)
 
-    def fill(self, batch: ForwardBatch, padded_bs: int, padded_tokens: int = None) -> ForwardBatch:
+    def fill(self, batch: ForwardBatch, padded_bs: int, padded_tokens: Optional[int] = None) -> ForwardBatch:
         """Copy ``batch`` into the buffers, pad to ``padded_bs`` requests (EXTEND: and to
         ``padded_tokens`` tokens), return the view.
 

@@ -331,7 +331,8 @@ class Engine:
             raise RuntimeError(f"out of KV slots: need {n} per request, have {self.alloc.available_size()}")
         return slots.view(len(reqs), n)
 
-    def _beam_slots(self, rows: torch.Tensor, src_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _beam_slots(self, rows: torch.Tensor, src_rows: torch.Tensor,
+                    pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Scratch beam rows ``rows`` (copies of ``src_rows``) get a slot at position ``pos``
         each.  Pages > 1: the page holding ``pos`` becomes a fresh page per beam, with the
         drafter KV of the source's page copied in (its positions before ``pos``: prefix,
