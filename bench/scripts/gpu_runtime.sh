@@ -18,8 +18,9 @@
 # phase 2.  flashinfer / flashmla need their packages: carry .device in a THIRD call (the
 # model's two parts and .device do not fit one 64 MiB carry): call 1 `bash .model-a/put.sh`,
 # call 2 `bash .model-b/put.sh`, call 3 (carry .device) `source .device/setup.sh;
-# RT_BACKENDS="flashinfer flashmla" RT_MATRIX_BACKENDS="triton flashinfer flashmla"
-# RT_MATRIX_PAGES="1 1 64" RT_DTYPES=bfloat16 bash bench/scripts/gpu_runtime.sh $OUT`.
+# RT_BACKENDS="flashinfer flashmla" RT_MATRIX_BACKENDS="triton flashinfer"
+# RT_MATRIX_PAGES="1 16" RT_DTYPES=bfloat16 bash bench/scripts/gpu_runtime.sh $OUT` (the real
+# model is a Llama: FlashMLA, MLA only, runs in the tests on the random MLA model).
 # Phase 1 also runs the bf16 near-greedy checks (tests/test_runtime_lowp.py) per backend.
 # Files in $OUT (7, the device tool returns at most 8):
 #   device.txt               GPU, versions, phase timings
