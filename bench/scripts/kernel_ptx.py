@@ -10,7 +10,9 @@ record what a refactor must not change: the multiset of PTX instructions and, wh
 exits 1 if any does.  Equal results mean the change only reordered instructions (e.g. code
 moved into inlined ``@triton.jit`` helpers): a performance-neutral refactor can be shown on
 a machine without a GPU.  Configs: ``CONFIGS`` below (MHA/MLA attention at several mask /
-split / value-split settings, greedy and sampling tree verify).
+split / value-split settings, greedy and sampling tree verify).  Compare two revisions
+under the SAME Triton: absolute figures depend on its version (e.g. Triton 3.9 here buffers
+one more pipeline stage than the GPU machine's 3.6, so its shared-memory sizes differ).
 """
 from __future__ import annotations
 
