@@ -116,3 +116,42 @@ def check_paged_metadata(q: torch.Tensor, req_to_token: torch.Tensor, req_pool_i
     for bad, why in problems:
         if bad:
             raise ValueError(why)
+
+
+_FITTING_STAGES: dict = {}
+
+
+def launch_fitting(kernel, grid, args: Sequence, kwargs: dict, num_stages: int) -> int:
+    """``kernel[grid](*args, **kwargs, num_stages=...)`` with ``num_stages``, or fewer stages
+    where this Triton's software pipelining of the config needs more shared memory than the
+    GPU has.  Triton raises ``OutOfResources`` at a config's first launch, before any work is
+    enqueued (Triton versions buffer different stage counts: the defaults were measured with
+    3.6, whose buffers a newer one may outgrow).  The stage count that fits is remembered per
+    (kernel, device, constexprs and warps, argument dtypes) and a RuntimeWarning says once
+    that it was lowered.  Returns the stage count used.
+
+    Raises:
+        triton.runtime.errors.OutOfResources: not even one stage fits.
+    """
+    import warnings
+
+    from triton.runtime.errors import OutOfResources
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    key = (getattr(kernel, "fn", kernel), str(dev), tuple(sorted(kwargs.items(), key=lambda kv: kv[0])),
+           tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor)), num_stages)
+    stages = _FITTING_STAGES.get(key, num_stages)
+    while True:
+        try:
+            kernel[grid](*args, **kwargs, num_stages=stages)
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            continue
+        if key not in _FITTING_STAGES:
+            _FITTING_STAGES[key] = stages
+            if stages != num_stages:
+                warnings.warn(f"{getattr(kernel, '__name__', kernel)}: num_stages {num_stages} needs more "
+                              f"shared memory than this GPU has with this Triton; using {stages}",
+                              RuntimeWarning, stacklevel=3)
+        return stages

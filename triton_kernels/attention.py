@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_paged_metadata, is_pow2, next_pow2, on_tensor_device
+from ._util import check_paged_metadata, is_pow2, launch_fitting, next_pow2, on_tensor_device
 
 __all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_config",
            "MHA_CONFIG_KEYS"]
@@ -349,7 +349,10 @@ def default_config(max_rows: int, block_d: int, ieee: bool, num_splits: int = 1)
     """Kernel config for ``max_rows = max_q * G`` packed rows per (request, KV head), the
     padded head width ``block_d``, fp32 (``ieee``) inputs and the split-KV factor:
     ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` (from the H100 sweep of
-    ``bench/scripts/attention_sweep.py``, 2026-11-22)."""
+    ``bench/scripts/attention_sweep.py``, 2026-11-22, Triton 3.6).  The launch lowers
+    ``num_stages`` where a Triton version's pipelining of a config outgrows shared memory
+    (:func:`~specattn.triton_kernels._util.launch_fitting`; offline, Triton 3.9 sizes the
+    128 x 128 four-stage tile at 288 KB, over the H100's 227 KB)."""
     if ieee or block_d > 128:
         return dict(block_m=min(64, choose_block_m(max_rows)), block_n=32, num_warps=4, num_stages=2)
     if max_rows >= 128:  # compute-bound rows (tree verify, extend)
@@ -442,19 +445,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tm_strides = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
     ps = o_part.stride() if num_splits > 1 else (0, 0, 0, 0)
     ls = lse.stride() if num_splits > 1 else (0, 0, 0)
-    _attn_fwd_kernel[grid](
+    launch_fitting(_attn_fwd_kernel, grid, (
         q, k_cache, v_cache, out, o_part, lse,
         req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         ps[0], ps[1], ps[2], ls[0], ls[1],
         req_to_token.stride(0), tm_strides[0], tm_strides[1],
-        sm_scale * 1.4426950408889634,
+        sm_scale * 1.4426950408889634), dict(
         GROUP=G, HEAD_DIM=Dqk, V_DIM=Dv, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         MASK_MODE=MASK_TREE if tree_mask is not None else MASK_CAUSAL,
-        NUM_SPLITS=num_splits, IEEE=ieee, UPCAST=upcast, SLOT_T=tl.int32 if off32 else tl.int64, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        NUM_SPLITS=num_splits, IEEE=ieee, UPCAST=upcast, SLOT_T=tl.int32 if off32 else tl.int64,
+        num_warps=cfg["num_warps"]), cfg["num_stages"])
     if num_splits > 1:
         _merge_kernel[(T, H)](o_part, lse, out, ps[0], ps[1], ps[2], ls[0], ls[1],
                               out.stride(0), out.stride(1), V_DIM=Dv, BLOCK_DV=BLOCK_DV,

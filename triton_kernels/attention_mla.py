@@ -103,7 +103,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_paged_metadata, is_pow2, on_tensor_device
+from ._util import check_paged_metadata, is_pow2, launch_fitting, on_tensor_device
 from .attention import (_draft_key_count, _draft_visibility, _masked_update, _merge_kernel,
                         _prefix_range, _program_request, _store_rows, _tile_rows,
                         check_kernel_config)
@@ -342,19 +342,18 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         ps, ls = (0, 0, 0, 0), (0, 0, 0)
     tm = tree_mask if tree_mask is not None else seq_lens
     tm_strides = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
-    _mla_fwd_kernel[grid](
+    launch_fitting(_mla_fwd_kernel, grid, (
         q, kv_cache, out, o_part, lse,
         req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
         q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
         ps[0], ps[1], ps[2], ls[0], ls[1],
         req_to_token.stride(0), tm_strides[0], tm_strides[1],
-        sm_scale * 1.4426950408889634,
+        sm_scale * 1.4426950408889634), dict(
         NUM_HEADS=H, KV_LORA=rank, ROPE=rope, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_DV=BLOCK_DV, NUM_DV=num_dv,
         MASK_MODE=MASK_TREE if tree_mask is not None else MASK_CAUSAL,
         NUM_SPLITS=num_splits, CONTIG=page_size % BLOCK_N == 0, IEEE=ieee, UPCAST=upcast,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"]), cfg["num_stages"])
     if num_splits > 1:
         _merge_kernel[(T, H)](o_part, lse, out, ps[0], ps[1], ps[2], ls[0], ls[1],
                               out.stride(0), out.stride(1), V_DIM=rank, BLOCK_DV=rank,

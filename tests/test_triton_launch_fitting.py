@@ -1,0 +1,50 @@
+"""``launch_fitting``: a config whose pipelining needs more shared memory than the GPU has
+(Triton raises ``OutOfResources`` at its first launch, before enqueuing work) is launched
+again with fewer stages; the count that fits is remembered and a RuntimeWarning says so
+once; a config that never fits raises.  A fake kernel stands in for the GPU's limit."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before triton / specattn are imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+from specattn.triton_kernels import _util  # noqa: E402
+
+
+class FakeKernel:
+    """Fits ``max_stages`` stages; records every launch's stage count."""
+
+    def __init__(self, max_stages):
+        self.max_stages, self.launches = max_stages, []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_stages, **kwargs):
+            self.launches.append(num_stages)
+            if num_stages > self.max_stages:
+                raise OutOfResources(num_stages * 65536, self.max_stages * 65536, "shared memory")
+        return launch
+
+
+def test_lowers_stages_until_it_fits_and_remembers():
+    k = FakeKernel(max_stages=2)
+    args, kw = (torch.zeros(3), 7), dict(BLOCK_M=64, num_warps=8)
+    with pytest.warns(RuntimeWarning, match="num_stages 4 .* using 2"):
+        assert _util.launch_fitting(k, (1,), args, kw, 4) == 2
+    assert k.launches == [4, 3, 2]
+    assert _util.launch_fitting(k, (1,), args, kw, 4) == 2   # remembered: one launch, no warning
+    assert k.launches == [4, 3, 2, 2]
+    assert _util.launch_fitting(k, (1,), args, dict(kw, BLOCK_M=32), 2) == 2   # another config
+    assert _util.launch_fitting(k, (1,), (torch.zeros(3, dtype=torch.float16), 7), kw, 1) == 1
+
+
+def test_raises_when_nothing_fits():
+    k = FakeKernel(max_stages=0)
+    with pytest.raises(OutOfResources):
+        _util.launch_fitting(k, (1,), (torch.zeros(1),), dict(BLOCK_N=16), 3)
+    assert k.launches == [3, 2, 1]
