@@ -27,14 +27,17 @@ def padded_sizes(max_bs: int) -> List[int]:
 
 
 def empty_batch(mode: ForwardMode, tokens_per_req: int, device) -> ForwardBatch:
-    """A batch of no requests in ``mode`` (what capture pads up from)."""
+    """A batch of no requests in ``mode`` (what capture pads up from; with empty host
+    lengths, so the padded capture batch carries host copies like every replay's)."""
     e64 = torch.zeros(0, dtype=torch.int64, device=device)
     e32 = torch.zeros(0, dtype=torch.int32, device=device)
     D = tokens_per_req
     return ForwardBatch(mode, e64, e32, e32.clone(), e64.clone(), e64.clone(),
                         num_tokens_per_req=D if mode.has_fixed_tokens_per_req() else None,
                         tree_mask=torch.zeros(0, D, num_mask_words(D), dtype=torch.int32, device=device)
-                        if mode == ForwardMode.TARGET_VERIFY else None)
+                        if mode == ForwardMode.TARGET_VERIFY else None,
+                        seq_lens_cpu=torch.zeros(0, dtype=torch.int32),
+                        extend_lens_cpu=torch.zeros(0, dtype=torch.int32))
 
 
 class GraphRunner:

@@ -213,3 +213,15 @@ def test_batches_carry_host_lengths(tiny, spec, monkeypatch):
     eng = Engine(cfg, dict(w), spec=spec, max_context=64)
     eng.generate(prompts, SamplingParams(max_new_tokens=6))
     assert set(seen) == {m for _, m in eng.required_modes()}
+
+
+@pytest.mark.parametrize("mode", [M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2], ids=lambda m: m.name)
+def test_capture_batch_carries_host_lengths(mode):
+    """The graph runner's capture batch (empty, padded to bs 3) has host lengths equal to its
+    device ones, like every replay batch."""
+    from specattn.backends import GraphInputBuffers
+    from specattn.spec_runtime.graph_runner import empty_batch
+    D = 1 if mode == M.DECODE else 4
+    padded = GraphInputBuffers(4, D, "cpu").fill(empty_batch(mode, D, "cpu"), 3)
+    assert padded.seq_lens_cpu.tolist() == padded.seq_lens.tolist() == [0, 0, 0]
+    assert padded.extend_lens_cpu.tolist() == padded.extend_lens.tolist() == [D] * 3
