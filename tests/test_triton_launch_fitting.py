@@ -1,7 +1,8 @@
 """``launch_fitting``: a config whose pipelining needs more shared memory than the GPU has
 (Triton raises ``OutOfResources`` at its first launch, before enqueuing work) is launched
-again with fewer stages; the count that fits is remembered and a RuntimeWarning says so
-once; a config that never fits raises.  A fake kernel stands in for the GPU's limit."""
+again with fewer stages; the count that fits is remembered (later launches try the asked
+count, then that one) and a RuntimeWarning says so once; a config that fits launches once;
+one that never fits raises.  A fake kernel stands in for the GPU's limit."""
 import os
 
 import torch
@@ -37,9 +38,10 @@ def test_lowers_stages_until_it_fits_and_remembers():
     with pytest.warns(RuntimeWarning, match="num_stages 4 .* using 2"):
         assert _util.launch_fitting(k, (1,), args, kw, 4) == 2
     assert k.launches == [4, 3, 2]
-    assert _util.launch_fitting(k, (1,), args, kw, 4) == 2   # remembered: one launch, no warning
-    assert k.launches == [4, 3, 2, 2]
-    assert _util.launch_fitting(k, (1,), args, dict(kw, BLOCK_M=32), 2) == 2   # another config
+    assert _util.launch_fitting(k, (1,), args, kw, 4) == 2   # remembered: no search, no warning
+    assert k.launches == [4, 3, 2, 4, 2]
+    assert _util.launch_fitting(k, (1,), args, dict(kw, BLOCK_M=32), 2) == 2   # fits: one launch
+    assert k.launches[-1] == 2 and len(k.launches) == 6
     assert _util.launch_fitting(k, (1,), (torch.zeros(3, dtype=torch.float16), 7), kw, 1) == 1
 
 

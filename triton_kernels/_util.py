@@ -124,11 +124,12 @@ _FITTING_STAGES: dict = {}
 def launch_fitting(kernel, grid, args: Sequence, kwargs: dict, num_stages: int) -> int:
     """``kernel[grid](*args, **kwargs, num_stages=...)`` with ``num_stages``, or fewer stages
     where this Triton's software pipelining of the config needs more shared memory than the
-    GPU has.  Triton raises ``OutOfResources`` at a config's first launch, before any work is
+    GPU has.  Triton raises ``OutOfResources`` at a config's launch, before any work is
     enqueued (Triton versions buffer different stage counts: the defaults were measured with
-    3.6, whose buffers a newer one may outgrow).  The stage count that fits is remembered per
-    (kernel, device, constexprs and warps, argument dtypes) and a RuntimeWarning says once
-    that it was lowered.  Returns the stage count used.
+    3.6, whose buffers a newer one may outgrow).  A config that fits costs nothing extra; for
+    one that does not, the stage count that fits is remembered per (kernel, device,
+    constexprs and warps, argument dtypes) and a RuntimeWarning says once that it was
+    lowered.  Returns the stage count used.
 
     Raises:
         triton.runtime.errors.OutOfResources: not even one stage fits.
@@ -136,10 +137,16 @@ def launch_fitting(kernel, grid, args: Sequence, kwargs: dict, num_stages: int) 
     import warnings
 
     from triton.runtime.errors import OutOfResources
+    try:
+        kernel[grid](*args, **kwargs, num_stages=num_stages)
+        return num_stages
+    except OutOfResources:
+        if num_stages <= 1:
+            raise
     dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     key = (getattr(kernel, "fn", kernel), str(dev), tuple(sorted(kwargs.items(), key=lambda kv: kv[0])),
            tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor)), num_stages)
-    stages = _FITTING_STAGES.get(key, num_stages)
+    stages = _FITTING_STAGES.get(key, num_stages - 1)
     while True:
         try:
             kernel[grid](*args, **kwargs, num_stages=stages)
@@ -150,8 +157,7 @@ def launch_fitting(kernel, grid, args: Sequence, kwargs: dict, num_stages: int) 
             continue
         if key not in _FITTING_STAGES:
             _FITTING_STAGES[key] = stages
-            if stages != num_stages:
-                warnings.warn(f"{getattr(kernel, '__name__', kernel)}: num_stages {num_stages} needs more "
-                              f"shared memory than this GPU has with this Triton; using {stages}",
-                              RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{getattr(kernel, '__name__', kernel)}: num_stages {num_stages} needs more "
+                          f"shared memory than this GPU has with this Triton; using {stages}",
+                          RuntimeWarning, stacklevel=3)
         return stages
