@@ -67,7 +67,8 @@ captured small-batch decode may split a short prefix more than eager would).
 ``num_kv_splits=`` forces a count (tests, sweeps).  EXTEND never splits.
 
 Kernel config: ``kernel_config={"block_m": .., "block_n": .., "num_warps": .., "num_stages":
-..}`` (MLA also ``"block_dv"``: ``kv_lora_rank`` or half of it) overrides the kernels'
+..}`` (MLA also ``"block_dv"``: ``kv_lora_rank`` or half of it, and ``"tma"``: prefix tiles
+by TMA, pages holding whole tiles) overrides the kernels'
 defaults for every forward (sweeps); keys and values are checked at construction.
 ``page_aligned`` (default True): see :class:`TritonBackend`.
 """
@@ -160,7 +161,8 @@ class TritonBackend(AttentionBackend):
         num_kv_splits: force the split-KV factor (1 = never split) for the modes that split;
             None picks it from the batch shape and the GPU's SM count (1 on CPU).
         kernel_config: kernel config overrides passed to every kernel call: ``block_m``,
-            ``block_n``, ``num_warps``, ``num_stages`` (MLA also ``block_dv``); powers of two
+            ``block_n``, ``num_warps``, ``num_stages`` (MLA also ``block_dv``, and ``tma``, a
+            bool: :func:`~specattn.triton_kernels.attention_mla.mla_paged_attention`); powers of two
             (``num_stages``: any int >= 1).
         page_aligned: promise that ``req_to_token`` rows follow the pools' page layout (token
             ``p`` of a request at offset ``p % page_size`` of its page, as ``KVAllocator``

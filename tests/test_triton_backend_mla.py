@@ -138,6 +138,51 @@ def test_mla_kernel_page_tiles():
             assert (rel_err(a, b) < 1e-6) == same
 
 
+@pytest.mark.parametrize("block_dv", [16, 32])
+def test_mla_kernel_tma_tiles(block_dv):
+    """``tma=True``: the prefix's full tiles come through TMA descriptors, the partial tile and
+    the draft tokens through the gather path.  Same answer as the gather path (P crossing
+    pages, with and without a partial tile, split and not, a tree); poisoned rows past P in
+    the last page never leak in (NaN there would poison the output)."""
+    torch.manual_seed(2)
+    r, rope, H, ps, D = 32, 16, 4, 16, 3
+    pages = torch.randperm(8)[:6] + 1
+    rtt = (pages[:, None] * ps + torch.arange(ps)).flatten()[None].int()          # [1, 96]
+    kv = torch.randn(10 * ps, 1, r + rope)
+    tree = pack_tree_mask(torch.ones(D, D, dtype=torch.bool).tril()[None])
+    for P in (48, 57):
+        used = rtt[0, :P + D].long()
+        poison = torch.ones(kv.shape[0], dtype=torch.bool)
+        poison[used] = False
+        kv[poison] = float("nan")
+        q = torch.randn(D, H, r + rope)
+        args = (q, kv, rtt, torch.tensor([0]), torch.tensor([P], dtype=torch.int32),
+                torch.tensor([0, D], dtype=torch.int32), tree, D, 0.2, r)
+        for splits in (1, 2):
+            kw = dict(num_splits=splits, block_n=16, block_dv=block_dv, page_size=ps)
+            a = mla_paged_attention(*args, **kw)
+            b = mla_paged_attention(*args, **kw, tma=True)
+            assert torch.isfinite(b).all() and rel_err(a, b) < 1e-5, (P, splits)
+        kv[poison] = 0.0
+
+
+def test_mla_kernel_tma_errors():
+    r, ps = 32, 16
+    rtt = torch.arange(32, dtype=torch.int32).view(1, 32)
+    kv = torch.zeros(48, 1, r + 16)
+    args = (torch.zeros(1, 2, r + 16), kv, rtt, torch.tensor([0]), torch.tensor([20], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32), None, 1, 0.2, r)
+    with pytest.raises(ValueError, match="dividing page_size"):
+        mla_paged_attention(*args, block_n=32, page_size=ps, tma=True)
+    with pytest.raises(ValueError, match="tma must be a bool"):
+        mla_paged_attention(*args, block_n=16, page_size=ps, tma=1)
+    wide = torch.zeros(48, 1, 512 + 64)
+    with pytest.raises(ValueError, match="<= 256"):
+        mla_paged_attention(torch.zeros(1, 2, 576), wide, rtt, torch.tensor([0]),
+                            torch.tensor([20], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                            None, 1, 0.2, 512, block_n=16, block_dv=512, page_size=ps, tma=True)
+
+
 def test_mla_kernel_input_errors():
     r = 32
     rtt = torch.zeros(2, 8, dtype=torch.int32)
@@ -271,7 +316,8 @@ def test_mla_cuda_graph_replay(mode, page_size, dtype, splits, seed):
 @pytest.mark.parametrize("config", [
     dict(block_dv=256), dict(block_n=16), dict(block_n=64, num_stages=1), dict(num_warps=4),
     dict(block_m=64, block_n=16, block_dv=512, num_stages=3), dict(block_m=32, block_dv=256, num_warps=4),
-    dict(block_m=128, block_dv=256, num_stages=1)],
+    dict(block_m=128, block_dv=256, num_stages=1), dict(block_m=128, block_dv=256, num_stages=1, tma=True),
+    dict(block_m=64, block_n=32, block_dv=256, num_stages=2, tma=True)],
     ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_mla_kernel_configs_on_gpu(mode, config, seed):
     """Every sweepable knob compiles and stays correct (bf16, 128 heads, 512 + 64)."""

@@ -108,6 +108,13 @@ def _online_step_full(acc, m_i, l_i, q, kT, v, qk_scale, IEEE: tl.constexpr, UPC
         s = tl.dot(q, kT, input_precision="ieee")
     else:
         s = tl.dot(q, kT)
+    return _full_update(acc, m_i, l_i, s, qk_scale, v, IEEE)
+
+
+@triton.jit
+def _full_update(acc, m_i, l_i, s, qk_scale, v, IEEE: tl.constexpr):
+    """:func:`_masked_update` for scores every row sees (no mask, all finite): the running
+    max never stays ``-inf``, so no guard; shared with the MLA kernel's TMA tiles."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s * qk_scale - m_new[:, None])
@@ -331,7 +338,8 @@ MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 def check_kernel_config(config: dict, allowed) -> None:
     """Raise ValueError unless every key of ``config`` is in ``allowed`` and every non-None
     value is an int: ``block_*`` powers of two >= 16, ``num_warps`` a power of two,
-    ``num_stages`` >= 1.  (Shared by the MHA and MLA kernels and ``TritonBackend``.)"""
+    ``num_stages`` >= 1; ``tma`` (MLA) a bool.  (Shared by the MHA and MLA kernels and
+    ``TritonBackend``.)"""
     bad = sorted(set(config) - set(allowed))
     if bad:
         raise ValueError(f"unknown kernel config keys {bad}; allowed: {list(allowed)}")
@@ -341,6 +349,9 @@ def check_kernel_config(config: dict, allowed) -> None:
         if key == "num_stages":
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"num_stages must be an int >= 1, got {val!r}")
+        elif key == "tma":
+            if not isinstance(val, bool):
+                raise ValueError(f"tma must be a bool, got {val!r}")
         elif not is_pow2(val) or (key.startswith("block") and val < 16):
             raise ValueError(f"{key} must be a power of two (>= 16 for blocks), got {val!r}")
 

@@ -104,14 +104,14 @@ import triton
 import triton.language as tl
 
 from ._util import check_paged_metadata, is_pow2, launch_fitting, on_tensor_device
-from .attention import (_draft_key_count, _draft_visibility, _masked_update, _merge_kernel,
+from .attention import (_draft_key_count, _draft_visibility, _full_update, _masked_update, _merge_kernel,
                         _prefix_range, _program_request, _store_rows, _tile_rows,
                         check_kernel_config)
 
 __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
 
 MASK_CAUSAL, MASK_TREE = 0, 1
-MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages")
+MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages", "tma")
 
 
 @triton.jit
@@ -144,9 +144,38 @@ def _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, kv_row, ok, vis, offs_own, offs
 
 
 @triton.jit
+def _mla_tile_tma(acc, m_i, l_i, q_own, q_oth, q_pe, desc_v, desc_pe, row, own_col, oth_col,
+                  qk_scale, KV_LORA: tl.constexpr, NUM_DV: tl.constexpr, IEEE: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """:func:`_mla_tile` for a full tile of ``BLOCK_N`` consecutive cache rows from ``row``
+    (one page), loaded by the tensor-memory accelerator (``desc_v``: ``[BLOCK_N, BLOCK_DV]``
+    value boxes, ``desc_pe``: ``[BLOCK_N, ROPE]``): every key exists and is visible."""
+    c = desc_v.load([row, own_col])                                                   # [N, DV]
+    kpe = desc_pe.load([row, KV_LORA])                                                # [N, R]
+    if UPCAST:
+        c = c.to(tl.float32)
+        kpe = kpe.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q_own, tl.trans(c), input_precision="ieee")
+        s = tl.dot(q_pe, tl.trans(kpe), s, input_precision="ieee")
+    else:
+        s = tl.dot(q_own, tl.trans(c))
+        s = tl.dot(q_pe, tl.trans(kpe), s)
+    if NUM_DV == 2:
+        c2 = desc_v.load([row, oth_col])                                              # [N, DV]
+        if UPCAST:
+            c2 = c2.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q_oth, tl.trans(c2), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_oth, tl.trans(c2), s)
+    return _full_update(acc, m_i, l_i, s, qk_scale, c, IEEE)
+
+
+@triton.jit
 def _mla_fwd_kernel(
         Q, KV, O, O_PART, LSE_PART,
-        req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
+        req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask, desc_v, desc_pe,
         stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
         stride_rtt, stride_tmb, stride_tmj,
@@ -154,7 +183,7 @@ def _mla_fwd_kernel(
         NUM_HEADS: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_DV: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        CONTIG: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+        CONTIG: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     dvi = tl.program_id(1)
     req, split, q_start, n = _program_request(qo_indptr, NUM_SPLITS)
     m0 = tl.program_id(0) * BLOCK_M
@@ -189,6 +218,15 @@ def _mla_fwd_kernel(
 
     # ---------------- phase 1: the committed prefix, no visibility mask
     lo, hi = _prefix_range(P, split, NUM_SPLITS, BLOCK_N)
+    if TMA:  # full tiles by TMA (each lies in one page: CONTIG), then at most one partial tile
+        hi_full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
+        own_col = dvi * BLOCK_DV
+        oth_col = (1 - dvi) * BLOCK_DV
+        for start in range(lo, hi_full, BLOCK_N):
+            acc, m_i, l_i = _mla_tile_tma(acc, m_i, l_i, q_own, q_oth, q_pe, desc_v, desc_pe,
+                                          tl.load(rtt_row + start), own_col, oth_col, qk_scale,
+                                          KV_LORA, NUM_DV, IEEE, UPCAST)
+        lo = hi_full
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
@@ -247,6 +285,25 @@ def check_mla_config(config: dict, kv_lora_rank: Optional[int] = None) -> None:
         raise ValueError(f"block_dv must be kv_lora_rank ({kv_lora_rank}) or half of it, got {dv}")
 
 
+def _tma_descriptors(kv_cache: torch.Tensor, page_size: int, block_n: int, block_dv: int,
+                     rank: int, rope: int):
+    """Host TMA descriptors over the latent cache viewed ``[num_slots, rank + rope]``: value
+    boxes ``[block_n, block_dv]`` and ``k_pe`` boxes ``[block_n, rope]``.  Raises ValueError
+    where TMA cannot serve these tiles (see ``mla_paged_attention``'s ``tma``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    kv2d = kv_cache[:, 0, :]
+    es = kv_cache.element_size()
+    why = [w for bad, w in (
+        (page_size % block_n != 0, f"block_n ({block_n}) dividing page_size ({page_size})"),
+        (block_dv > 256 or rope > 256, f"block_dv ({block_dv}) and qk_rope_head_dim ({rope}) <= 256"),
+        ((kv2d.stride(0) * es) % 16 != 0 or kv2d.data_ptr() % 16 != 0,
+         "a 16-byte aligned cache and row stride")) if bad]
+    if why:
+        raise ValueError(f"tma=True needs {'; '.join(why)}")
+    return (TensorDescriptor.from_tensor(kv2d, [block_n, block_dv]),
+            TensorDescriptor.from_tensor(kv2d, [block_n, rope]))
+
+
 @on_tensor_device
 def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -256,7 +313,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
                         block_m: Optional[int] = None,
                         block_n: Optional[int] = None, block_dv: Optional[int] = None,
                         num_warps: Optional[int] = None,
-                        num_stages: Optional[int] = None, check_bounds: bool = True) -> torch.Tensor:
+                        num_stages: Optional[int] = None, tma: Optional[bool] = None,
+                        check_bounds: bool = True) -> torch.Tensor:
     """Absorbed-MLA attention of ``q`` over the paged latent cache (module docstring).
 
     Args:
@@ -285,6 +343,11 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         block_m, block_n, block_dv, num_warps, num_stages: kernel config overrides (powers of
             two; ``block_m``/``block_n`` >= 16; ``block_dv`` = ``r`` or ``r / 2``); None = the
             defaults of :func:`default_mla_config`.
+        tma: load the prefix's full key tiles with the tensor-memory accelerator (one
+            descriptor load per value box and one for ``k_pe``, no per-key addresses) instead
+            of per-thread loads; needs tiles inside one page (``block_n`` divides
+            ``page_size``), ``block_dv`` and ``qk_rope_head_dim`` <= 256 (TMA box limit) and a
+            16-byte aligned cache and row stride.  None = False (not yet measured faster).
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; :func:`~specattn.triton_kernels._util.
             check_paged_metadata`).  Backends that validated the batch pass False.
@@ -295,7 +358,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     Raises:
         ValueError: inconsistent shapes, dtypes or devices; dims not powers of two >= 16; a
             ``tree_mask`` smaller than ``[bs, max_q, ceil(max_q/32)]``; a bad config value;
-            with ``check_bounds``, an index out of range (``check_paged_metadata``).
+            with ``check_bounds``, an index out of range (``check_paged_metadata``); ``tma=True``
+            where its needs are not met.
     """
     if q.dim() != 3 or kv_cache.dim() != 3:
         raise ValueError(f"q and kv_cache must be 3-D, got {list(q.shape)} / {list(kv_cache.shape)}")
@@ -325,12 +389,15 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     ieee = upcast or kv_cache.dtype == torch.float32
     cfg = default_mla_config(max_q * H, rank, ieee)
     over = dict(block_m=block_m, block_n=block_n, block_dv=block_dv, num_warps=num_warps,
-                num_stages=num_stages)
+                num_stages=num_stages, tma=tma)
     check_mla_config(over, rank)
     cfg.update({k: v for k, v in over.items() if v is not None})
+    BLOCK_M, BLOCK_N, BLOCK_DV = cfg["block_m"], cfg["block_n"], cfg["block_dv"]
+    desc_v = desc_pe = None
+    if cfg.get("tma", False):
+        desc_v, desc_pe = _tma_descriptors(kv_cache, page_size, BLOCK_N, BLOCK_DV, rank, rope)
     if bs == 0 or T == 0 or max_q == 0:
         return out
-    BLOCK_M, BLOCK_N, BLOCK_DV = cfg["block_m"], cfg["block_n"], cfg["block_dv"]
     num_dv = rank // BLOCK_DV
     grid = (triton.cdiv(max_q * H, BLOCK_M), num_dv, bs * num_splits)
     if num_splits > 1:
@@ -344,7 +411,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     tm_strides = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
     launch_fitting(_mla_fwd_kernel, grid, (
         q, kv_cache, out, o_part, lse,
-        req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
+        req_to_token, req_pool_indices, seq_lens, qo_indptr, tm, desc_v, desc_pe,
         q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
         ps[0], ps[1], ps[2], ls[0], ls[1],
         req_to_token.stride(0), tm_strides[0], tm_strides[1],
@@ -353,7 +420,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         BLOCK_DV=BLOCK_DV, NUM_DV=num_dv,
         MASK_MODE=MASK_TREE if tree_mask is not None else MASK_CAUSAL,
         NUM_SPLITS=num_splits, CONTIG=page_size % BLOCK_N == 0, IEEE=ieee, UPCAST=upcast,
-        num_warps=cfg["num_warps"]), cfg["num_stages"])
+        TMA=desc_v is not None, num_warps=cfg["num_warps"]), cfg["num_stages"])
     if num_splits > 1:
         _merge_kernel[(T, H)](o_part, lse, out, ps[0], ps[1], ps[2], ls[0], ls[1],
                               out.stride(0), out.stride(1), V_DIM=rank, BLOCK_DV=rank,

@@ -118,6 +118,8 @@ def mla_point(kind, bs, P, n, dtype=torch.bfloat16, H=128, rank=512, rope=64, de
         if bm == 128 and dv == 512:
             continue
         grid.append(dict(block_m=bm, block_n=bn, block_dv=dv, num_warps=w, num_stages=st))
+        if dv == 256:  # prefix tiles by TMA (page 64 holds whole tiles)
+            grid.append(dict(block_m=bm, block_n=bn, block_dv=dv, num_warps=w, num_stages=st, tma=True))
     flops = 2 * bs * n * H * (rank + rope + rank) * (P + (n + 1) / 2)
     nbytes = bs * (P + n) * (rank + rope) * k.element_size() + q.numel() * q.element_size() * 2
     return fn, grid, dict(flops=flops, bytes=nbytes, default_splits=split_default)

@@ -38,10 +38,15 @@ def _configs():
         c = dict(GROUP=4, HEAD_DIM=128, V_DIM=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=64, BLOCK_N=64,
                  MASK_MODE=mask, NUM_SPLITS=splits, IEEE=ieee, UPCAST=False, SLOT_T=slot)
         out.append((f"mha_mask{mask}_splits{splits}_{dt}", A._attn_fwd_kernel, dt, c, 4))
-    for mask, splits, ndv, contig in ((0, 1, 1, 1), (1, 4, 2, 0), (1, 2, 1, 1)):
+    for mask, splits, ndv, contig, tma in ((0, 1, 1, 1, False), (1, 4, 2, 0, False), (1, 2, 1, 1, False),
+                                           (0, 4, 2, 1, True)):
         c = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_M=64, BLOCK_N=32, BLOCK_DV=512 // ndv,
-                 NUM_DV=ndv, MASK_MODE=mask, NUM_SPLITS=splits, CONTIG=contig, IEEE=False, UPCAST=False)
-        out.append((f"mla_mask{mask}_splits{splits}_dv{ndv}_contig{contig}", M._mla_fwd_kernel, "bf16", c, 8))
+                 NUM_DV=ndv, MASK_MODE=mask, NUM_SPLITS=splits, CONTIG=contig, IEEE=False, UPCAST=False,
+                 TMA=tma)
+        if not tma:  # unused descriptors: constexpr None
+            c.update(desc_v=None, desc_pe=None)
+        out.append((f"mla_mask{mask}_splits{splits}_dv{ndv}_contig{contig}{'_tma' if tma else ''}",
+                     M._mla_fwd_kernel, "bf16", c, 8))
     out.append(("verify_greedy", T._verify_greedy_kernel, None, dict(BLOCK_D=64, BLOCK_S=8), 4))
     out.append(("verify_sampling", S._tree_sampling_kernel, None,
                 dict(HAS_DRAFT=True, BLOCK_D=64, BLOCK_S=8, BLOCK_V=1024), 4))
@@ -61,6 +66,10 @@ def _signature(fn, dt, consts) -> dict:
             sig[n] = "*i64"
         elif n == "qk_scale" or n.startswith("th_"):
             sig[n] = "fp32"
+        elif n == "desc_v":  # host TMA descriptors of the MLA kernel (BLOCK_N x BLOCK_DV / ROPE boxes)
+            sig[n] = f"tensordesc<{dt}[{consts['BLOCK_N']}, {consts['BLOCK_DV']}]>"
+        elif n == "desc_pe":
+            sig[n] = f"tensordesc<{dt}[{consts['BLOCK_N']}, {consts['ROPE']}]>"
         elif n.endswith("_ptr"):
             sig[n] = "*fp32" if n[:2] in ("us", "uf", "tp", "dp") else "*i64"
         else:
