@@ -47,7 +47,8 @@ def _points() -> List[Point]:
     for impl in IMPLS["mla_decode"]:
         pts.append(("mla_decode", dict(bs=128, seq_len=8192, impl=impl)))
     for bs in (1, 16):
-        pts.append(("mla_tree_verify", dict(bs=bs, prefix=4096, impl="triton")))
+        for impl in IMPLS["mla_tree_verify"]:
+            pts.append(("mla_tree_verify", dict(bs=bs, prefix=4096, impl=impl)))
     for bs in (1, 32, 128):
         for seq_len in (1024, 8192):
             for impl in IMPLS["decode"]:

@@ -6,8 +6,8 @@ rows of one point are timed on identical inputs)::
     case             impl                                          issue points (-p ...)
     tree_verify      triton | flashinfer_mask | flashinfer_split   bs/prefix 1/4096 16/2048
                                                                    64/4096 16/16384
-    mla_tree_verify  triton                                        bs 1 | 16, prefix 4096
-    mla_decode       triton | flashmla                             bs 128, seq_len 8192
+    mla_tree_verify  triton | triton_tma                           bs 1 | 16, prefix 4096
+    mla_decode       triton | triton_tma | flashmla                bs 128, seq_len 8192
     decode           triton | flashinfer                           bs 1|32|128 x seq_len 1024|8192
     extend           triton | flashinfer                           bs 1, 2048 new, prefix 0|4096
 
@@ -15,6 +15,8 @@ rows of one point are timed on identical inputs)::
   ``init_forward_metadata`` runs eagerly once per input set at setup, the timed call is
   ``backend._forward(q, layer, batch)`` (the KV of every position, this forward's included,
   is written at setup), captured in a CUDA graph by the harness.
+- ``triton_tma`` (MLA): the same with ``kernel_config={"tma": True}``: the prefix's full key
+  tiles by TMA descriptors (pages hold whole tiles), not yet the default.
 - ``flashinfer_mask``: one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` over the
   ``P + D`` keys with FlashInfer's packed custom mask (built on the device from our bit-packed
   rows by :func:`~specattn.backends.tree_mask.tree_mask_to_flashinfer`); ``plan()`` at setup,
@@ -95,8 +97,8 @@ __all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_
 
 IMPLS: Dict[str, Tuple[str, ...]] = {
     "tree_verify": ("triton", "flashinfer_mask", "flashinfer_split"),
-    "mla_tree_verify": ("triton",),
-    "mla_decode": ("triton", "flashmla"),
+    "mla_tree_verify": ("triton", "triton_tma"),
+    "mla_decode": ("triton", "triton_tma", "flashmla"),
     "decode": ("triton", "flashinfer"),
     "extend": ("triton", "flashinfer"),
 }
@@ -428,12 +430,16 @@ def _random_q(shape: AttnShape, tokens: int, gen: torch.Generator, device) -> to
 
 
 # ----------------------------------------------------------------------------- impls
-def _triton_sets(inputs: PagedInputs, batches, qs, num_kv_splits):
+TRITON_IMPLS = {"triton": None, "triton_tma": {"tma": True}}  # impl -> TritonBackend kernel_config
+
+
+def _triton_sets(inputs: PagedInputs, batches, qs, num_kv_splits, kernel_config=None):
     """One eagerly initialised TritonBackend per input set: ``(backend, q, batch)``."""
     from specattn.backends.triton_backend import TritonBackend
     out = []
     for batch, q in zip(batches, qs):
-        be = TritonBackend(inputs.req_pool, inputs.kv_pool, num_kv_splits=num_kv_splits)
+        be = TritonBackend(inputs.req_pool, inputs.kv_pool, num_kv_splits=num_kv_splits,
+                           kernel_config=kernel_config)
         be.init_forward_metadata(batch)
         out.append((be, q, batch))
     return out
@@ -444,8 +450,8 @@ def _triton_workload(inputs, batches, qs, num_kv_splits, nbytes, flops, state) -
 
     def call(backend, q, batch):
         return backend._forward(q, layer, batch)
-    return Workload(fn=call, bytes=nbytes, flops=flops,
-                    input_sets=_triton_sets(inputs, batches, qs, num_kv_splits), state=state)
+    sets = _triton_sets(inputs, batches, qs, num_kv_splits, TRITON_IMPLS[state["impl"]])
+    return Workload(fn=call, bytes=nbytes, flops=flops, input_sets=sets, state=state)
 
 
 def _fi_kv(inputs: PagedInputs):
@@ -531,7 +537,7 @@ def _verify_setup(case_name, device, shape: AttnShape, *, bs, prefix, num_draft_
     flops = attention_flops(shape, round(visible / n_sets))
     state = dict(impl=impl, inputs=inputs, batches=batches, qs=qs, tree_masks=masks,
                  layer=shape.layer())
-    if impl == "triton":
+    if impl in TRITON_IMPLS:
         return _triton_workload(inputs, batches, qs, num_kv_splits, nbytes, flops, state)
     return _fi_verify_workload(impl, inputs, masks, qs, fi_backend, nbytes, flops, state)
 
@@ -552,7 +558,7 @@ def _decode_setup(case_name, device, shape: AttnShape, *, bs, seq_len, page_size
     qs = [_random_q(shape, bs, gq, device) for _ in inputs.sets]
     flops = attention_flops(shape, bs * seq_len)
     state = dict(impl=impl, inputs=inputs, batches=batches, qs=qs, layer=shape.layer())
-    if impl == "triton":
+    if impl in TRITON_IMPLS:
         return _triton_workload(inputs, batches, qs, num_kv_splits, nbytes, flops, state)
     lib = require_library(impl)
     ps, H, Dv = page_size, shape.num_heads, shape.v_head_dim
@@ -619,8 +625,8 @@ def _tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, num_kv_head
 
 @case("mla_tree_verify",
       "TARGET_VERIFY, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, random "
-      "64-token EAGLE trees over a 4096 prefix (issue points bs 1 | 16); impl=triton (no "
-      "public library has MLA tree verify with a custom mask); " + _VERIFY_DOC,
+      "64-token EAGLE trees over a 4096 prefix (issue points bs 1 | 16); impl=triton|triton_tma "
+      "(no public library has MLA tree verify with a custom mask); " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=128, kv_lora_rank=512,
       qk_rope_head_dim=64, dtype="bfloat16", page_size=64, topk=8, num_steps=5,
       input_sets=None, seed=0, impl="triton", num_kv_splits=None, contiguous=False)
@@ -638,7 +644,7 @@ def _mla_tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, kv_lora
 @case("mla_decode",
       "DECODE, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, s_q=1, bs=128 x "
       "seq_len 8192 keys (issue bar: within 1.5x of FlashMLA's 538 us on an H200); "
-      "impl=triton|flashmla; bytes = latent of every key once + q + o",
+      "impl=triton|triton_tma|flashmla; bytes = latent of every key once + q + o",
       bs=128, seq_len=8192, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
       dtype="bfloat16", page_size=64, input_sets=None, seed=0, impl="triton",
       num_kv_splits=None, contiguous=False)

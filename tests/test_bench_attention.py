@@ -83,7 +83,7 @@ def test_issue_points_cover_the_issue_and_are_valid():
     assert dec == {(b, s, i) for b in (1, 32, 128) for s in (1024, 8192)
                    for i in ("triton", "flashinfer")}
     assert {(p["bs"], p["seq_len"], p["impl"]) for n, p in pts if n == "mla_decode"} == {
-        (128, 8192, "triton"), (128, 8192, "flashmla")}
+        (128, 8192, "triton"), (128, 8192, "triton_tma"), (128, 8192, "flashmla")}
     assert {(p["bs"], p["prefix"]) for n, p in pts if n == "mla_tree_verify"} == {(1, 4096),
                                                                                   (16, 4096)}
     assert {(p["prefix"], p["new_tokens"], p["impl"]) for n, p in pts if n == "extend"} == {
@@ -175,6 +175,17 @@ def test_triton_impl_matches_reference_on_cpu(name, page_size, seed):
             dense = unpack_tree_mask(b.tree_mask.cpu(), b.num_tokens_per_req)
             assert dense[:, :, 0].all() and dense.diagonal(dim1=1, dim2=2).all()
             assert not dense.triu(1).any()
+
+
+@pytest.mark.parametrize("name", ["mla_decode", "mla_tree_verify"])
+def test_triton_tma_impl_matches_reference_on_cpu(name, seed):
+    """impl=triton_tma (TMA prefix tiles; page 32 holds whole 32-key tiles): the reference's
+    answer, with prefixes of two full tiles and a partial one."""
+    kw = dict(seq_len=72) if name == "mla_decode" else dict(prefix=70)
+    wl = get_case(name).build("cpu", **small(name, page_size=32, seed=seed % 1000, impl="triton_tma", **kw))
+    assert all(be.kernel_config == {"tma": True} for be, _, _ in wl.input_sets)
+    for i, call in enumerate(wl.calls()):
+        torch.testing.assert_close(call(), reference(wl, i), rtol=1e-4, atol=1e-5)
 
 
 def test_same_seed_same_inputs():
