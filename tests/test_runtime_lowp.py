@@ -91,7 +91,7 @@ def test_real_model_bf16_near_greedy(real_bf16, chat_ids, algo, page_size, backe
     assert eng.runners, "no CUDA graphs were captured"
     res = eng.generate(chat_ids, SamplingParams(max_new_tokens=32))
     report(eng, res, check_near_greedy(m32, m16, chat_ids, res.tokens))
-    if algo != "none":
+    if SPECS[algo].algo == "eagle":  # the DFlash drafter is random-init: it may accept nothing
         assert res.mean_accept_length > 1.0
 
 
