@@ -141,3 +141,32 @@ def test_paged_sampling_equals_unpaged(tiny, backend_name, monkeypatch):
     watch_layout(monkeypatch, 8)
     res = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=64, page_size=8).generate(prompts, p)
     assert res.tokens == base.tokens and res.accept_lengths == base.accept_lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+def test_paged_graphs_on_gpu(tmp_path, seed, kind, page_size, backend_name):
+    """CUDA graphs over paged rows (beams with private pages, padded graph batches): the same
+    tokens as the unpaged eager engine, float32 on the run's backend (one without float32
+    kernels skips, saying so); on the reference backend, whose graph and eager arithmetic are
+    the same, the same accept lengths too (kernels that split differently in graphs may flip
+    a drafter near-tie)."""
+    if kind == "llama":
+        cfg, w = tiny_llama(tmp_path, seed, vocab=V)
+        args, vocab = (cfg, dict(w)), V
+    else:
+        args, vocab = (MLAModel(MLAConfig(vocab_size=128), device="cuda", seed=seed),), 128
+    kw = dict(device="cuda") if kind == "llama" else {}
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(3)]
+    p = SamplingParams(max_new_tokens=24)
+    for spec in (SpecConfig("eagle", 1, 3, 4, 2), SpecConfig("eagle", 3, 3, 8, 3)):
+        base = make_engine(backend_name, *args, spec=spec, max_context=128, max_batch=3, **kw).generate(prompts, p)
+        eng = make_engine(backend_name, *args, spec=spec, max_context=128, max_batch=3, page_size=page_size,
+                          cuda_graph=True, **kw)
+        assert eng.runners, "no CUDA graphs were captured"
+        res = eng.generate(prompts, p)
+        assert res.tokens == base.tokens, f"seed={seed} {spec}"
+        if backend_name == "torch_reference":
+            assert res.accept_lengths == base.accept_lengths, f"seed={seed} {spec}"

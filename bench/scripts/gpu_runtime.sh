@@ -51,7 +51,7 @@ python3 -c "import specattn._ext as e; print('ext', e.EXT_AVAILABLE, e.EXT_MISSI
 phase build
 
 # 1. lossless GPU tests, one run per backend (the reference's own tests only once)
-files="tests/test_runtime_gpu.py tests/test_runtime_dflash.py tests/test_runtime_mla.py tests/test_runtime_lowp.py"
+files="tests/test_runtime_gpu.py tests/test_runtime_dflash.py tests/test_runtime_mla.py tests/test_runtime_lowp.py tests/test_runtime_paging.py"
 backends=${RT_BACKENDS:-torch_reference triton}
 for b in $backends; do
   extra=""; [ "$b" = torch_reference ] && extra="tests/test_backend_reference.py tests/test_runtime_backends.py"
