@@ -327,6 +327,36 @@ def _merge_kernel(O_PART, LSE_PART, O, stride_ps, stride_pt, stride_ph, stride_l
     tl.store(O + t * stride_ot + h * stride_oh + offs, out.to(O.dtype.element_ty), mask=ok)
 
 
+def _split_partials(num_splits: int, T: int, H: int, v_dim: int, out: torch.Tensor,
+                    placeholder: torch.Tensor):
+    """Host side of split-KV, shared with the MLA launcher: ``(o_part, lse, o_part strides,
+    lse strides)``, float32 ``[splits, T, H, v_dim]`` / ``[splits, T, H]`` partials; with one
+    split, unused placeholders and zero strides."""
+    if num_splits == 1:
+        return out, placeholder, (0, 0, 0, 0), (0, 0, 0)
+    o_part = torch.empty(num_splits, T, H, v_dim, dtype=torch.float32, device=out.device)
+    lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=out.device)
+    return o_part, lse, o_part.stride(), lse.stride()
+
+
+def _tree_mask_arg(tree_mask: Optional[torch.Tensor], placeholder: torch.Tensor):
+    """``(tensor, (stride_b, stride_j))`` for the kernels' tree-mask argument (a placeholder
+    and zero strides when there is no tree)."""
+    if tree_mask is None:
+        return placeholder, (0, 0)
+    return tree_mask, (tree_mask.stride(0), tree_mask.stride(1))
+
+
+def _merge_partials(o_part, lse, out, num_splits: int, v_dim: int, block_dv: int,
+                    num_warps: int) -> None:
+    """Merge the split partials of :func:`_split_partials` into ``out`` (one launch)."""
+    ps, ls = o_part.stride(), lse.stride()
+    T, H = out.shape[0], out.shape[1]
+    _merge_kernel[(T, H)](o_part, lse, out, ps[0], ps[1], ps[2], ls[0], ls[1],
+                          out.stride(0), out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv,
+                          NUM_SPLITS=num_splits, num_warps=num_warps)
+
+
 def choose_block_m(max_rows: int) -> int:
     """Row-tile height for ``max_rows = max_q * G`` packed rows: 16, 32 or 64."""
     return min(64, next_pow2(max_rows))
@@ -447,15 +477,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fits = all(c.shape[0] * c.stride(0) + c.shape[1] * c.stride(1) < 2**31 for c in (k_cache, v_cache))
     off32 = fits if off32 is None else (bool(off32) and fits)
     grid = (triton.cdiv(max_q * G, BLOCK_M), Hkv, bs * num_splits)
-    if num_splits > 1:
-        o_part = torch.empty(num_splits, T, H, Dv, dtype=torch.float32, device=q.device)
-        lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=q.device)
-    else:
-        o_part, lse = out, seq_lens  # unused placeholders
-    tm = tree_mask if tree_mask is not None else seq_lens
-    tm_strides = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
-    ps = o_part.stride() if num_splits > 1 else (0, 0, 0, 0)
-    ls = lse.stride() if num_splits > 1 else (0, 0, 0)
+    o_part, lse, ps, ls = _split_partials(num_splits, T, H, Dv, out, seq_lens)
+    tm, tm_strides = _tree_mask_arg(tree_mask, seq_lens)
     launch_fitting(_attn_fwd_kernel, grid, (
         q, k_cache, v_cache, out, o_part, lse,
         req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
@@ -470,7 +493,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_SPLITS=num_splits, IEEE=ieee, UPCAST=upcast, SLOT_T=tl.int32 if off32 else tl.int64,
         num_warps=cfg["num_warps"]), cfg["num_stages"])
     if num_splits > 1:
-        _merge_kernel[(T, H)](o_part, lse, out, ps[0], ps[1], ps[2], ls[0], ls[1],
-                              out.stride(0), out.stride(1), V_DIM=Dv, BLOCK_DV=BLOCK_DV,
-                              NUM_SPLITS=num_splits, num_warps=1 if BLOCK_DV <= 64 else 2)
+        _merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)
     return out

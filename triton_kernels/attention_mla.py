@@ -104,9 +104,9 @@ import triton
 import triton.language as tl
 
 from ._util import check_paged_metadata, is_pow2, launch_fitting, on_tensor_device
-from .attention import (_draft_key_count, _draft_visibility, _full_update, _masked_update, _merge_kernel,
-                        _prefix_range, _program_request, _store_rows, _tile_rows,
-                        check_kernel_config)
+from .attention import (_draft_key_count, _draft_visibility, _full_update, _masked_update,
+                        _merge_partials, _prefix_range, _program_request, _split_partials,
+                        _store_rows, _tile_rows, _tree_mask_arg, check_kernel_config)
 
 __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
 
@@ -400,15 +400,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         return out
     num_dv = rank // BLOCK_DV
     grid = (triton.cdiv(max_q * H, BLOCK_M), num_dv, bs * num_splits)
-    if num_splits > 1:
-        o_part = torch.empty(num_splits, T, H, rank, dtype=torch.float32, device=q.device)
-        lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=q.device)
-        ps, ls = o_part.stride(), lse.stride()
-    else:
-        o_part, lse = out, seq_lens  # unused placeholders
-        ps, ls = (0, 0, 0, 0), (0, 0, 0)
-    tm = tree_mask if tree_mask is not None else seq_lens
-    tm_strides = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
+    o_part, lse, ps, ls = _split_partials(num_splits, T, H, rank, out, seq_lens)
+    tm, tm_strides = _tree_mask_arg(tree_mask, seq_lens)
     launch_fitting(_mla_fwd_kernel, grid, (
         q, kv_cache, out, o_part, lse,
         req_to_token, req_pool_indices, seq_lens, qo_indptr, tm, desc_v, desc_pe,
@@ -422,7 +415,5 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         NUM_SPLITS=num_splits, CONTIG=page_size % BLOCK_N == 0, IEEE=ieee, UPCAST=upcast,
         TMA=desc_v is not None, num_warps=cfg["num_warps"]), cfg["num_stages"])
     if num_splits > 1:
-        _merge_kernel[(T, H)](o_part, lse, out, ps[0], ps[1], ps[2], ls[0], ls[1],
-                              out.stride(0), out.stride(1), V_DIM=rank, BLOCK_DV=rank,
-                              NUM_SPLITS=num_splits, num_warps=4 if rank >= 256 else 1)
+        _merge_partials(o_part, lse, out, num_splits, rank, rank, 4 if rank >= 256 else 1)
     return out
