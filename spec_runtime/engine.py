@@ -121,6 +121,8 @@ class Engine:
             as ``config`` with ``weights=None``: any object with ``forward``, ``logits``,
             ``make_kv_pool``, ``with_layers``, ``num_layers``, ``device`` (e.g. the MLA model).
         spec: :class:`SpecConfig`.
+        device, dtype: where and in what a Llama built from ``weights`` runs (default CPU,
+            float32); a ready model runs where it is, and every pool follows it.
         backend: attention backend name (``specattn.backends.create_backend``).
         max_batch, max_context: capacity (requests at once, tokens per request).
         page_size: KV page size of both pools (``max_context`` a multiple of it); e.g. 64 for
@@ -143,14 +145,15 @@ class Engine:
             backend lacks, run by the ``triton`` backend over the same pools.
 
     Raises:
-        ValueError: bad ``spec``, ``draft_model``, ``page_size`` or ``cuda_graph`` off CUDA.
+        ValueError: bad ``spec``, ``draft_model``, ``page_size``, ``cuda_graph`` off CUDA, or
+            a ``device`` other than the ready model's.
         KeyError, ImportError: from ``create_backend`` (unknown / unavailable backend).
         UnsupportedError: the backend does not support (eagerly) a mode the algorithm needs
             for the model's attention kind; the message names every missing (model, mode).
     """
 
     def __init__(self, config, weights: Optional[Dict[str, torch.Tensor]] = None, *, spec: SpecConfig = None,
-                 backend: str = "torch_reference", device="cpu", dtype=torch.float32,
+                 backend: str = "torch_reference", device=None, dtype=torch.float32,
                  max_batch: int = 8, max_context: int = 1024, eos_token_ids: Sequence[int] = (),
                  cuda_graph: bool = False, draft_model=None, page_size: int = 1):
         self.spec = spec or SpecConfig()
@@ -158,14 +161,19 @@ class Engine:
         if page_size < 1 or max_context % page_size:
             raise ValueError(f"max_context ({max_context}) must be a multiple of page_size ({page_size})")
         self.eos = set(eos_token_ids)
-        self.target = LlamaModel(config, weights, device, dtype) if weights is not None else config
+        if weights is not None:
+            self.target = LlamaModel(config, weights, "cpu" if device is None else device, dtype)
+        else:  # a ready model brings its device (and dtype)
+            self.target = config
+            if device is not None and torch.empty(0, device=device).device != config.device:
+                raise ValueError(f"device={device} differs from the ready model's {config.device}")
         self.device, self.dtype = self.target.device, self.target.dtype
         k = self.spec.topk if self.spec.algo == "eagle" else 0
         self.max_context, self.page_size = max_context, page_size
-        self.req_pool = ReqToTokenPool(max_batch * (1 + 2 * k), max_context, device)
+        self.req_pool = ReqToTokenPool(max_batch * (1 + 2 * k), max_context, self.device)
         # every request's pages + one private page per beam and draft step
         size = page_size * (max_batch * (max_context // page_size) + max_batch * max(1, k) * self.spec.num_steps)
-        self.alloc = KVAllocator(size, page_size, device)
+        self.alloc = KVAllocator(size, page_size, self.device)
         self.mode_routed: List[str] = []
         roles = {}
         for role, mode in self.required_modes():

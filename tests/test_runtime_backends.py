@@ -101,6 +101,18 @@ def test_unsupported_kind_is_named(monkeypatch, seed):
         Engine(MLAModel(MLAConfig(vocab_size=64), seed=seed), spec=SpecConfig("eagle", 1, 2, 3, 2), max_context=64)
 
 
+def test_ready_model_sets_the_pools_device(seed):
+    """A ready model brings its device: the request pool and allocator follow it (a GPU run
+    once put them on the CPU default beside a CUDA model), and a different ``device`` is an
+    error, not a silent split."""
+    from specattn.spec_runtime.mla_model import MLAConfig, MLAModel
+    model = MLAModel(MLAConfig(vocab_size=64), seed=seed)
+    eng = Engine(model, spec=SpecConfig("eagle", 1, 2, 3, 2), max_context=64)
+    assert eng.req_pool.device == eng.alloc.device == eng.target_pool.device == model.device
+    with pytest.raises(ValueError, match="differs from the ready model"):
+        Engine(model, device="meta", max_context=64)
+
+
 @pytest.mark.gpu
 def test_graph_routing_runs_uncapturable_modes_eagerly(tiny, monkeypatch):
     """A backend that cannot capture TARGET_VERIFY: the engine graphs the drafter's modes,

@@ -2,7 +2,7 @@
 # On the GPU machine, from the repo root, after `source .device/setup.sh` (FlashInfer,
 # sgl-flash-mla, their JIT cache):
 #   bash bench/scripts/gpu_backends.sh $OUT
-# The backends' GPU tests (~6 min on an H100 with the FlashInfer cache; phases share a
+# The backends' GPU tests (~4 min on an H100 with the FlashInfer cache; phases share a
 # deadline of GB_BUDGET_S, default 540 s):
 #  1. FlashInfer / FlashMLA backends vs the reference (eager and graph replay), and the Triton
 #     backend's float32 MHA tests;
@@ -23,7 +23,8 @@ left() { local l=$((budget - (SECONDS - t0) - $2)); [ "$l" -gt "$1" ] && l=$1; [
 python3 -m pip install -e . --no-build-isolation --no-deps -q >> "$out/device.txt" 2>&1
 common="-q -p no:warnings -p no:cacheprovider -rs --durations=5"
 
-timeout "$(left 240 240)" python3 -m pytest -m gpu tests/test_flashinfer_backend.py tests/test_flashmla_backend.py \
+# 8 workers: the unit tests are Triton/FlashInfer JIT-bound (one process ran 63 % of them in 240 s)
+timeout "$(left 240 240)" python3 -m pytest -n "${GB_WORKERS:-8}" -m gpu tests/test_flashinfer_backend.py tests/test_flashmla_backend.py \
   tests/test_triton_backend.py -k "not (triton_backend and (bfloat16 or float16))" $common \
   --junitxml=/tmp/gb_backends.xml > "$out/backends.log" 2>&1
 echo "exit $?, $((SECONDS - t0)) s" >> "$out/backends.log"; tail -3 "$out/backends.log"
