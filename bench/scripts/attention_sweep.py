@@ -1,7 +1,7 @@
 """Config sweep of the Triton paged-attention kernels on a GPU (tuning aid, not a bench case).
 
     python3 bench/scripts/attention_sweep.py [--only tree_verify,decode,extend,mla_decode,mla_tree_verify]
-        [--json OUT.json]
+        [--json OUT.json] [--points bs/P/n,..] [--match KEY]
 
 For each workload point (the issue-6 bench points: GQA 32 q / 8 kv heads, head_dim 128, bf16,
 page 1; MLA 128 heads, 512 + 64, page 64) it times every kernel config of a small grid with
@@ -120,6 +120,8 @@ def mla_point(kind, bs, P, n, dtype=torch.bfloat16, H=128, rank=512, rope=64, de
         grid.append(dict(block_m=bm, block_n=bn, block_dv=dv, num_warps=w, num_stages=st))
         if dv == 256:  # prefix tiles by TMA (page 64 holds whole tiles)
             grid.append(dict(block_m=bm, block_n=bn, block_dv=dv, num_warps=w, num_stages=st, tma=True))
+    for bm, bn, w, st in itertools.product([32, 64], [32, 64], [4, 8], [1, 2]):  # key-major tiles
+        grid.append(dict(key_major=True, block_m=bm, block_n=bn, num_warps=w, num_stages=st))
     flops = 2 * bs * n * H * (rank + rope + rank) * (P + (n + 1) / 2)
     nbytes = bs * (P + n) * (rank + rope) * k.element_size() + q.numel() * q.element_size() * 2
     return fn, grid, dict(flops=flops, bytes=nbytes, default_splits=split_default)
@@ -150,6 +152,8 @@ def main(argv=None):
     ap.add_argument("--only", default=",".join(POINTS))
     ap.add_argument("--json", default=None)
     ap.add_argument("--points", default=None, help="bs/P/n,... (overrides the kinds' points)")
+    ap.add_argument("--match", default=None,
+                    help="time only the grid configs that set this key (e.g. key_major)")
     args = ap.parse_args(argv)
     torch.manual_seed(random.randrange(2**31))
     results = []
@@ -168,7 +172,7 @@ def main(argv=None):
             ref = fn({})()
             t_def = bench(fn({}))
             rows = []
-            for cfg in grid:
+            for cfg in (grid if args.match is None else [c for c in grid if c.get(args.match)]):
                 try:
                     f = fn(cfg)
                     err = rel(f(), ref)

@@ -47,6 +47,10 @@ def _configs():
             c.update(desc_v=None, desc_pe=None)
         out.append((f"mla_mask{mask}_splits{splits}_dv{ndv}_contig{contig}{'_tma' if tma else ''}",
                      M._mla_fwd_kernel, "bf16", c, 8))
+    for mask, splits in ((0, 1), (1, 4)):  # key-major MLA tiles (64 rows x 64 keys, 8 warps)
+        c = dict(NUM_HEADS=128, KV_LORA=512, ROPE=64, BLOCK_M=64, BLOCK_N=64, MASK_MODE=mask,
+                 NUM_SPLITS=splits, CONTIG=1, IEEE=False, UPCAST=False)
+        out.append((f"mla_km_mask{mask}_splits{splits}", M._mla_fwd_kernel_km, "bf16", c, 8))
     out.append(("verify_greedy", T._verify_greedy_kernel, None, dict(BLOCK_D=64, BLOCK_S=8), 4))
     out.append(("verify_sampling", S._tree_sampling_kernel, None,
                 dict(HAS_DRAFT=True, BLOCK_D=64, BLOCK_S=8, BLOCK_V=1024), 4))
@@ -114,7 +118,12 @@ def dump(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = {}
     for name, fn, dt, consts, warps in _configs():
-        src = ASTSource(fn=fn, signature=_signature(fn, dt, consts),
+        sig = _signature(fn, dt, consts)
+        # as the JIT specialises on a GPU: 16-byte aligned pointers, strides divisible by 16
+        # (without it every load compiles to 2-byte scalar loads and the figures mislead)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if sig.get(n, "").startswith("*") or n.startswith("stride_")}
+        src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                         constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options=dict(num_warps=warps, num_stages=2)).asm["ptx"]
