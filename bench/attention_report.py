@@ -143,7 +143,7 @@ def bar_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
     the larger points; Triton MLA decode (each variant) within 1.5x of FlashMLA."""
     out = []
     for r in rows:
-        if not str(r["impl"]).startswith("triton"):  # triton and its variants (triton_km, ..)
+        if not str(r["impl"]).startswith("triton"):  # triton and its variants (triton_tma)
             continue
         if r["case"] == "tree_verify":
             if r["point"] == "bs=1 prefix=4096":

@@ -6,8 +6,8 @@ rows of one point are timed on identical inputs)::
     case             impl                                          issue points (-p ...)
     tree_verify      triton | flashinfer_mask | flashinfer_split   bs/prefix 1/4096 16/2048
                                                                    64/4096 16/16384
-    mla_tree_verify  triton | triton_tma | triton_km               bs 1 | 16, prefix 4096
-    mla_decode       triton | triton_tma | triton_km[32] | flashmla  bs 128, seq_len 8192
+    mla_tree_verify  triton | triton_tma                           bs 1 | 16, prefix 4096
+    mla_decode       triton | triton_tma | flashmla                bs 128, seq_len 8192
     decode           triton | flashinfer                           bs 1|32|128 x seq_len 1024|8192
     extend           triton | flashinfer                           bs 1, 2048 new, prefix 0|4096
 
@@ -16,10 +16,7 @@ rows of one point are timed on identical inputs)::
   ``backend._forward(q, layer, batch)`` (the KV of every position, this forward's included,
   is written at setup), captured in a CUDA graph by the harness.
 - ``triton_tma`` (MLA): the same with ``kernel_config={"tma": True}``: the prefix's full key
-  tiles by TMA descriptors (pages hold whole tiles), not the default (slower on an H100).
-- ``triton_km`` / ``triton_km32`` (MLA): key-major tiles (``kernel_config={"key_major":
-  True, ...}``: 64 rows x 64 / 32 keys, 8 warps, 2 stages): the whole value width per
-  program, no recomputed scores; not yet the default.
+  tiles by TMA descriptors (pages hold whole tiles), not yet the default.
 - ``flashinfer_mask``: one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` over the
   ``P + D`` keys with FlashInfer's packed custom mask (built on the device from our bit-packed
   rows by :func:`~specattn.backends.tree_mask.tree_mask_to_flashinfer`); ``plan()`` at setup,
@@ -100,8 +97,8 @@ __all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_
 
 IMPLS: Dict[str, Tuple[str, ...]] = {
     "tree_verify": ("triton", "flashinfer_mask", "flashinfer_split"),
-    "mla_tree_verify": ("triton", "triton_tma", "triton_km"),
-    "mla_decode": ("triton", "triton_tma", "triton_km", "triton_km32", "flashmla"),
+    "mla_tree_verify": ("triton", "triton_tma"),
+    "mla_decode": ("triton", "triton_tma", "flashmla"),
     "decode": ("triton", "flashinfer"),
     "extend": ("triton", "flashinfer"),
 }
@@ -433,9 +430,7 @@ def _random_q(shape: AttnShape, tokens: int, gen: torch.Generator, device) -> to
 
 
 # ----------------------------------------------------------------------------- impls
-_KM = dict(key_major=True, block_m=64, num_warps=8, num_stages=2)
-TRITON_IMPLS = {"triton": None, "triton_tma": {"tma": True},  # impl -> TritonBackend kernel_config
-                "triton_km": dict(_KM, block_n=64), "triton_km32": dict(_KM, block_n=32)}
+TRITON_IMPLS = {"triton": None, "triton_tma": {"tma": True}}  # impl -> TritonBackend kernel_config
 
 
 def _triton_sets(inputs: PagedInputs, batches, qs, num_kv_splits, kernel_config=None):
@@ -630,7 +625,7 @@ def _tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, num_kv_head
 
 @case("mla_tree_verify",
       "TARGET_VERIFY, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, random "
-      "64-token EAGLE trees over a 4096 prefix (issue points bs 1 | 16); impl=triton|triton_tma|triton_km "
+      "64-token EAGLE trees over a 4096 prefix (issue points bs 1 | 16); impl=triton|triton_tma "
       "(no public library has MLA tree verify with a custom mask); " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=128, kv_lora_rank=512,
       qk_rope_head_dim=64, dtype="bfloat16", page_size=64, topk=8, num_steps=5,
@@ -649,7 +644,7 @@ def _mla_tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, kv_lora
 @case("mla_decode",
       "DECODE, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, s_q=1, bs=128 x "
       "seq_len 8192 keys (issue bar: within 1.5x of FlashMLA's 538 us on an H200); "
-      "impl=triton|triton_tma|triton_km|triton_km32|flashmla; bytes = latent of every key once + q + o",
+      "impl=triton|triton_tma|flashmla; bytes = latent of every key once + q + o",
       bs=128, seq_len=8192, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
       dtype="bfloat16", page_size=64, input_sets=None, seed=0, impl="triton",
       num_kv_splits=None, contiguous=False)

@@ -83,7 +83,7 @@ def test_issue_points_cover_the_issue_and_are_valid():
     assert dec == {(b, s, i) for b in (1, 32, 128) for s in (1024, 8192)
                    for i in ("triton", "flashinfer")}
     assert {(p["bs"], p["seq_len"], p["impl"]) for n, p in pts if n == "mla_decode"} == {
-        (128, 8192, i) for i in ("triton", "triton_tma", "triton_km", "triton_km32", "flashmla")}
+        (128, 8192, i) for i in ("triton", "triton_tma", "flashmla")}
     assert {(p["bs"], p["prefix"]) for n, p in pts if n == "mla_tree_verify"} == {(1, 4096),
                                                                                   (16, 4096)}
     assert {(p["prefix"], p["new_tokens"], p["impl"]) for n, p in pts if n == "extend"} == {
@@ -184,20 +184,6 @@ def test_triton_tma_impl_matches_reference_on_cpu(name, seed):
     kw = dict(seq_len=72) if name == "mla_decode" else dict(prefix=70)
     wl = get_case(name).build("cpu", **small(name, page_size=32, seed=seed % 1000, impl="triton_tma", **kw))
     assert all(be.kernel_config == {"tma": True} for be, _, _ in wl.input_sets)
-    for i, call in enumerate(wl.calls()):
-        torch.testing.assert_close(call(), reference(wl, i), rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("impl", ["triton_km", "triton_km32"])
-@pytest.mark.parametrize("name", ["mla_decode", "mla_tree_verify"])
-def test_triton_key_major_impl_matches_reference_on_cpu(name, impl, seed):
-    """impl=triton_km[32] (key-major MLA tiles): the reference's answer, prefixes with a
-    partial last tile."""
-    if impl not in ca.IMPLS[name]:
-        pytest.skip(f"{impl} is not an impl of {name}")
-    kw = dict(seq_len=72) if name == "mla_decode" else dict(prefix=70)
-    wl = get_case(name).build("cpu", **small(name, page_size=32, seed=seed % 1000, impl=impl, **kw))
-    assert all(be.kernel_config["key_major"] for be, _, _ in wl.input_sets)
     for i, call in enumerate(wl.calls()):
         torch.testing.assert_close(call(), reference(wl, i), rtol=1e-4, atol=1e-5)
 
@@ -511,7 +497,7 @@ def test_summary_rows_speedups_and_roofline():
            _result("tree_verify", "flashinfer_split", 700.0, p2),
            _result("mla_decode", "triton", 900.0, dict(bs=128, seq_len=8192)),
            _result("mla_decode", "flashmla", 538.0, dict(bs=128, seq_len=8192)),
-           _result("mla_decode", "triton_km", 700.0, dict(bs=128, seq_len=8192))]
+           _result("mla_decode", "triton_tma", 700.0, dict(bs=128, seq_len=8192))]
     rows = rep.summary_rows(res)
     assert [r["impl"] for r in rows] == [r["params"]["impl"] for r in res]
     assert rows[0]["point"] == "bs=1 prefix=4096"
@@ -531,7 +517,7 @@ def test_summary_rows_speedups_and_roofline():
     assert any("5.00x vs flashinfer_mask (meets >= 3.0x)" in b for b in bars)
     assert any("1.40x vs flashinfer_split (MISSES >= 1.5x)" in b for b in bars)
     assert any("mla_decode" in b and ": triton 900.0 us" in b and "MISSES <= 1.5x" in b for b in bars)
-    assert any("triton_km 700.0 us = 1.30x FlashMLA's time (meets <= 1.5x)" in b for b in bars)
+    assert any("triton_tma 700.0 us = 1.30x FlashMLA's time (meets <= 1.5x)" in b for b in bars)
 
 
 def test_write_summary_lists_errors_and_notes(tmp_path):

@@ -51,19 +51,6 @@ def test_mla_eager_matches_reference(mode, page_size, bs, seed):
                                                          "block_n": rng.choice([16, 32])})
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_mla_key_major_matches_reference(mode, page_size, seed):
-    """``key_major=True`` (scores ``[keys, rows]``, whole value width per program): every mode,
-    split or not, one-slot-per-page prefix tiles (page 16, block_n 16) or gathered ones."""
-    rng = random.Random(seed)
-    sc = mla_scenario(mode, rng, bs=rng.choice([1, 3]), page_size=page_size,
-                      num_heads=rng.choice([2, 4, 8]), max_prefix=rng.choice([5, 40]),
-                      D=rng.choice([1, 4, 7, 33]))
-    check(sc, splits=rng.choice([1, 3]), kernel_config={"key_major": True, "block_n": rng.choice([16, 32]),
-                                                         "block_m": rng.choice([16, 32])})
-
-
 def test_mla_tree_crossing_mask_word(seed):
     """D = 40: two int32 mask words (bit 31 = sign bit); 40 tokens x 2 heads = 80 rows (two
     row tiles of 64 and a partial one at block_m 32)."""
@@ -193,19 +180,6 @@ def test_mla_kernel_tma_errors():
         mla_paged_attention(torch.zeros(1, 2, 576), wide, rtt, torch.tensor([0]),
                             torch.tensor([20], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
                             None, 1, 0.2, 512, block_n=16, block_dv=512, page_size=ps, tma=True)
-
-
-def test_mla_key_major_config_errors():
-    r = 32
-    rtt = torch.arange(32, dtype=torch.int32).view(1, 32)
-    args = (torch.zeros(1, 2, r + 16), torch.zeros(48, 1, r + 16), rtt, torch.tensor([0]),
-            torch.tensor([20], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), None, 1, 0.2, r)
-    with pytest.raises(ValueError, match="key_major and tma"):
-        mla_paged_attention(*args, block_n=16, page_size=16, tma=True, key_major=True)
-    with pytest.raises(ValueError, match="key_major needs block_dv"):
-        mla_paged_attention(*args, block_dv=16, key_major=True)
-    with pytest.raises(ValueError, match="key_major must be a bool"):
-        mla_paged_attention(*args, key_major=1)
 
 
 def test_mla_kernel_input_errors():
@@ -342,10 +316,7 @@ def test_mla_cuda_graph_replay(mode, page_size, dtype, splits, seed):
     dict(block_dv=256), dict(block_n=16), dict(block_n=64, num_stages=1), dict(num_warps=4),
     dict(block_m=64, block_n=16, block_dv=512, num_stages=3), dict(block_m=32, block_dv=256, num_warps=4),
     dict(block_m=128, block_dv=256, num_stages=1), dict(block_m=128, block_dv=256, num_stages=1, tma=True),
-    dict(block_m=64, block_n=32, block_dv=256, num_stages=2, tma=True),
-    dict(key_major=True, block_m=64, block_n=64, num_warps=8, num_stages=2),
-    dict(key_major=True, block_m=32, block_n=64, num_warps=8, num_stages=2),
-    dict(key_major=True, block_m=64, block_n=32, num_warps=4, num_stages=1)],
+    dict(block_m=64, block_n=32, block_dv=256, num_stages=2, tma=True)],
     ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_mla_kernel_configs_on_gpu(mode, config, seed):
     """Every sweepable knob compiles and stays correct (bf16, 128 heads, 512 + 64)."""

@@ -77,8 +77,10 @@ same ``P + 64`` latents: compute-bound.  Measured on an H100 (2026-11-22,
 ``bench/results/2026-11-22-h100-attention/``): decode 1179 us (FlashMLA 513 us), tree verify
 bs 1 / 16 at P 4096: 310 / 4624 us.
 
-Code generation on sm_90: the latent tile goes to shared memory by async copies (one copy per
-piece); both score dots and the value dot are wgmma.  Because the score dot feeds another
+Code generation on sm_90 (Triton 3.6, ``bench/scripts/kernel_ptx.py``): with 2+ stages the
+latent tile goes to shared memory by async copies; the default's single stage loads it
+through registers (16-byte loads), its whole-tile loop without spills.  Both score dots and
+the value dot are wgmma.  Because the score dot feeds another
 dot, Triton puts all warps along its M axis, so with ``BLOCK_M = 64`` on 8 warps both
 warpgroups would compute the same ``64 x BLOCK_N`` scores (wgmma work ``(2 * 576 + 512) /
 (576 + 512) = 1.53x`` the useful work) and a ``64 x 512`` fp32 accumulator spills; 128-row
@@ -88,18 +90,18 @@ Deeper pipelines do not fit in shared memory (a 2-stage ``BLOCK_N = 64`` latent 
 needs 294 KB).  FlashMLA avoids the recomputation by splitting the value width across two
 warpgroups that share one score tile; that is the next step, beyond Triton's code generation.
 
-Key-major tiles (``key_major=True``, :func:`_mla_fwd_kernel_km`): the same work with the
-operands swapped, ``s^T [BLOCK_N, BLOCK_M] = [c | k_pe] @ q^T`` and ``acc^T [r, BLOCK_M] +=
-c^T @ p^T``, the softmax along the key axis.  Triton then lays the score dot out with its
-``BLOCK_N`` keys along the warpgroup's M and splits the ``BLOCK_M`` rows across the two
-warpgroups, and the value dot with ``r`` along M (256 value rows per warpgroup): every program
-owns the whole value width and no warpgroup computes another's scores -- the split FlashMLA
-makes by hand (one score tile, value width across warpgroups), reached through Triton's layout
-choice.  Offline for sm_90 under Triton 3.6 (``bench/scripts/kernel_ptx.py``): 64 rows x 64
-keys on 8 warps, 2 stages: ``m64n32k16`` score and ``m64n64k16`` value wgmma, async copies,
-224 KB of shared memory, and a whole-tile loop without spills (the prefix's partial last tile
-runs in the masked tail loop with this forward's tokens: a separate partial tile after the
-loop made the loop itself spill).  Opt-in until measured faster than the default.
+Tried and dropped (H100, Triton 3.6, 2026-11-22, ``bench/results/2026-11-22-h100-session5``):
+key-major tiles, ``s^T [BLOCK_N, BLOCK_M] = [c | k_pe] @ q^T`` and ``acc^T [r, BLOCK_M] +=
+c^T @ p^T``.  Triton then splits the rows (not the keys) across the two warpgroups of the
+score dot and the value width across them in the value dot, so no score is computed twice
+and each program owns the whole value width (FlashMLA's split, through Triton's layout
+choice); its whole-tile loop compiled without spills (64 x 64 tiles, 8 warps, 2 stages,
+224 KB of shared memory).  It ran slower all the same: MLA decode 1532 us (32-key tiles
+1676 us) vs 1171 us for the default, tree verify 451 / 6868 us vs 310 / 4617 us -- the
+softmax then reduces across the warps of a warpgroup (through shared memory) and ``p``
+goes through shared memory as the value dot's B operand, every tile.  Reaching FlashMLA
+(508 us) needs what Triton does not expose: warpgroups that exchange one score tile under
+explicit barriers while TMA streams the next latent tile (a CUDA or Gluon kernel).
 
 Sources: DeepSeek-V2 (arXiv:2405.04434) for absorbed MLA; FlashMLA (deepseek-ai/FlashMLA:
 64-head tiles, 8 warps, K and V sharing one shared-memory tile, split-KV plus a combine
@@ -124,7 +126,7 @@ from .attention import (_draft_key_count, _draft_visibility, _full_update, _mask
 __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
 
 MASK_CAUSAL, MASK_TREE = 0, 1
-MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages", "tma", "key_major")
+MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages", "tma")
 
 
 @triton.jit
@@ -268,110 +270,6 @@ def _mla_fwd_kernel(
                 NUM_SPLITS)
 
 
-@triton.jit
-def _mla_tile_km(acc, m_i, l_i, q_t, q_pe_t, kv_row, ok, vis_t, offs_c, offs_r, qk_scale,
-                 FULL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """:func:`_mla_tile` key-major (``key_major=True``): scores ``s^T = [c | k_pe] @ q^T``
-    (``[BLOCK_N, BLOCK_M]``), output ``acc^T += c^T @ p^T`` (``[r, BLOCK_M]``), the softmax
-    along axis 0.  ``vis_t [BLOCK_N, BLOCK_M]``; ``FULL``: every key exists and is visible
-    (``ok`` / ``vis_t`` unused: no masked loads, no ``-inf`` guard)."""
-    if FULL:
-        c = tl.load(kv_row[:, None] + offs_c[None, :])                                # [N, r]
-        kpe = tl.load(kv_row[:, None] + offs_r[None, :])                              # [N, R]
-    else:
-        c = tl.load(kv_row[:, None] + offs_c[None, :], mask=ok[:, None], other=0.0)
-        kpe = tl.load(kv_row[:, None] + offs_r[None, :], mask=ok[:, None], other=0.0)
-    if UPCAST:
-        c = c.to(tl.float32)
-        kpe = kpe.to(tl.float32)
-    if IEEE:
-        s = tl.dot(c, q_t, input_precision="ieee")
-        s = tl.dot(kpe, q_pe_t, s, input_precision="ieee")
-    else:
-        s = tl.dot(c, q_t)
-        s = tl.dot(kpe, q_pe_t, s)
-    if FULL:
-        m_new = tl.maximum(m_i, tl.max(s, 0) * qk_scale)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s * qk_scale - m_new[None, :])
-    else:
-        s = tl.where(vis_t, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[None, :])
-    l_i = l_i * alpha + tl.sum(p, 0)
-    acc = acc * alpha[None, :]
-    if IEEE:
-        acc = tl.dot(tl.trans(c), p.to(c.dtype), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(tl.trans(c), p.to(c.dtype), acc)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _mla_fwd_kernel_km(
-        Q, KV, O, O_PART, LSE_PART,
-        req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
-        stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
-        stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-        stride_rtt, stride_tmb, stride_tmj,
-        qk_scale,
-        NUM_HEADS: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, CONTIG: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """:func:`_mla_fwd_kernel` with key-major tiles (module docstring, "Key-major tiles"):
-    the whole value width per program, no recomputed scores."""
-    req, split, q_start, n = _program_request(qo_indptr, NUM_SPLITS)
-    m0 = tl.program_id(0) * BLOCK_M
-    if m0 >= n * NUM_HEADS:
-        return
-    P, rtt_row, j, head, tok = _tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt,
-                                          req, q_start, m0, BLOCK_M, NUM_HEADS)
-    row_ok = j < n
-    offs_c = tl.arange(0, KV_LORA)
-    offs_r = KV_LORA + tl.arange(0, ROPE)
-    q_row = Q + tok * stride_qt + head * stride_qh
-    q_t = tl.load(q_row[None, :] + offs_c[:, None], mask=row_ok[None, :], other=0.0)     # [r, M]
-    q_pe_t = tl.load(q_row[None, :] + offs_r[:, None], mask=row_ok[None, :], other=0.0)  # [R, M]
-    if UPCAST:
-        q_t = q_t.to(tl.float32)
-        q_pe_t = q_pe_t.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([KV_LORA, BLOCK_M], tl.float32)
-
-    lo, hi = _prefix_range(P, split, NUM_SPLITS, BLOCK_N)
-    hi_full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
-    for start in range(lo, hi_full, BLOCK_N):  # whole tiles: no masks
-        if CONTIG:
-            slot = tl.load(rtt_row + start).to(tl.int64) + tl.arange(0, BLOCK_N)
-        else:
-            slot = tl.load(rtt_row + start + tl.arange(0, BLOCK_N)).to(tl.int64)
-        acc, m_i, l_i = _mla_tile_km(acc, m_i, l_i, q_t, q_pe_t, KV + slot * stride_kvt, None, None,
-                                     offs_c, offs_r, qk_scale, True, IEEE, UPCAST)
-    # the tail, masked: the prefix's partial last tile, then this forward's tokens P + [0, n)
-    # (last split only) -- one loop, so the whole-tile loop above keeps its registers
-    pre = hi - hi_full
-    kv_hi = _draft_key_count(n, m0, split, NUM_HEADS, BLOCK_M, MASK_MODE, NUM_SPLITS)
-    for start in range(0, pre + kv_hi, BLOCK_N):
-        offs_t = start + tl.arange(0, BLOCK_N)
-        is_pre = offs_t < pre
-        offs_k = offs_t - pre                      # draft key index (< 0: a prefix key)
-        k_ok = (offs_k >= 0) & (offs_k < kv_hi)
-        pos = tl.where(is_pre, hi_full + offs_t, P + offs_k)
-        t_ok = is_pre | k_ok
-        slot = tl.load(rtt_row + pos, mask=t_ok, other=0).to(tl.int64)
-        vis = _draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, k_ok,
-                                MASK_MODE) | is_pre[None, :]
-        acc, m_i, l_i = _mla_tile_km(acc, m_i, l_i, q_t, q_pe_t, KV + slot * stride_kvt, t_ok,
-                                     tl.trans(vis), offs_c, offs_r, qk_scale, False, IEEE, UPCAST)
-
-    _store_rows(O, O_PART, LSE_PART, tl.trans(acc), m_i, l_i, tok, head, offs_c, row_ok[:, None],
-                row_ok, split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls,
-                stride_lt, NUM_SPLITS)
-
-
 def default_mla_config(max_rows: int, kv_lora_rank: int, ieee: bool) -> dict:
     """Default kernel config for ``max_rows = max_q * H`` packed rows per request, rank
     ``kv_lora_rank`` and fp32 (``ieee``) inputs.  Returns ``block_m``, ``block_n``,
@@ -394,18 +292,12 @@ def default_mla_config(max_rows: int, kv_lora_rank: int, ieee: bool) -> dict:
 def check_mla_config(config: dict, kv_lora_rank: Optional[int] = None) -> None:
     """Raise ValueError unless ``config``'s keys are among :data:`MLA_CONFIG_KEYS` with the
     value rules of :func:`~specattn.triton_kernels.attention.check_kernel_config`, and
-    ``block_dv`` is ``kv_lora_rank`` or half of it (when the rank is given); ``key_major``
-    excludes ``tma`` and a half ``block_dv`` (its programs own the whole value width).  None
-    values mean "default"."""
+    ``block_dv`` is ``kv_lora_rank`` or half of it (when the rank is given).  None values
+    mean "default"."""
     check_kernel_config(config, MLA_CONFIG_KEYS)
     dv = config.get("block_dv")
     if dv is not None and kv_lora_rank is not None and dv not in (kv_lora_rank, kv_lora_rank // 2):
         raise ValueError(f"block_dv must be kv_lora_rank ({kv_lora_rank}) or half of it, got {dv}")
-    if config.get("key_major"):
-        if config.get("tma"):
-            raise ValueError("key_major and tma exclude each other (key-major tiles are gathered)")
-        if dv is not None and kv_lora_rank is not None and dv != kv_lora_rank:
-            raise ValueError(f"key_major needs block_dv = kv_lora_rank ({kv_lora_rank}), got {dv}")
 
 
 def _tma_descriptors(kv_cache: torch.Tensor, page_size: int, block_n: int, block_dv: int,
@@ -437,7 +329,6 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
                         block_n: Optional[int] = None, block_dv: Optional[int] = None,
                         num_warps: Optional[int] = None,
                         num_stages: Optional[int] = None, tma: Optional[bool] = None,
-                        key_major: Optional[bool] = None,
                         check_bounds: bool = True) -> torch.Tensor:
     """Absorbed-MLA attention of ``q`` over the paged latent cache (module docstring).
 
@@ -471,12 +362,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             descriptor load per value box and one for ``k_pe``, no per-key addresses) instead
             of per-thread loads; needs tiles inside one page (``block_n`` divides
             ``page_size``), ``block_dv`` and ``qk_rope_head_dim`` <= 256 (TMA box limit) and a
-            16-byte aligned cache and row stride.  None = False (measured slower on an
-            H100: 1262 vs 1165 us at MLA decode b128 L8192, 2026-11-22).
-        key_major: key-major tiles (module docstring): ``[BLOCK_N, BLOCK_M]`` scores and a
-            ``[r, BLOCK_M]`` accumulator, every program the whole value width (``block_dv``
-            must be ``r``), so no program recomputes another's scores.  Excludes ``tma``.
-            None = the default config's choice.
+            16-byte aligned cache and row stride.  None = False: measured slower on an H100
+            (MLA decode b128 L8192: 1262 vs 1165 us; tree verify within 3 %, 2026-11-22).
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; :func:`~specattn.triton_kernels._util.
             check_paged_metadata`).  Backends that validated the batch pass False.
@@ -488,7 +375,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         ValueError: inconsistent shapes, dtypes or devices; dims not powers of two >= 16; a
             ``tree_mask`` smaller than ``[bs, max_q, ceil(max_q/32)]``; a bad config value;
             with ``check_bounds``, an index out of range (``check_paged_metadata``); ``tma=True``
-            where its needs are not met; ``key_major`` with ``tma`` or half ``block_dv``.
+            where its needs are not met.
     """
     if q.dim() != 3 or kv_cache.dim() != 3:
         raise ValueError(f"q and kv_cache must be 3-D, got {list(q.shape)} / {list(kv_cache.shape)}")
@@ -518,12 +405,9 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     ieee = upcast or kv_cache.dtype == torch.float32
     cfg = default_mla_config(max_q * H, rank, ieee)
     over = dict(block_m=block_m, block_n=block_n, block_dv=block_dv, num_warps=num_warps,
-                num_stages=num_stages, tma=tma, key_major=key_major)
+                num_stages=num_stages, tma=tma)
     check_mla_config(over, rank)
     cfg.update({k: v for k, v in over.items() if v is not None})
-    if cfg.get("key_major") and block_dv is None:
-        cfg["block_dv"] = rank
-    check_mla_config(cfg, rank)
     BLOCK_M, BLOCK_N, BLOCK_DV = cfg["block_m"], cfg["block_n"], cfg["block_dv"]
     desc_v = desc_pe = None
     if cfg.get("tma", False):
@@ -534,30 +418,6 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     grid = (triton.cdiv(max_q * H, BLOCK_M), num_dv, bs * num_splits)
     o_part, lse, ps, ls = _split_partials(num_splits, T, H, rank, out, seq_lens)
     tm, tm_strides = _tree_mask_arg(tree_mask, seq_lens)
-    mask_mode = MASK_TREE if tree_mask is not None else MASK_CAUSAL
-    if cfg.get("key_major", False):
-        launch_fitting(_mla_fwd_kernel_km, grid, (
-            q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
-            q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
-            ps[0], ps[1], ps[2], ls[0], ls[1], req_to_token.stride(0), tm_strides[0], tm_strides[1],
-            sm_scale * 1.4426950408889634), dict(
-            NUM_HEADS=H, KV_LORA=rank, ROPE=rope, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            MASK_MODE=mask_mode, NUM_SPLITS=num_splits, CONTIG=page_size % BLOCK_N == 0, IEEE=ieee,
-            UPCAST=upcast, num_warps=cfg["num_warps"]), cfg["num_stages"])
-    else:
-        _launch_dv_split(q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, seq_lens,
-                         qo_indptr, tm, tm_strides, desc_v, desc_pe, ps, ls, sm_scale, grid, cfg,
-                         H, rank, rope, num_dv, mask_mode, num_splits, page_size, ieee, upcast)
-    if num_splits > 1:
-        _merge_partials(o_part, lse, out, num_splits, rank, rank, 4 if rank >= 256 else 1)
-    return out
-
-
-def _launch_dv_split(q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, seq_lens,
-                     qo_indptr, tm, tm_strides, desc_v, desc_pe, ps, ls, sm_scale, grid, cfg, H,
-                     rank, rope, num_dv, mask_mode, num_splits, page_size, ieee, upcast):
-    """Launch :func:`_mla_fwd_kernel` (head-major tiles, optional value-width split / TMA)."""
-    BLOCK_N = cfg["block_n"]
     launch_fitting(_mla_fwd_kernel, grid, (
         q, kv_cache, out, o_part, lse,
         req_to_token, req_pool_indices, seq_lens, qo_indptr, tm, desc_v, desc_pe,
@@ -565,7 +425,11 @@ def _launch_dv_split(q, kv_cache, out, o_part, lse, req_to_token, req_pool_indic
         ps[0], ps[1], ps[2], ls[0], ls[1],
         req_to_token.stride(0), tm_strides[0], tm_strides[1],
         sm_scale * 1.4426950408889634), dict(
-        NUM_HEADS=H, KV_LORA=rank, ROPE=rope, BLOCK_M=cfg["block_m"], BLOCK_N=BLOCK_N,
-        BLOCK_DV=cfg["block_dv"], NUM_DV=num_dv, MASK_MODE=mask_mode,
+        NUM_HEADS=H, KV_LORA=rank, ROPE=rope, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_DV=BLOCK_DV, NUM_DV=num_dv,
+        MASK_MODE=MASK_TREE if tree_mask is not None else MASK_CAUSAL,
         NUM_SPLITS=num_splits, CONTIG=page_size % BLOCK_N == 0, IEEE=ieee, UPCAST=upcast,
         TMA=desc_v is not None, num_warps=cfg["num_warps"]), cfg["num_stages"])
+    if num_splits > 1:
+        _merge_partials(o_part, lse, out, num_splits, rank, rank, 4 if rank >= 256 else 1)
+    return out

@@ -120,8 +120,6 @@ def mla_point(kind, bs, P, n, dtype=torch.bfloat16, H=128, rank=512, rope=64, de
         grid.append(dict(block_m=bm, block_n=bn, block_dv=dv, num_warps=w, num_stages=st))
         if dv == 256:  # prefix tiles by TMA (page 64 holds whole tiles)
             grid.append(dict(block_m=bm, block_n=bn, block_dv=dv, num_warps=w, num_stages=st, tma=True))
-    for bm, bn, w, st in itertools.product([32, 64], [32, 64], [4, 8], [1, 2]):  # key-major tiles
-        grid.append(dict(key_major=True, block_m=bm, block_n=bn, num_warps=w, num_stages=st))
     flops = 2 * bs * n * H * (rank + rope + rank) * (P + (n + 1) / 2)
     nbytes = bs * (P + n) * (rank + rope) * k.element_size() + q.numel() * q.element_size() * 2
     return fn, grid, dict(flops=flops, bytes=nbytes, default_splits=split_default)
@@ -153,7 +151,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--points", default=None, help="bs/P/n,... (overrides the kinds' points)")
     ap.add_argument("--match", default=None,
-                    help="time only the grid configs that set this key (e.g. key_major)")
+                    help="time only the grid configs that set this key (e.g. tma)")
     args = ap.parse_args(argv)
     torch.manual_seed(random.randrange(2**31))
     results = []

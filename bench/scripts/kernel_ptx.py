@@ -47,10 +47,6 @@ def _configs():
             c.update(desc_v=None, desc_pe=None)
         out.append((f"mla_mask{mask}_splits{splits}_dv{ndv}_contig{contig}{'_tma' if tma else ''}",
                      M._mla_fwd_kernel, "bf16", c, 8))
-    for mask, splits in ((0, 1), (1, 4)):  # key-major MLA tiles (64 rows x 64 keys, 8 warps)
-        c = dict(NUM_HEADS=128, KV_LORA=512, ROPE=64, BLOCK_M=64, BLOCK_N=64, MASK_MODE=mask,
-                 NUM_SPLITS=splits, CONTIG=1, IEEE=False, UPCAST=False)
-        out.append((f"mla_km_mask{mask}_splits{splits}", M._mla_fwd_kernel_km, "bf16", c, 8))
     out.append(("verify_greedy", T._verify_greedy_kernel, None, dict(BLOCK_D=64, BLOCK_S=8), 4))
     out.append(("verify_sampling", S._tree_sampling_kernel, None,
                 dict(HAS_DRAFT=True, BLOCK_D=64, BLOCK_S=8, BLOCK_V=1024), 4))
