@@ -1,6 +1,6 @@
 """The runtime's lossless checks in bf16, for backends without float32 kernels (FlashInfer,
 FlashMLA; any ``--backend`` runs them): every emitted token is the float32 greedy choice up
-to the precision's near-ties (``tests/lowp_oracle.py``), on the run's ``--backend`` with CUDA
+to the precision's near-ties (``specattn.spec_runtime.near_greedy``), on the run's ``--backend`` with CUDA
 graphs on (gpu):
 
 - the real model (SmolLM2-135M): target-only, EAGLE chain and trees, DFlash; pages 1 and 16;
@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from lowp_oracle import check_near_greedy
+from specattn.spec_runtime.near_greedy import check_near_greedy, near_greedy, teacher_forced_logits
 from runtime_backend import make_engine
 from specattn.spec_runtime.engine import Engine, SpecConfig
 from specattn.spec_runtime.loader import apply_chat_template
@@ -63,6 +63,21 @@ def test_check_passes_reference_and_catches_a_broken_verify(tiny_bf16, monkeypat
     bad = Engine(cfg, dict(w16), spec=spec, dtype=DT, max_context=64).generate(prompts, p)
     with pytest.raises(AssertionError, match="beyond the precision's near-ties"):
         check_near_greedy(m32, m16, prompts, bad.tokens)
+
+
+def test_near_greedy_measures_without_raising_and_checks_inputs(tiny_bf16):
+    """``near_greedy`` returns the measure for a wrong output (the bench's bf16 column reports
+    it) and rejects inputs that cannot be checked; empty outputs of some requests are fine."""
+    cfg, (w16, w32), prompts = tiny_bf16
+    m32, m16 = LlamaModel(cfg, dict(w32)), LlamaModel(cfg, dict(w16), dtype=DT)
+    logits = teacher_forced_logits(m32, [prompts[0]])[0][-1]
+    worst = int(logits.argmin())                  # the float32 model's least likely token
+    res = near_greedy(m32, m16, prompts[:2], [[worst], []])
+    assert res.num_tokens == 1 and res.num_flips == 1 and res.max_ratio > 1.0
+    with pytest.raises(ValueError, match="2 prompts but 1 outputs"):
+        near_greedy(m32, m16, prompts[:2], [[worst]])
+    with pytest.raises(ValueError, match="non-empty"):
+        near_greedy(m32, m16, prompts[:2], [[], []])
 
 
 # ----------------------------------------------------------------------------- GPU: real model

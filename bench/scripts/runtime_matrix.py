@@ -15,7 +15,11 @@ timeout keeps what is done):
 - ``DIR/generate.json``: every report (outputs included) plus ``same_tokens_as_none`` (the
   output equals target-only decoding on the same backend and dtype: lossless, expected in
   float32) and ``same_tokens_as_reference`` (equals ``torch_reference`` for the same algo
-  and dtype);
+  and dtype); for bf16 / fp16 ``near_greedy``: every emitted token measured against the
+  float32 greedy choice on its own context, up to the precision's near-ties
+  (:mod:`specattn.spec_runtime.near_greedy`: the float32 model over the same rounded
+  weights, teacher-forced; ``max_ratio <= 1`` and ``vocab_share <= 0.1`` pass), the
+  low-precision counterpart of "= none", which bf16 runs do not meet token for token;
 - ``DIR/generate_summary.md``: one table.
 
 A configuration that fails (e.g. a backend without a mode: ``UnsupportedError``) is recorded
@@ -25,6 +29,7 @@ that many seconds are recorded as skipped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -44,10 +49,22 @@ ALGOS = {  # name -> SpecConfig fields (as README's end-to-end table)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+NEAR_GREEDY_MAX_SHARE = 0.1  # as tests/test_runtime_lowp.py
+
+
+def near_greedy_cell(ng) -> str:
+    """The table cell of a report's ``near_greedy`` dict: ``-`` (float32, not measured),
+    ``yes (r)`` or ``**no** (r)`` with ``r`` the worst token's gap / tolerance ratio."""
+    if not ng:
+        return "-"
+    ok = ng["max_ratio"] <= 1.0 and ng["vocab_share"] <= NEAR_GREEDY_MAX_SHARE
+    return f"{'yes' if ok else '**no**'} ({ng['max_ratio']:.2f})"
+
+
 def _row(r: dict) -> str:
     if "error" in r:
         return (f"| {r['dtype']} | {r['name']} | {r['backend']} | {r['error'].splitlines()[0][:90]} "
-                f"| | | | | | |")
+                f"| | | | | | | |")
     runs = r["tokens_per_s_runs"]
     flag = {True: "yes", False: "**no**", None: "-"}
     backend = r["target_backend"] + (f" (page {r['page_size']})" if r.get("page_size", 1) != 1 else "")
@@ -55,6 +72,7 @@ def _row(r: dict) -> str:
     return (f"| {r['dtype']} | {r['name']} | {backend} | {r['tokens_per_s']:.1f} "
             f"| {min(runs):.1f}-{max(runs):.1f} | {r['mean_accept_length']:.2f} | {r['target_forwards']} "
             f"| {flag[r['same_tokens_as_none']]} | {flag[r['same_tokens_as_reference']]} "
+            f"| {near_greedy_cell(r.get('near_greedy'))} "
             f"| {'on' if r['cuda_graph'] else 'off'}{' (eager: ' + ', '.join(r['eager_routed']) + ')' if r['eager_routed'] else ''}{routed} |")
 
 
@@ -66,10 +84,12 @@ def write(out: Path, reports: list, meta: dict) -> None:
              f"tokens/s: median of {meta['repeats']} measured runs "
              f"{'after one untimed warm-up run' if meta['warmup'] else '(no warm-up)'} (range: min-max); accept: mean tokens per target verify; = none: same tokens as target-only "
              f"decoding on the same backend and dtype (lossless); = ref: same tokens as torch_reference "
-             f"(same algo, dtype).  Spec ops: impl=auto.",
+             f"(same algo, dtype); near-greedy (bf16/fp16): every token the float32 greedy choice up to "
+             f"the precision's near-ties (worst gap / tolerance in brackets, <= 1 passes), the "
+             f"low-precision form of lossless.  Spec ops: impl=auto.",
              "",
-             "| dtype | algo | backend | tokens/s | range | accept | target fwd | = none | = ref | graphs |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| dtype | algo | backend | tokens/s | range | accept | target fwd | = none | = ref | near-greedy | graphs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [_row(r) for r in reports]
     (out / "generate_summary.md").write_text("\n".join(lines) + "\n")
 
@@ -86,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-near-greedy", action="store_true",
+                    help="skip the bf16/fp16 near-greedy measure (a float32 copy of the model)")
     ap.add_argument("--page-size", type=int, nargs="+", default=[1],
                     help="KV page size per backend, in --backends order (one value: all); FlashMLA needs 64")
     a = ap.parse_args(argv)
@@ -98,7 +120,9 @@ def main(argv=None) -> int:
     from specattn.spec_runtime import loader
     from specattn.spec_runtime.cli import engine_for, load_model, measured_generate, report_dict
     from specattn.spec_runtime.engine import SpecConfig
+    from specattn.spec_runtime.model import LlamaModel
     from specattn.spec_runtime.model_fetch import fetch_model
+    from specattn.spec_runtime.near_greedy import near_greedy
     from specattn.spec_runtime.sampling import SamplingParams
 
     a.out.mkdir(parents=True, exist_ok=True)
@@ -119,6 +143,11 @@ def main(argv=None) -> int:
     for dtype in a.dtypes:
         cfg, w, tok = load_model(None, DTYPES[dtype])
         ids = [loader.apply_chat_template(tok, t) for t in texts]
+        oracle = None  # (float32 model, run-dtype model) over the same rounded weights
+        if DTYPES[dtype] != torch.float32 and not a.no_near_greedy:
+            low = {k: v.to(DTYPES[dtype]) for k, v in w.items()}
+            oracle = (LlamaModel(cfg, {k: v.float() for k, v in low.items()}, dev, torch.float32),
+                      LlamaModel(cfg, low, dev, DTYPES[dtype]))
         for name in a.algos:
             for backend in a.backends:
                 base = {"name": name, "backend": backend, "dtype": dtype}
@@ -155,9 +184,12 @@ def main(argv=None) -> int:
                                                 if none is not None and name != "none" else None)
                     r["same_tokens_as_reference"] = ([o["tokens"] for o in ref["outputs"]] == toks
                                                      if ref is not None and backend != "torch_reference" else None)
+                    if oracle is not None:
+                        r["near_greedy"] = dataclasses.asdict(near_greedy(*oracle, ids, toks))
                     print(f"{dtype:>9} {name:>12} {backend:>16}: {r['tokens_per_s']:7.1f} tok/s "
                           f"(runs {', '.join(f'{x:.1f}' for x in tps)}), accept {r['mean_accept_length']:.2f}, "
-                          f"setup {setup_s:.1f} s, warm-up {warm_s or 0:.1f} s", flush=True)
+                          f"setup {setup_s:.1f} s, warm-up {warm_s or 0:.1f} s"
+                          f"{', near-greedy ' + near_greedy_cell(r['near_greedy']) if oracle else ''}", flush=True)
                 except Exception as e:  # record and go on
                     traceback.print_exc()
                     reports.append({**base, "error": f"{type(e).__name__}: {e}"})
@@ -170,7 +202,7 @@ def main(argv=None) -> int:
                     if dev.type == "cuda":
                         torch.cuda.empty_cache()
                 write(a.out, reports, meta)
-        del w
+        del w, oracle
     meta["seconds"] = time.perf_counter() - t_start
     write(a.out, reports, meta)
     return 1 if any("error" in r and not r["error"].startswith("skipped") for r in reports) else 0

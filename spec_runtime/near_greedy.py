@@ -2,8 +2,9 @@
 
 A bf16 run is not token-identical to a float32 run (nor to another bf16 kernel: different
 summation orders flip near-ties, and after one flip the continuations differ), so the
-runtime's lossless checks for backends without float32 kernels (FlashInfer, FlashMLA) are
-per token instead:
+runtime's lossless checks for backends without float32 kernels (FlashInfer, FlashMLA:
+``tests/test_runtime_lowp.py``) and the bf16 rows of ``bench/scripts/runtime_matrix.py``
+are per token instead:
 
 1. teacher-force each request's ``prompt + output`` through the float32 model (the SAME
    weights, already rounded to the run's dtype, reference backend, one EXTEND) and take
@@ -34,7 +35,7 @@ import torch
 
 from specattn.backends import ForwardBatch, KVAllocator, ReqToTokenPool, TorchReferenceBackend
 
-__all__ = ["teacher_forced_logits", "NearGreedy", "check_near_greedy"]
+__all__ = ["teacher_forced_logits", "NearGreedy", "near_greedy", "check_near_greedy"]
 
 
 def teacher_forced_logits(model, seqs: Sequence[Sequence[int]]) -> List[torch.Tensor]:
@@ -73,16 +74,30 @@ class NearGreedy:
     vocab_share: float
 
 
-def check_near_greedy(model32, model_lowp, prompts, outputs, factor: float = 4.0,
-                      max_share: float = 0.1) -> NearGreedy:
-    """Assert every token of ``outputs`` (per request, after ``prompts``) is within
-    ``factor * delta`` of the float32 greedy choice on its own context (module docstring).
-    ``model32`` / ``model_lowp``: the same weights in float32 / the run's dtype."""
+def near_greedy(model32, model_lowp, prompts, outputs, factor: float = 4.0) -> NearGreedy:
+    """Measure how far every token of ``outputs`` (per request, after ``prompts``; lists of
+    token ids) is from the float32 greedy choice on its own context, against ``factor`` times
+    the precision's logit noise at that position (module docstring).  ``model32`` /
+    ``model_lowp``: the same weights in float32 / the run's dtype, on one device (e.g.
+    :class:`~specattn.spec_runtime.model.LlamaModel` over weights rounded to the run's dtype).
+    Verdict: ``max_ratio <= 1`` (every token a near-tie at most) and ``vocab_share`` small
+    (the check has teeth); :func:`check_near_greedy` asserts both.
+
+    Raises:
+        ValueError: ``prompts`` and ``outputs`` of different lengths, an empty prompt, or no
+            output token at all.
+    """
+    if len(prompts) != len(outputs):
+        raise ValueError(f"{len(prompts)} prompts but {len(outputs)} outputs")
+    if any(len(p) == 0 for p in prompts) or not any(len(o) for o in outputs):
+        raise ValueError("every prompt needs a token and some output must be non-empty")
     seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
     ref = teacher_forced_logits(model32, seqs)
     low = teacher_forced_logits(model_lowp, seqs)
     gaps, tols, shares = [], [], []
     for p, o, lg, lw in zip(prompts, outputs, ref, low):
+        if not o:
+            continue
         span = slice(len(p) - 1, len(p) - 1 + len(o))                   # rows predicting o
         rows = lg[span]
         top = rows.max(-1).values
@@ -92,8 +107,16 @@ def check_near_greedy(model32, model_lowp, prompts, outputs, factor: float = 4.0
         shares.append((rows >= (top - tol)[:, None]).float().mean(-1))
     gap, tol, share = torch.cat(gaps), torch.cat(tols), torch.cat(shares)
     ratio = gap / tol.clamp_min(torch.finfo(torch.float32).tiny)
-    res = NearGreedy(float(tol.max()) / factor, float(tol.max()), float(gap.max()), float(ratio.max()),
-                     int((gap > 0).sum()), gap.numel(), float(share.mean()))
+    return NearGreedy(float(tol.max()) / factor, float(tol.max()), float(gap.max()), float(ratio.max()),
+                      int((gap > 0).sum()), gap.numel(), float(share.mean()))
+
+
+def check_near_greedy(model32, model_lowp, prompts, outputs, factor: float = 4.0,
+                      max_share: float = 0.1) -> NearGreedy:
+    """:func:`near_greedy`, asserting its verdict: AssertionError unless every token is
+    within ``factor * delta`` of the float32 greedy choice and at most ``max_share`` of the
+    vocabulary lies within tolerance on average."""
+    res = near_greedy(model32, model_lowp, prompts, outputs, factor)
     assert res.vocab_share <= max_share, f"the check has no teeth here (logits too flat): {res}"
     assert res.max_ratio <= 1.0, f"a token beyond the precision's near-ties: {res}"
     return res
