@@ -44,3 +44,18 @@ def test_bf16_rows_carry_the_near_greedy_measure(gguf_path, tmp_path, monkeypatc
             assert ng["max_ratio"] <= 1.0 and ng["vocab_share"] <= 0.1
     table = (tmp_path / "generate_summary.md").read_text()
     assert "| near-greedy |" in table and table.count("| yes (") == 2
+
+
+def test_compare_does_not_depend_on_run_order():
+    """'= none' / '= ref' are set from every report present: a reference row that ran after
+    the row it checks still counts (an H100 run had the reference last and an empty column)."""
+    def rep(backend, name, *toks, **kw):
+        return dict(backend=backend, dtype="bfloat16", name=name, outputs=[{"tokens": list(toks)}], **kw)
+    reps = [rep("triton", "eagle_chain", 1, 2), rep("triton", "eagle_tree", 1, 4),
+            rep("torch_reference", "eagle_chain", 1, 2), rep("torch_reference", "eagle_tree", 1, 2),
+            rep("triton", "none", 1, 2), rep("flashinfer", "none", error="boom"),
+            rep("torch_reference", "none", 1, 3)]
+    _matrix().compare(reps)
+    got = [(r.get("same_tokens_as_none"), r.get("same_tokens_as_reference")) for r in reps]
+    assert got == [(True, True), (False, False), (False, None), (False, None), (None, False), (None, None),
+                   (None, None)]

@@ -76,7 +76,25 @@ def _row(r: dict) -> str:
             f"| {'on' if r['cuda_graph'] else 'off'}{' (eager: ' + ', '.join(r['eager_routed']) + ')' if r['eager_routed'] else ''}{routed} |")
 
 
+def compare(reports: list) -> None:
+    """Set every report's ``same_tokens_as_none`` / ``same_tokens_as_reference`` from the
+    reports present, whatever order they ran in (None where the counterpart is missing)."""
+    def toks(x):
+        return [o["tokens"] for o in x["outputs"]]
+
+    ok = [x for x in reports if "error" not in x]
+    for r in ok:
+        none = next((x for x in ok if x["backend"] == r["backend"] and x["dtype"] == r["dtype"]
+                     and x["name"] == "none"), None)
+        ref = next((x for x in ok if x["backend"] == "torch_reference" and x["dtype"] == r["dtype"]
+                    and x["name"] == r["name"]), None)
+        r["same_tokens_as_none"] = toks(none) == toks(r) if none is not None and r["name"] != "none" else None
+        r["same_tokens_as_reference"] = (toks(ref) == toks(r) if ref is not None
+                                         and r["backend"] != "torch_reference" else None)
+
+
 def write(out: Path, reports: list, meta: dict) -> None:
+    compare(reports)
     (out / "generate.json").write_text(json.dumps({"meta": meta, "runs": reports}, indent=1))
     lines = [f"# End to end: {meta['model']}, {meta['prompts']} prompts x {meta['max_new_tokens']} new tokens, "
              f"batch {meta['prompts']}, {meta['device_name']}",
@@ -175,15 +193,7 @@ def main(argv=None) -> int:
                     r.update(base, tokens_per_s=statistics.median(tps), tokens_per_s_runs=tps,
                              seconds_runs=[x.seconds for x in runs], same_tokens_every_run=stable,
                              setup_seconds=setup_s)
-                    none = next((x for x in reports if x["backend"] == backend and x["dtype"] == dtype
-                                 and x["name"] == "none" and "error" not in x), None)
-                    ref = next((x for x in reports if x["backend"] == "torch_reference" and x["dtype"] == dtype
-                                and x["name"] == name and "error" not in x), None)
                     toks = [o["tokens"] for o in r["outputs"]]
-                    r["same_tokens_as_none"] = ([o["tokens"] for o in none["outputs"]] == toks
-                                                if none is not None and name != "none" else None)
-                    r["same_tokens_as_reference"] = ([o["tokens"] for o in ref["outputs"]] == toks
-                                                     if ref is not None and backend != "torch_reference" else None)
                     if oracle is not None:
                         r["near_greedy"] = dataclasses.asdict(near_greedy(*oracle, ids, toks))
                     print(f"{dtype:>9} {name:>12} {backend:>16}: {r['tokens_per_s']:7.1f} tok/s "
