@@ -63,37 +63,14 @@
 #include <limits>
 
 #include "specattn_ops.h"
+#include "tensor_views.cuh"
 
 namespace specattn {
 namespace {
 
 // ------------------------------------------------------------------------------ common
-// Read-only view of an int32 / int64 tensor of rank <= 2 (strides in elements).
-struct IdxView {
-  const void* ptr;
-  int64_t s0;
-  int64_t s1;
-  bool i64;
-  __device__ __forceinline__ int64_t operator()(int64_t i, int64_t j = 0) const {
-    const int64_t off = i * s0 + j * s1;
-    return i64 ? static_cast<const int64_t*>(ptr)[off]
-               : static_cast<int64_t>(static_cast<const int32_t*>(ptr)[off]);
-  }
-};
-
-bool is_index_dtype(const at::Tensor& t) {
-  return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong;
-}
-
 void check_dev(const at::Tensor& t, const char* op, const char* name, const c10::Device& dev) {
   TORCH_CHECK(t.device() == dev, op, ": ", name, " is on ", t.device(), ", expected ", dev);
-}
-
-IdxView index_view(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(is_index_dtype(t), op, ": ", name, " must be int32 or int64, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() <= 2, op, ": ", name, " must have rank <= 2, got ", t.sizes());
-  return IdxView{t.data_ptr(), t.dim() >= 1 ? t.stride(0) : 0, t.dim() >= 2 ? t.stride(1) : 0,
-                 t.scalar_type() == at::kLong};
 }
 
 void check_shape(const at::Tensor& t, const char* op, const char* name,
@@ -286,12 +263,9 @@ __global__ void __launch_bounds__(kBuildMaxThreads)
 constexpr int kVerifySmemMaxD = 1024;  // 32 B of shared memory per draft token
 
 struct VerifyArgs {
-  int32_t* pred;  // [bs * D]
-  int64_t pred_s0;
-  int32_t* acc;  // [bs, S]
-  int64_t acc_s0, acc_s1;
-  int32_t* alen;  // [bs]
-  int64_t al_s0;
+  OutView<int32_t> pred;  // [bs * D]
+  OutView<int32_t> acc;   // [bs, S]
+  OutView<int32_t> alen;  // [bs]
   IdxView cand, ridx, nxt, sib, tgt;  // [bs, D] each
   int64_t bs;
   int64_t S;
@@ -323,7 +297,7 @@ __global__ void __launch_bounds__(32) verify_greedy_kernel(const __grid_constant
       s_nxt[j] = clamp_link(a.nxt(b, j), D);
       s_sib[j] = clamp_link(a.sib(b, j), D);
     }
-    a.pred[(base + j) * a.pred_s0] = 0;
+    a.pred(base + j) = 0;
   }
   __syncwarp();  // orders the zero fill before lane 0's path writes, publishes the rows
 
@@ -341,7 +315,7 @@ __global__ void __launch_bounds__(32) verify_greedy_kernel(const __grid_constant
     int64_t last = ridx(0);
     bool live = last >= 0 && last < nrows;  // an out-of-range row (bad input) ends the walk
     int node = 0;
-    a.acc[b * a.acc_s0] = static_cast<int32_t>(last);
+    a.acc(b, 0) = static_cast<int32_t>(last);
     while (live && n < a.S - 1) {
       const int64_t want = target(last);
       int hit = -1;
@@ -352,18 +326,18 @@ __global__ void __launch_bounds__(32) verify_greedy_kernel(const __grid_constant
         }
       }
       if (hit < 0) break;
-      a.pred[last * a.pred_s0] = static_cast<int32_t>(want);
+      a.pred(last) = static_cast<int32_t>(want);
       ++n;
       node = hit;
       last = ridx(hit);
       live = last >= 0 && last < nrows;
-      a.acc[b * a.acc_s0 + n * a.acc_s1] = static_cast<int32_t>(last);
+      a.acc(b, n) = static_cast<int32_t>(last);
     }
-    if (live) a.pred[last * a.pred_s0] = static_cast<int32_t>(target(last));  // the bonus
-    a.alen[b * a.al_s0] = static_cast<int32_t>(n);
+    if (live) a.pred(last) = static_cast<int32_t>(target(last));  // the bonus
+    a.alen(b) = static_cast<int32_t>(n);
   }
   n = __shfl_sync(0xffffffffu, n, 0);
-  for (int64_t k = n + 1 + lane; k < a.S; k += 32) a.acc[b * a.acc_s0 + k * a.acc_s1] = -1;
+  for (int64_t k = n + 1 + lane; k < a.S; k += 32) a.acc(b, k) = -1;
 }
 
 // ------------------------------------------------------------------------------ compaction
@@ -614,13 +588,9 @@ void verify_tree_greedy_cuda(const at::Tensor& predicts, const at::Tensor& accep
   a.tgt = index_view(target_predict, op, "target_predict");
   if (bs == 0) return;
   TORCH_CHECK(bs <= std::numeric_limits<int32_t>::max(), op, ": batch too large (", bs, ")");
-  a.pred = predicts.data_ptr<int32_t>();
-  a.pred_s0 = predicts.stride(0);
-  a.acc = accept_index.data_ptr<int32_t>();
-  a.acc_s0 = accept_index.stride(0);
-  a.acc_s1 = accept_index.stride(1);
-  a.alen = accept_length.data_ptr<int32_t>();
-  a.al_s0 = accept_length.stride(0);
+  a.pred = out_view<int32_t>(predicts);
+  a.acc = out_view<int32_t>(accept_index);
+  a.alen = out_view<int32_t>(accept_length);
   a.bs = bs;
   a.S = S;
   a.D = D;

@@ -116,6 +116,7 @@
 #include <limits>
 
 #include "specattn_ops.h"
+#include "tensor_views.cuh"
 
 namespace specattn {
 namespace {
@@ -132,24 +133,10 @@ constexpr int kMaxGridY = 65535;
 
 // An int32 or int64 index tensor, read as int64 (dtype picked at run time: the rows are read
 // once per block, so a branch costs less than 16 template instantiations).
-struct IdxView {
-  const void* ptr;
-  int64_t s0, s1;
-  bool is64;
-  __device__ __forceinline__ int64_t operator()(int64_t i, int64_t j) const {
-    const int64_t off = i * s0 + j * s1;
-    return is64 ? static_cast<const int64_t*>(ptr)[off]
-                : static_cast<int64_t>(static_cast<const int32_t*>(ptr)[off]);
-  }
-};
-
 struct Params {
-  int32_t* predicts;
-  int64_t pred_s0;
-  int32_t* accept_index;
-  int64_t acc_s0, acc_s1;
-  int32_t* accept_length;
-  int64_t al_s0;
+  OutView<int32_t> predicts;       // [bs * D]
+  OutView<int32_t> accept_index;   // [bs, S]
+  OutView<int32_t> accept_length;  // [bs]
   IdxView cand, ridx, nxt, sib;
   const float* coins;
   int64_t coin_s0, coin_s1;
@@ -544,28 +531,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<VEC>)
 
   // ---- 5. outputs
   if (tid == 0) {
-    P.accept_length[b * P.al_s0] = n;
+    P.accept_length(b) = n;
     s_path_tok[n] = bonus;
     if (gridDim.y > 1) P.counters[b] = 0;  // leave the ticket ready for the next launch
   }
   for (int k = tid; k < S; k += kThreads)
-    P.accept_index[b * P.acc_s0 + k * P.acc_s1] = k <= n ? s_path_row[k] : -1;
+    P.accept_index(b, k) = k <= n ? s_path_row[k] : -1;
   __syncthreads();
   for (int j = tid; j < D; j += kThreads) {
     const int64_t row = b * D + j;
     int32_t val = 0;
     for (int k = 0; k <= n; ++k)
       if (s_path_row[k] == row) val = s_path_tok[k];
-    P.predicts[row * P.pred_s0] = val;
+    P.predicts(row) = val;
   }
 }
 
 bool aligned16(const float* p, int64_t s0, int64_t s1, int64_t V) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0 && s0 % 4 == 0 && s1 % 4 == 0 && V % 4 == 0;
-}
-
-IdxView index_view(const at::Tensor& t) {
-  return {t.data_ptr(), t.stride(0), t.stride(1), t.scalar_type() == at::kLong};
 }
 
 // Co-resident blocks on the whole device (SMs x occupancy, queried with the largest dynamic
@@ -598,6 +581,7 @@ void tree_speculative_sampling_cuda(
     const at::Tensor& uniform_samples, const at::Tensor& uniform_samples_for_final_sampling,
     const at::Tensor& target_probs, double threshold_single, double threshold_acc,
     const std::optional<at::Tensor>& draft_probs) {
+  constexpr const char* kOpName = "specattn::tree_speculative_sampling";
   constexpr const char* kOp = "specattn::tree_speculative_sampling: ";
   TORCH_CHECK(candidates.dim() == 2, kOp, "candidates must be 2-D [bs, D], got ",
               candidates.sizes());
@@ -665,17 +649,13 @@ void tree_speculative_sampling_cuda(
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   Params P;
-  P.predicts = predicts.data_ptr<int32_t>();
-  P.pred_s0 = predicts.stride(0);
-  P.accept_index = accept_index.data_ptr<int32_t>();
-  P.acc_s0 = accept_index.stride(0);
-  P.acc_s1 = accept_index.stride(1);
-  P.accept_length = accept_length.data_ptr<int32_t>();
-  P.al_s0 = accept_length.stride(0);
-  P.cand = index_view(candidates);
-  P.ridx = index_view(retrive_index);
-  P.nxt = index_view(retrive_next_token);
-  P.sib = index_view(retrive_next_sibling);
+  P.predicts = out_view<int32_t>(predicts);
+  P.accept_index = out_view<int32_t>(accept_index);
+  P.accept_length = out_view<int32_t>(accept_length);
+  P.cand = index_view(candidates, kOpName, "candidates");
+  P.ridx = index_view(retrive_index, kOpName, "retrive_index");
+  P.nxt = index_view(retrive_next_token, kOpName, "retrive_next_token");
+  P.sib = index_view(retrive_next_sibling, kOpName, "retrive_next_sibling");
   P.coins = uniform_samples.data_ptr<float>();
   P.coin_s0 = uniform_samples.stride(0);
   P.coin_s1 = uniform_samples.stride(1);

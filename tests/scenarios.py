@@ -109,6 +109,25 @@ def random_qkv(sc: Scenario, dtype=None):
     return q, k, v
 
 
+def load_trial(first: Scenario, sc: Scenario, qs: torch.Tensor, ks: torch.Tensor,
+               vs: Optional[torch.Tensor] = None):
+    """A graph test's replay trial: copy ``sc``'s KV and ``req_to_token`` into ``first``'s
+    pools (the ones the captured backend reads) and point ``sc`` at them, draw ``q, k, v``
+    for ``sc`` and write them into the first ``n`` rows of the static inputs ``qs, ks, vs``
+    (every other row redrawn: padding must not matter).  Returns ``(q, k, v, n)``."""
+    for dst, src in zip(first.kv_pool.buffers, sc.kv_pool.buffers):
+        dst.copy_(src)
+    first.req_pool.req_to_token.copy_(sc.req_pool.req_to_token)
+    sc.kv_pool, sc.req_pool = first.kv_pool, first.req_pool
+    q, k, v = random_qkv(sc)
+    n = sc.batch.num_tokens
+    qs.normal_(), ks.normal_()
+    qs[:n].copy_(q), ks[:n].copy_(k)
+    if vs is not None:
+        vs.normal_(), vs[:n].copy_(v)
+    return q, k, v, n
+
+
 def naive_attention(sc: Scenario, q: torch.Tensor) -> torch.Tensor:
     """Per token: list the visible key positions by the mode table, gather them from the
     cache via req_to_token, softmax in float64.  Reads the cache as it is now (after the

@@ -24,7 +24,7 @@ import types
 import pytest
 import torch
 
-from scenarios import make_scenario, random_qkv
+from scenarios import load_trial, make_scenario, random_qkv
 from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers,
                                MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool,
                                TorchReferenceBackend, UnsupportedError, available_backends,
@@ -452,16 +452,7 @@ def _graph_case_fake(kind, mode, page_size, seed, padded_bs=4):
         sc = make_scenario(mode, bs=bs, **common)
         if kind == "mla" and mode == ForwardMode.TARGET_VERIFY:
             sc.batch.tree_mask = chain(D, bs, "cpu")
-        for dst, src in zip(first.kv_pool.buffers, sc.kv_pool.buffers):
-            dst.copy_(src)
-        first.req_pool.req_to_token.copy_(sc.req_pool.req_to_token)
-        sc.kv_pool, sc.req_pool = first.kv_pool, first.req_pool
-        q, k, v = random_qkv(sc)
-        n = sc.batch.num_tokens
-        qs.normal_(), ks.normal_()
-        qs[:n].copy_(q), ks[:n].copy_(k)
-        if vs is not None:
-            vs.normal_(), vs[:n].copy_(v)
+        q, k, v, n = load_trial(first, sc, qs, ks, vs)
         padded = bufs.fill(sc.batch, padded_bs)
         be.init_forward_metadata_replay_cuda_graph(padded)
         md = be.forward_metadata
@@ -598,16 +589,7 @@ def _gpu_graph_case(kind, mode, page_size, seed, group=4, head_dim=128, D=5, pad
         sc = make_scenario(mode, bs=bs, **common)
         if kind == "mla" and mode == ForwardMode.TARGET_VERIFY:
             sc.batch.tree_mask = chain(D, bs, "cuda")
-        for dst, src in zip(first.kv_pool.buffers, sc.kv_pool.buffers):
-            dst.copy_(src)
-        first.req_pool.req_to_token.copy_(sc.req_pool.req_to_token)
-        sc.kv_pool, sc.req_pool = first.kv_pool, first.req_pool
-        q, k, v = random_qkv(sc)
-        n = sc.batch.num_tokens
-        qs.normal_(), ks.normal_()
-        qs[:n].copy_(q), ks[:n].copy_(k)
-        if vs is not None:
-            vs.normal_(), vs[:n].copy_(v)
+        q, k, v, n = load_trial(first, sc, qs, ks, vs)
         be.init_forward_metadata_replay_cuda_graph(bufs.fill(sc.batch, padded_bs))
         out_static.fill_(float("nan"))
         g.replay()

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():  # the routed modes run Triton's interpreter o
 
 import pytest  # noqa: E402
 
-from scenarios import make_scenario, random_qkv  # noqa: E402
+from scenarios import load_trial, make_scenario, random_qkv  # noqa: E402
 import specattn.backends.flashmla_backend as fmb  # noqa: E402
 from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers,  # noqa: E402
                                MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool,
@@ -274,14 +274,7 @@ def test_graph_builders_with_fake(fake_flash_mla, mode, seed):
         sc = mla_scenario(mode, rng, bs=bs, **common)
         if mode == ForwardMode.TARGET_VERIFY:
             sc.batch.tree_mask = chain(D, bs, "cpu")
-        for dst, src in zip(first.kv_pool.buffers, sc.kv_pool.buffers):
-            dst.copy_(src)
-        first.req_pool.req_to_token.copy_(sc.req_pool.req_to_token)
-        sc.kv_pool, sc.req_pool = first.kv_pool, first.req_pool
-        q, k, _ = random_qkv(sc)
-        n = sc.batch.num_tokens
-        qs.normal_(), ks.normal_()
-        qs[:n].copy_(q), ks[:n].copy_(k)
+        q, k, _, n = load_trial(first, sc, qs, ks)
         padded = bufs.fill(sc.batch, padded_bs)
         be.init_forward_metadata_replay_cuda_graph(padded)
         md = be.forward_metadata
@@ -378,14 +371,7 @@ def test_cuda_graph_replay_on_gpu(mode, heads, seed):
         sc = mla_scenario(mode, rng, bs=bs, **common)
         if mode == ForwardMode.TARGET_VERIFY:
             sc.batch.tree_mask = chain(D, bs, "cuda")
-        for dst, src in zip(first.kv_pool.buffers, sc.kv_pool.buffers):
-            dst.copy_(src)
-        first.req_pool.req_to_token.copy_(sc.req_pool.req_to_token)
-        sc.kv_pool, sc.req_pool = first.kv_pool, first.req_pool
-        q, k, _ = random_qkv(sc)
-        n = sc.batch.num_tokens
-        qs.normal_(), ks.normal_()
-        qs[:n].copy_(q), ks[:n].copy_(k)
+        q, k, _, n = load_trial(first, sc, qs, ks)
         padded = bufs.fill(sc.batch, padded_bs)
         torch.cuda.set_sync_debug_mode("error")
         try:
