@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specattn import _ext
+from kv_cases import bits, random_buffers, replay_matches_reference
 from specattn.ops import move_kv_cache, move_kv_cache_reference
 
 pytestmark = [
@@ -18,20 +19,6 @@ pytestmark = [
 ]
 
 DEV = "cuda"
-
-
-def _bits(t):
-    return t.contiguous().view(torch.uint8)
-
-
-def _buffers(num_buffers, num_slots, row_shape, dtype, gen):
-    bufs = []
-    for _ in range(num_buffers):
-        raw = torch.randint(0, 256, (num_slots, *row_shape, torch.empty((), dtype=dtype).element_size()),
-                            generator=gen, dtype=torch.uint8, device="cpu")
-        b = raw.view(dtype).view(num_slots, *row_shape).to(DEV)  # random bits, NaNs included
-        bufs.append(b)
-    return bufs
 
 
 def _accepted_path_moves(num_slots, num_reqs, block, gen):
@@ -96,7 +83,7 @@ def _check(bufs, tgt, src, idx_dtype, impl="cuda", src_dtype=None, group_size=No
         move_kv_cache(bufs, t, s, impl=impl, group_size=group_size)
     torch.cuda.synchronize()
     for i, (got, exp) in enumerate(zip(bufs, expected)):
-        assert torch.equal(_bits(got), _bits(exp)), f"buffer {i} differs"
+        assert torch.equal(bits(got), bits(exp)), f"buffer {i} differs"
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
@@ -104,7 +91,7 @@ def _check(bufs, tgt, src, idx_dtype, impl="cuda", src_dtype=None, group_size=No
 @pytest.mark.parametrize("row_shape", [(576,), (8, 128)], ids=["mla576", "mha8x128"])
 def test_accepted_path_overlap(idx_dtype, dtype, row_shape, seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(6, 512, row_shape, dtype, gen)
+    bufs = random_buffers(6, 512, row_shape, dtype, gen, device=DEV)
     tgt, src = _accepted_path_moves(512, 20, 16, gen)
     _check(bufs, tgt, src, idx_dtype)
 
@@ -113,7 +100,7 @@ def test_accepted_path_overlap(idx_dtype, dtype, row_shape, seed):
 def test_random_overlapping_permutation(idx_dtype, seed):
     """Targets and sources drawn from the same small set: chains and cycles of moves."""
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(4, 300, (8, 128), torch.bfloat16, gen)
+    bufs = random_buffers(4, 300, (8, 128), torch.bfloat16, gen, device=DEV)
     pool = torch.randperm(300, generator=gen)[:150]
     tgt = pool[:100].tolist()
     src = pool[torch.randint(0, 150, (100,), generator=gen)].tolist()  # src may repeat
@@ -136,7 +123,7 @@ def test_poisoned_untouched_slots_stay():
     _check(bufs, tgt, src, torch.int64)
     untouched = [i for i in range(64) if i not in tgt]
     for b, old in zip(bufs, before):
-        assert torch.equal(_bits(b[untouched]), _bits(old[untouched]))
+        assert torch.equal(bits(b[untouched]), bits(old[untouched]))
         assert not b[tgt].isnan().any()
 
 
@@ -152,7 +139,7 @@ def test_empty_moves_nothing():
 
 def test_mixed_index_dtypes_and_tgt_equals_src(seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(2, 128, (576,), torch.bfloat16, gen)
+    bufs = random_buffers(2, 128, (576,), torch.bfloat16, gen, device=DEV)
     _check(bufs, [0, 1, 2, 3, 50], [0, 5, 2, 9, 1], torch.int32, src_dtype=torch.int64)
 
 
@@ -161,15 +148,16 @@ def test_mixed_index_dtypes_and_tgt_equals_src(seed):
                                              ((576,), torch.float8_e4m3fn)])
 def test_narrow_rows_use_fallback_widths(row_shape, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(3, 200, row_shape, dtype, gen)
+    bufs = random_buffers(3, 200, row_shape, dtype, gen, device=DEV)
     tgt, src = _accepted_path_moves(200, 10, 10, gen)
     _check(bufs, tgt, src, torch.int64)
 
 
 def test_mixed_row_widths_in_one_call(seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = (_buffers(2, 100, (8, 128), torch.bfloat16, gen) + _buffers(2, 100, (576,), torch.bfloat16, gen)
-            + _buffers(1, 100, (7,), torch.uint8, gen))
+    bufs = (random_buffers(2, 100, (8, 128), torch.bfloat16, gen, device=DEV)
+            + random_buffers(2, 100, (576,), torch.bfloat16, gen, device=DEV)
+            + random_buffers(1, 100, (7,), torch.uint8, gen, device=DEV))
     tgt, src = _accepted_path_moves(100, 6, 10, gen)
     _check(bufs, tgt, src, torch.int32)
 
@@ -177,7 +165,7 @@ def test_mixed_row_widths_in_one_call(seed):
 def test_many_buffers_chunked(seed):
     """More than 128 buffers (one launch's pointer table) -> several chunks."""
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(300, 64, (4, 16), torch.bfloat16, gen)
+    bufs = random_buffers(300, 64, (4, 16), torch.bfloat16, gen, device=DEV)
     tgt, src = _accepted_path_moves(64, 4, 16, gen)
     _check(bufs, tgt, src, torch.int64)
 
@@ -220,7 +208,7 @@ def test_current_stream_is_used():
 
 def test_cuda_graph_capture_and_replay(seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(4, 256, (8, 128), torch.bfloat16, gen)
+    bufs = random_buffers(4, 256, (8, 128), torch.bfloat16, gen, device=DEV)
     n = 32
     t = torch.zeros(n, dtype=torch.int64, device=DEV)
     s = torch.zeros(n, dtype=torch.int64, device=DEV)
@@ -237,14 +225,7 @@ def test_cuda_graph_capture_and_replay(seed):
     for _ in range(3):
         tgt, src = _accepted_path_moves(192, 4, 16, gen)  # slots < 192; pad: tgt == src
         tgt, src = (tgt + list(range(200, 256)))[:n], (src + list(range(200, 256)))[:n]
-        t.copy_(torch.tensor(tgt))
-        s.copy_(torch.tensor(src))
-        expected = [b.clone() for b in bufs]
-        move_kv_cache_reference(expected, t, s)
-        g.replay()
-        torch.cuda.synchronize()
-        for got, exp in zip(bufs, expected):
-            assert torch.equal(_bits(got), _bits(exp))
+        replay_matches_reference(g, bufs, t, s, tgt, src)
 
 
 def test_raw_op_host_checks():
@@ -276,7 +257,7 @@ def test_auto_picks_cuda():
 @pytest.mark.parametrize("block", [4, 8, 16, 64])
 def test_grouped_accepted_path_overlap(block, row_shape, dtype, idx_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(6, 1024, row_shape, dtype, gen)
+    bufs = random_buffers(6, 1024, row_shape, dtype, gen, device=DEV)
     tgt, src = _grouped_moves(1024, 12, block, gen)
     _check(bufs, tgt, src, idx_dtype, group_size=block, poison=True)
     tgt, src = _grouped_moves(1024, 12, block, gen)
@@ -293,7 +274,7 @@ def test_grouped_cycles_all_tilings(group, row_shape, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     num_groups = max(1, 3000 // group)
     slots = num_groups * group + 7
-    bufs = _buffers(3, slots, row_shape, dtype, gen)
+    bufs = random_buffers(3, slots, row_shape, dtype, gen, device=DEV)
     tgt, src = _group_cycles(slots, num_groups, group, gen)
     _check(bufs, tgt, src, torch.int64, group_size=group)
 
@@ -302,7 +283,7 @@ def test_grouped_cycles_all_tilings(group, row_shape, dtype, seed):
 @pytest.mark.parametrize("row_shape", [(576,), (8, 128)], ids=["mla576", "mha8x128"])
 def test_grouped_disjoint_group1(row_shape, idx_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(5, 4096, row_shape, torch.bfloat16, gen)
+    bufs = random_buffers(5, 4096, row_shape, torch.bfloat16, gen, device=DEV)
     tgt, src = _disjoint_moves(4096, 1500, gen)
     _check(bufs, tgt, src, idx_dtype, group_size=1, poison=True)
     tgt, src = _disjoint_moves(4096, 777, gen)
@@ -320,7 +301,7 @@ def test_grouped_pools_page_sizes(kind, page_size, seed):
     pool = (MHATokenToKVPool(size, page_size, torch.bfloat16, 8, 128, 3, device=DEV)
             if kind == "mha" else MLATokenToKVPool(size, page_size, torch.bfloat16, 4, device=DEV))
     for b in pool.buffers:
-        b.copy_(_buffers(1, b.shape[0], b.shape[1:], b.dtype, gen)[0])
+        b.copy_(random_buffers(1, b.shape[0], b.shape[1:], b.dtype, gen, device=DEV)[0])
     ps, D = page_size, 16
     if ps == 64:
         pages = (torch.randperm(30, generator=gen)[:8] + 1).tolist()
@@ -347,12 +328,12 @@ def test_grouped_pools_page_sizes(kind, page_size, seed):
             pool.move_kv_cache(t, s, impl="cuda", group_size=gs)
             torch.cuda.synchronize()
             for got, exp in zip(pool.buffers, expected):
-                assert torch.equal(_bits(got), _bits(exp))
+                assert torch.equal(bits(got), bits(exp))
 
 
 def test_grouped_identity_pairs_padding_and_mixed_dtypes(seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(4, 256, (576,), torch.bfloat16, gen)
+    bufs = random_buffers(4, 256, (576,), torch.bfloat16, gen, device=DEV)
     # two requests of D=4, then two padded requests whose pairs all sit on slot 0
     tgt = [8, 9, 10, 11, 20, 21, 22, 23] + [0] * 8
     src = [9, 11, 10, 11, 20, 22, 22, 23] + [0] * 8
@@ -375,7 +356,7 @@ def test_grouped_empty_moves():
 
 def test_grouped_violated_promise_raises_before_any_write(seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(2, 64, (576,), torch.bfloat16, gen)
+    bufs = random_buffers(2, 64, (576,), torch.bfloat16, gen, device=DEV)
     before = [b.clone() for b in bufs]
     t = torch.tensor([1, 2, 6, 7], device=DEV)
     s = torch.tensor([2, 6, 9, 10], device=DEV)  # pair 1 (group 0) reads 6, pair 2 (group 1) writes it
@@ -384,7 +365,7 @@ def test_grouped_violated_promise_raises_before_any_write(seed):
     with pytest.raises(ValueError, match="promise"):
         move_kv_cache(bufs, t, s, impl="cuda", group_size=1)
     torch.cuda.synchronize()
-    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(bufs, before))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(bufs, before))
     with pytest.raises(RuntimeError, match="group_size"):
         torch.ops.specattn.move_kv_cache(bufs, t, s, -1)
     _check(bufs, t.tolist(), s.tolist(), torch.int64, group_size=4)  # one group: fine
@@ -394,18 +375,20 @@ def test_grouped_many_buffers_and_mixed_widths(seed):
     """More than 128 buffers (chunks, one launch each) and rows of several widths in one
     launch (blocks past a narrow buffer's tile count exit)."""
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(300, 128, (4, 16), torch.bfloat16, gen)
+    bufs = random_buffers(300, 128, (4, 16), torch.bfloat16, gen, device=DEV)
     tgt, src = _grouped_moves(128, 6, 16, gen)
     _check(bufs, tgt, src, torch.int64, group_size=16)
-    bufs = (_buffers(2, 512, (8, 128), torch.bfloat16, gen) + _buffers(2, 512, (576,), torch.bfloat16, gen)
-            + _buffers(1, 512, (16,), torch.bfloat16, gen) + _buffers(1, 512, (2, 4096), torch.float32, gen))
+    bufs = (random_buffers(2, 512, (8, 128), torch.bfloat16, gen, device=DEV)
+            + random_buffers(2, 512, (576,), torch.bfloat16, gen, device=DEV)
+            + random_buffers(1, 512, (16,), torch.bfloat16, gen, device=DEV)
+            + random_buffers(1, 512, (2, 4096), torch.float32, gen, device=DEV))
     tgt, src = _group_cycles(512, 40, 8, gen)
     _check(bufs, tgt, src, torch.int32, group_size=8)
 
 
 def test_grouped_cuda_graph_capture_and_replay(seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(61, 512, (576,), torch.bfloat16, gen)
+    bufs = random_buffers(61, 512, (576,), torch.bfloat16, gen, device=DEV)
     bs, D = 4, 16
     t = torch.zeros(bs * D, dtype=torch.int64, device=DEV)
     s = torch.zeros(bs * D, dtype=torch.int64, device=DEV)
@@ -419,14 +402,7 @@ def test_grouped_cuda_graph_capture_and_replay(seed):
         move_kv_cache(bufs, t, s, impl="cuda", group_size=D)
     for i in range(4):
         tgt, src = (_grouped_moves(512, bs, D, gen) if i % 2 else _group_cycles(512, bs, D, gen))
-        t.copy_(torch.tensor(tgt))
-        s.copy_(torch.tensor(src))
-        expected = [b.clone() for b in bufs]
-        move_kv_cache_reference(expected, t, s)
-        g.replay()
-        torch.cuda.synchronize()
-        for got, exp in zip(bufs, expected):
-            assert torch.equal(_bits(got), _bits(exp))
+        replay_matches_reference(g, bufs, t, s, tgt, src)
 
 
 def _kernel_launches(fn):
@@ -442,7 +418,7 @@ def _kernel_launches(fn):
 
 def test_one_launch_for_all_layers(seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(64, 1024, (8, 128), torch.bfloat16, gen)
+    bufs = random_buffers(64, 1024, (8, 128), torch.bfloat16, gen, device=DEV)
     tgt, src = _grouped_moves(1024, 16, 8, gen)
     t, s = torch.tensor(tgt, device=DEV), torch.tensor(src, device=DEV)
     names = _kernel_launches(lambda: torch.ops.specattn.move_kv_cache(bufs, t, s, 8))
@@ -458,7 +434,7 @@ def test_sanitizer_smoke(seed):
     vectors, both index dtypes): the quick case to run under compute-sanitizer."""
     gen = torch.Generator().manual_seed(seed)
     for row_shape, dtype in (((576,), torch.bfloat16), ((8, 128), torch.bfloat16), ((5,), torch.uint8)):
-        bufs = _buffers(3, 256, row_shape, dtype, gen)
+        bufs = random_buffers(3, 256, row_shape, dtype, gen, device=DEV)
         for idx_dtype in (torch.int32, torch.int64):
             tgt, src = _grouped_moves(256, 6, 16, gen)
             _check(bufs, tgt, src, idx_dtype, raw=True)                   # staged
@@ -474,7 +450,7 @@ def test_no_host_sync_with_check_values_false(impl, seed):
     """``check_values=False`` with a ``group_size`` promise: the eager call never syncs with
     the host (sync debug mode "error") and equals the reference on overlapping moves."""
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(4, 512, (576,), torch.bfloat16, gen)
+    bufs = random_buffers(4, 512, (576,), torch.bfloat16, gen, device=DEV)
     tgt, src = _accepted_path_moves(512, 6, 16, gen)
     expected = [b.clone() for b in bufs]
     t = torch.tensor(tgt, dtype=torch.int64, device=DEV)
@@ -491,4 +467,4 @@ def test_no_host_sync_with_check_values_false(impl, seed):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     for got, exp in zip(bufs, expected):
-        assert torch.equal(_bits(got), _bits(exp))
+        assert torch.equal(bits(got), bits(exp))

@@ -17,23 +17,13 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from kv_cases import bits, random_buffers, replay_matches_reference  # noqa: E402
 from specattn.backends.pools import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from specattn.ops import kv_move as kv_move_ops  # noqa: E402
 from specattn.ops import move_kv_cache, move_kv_cache_reference, registry  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _bits(t):
-    return t.contiguous().view(torch.uint8)
-
-
-def _buffers(num_buffers, num_slots, row_shape, dtype, gen, device=DEV):
-    """Random bits (NaNs included) in every byte."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return [torch.randint(0, 256, (num_slots, *row_shape, size), generator=gen, dtype=torch.uint8)
-            .view(dtype).view(num_slots, *row_shape).to(device) for _ in range(num_buffers)]
 
 
 def compact_style_moves(num_slots, bs, D, gen, lo=0):
@@ -82,7 +72,7 @@ def check(bufs, tgt, src, idx_dtype=torch.int64, impl="triton", group_size=None,
     move_kv_cache_reference(expected, t, s)
     move_kv_cache(bufs, t, s, impl=impl, group_size=group_size)
     for i, (got, exp) in enumerate(zip(bufs, expected)):
-        assert torch.equal(_bits(got), _bits(exp)), f"buffer {i} differs"
+        assert torch.equal(bits(got), bits(exp)), f"buffer {i} differs"
 
 
 # --------------------------------------------------------------------------- CPU + GPU
@@ -96,7 +86,7 @@ def test_registered():
                          ids=["mla576", "mha2x16", "odd6B", "odd5B"])
 def test_accepted_path_overlap(row_shape, dtype, group_size, seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(3, 96, row_shape, dtype, gen)
+    bufs = random_buffers(3, 96, row_shape, dtype, gen, device=DEV)
     tgt, src = compact_style_moves(96, 5, 8, gen)
     check(bufs, tgt, src, group_size=group_size)
 
@@ -105,7 +95,7 @@ def test_accepted_path_overlap(row_shape, dtype, group_size, seed):
 @pytest.mark.parametrize("group_size", [None, 1, 3])
 def test_disjoint_moves(idx_dtype, group_size, seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(2, 80, (2, 16), torch.bfloat16, gen)
+    bufs = random_buffers(2, 80, (2, 16), torch.bfloat16, gen, device=DEV)
     tgt, src = disjoint_moves(80, 21, gen)
     check(bufs, tgt, src, idx_dtype=idx_dtype, group_size=group_size)
 
@@ -120,7 +110,7 @@ def test_groups_span_many_programs(row_shape, dtype, bs, group_size, pattern, se
     program's row tile are masked), several column tiles for the MLA rows.  ``cycles``:
     each group permutes its own slots (chains and cycles, not front-to-back safe)."""
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(2, 160, row_shape, dtype, gen)
+    bufs = random_buffers(2, 160, row_shape, dtype, gen, device=DEV)
     tgt, src = (compact_style_moves if pattern == "compact" else group_cycles)(160, bs, 6, gen)
     check(bufs, tgt, src, group_size=group_size)
 
@@ -129,7 +119,7 @@ def test_cycles_staged_and_one_group(seed):
     """Chains and cycles: staged, or everything in one group (direct, one program holds it)."""
     gen = torch.Generator().manual_seed(seed)
     for gs in (None, 40):
-        bufs = _buffers(2, 64, (4, 4), torch.float32, gen)
+        bufs = random_buffers(2, 64, (4, 4), torch.float32, gen, device=DEV)
         pool = torch.randperm(64, generator=gen)[:40]
         tgt = pool.tolist()
         src = pool[torch.randperm(40, generator=gen)].tolist()
@@ -138,7 +128,7 @@ def test_cycles_staged_and_one_group(seed):
 
 def test_mixed_dtypes_identity_pairs_and_padding(seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(2, 64, (1, 576), torch.bfloat16, gen)
+    bufs = random_buffers(2, 64, (1, 576), torch.bfloat16, gen, device=DEV)
     # two requests of D=4 plus two padded requests whose pairs all sit on slot 0
     tgt = [8, 9, 10, 11, 20, 21, 22, 23] + [0] * 8
     src = [9, 11, 10, 11, 20, 22, 22, 23] + [0] * 8
@@ -148,7 +138,7 @@ def test_mixed_dtypes_identity_pairs_and_padding(seed):
 
 def test_empty_moves(seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(2, 16, (8,), torch.float32, gen)
+    bufs = random_buffers(2, 16, (8,), torch.float32, gen, device=DEV)
     before = [b.clone() for b in bufs]
     for gs in (None, 1):
         move_kv_cache(bufs, torch.empty(0, dtype=torch.int64, device=DEV),
@@ -156,7 +146,7 @@ def test_empty_moves(seed):
         kv_move_ops.registry.dispatch("move_kv_cache", "triton")(
             bufs, torch.empty(0, dtype=torch.int32, device=DEV),
             torch.empty(0, dtype=torch.int32, device=DEV), group_size=gs)
-    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(bufs, before))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(bufs, before))
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
@@ -170,7 +160,7 @@ def test_pools_page_sizes(kind, page_size, seed):
             else MLATokenToKVPool(size, page_size, torch.bfloat16, 2, device=DEV,
                                   kv_lora_rank=32, qk_rope_head_dim=16))
     for b in pool.buffers:
-        b.copy_(_buffers(1, b.shape[0], b.shape[1:], b.dtype, gen)[0])
+        b.copy_(random_buffers(1, b.shape[0], b.shape[1:], b.dtype, gen, device=DEV)[0])
     ps = page_size
     if ps > 1:  # page 1 -> page 3 (aligned, one group per page), and 1 page unaligned
         tgt = list(range(3 * ps, 4 * ps)) + [ps * 2 + 5, ps * 4 + 7]
@@ -185,12 +175,12 @@ def test_pools_page_sizes(kind, page_size, seed):
         move_kv_cache_reference(expected, t, s)
         pool.move_kv_cache(t, s, impl="triton", group_size=gs)
         for got, exp in zip(pool.buffers, expected):
-            assert torch.equal(_bits(got), _bits(exp))
+            assert torch.equal(bits(got), bits(exp))
 
 
 def test_violated_promise_raises_before_any_write(seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(2, 32, (4,), torch.float32, gen)
+    bufs = random_buffers(2, 32, (4,), torch.float32, gen, device=DEV)
     before = [b.clone() for b in bufs]
     # pair 1 (group 0 with G=2) reads slot 6, which pair 2 (group 1) writes
     tgt, src = [1, 2, 6, 7], [2, 6, 9, 10]
@@ -200,7 +190,7 @@ def test_violated_promise_raises_before_any_write(seed):
             move_kv_cache(bufs, t, s, impl=impl, group_size=2)
         with pytest.raises(ValueError, match="promise"):
             move_kv_cache(bufs, t, s, impl=impl, group_size=1)
-    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(bufs, before))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(bufs, before))
     check(bufs, tgt, src, group_size=4)  # one group: the promise holds
 
 
@@ -233,7 +223,8 @@ def test_eager_check_picks_direct_when_disjoint():
 def test_pointer_table_cached_and_chunked_staging(monkeypatch, seed):
     from specattn.triton_kernels import kv_move as tk
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(5, 48, (2, 8), torch.bfloat16, gen) + _buffers(2, 48, (3,), torch.bfloat16, gen)
+    bufs = (random_buffers(5, 48, (2, 8), torch.bfloat16, gen, device=DEV)
+            + random_buffers(2, 48, (3,), torch.bfloat16, gen, device=DEV))
     tgt, src = compact_style_moves(48, 4, 6, gen)
     check(bufs, tgt, src, group_size=None)
     key = [k for k in tk._TABLES if k[1] == tuple(b.data_ptr() for b in bufs)]
@@ -247,7 +238,7 @@ def test_pointer_table_cached_and_chunked_staging(monkeypatch, seed):
 
 def test_many_buffers_one_launch(seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(150, 24, (4,), torch.float16, gen)
+    bufs = random_buffers(150, 24, (4,), torch.float16, gen, device=DEV)
     tgt, src = compact_style_moves(24, 3, 4, gen)
     check(bufs, tgt, src, group_size=4)
 
@@ -260,7 +251,7 @@ def test_many_buffers_one_launch(seed):
 @pytest.mark.parametrize("layers,row_shape", [(61, (1, 576)), (64, (8, 128))], ids=["mla", "mha"])
 def test_gpu_real_shapes(layers, row_shape, idx_dtype, group_size, seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(layers, 4096, row_shape, torch.bfloat16, gen)
+    bufs = random_buffers(layers, 4096, row_shape, torch.bfloat16, gen, device=DEV)
     if group_size == 1:
         tgt, src = disjoint_moves(4096, 1000, gen)
     else:
@@ -274,7 +265,7 @@ def test_gpu_real_shapes(layers, row_shape, idx_dtype, group_size, seed):
 @pytest.mark.parametrize("group_size", [None, 8])
 def test_gpu_graph_capture_and_replay(group_size, seed):
     gen = torch.Generator().manual_seed(seed)
-    bufs = _buffers(6, 512, (1, 576), torch.bfloat16, gen)
+    bufs = random_buffers(6, 512, (1, 576), torch.bfloat16, gen, device=DEV)
     bs, D = 8, 8
     t = torch.zeros(bs * D, dtype=torch.int64, device=DEV)
     s = torch.zeros(bs * D, dtype=torch.int64, device=DEV)
@@ -289,14 +280,7 @@ def test_gpu_graph_capture_and_replay(group_size, seed):
         move_kv_cache(bufs, t, s, impl="triton", group_size=group_size)
     for _ in range(3):
         tgt, src = compact_style_moves(512, bs, D, gen)
-        t.copy_(torch.tensor(tgt))
-        s.copy_(torch.tensor(src))
-        expected = [b.clone() for b in bufs]
-        move_kv_cache_reference(expected, t, s)
-        g.replay()
-        torch.cuda.synchronize()
-        for got, exp in zip(bufs, expected):
-            assert torch.equal(_bits(got), _bits(exp))
+        replay_matches_reference(g, bufs, t, s, tgt, src)
 
 
 @gpu
