@@ -114,7 +114,8 @@ def load_trial(first: Scenario, sc: Scenario, qs: torch.Tensor, ks: torch.Tensor
     """A graph test's replay trial: copy ``sc``'s KV and ``req_to_token`` into ``first``'s
     pools (the ones the captured backend reads) and point ``sc`` at them, draw ``q, k, v``
     for ``sc`` and write them into the first ``n`` rows of the static inputs ``qs, ks, vs``
-    (every other row redrawn: padding must not matter).  Returns ``(q, k, v, n)``."""
+    (every other row redrawn: padding must not matter; ``vs`` may be given for a kind without
+    ``v``, MLA: it is only redrawn).  Returns ``(q, k, v, n)``."""
     for dst, src in zip(first.kv_pool.buffers, sc.kv_pool.buffers):
         dst.copy_(src)
     first.req_pool.req_to_token.copy_(sc.req_pool.req_to_token)
@@ -124,7 +125,9 @@ def load_trial(first: Scenario, sc: Scenario, qs: torch.Tensor, ks: torch.Tensor
     qs.normal_(), ks.normal_()
     qs[:n].copy_(q), ks[:n].copy_(k)
     if vs is not None:
-        vs.normal_(), vs[:n].copy_(v)
+        vs.normal_()
+        if v is not None:
+            vs[:n].copy_(v)
     return q, k, v, n
 
 

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from scenarios import make_scenario, naive_attention, random_qkv
+from scenarios import load_trial, make_scenario, naive_attention, random_qkv
 from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers, TorchReferenceBackend,
                                UnsupportedError)
 
@@ -129,17 +129,8 @@ def _graph_case(mode, kind, page_size, device, use_graph, seed):
     for trial in range(2):
         bs = rng.randint(1, 4)
         sc = make_scenario(mode, kind=kind, bs=bs, D=D, page_size=page_size, device=device, rng=rng, capacity_bs=4)
-        # live batch lives in the captured pools: move its pool contents into them
-        for dst, src in zip(first.kv_pool.buffers, sc.kv_pool.buffers):
-            dst.copy_(src)
-        first.req_pool.req_to_token.copy_(sc.req_pool.req_to_token)
-        sc.kv_pool, sc.req_pool = first.kv_pool, first.req_pool
-        q, k, v = random_qkv(sc)
-        T = sc.batch.num_tokens
-        q_static.normal_(); k_static.normal_(); v_static.normal_()  # garbage in padded rows
-        q_static[:T].copy_(q); k_static[:T].copy_(k)
-        if v is not None:
-            v_static[:T].copy_(v)
+        # live batch lives in the captured pools; garbage in the padded rows
+        q, k, v, T = load_trial(first, sc, q_static, k_static, v_static)
         padded = bufs.fill(sc.batch, 4)
         be.init_forward_metadata_replay_cuda_graph(padded)
         if use_graph:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from scenarios import make_scenario, random_qkv
+from scenarios import load_trial, make_scenario, random_qkv
 from specattn.backends import ForwardBatch, ForwardMode, GraphInputBuffers, TorchReferenceBackend
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -94,16 +94,7 @@ def graph_case(kind: str, mode: ForwardMode, page_size: int, device, use_graph: 
     for trial in range(trials):
         bs = rng.randint(1, padded_bs - 1) if trial == 0 and padded_bs > 1 else rng.randint(1, padded_bs)
         sc = scenario(bs)
-        for dst, src in zip(first.kv_pool.buffers, sc.kv_pool.buffers):
-            dst.copy_(src)
-        first.req_pool.req_to_token.copy_(sc.req_pool.req_to_token)
-        sc.kv_pool, sc.req_pool = first.kv_pool, first.req_pool
-        q, k, v = random_qkv(sc)
-        T = sc.batch.num_tokens
-        for buf, src in ((q_static, q), (k_static, k), (v_static, v)):  # garbage in padded rows
-            if buf is not None:
-                buf.normal_()
-                buf[:T].copy_(src)
+        q, k, v, T = load_trial(first, sc, q_static, k_static, v_static)  # garbage in padded rows
         padded = bufs.fill(sc.batch, padded_bs)
         if use_graph:
             torch.cuda.set_sync_debug_mode("error")
