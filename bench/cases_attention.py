@@ -7,7 +7,7 @@ rows of one point are timed on identical inputs)::
     tree_verify      triton | flashinfer_mask | flashinfer_split   bs/prefix 1/4096 16/2048
                                                                    64/4096 16/16384
     mla_tree_verify  triton | triton_tma                           bs 1 | 16, prefix 4096
-    mla_decode       triton | triton_tma | flashmla                bs 128, seq_len 8192
+    mla_decode       triton | triton_tma | triton_sm90 | flashmla  bs 128, seq_len 8192
     decode           triton | flashinfer                           bs 1|32|128 x seq_len 1024|8192
     extend           triton | flashinfer                           bs 1, 2048 new, prefix 0|4096
 
@@ -17,6 +17,8 @@ rows of one point are timed on identical inputs)::
   is written at setup), captured in a CUDA graph by the harness.
 - ``triton_tma`` (MLA): the same with ``kernel_config={"tma": True}``: the prefix's full key
   tiles by TMA descriptors (pages hold whole tiles), not yet the default.
+- ``triton_sm90`` (MLA decode): ``kernel_config={"sm90": True}``, the Gluon kernel of
+  :mod:`~specattn.triton_kernels.attention_mla_sm90` (two warpgroups share one score tile).
 - ``flashinfer_mask``: one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` over the
   ``P + D`` keys with FlashInfer's packed custom mask (built on the device from our bit-packed
   rows by :func:`~specattn.backends.tree_mask.tree_mask_to_flashinfer`); ``plan()`` at setup,
@@ -98,7 +100,7 @@ __all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_
 IMPLS: Dict[str, Tuple[str, ...]] = {
     "tree_verify": ("triton", "flashinfer_mask", "flashinfer_split"),
     "mla_tree_verify": ("triton", "triton_tma"),
-    "mla_decode": ("triton", "triton_tma", "flashmla"),
+    "mla_decode": ("triton", "triton_tma", "triton_sm90", "flashmla"),
     "decode": ("triton", "flashinfer"),
     "extend": ("triton", "flashinfer"),
 }
@@ -430,7 +432,7 @@ def _random_q(shape: AttnShape, tokens: int, gen: torch.Generator, device) -> to
 
 
 # ----------------------------------------------------------------------------- impls
-TRITON_IMPLS = {"triton": None, "triton_tma": {"tma": True}}  # impl -> TritonBackend kernel_config
+TRITON_IMPLS = {"triton": None, "triton_tma": {"tma": True}, "triton_sm90": {"sm90": True}}  # impl -> TritonBackend kernel_config
 
 
 def _triton_sets(inputs: PagedInputs, batches, qs, num_kv_splits, kernel_config=None):
@@ -644,7 +646,7 @@ def _mla_tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, kv_lora
 @case("mla_decode",
       "DECODE, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, s_q=1, bs=128 x "
       "seq_len 8192 keys (issue bar: within 1.5x of FlashMLA's 538 us on an H200); "
-      "impl=triton|triton_tma|flashmla; bytes = latent of every key once + q + o",
+      "impl=triton|triton_tma|triton_sm90|flashmla; bytes = latent of every key once + q + o",
       bs=128, seq_len=8192, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
       dtype="bfloat16", page_size=64, input_sets=None, seed=0, impl="triton",
       num_kv_splits=None, contiguous=False)

@@ -205,6 +205,38 @@ def test_mla_kernel_input_errors():
         mla_paged_attention(q, kv, **{**base, "tree_mask": torch.zeros(1, 1, 1, dtype=torch.int64)})
 
 
+def test_mla_sm90_errors_and_eligibility():
+    """``sm90=True`` where the Gluon decode kernel cannot run is a ValueError naming why; the
+    eligibility check lists every unmet need; the backend applies ``sm90`` to DECODE only."""
+    from specattn.triton_kernels.attention_mla_sm90 import sm90_mla_decode_supported
+    rtt = torch.arange(32, dtype=torch.int32).view(1, 32)
+    base = dict(req_to_token=rtt, req_pool_indices=torch.tensor([0]),
+                seq_lens=torch.tensor([20], dtype=torch.int32),
+                qo_indptr=torch.tensor([0, 1], dtype=torch.int32), tree_mask=None, max_q=1,
+                sm_scale=0.1, kv_lora_rank=512)
+    q, kv = torch.zeros(1, 64, 576, dtype=torch.bfloat16), torch.zeros(40, 1, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="sm_90 GPU"):
+        mla_paged_attention(q, kv, **base, sm90=True)
+    with pytest.raises(ValueError, match="sm90 must be a bool"):
+        mla_paged_attention(q, kv, **base, sm90=1)
+    why = sm90_mla_decode_supported(torch.zeros(2, 48, 40), torch.zeros(40, 1, 40), 32, 2,
+                                    torch.zeros(1, 2, 1, dtype=torch.int32))
+    for need in ("sm_90", "DECODE", "bf16/fp16", "kv_lora_rank 512", "divisible by 64"):
+        assert need in why, (need, why)
+    # the backend: DECODE honours sm90=True (so a CPU run fails loudly), other modes ignore it
+    rng = random.Random(0)
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        sc = mla_scenario(mode, rng, bs=2)
+        be = TritonBackend(sc.req_pool, sc.kv_pool, kernel_config={"sm90": True})
+        be.init_forward_metadata(sc.batch)
+        q, k, v = random_qkv(sc)
+        if mode == ForwardMode.DECODE:
+            with pytest.raises(ValueError, match="sm90=True needs"):
+                be.forward(q, k, v, sc.layer, sc.batch)
+        else:
+            assert torch.isfinite(be.forward(q, k, v, sc.layer, sc.batch)).all()
+
+
 def test_mla_idle_and_supports():
     sc = make_scenario(ForwardMode.IDLE, kind="mla")
     be = create_backend("triton", sc.req_pool, sc.kv_pool)
@@ -325,3 +357,61 @@ def test_mla_kernel_configs_on_gpu(mode, config, seed):
                       num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, max_prefix=1500,
                       D=64, num_layers=1)
     check(sc, splits=rng.choice([1, 3]), kernel_config=config)
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon MLA decode kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("num_heads", [64, 128])
+def test_mla_sm90_decode_matches_reference(dtype, page_size, block_n, num_heads, seed):
+    """The Gluon decode kernel (``sm90=True``) against the reference backend: prefixes at and
+    around tile boundaries (0, 1, block_n - 1, block_n, ...), up to 8k, split and not."""
+    rng = random.Random(seed)
+    P = [0, 1, block_n - 1, block_n, block_n + 1, rng.randint(1, 3000), 8191]
+    rng.shuffle(P)
+    bs = rng.randint(1, len(P))
+    sc = mla_scenario(ForwardMode.DECODE, rng, bs=bs, page_size=page_size, device="cuda",
+                      dtype=dtype, num_heads=num_heads, kv_lora_rank=512, qk_rope_head_dim=64,
+                      max_prefix=8192, prefix_lens=P[:bs], num_layers=1)
+    check(sc, splits=rng.choice([None, 1, 3, 16]), kernel_config={"sm90": True, "block_n": block_n})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon MLA decode kernel needs an sm_90 GPU")
+def test_mla_sm90_decode_poison_and_default_agree(seed):
+    """NaN in every cache row no request uses never reaches the output (masked copies read
+    nothing past a request's keys), and the Gluon kernel agrees with the Triton kernel."""
+    gen = torch.Generator().manual_seed(seed)
+    H, ps, bs = 128, 64, 5
+    P = torch.tensor([0, 63, 64, 1000, 4097], dtype=torch.int32)
+    width = 4160
+    rtt = torch.randperm(bs * width // ps * 2, generator=gen)[:bs * width // ps].view(bs, -1)
+    rtt = (rtt[:, :, None] * ps + torch.arange(ps)).flatten(1).int().cuda()
+    kv = torch.full((bs * width * 2 + ps, 1, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+    for b in range(bs):
+        used = rtt[b, :P[b] + 1].long()
+        kv[used] = torch.randn(used.numel(), 1, 576, generator=gen).to(kv)
+    q = torch.randn(bs, H, 576, generator=gen).to(kv)
+    args = (q, kv, rtt, torch.arange(bs).cuda(), P.cuda(), torch.arange(bs + 1, dtype=torch.int32).cuda(),
+            None, 1, 0.07, 512)
+    for splits in (1, 4):
+        a = mla_paged_attention(*args, num_splits=splits, sm90=False)
+        out = torch.full_like(a, float("nan"))
+        b = mla_paged_attention(*args, num_splits=splits, sm90=True, out=out)
+        assert torch.isfinite(b).all() and rel_err(a.float(), b.float()) < 2e-2, splits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon MLA decode kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_mla_sm90_decode_graph_replay(page_size, seed):
+    """Captured at a padded bs, replayed with a smaller one (padded requests: no tokens)."""
+    graph_case("mla", ForwardMode.DECODE, page_size, "cuda", True, seed, dtype=torch.bfloat16,
+               num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, max_prefix=2000,
+               padded_bs=8, kernel_config={"sm90": True})

@@ -368,7 +368,7 @@ MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 def check_kernel_config(config: dict, allowed) -> None:
     """Raise ValueError unless every key of ``config`` is in ``allowed`` and every non-None
     value is an int: ``block_*`` powers of two >= 16, ``num_warps`` a power of two,
-    ``num_stages`` >= 1; ``tma`` (MLA) a bool.  (Shared by the MHA and MLA kernels and
+    ``num_stages`` >= 1; ``tma`` and ``sm90`` (MLA) bools.  (Shared by the MHA and MLA kernels and
     ``TritonBackend``.)"""
     bad = sorted(set(config) - set(allowed))
     if bad:
@@ -379,9 +379,9 @@ def check_kernel_config(config: dict, allowed) -> None:
         if key == "num_stages":
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"num_stages must be an int >= 1, got {val!r}")
-        elif key == "tma":
+        elif key in ("tma", "sm90"):
             if not isinstance(val, bool):
-                raise ValueError(f"tma must be a bool, got {val!r}")
+                raise ValueError(f"{key} must be a bool, got {val!r}")
         elif not is_pow2(val) or (key.startswith("block") and val < 16):
             raise ValueError(f"{key} must be a power of two (>= 16 for blocks), got {val!r}")
 

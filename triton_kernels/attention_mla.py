@@ -119,6 +119,7 @@ import triton
 import triton.language as tl
 
 from ._util import check_paged_metadata, is_pow2, launch_fitting, on_tensor_device
+from .attention_mla_sm90 import sm90_mla_decode, sm90_mla_decode_supported
 from .attention import (_draft_key_count, _draft_visibility, _full_update, _masked_update,
                         _merge_partials, _prefix_range, _program_request, _split_partials,
                         _store_rows, _tile_rows, _tree_mask_arg, check_kernel_config)
@@ -126,7 +127,8 @@ from .attention import (_draft_key_count, _draft_visibility, _full_update, _mask
 __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
 
 MASK_CAUSAL, MASK_TREE = 0, 1
-MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages", "tma")
+MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages", "tma", "sm90")
+SM90_DECODE_DEFAULT = False  # sm90=None: use the Gluon decode kernel wherever it can run
 
 
 @triton.jit
@@ -329,6 +331,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
                         block_n: Optional[int] = None, block_dv: Optional[int] = None,
                         num_warps: Optional[int] = None,
                         num_stages: Optional[int] = None, tma: Optional[bool] = None,
+                        sm90: Optional[bool] = None,
                         check_bounds: bool = True) -> torch.Tensor:
     """Absorbed-MLA attention of ``q`` over the paged latent cache (module docstring).
 
@@ -364,6 +367,12 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             ``page_size``), ``block_dv`` and ``qk_rope_head_dim`` <= 256 (TMA box limit) and a
             16-byte aligned cache and row stride.  None = False: measured slower on an H100
             (MLA decode b128 L8192: 1262 vs 1165 us; tree verify within 3 %, 2026-11-22).
+        sm90: run DECODE on the Gluon kernel of :mod:`.attention_mla_sm90` (two warpgroups
+            share one score tile, FlashMLA's split; ``block_n`` 32 or 64, the other config
+            keys do not apply).  True raises ValueError where
+            :func:`~.attention_mla_sm90.sm90_mla_decode_supported` says it cannot run or
+            another config key is set; None uses it where it can run and no other key is set
+            (when ``SM90_DECODE_DEFAULT``); False never.
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; :func:`~specattn.triton_kernels._util.
             check_paged_metadata`).  Backends that validated the batch pass False.
@@ -405,8 +414,25 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     ieee = upcast or kv_cache.dtype == torch.float32
     cfg = default_mla_config(max_q * H, rank, ieee)
     over = dict(block_m=block_m, block_n=block_n, block_dv=block_dv, num_warps=num_warps,
-                num_stages=num_stages, tma=tma)
+                num_stages=num_stages, tma=tma, sm90=sm90)
     check_mla_config(over, rank)
+    conflicts = [k for k in ("block_m", "block_dv", "num_warps", "num_stages", "tma") if over[k]]
+    if block_n not in (None, 32, 64):
+        conflicts.append(f"block_n={block_n}")
+    why = sm90_mla_decode_supported(q, kv_cache, rank, max_q, tree_mask)
+    if why is None and conflicts:
+        why = f"no {'/'.join(conflicts)} override"
+    if sm90 and why is not None:
+        raise ValueError(f"sm90=True needs {why}")
+    if sm90 or (sm90 is None and SM90_DECODE_DEFAULT and why is None):
+        if bs == 0 or T == 0:
+            return out
+        o_part, lse, _, _ = _split_partials(num_splits, T, H, rank, out, seq_lens)
+        sm90_mla_decode(q, kv_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
+                        sm_scale, out, o_part, lse, num_splits, block_n or 64)
+        if num_splits > 1:
+            _merge_partials(o_part, lse, out, num_splits, rank, rank, 4)
+        return out
     cfg.update({k: v for k, v in over.items() if v is not None})
     BLOCK_M, BLOCK_N, BLOCK_DV = cfg["block_m"], cfg["block_n"], cfg["block_dv"]
     desc_v = desc_pe = None
