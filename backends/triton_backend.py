@@ -69,7 +69,8 @@ captured small-batch decode may split a short prefix more than eager would).
 Kernel config: ``kernel_config={"block_m": .., "block_n": .., "num_warps": .., "num_stages":
 ..}`` (MLA also ``"block_dv"``: ``kv_lora_rank`` or half of it, ``"tma"``: prefix tiles
 by TMA, pages holding whole tiles, and ``"sm90"``: DECODE on the Gluon sm_90 kernel of
-:mod:`~specattn.triton_kernels.attention_mla_sm90`, the other modes ignore it) overrides the kernels'
+:mod:`~specattn.triton_kernels.attention_mla_sm90`; MHA's ``"sm90"`` runs TARGET_VERIFY on
+the one of :mod:`~specattn.triton_kernels.attention_sm90`; other modes ignore it) overrides the kernels'
 defaults for every forward (sweeps); keys and values are checked at construction.
 ``page_aligned`` (default True): see :class:`TritonBackend`.
 """
@@ -329,18 +330,23 @@ class TritonBackend(AttentionBackend):
         rtt = self.req_to_token_pool.req_to_token
         if self.kind == AttentionKind.MLA:
             from specattn.triton_kernels.attention_mla import mla_paged_attention
-            cfg = self.kernel_config
-            if md.mode != ForwardMode.DECODE:  # "sm90" names the Gluon DECODE kernel only
-                cfg = {k: v for k, v in cfg.items() if k != "sm90"}
             return mla_paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id), rtt,
                                        md.req_pool_indices, md.seq_lens, md.qo_indptr, md.tree_mask,
                                        md.max_q, layer.scaling, layer.kv_lora_rank,
                                        num_splits=splits,
                                        page_size=self.kv_pool.page_size if self.page_aligned else 1,
-                                       check_bounds=False, **cfg)
+                                       check_bounds=False, **self._config(md.mode))
         from specattn.triton_kernels.attention import paged_attention
         return paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id),
                                self.kv_pool.get_value_buffer(layer.layer_id), rtt,
                                md.req_pool_indices, md.seq_lens, md.qo_indptr, md.tree_mask,
                                md.max_q, layer.scaling, num_splits=splits, check_bounds=False,
-                               **self.kernel_config)
+                               **self._config(md.mode))
+
+    def _config(self, mode: ForwardMode) -> dict:
+        """The kernel config for ``mode``: ``"sm90"`` names the Gluon kernel of one mode
+        (MLA: DECODE, MHA: TARGET_VERIFY) and is dropped for the others."""
+        sm90_mode = ForwardMode.DECODE if self.kind == AttentionKind.MLA else ForwardMode.TARGET_VERIFY
+        if mode == sm90_mode:
+            return self.kernel_config
+        return {k: v for k, v in self.kernel_config.items() if k != "sm90"}

@@ -143,18 +143,18 @@ def bar_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
     the larger points; Triton MLA decode (each variant) within 1.5x of FlashMLA."""
     out = []
     for r in rows:
-        if not str(r["impl"]).startswith("triton"):  # triton and its variants (triton_tma)
+        if not str(r["impl"]).startswith("triton"):  # triton and its variants (triton_tma, triton_sm90)
             continue
         if r["case"] == "tree_verify":
             if r["point"] == "bs=1 prefix=4096":
                 ok = r["median_us"] <= 40.0
-                out.append(f"tree_verify {r['point']}: triton {r['median_us']:.1f} us "
+                out.append(f"tree_verify {r['point']}: {r['impl']} {r['median_us']:.1f} us "
                            f"({'meets' if ok else 'MISSES'} <= 40 us)")
             else:
                 for impl, need in (("flashinfer_mask", 3.0), ("flashinfer_split", 1.5)):
                     if impl in r["speedup"]:
                         x = r["speedup"][impl]
-                        out.append(f"tree_verify {r['point']}: {x:.2f}x vs {impl} "
+                        out.append(f"tree_verify {r['point']}: {r['impl']} {x:.2f}x vs {impl} "
                                    f"({'meets' if x >= need else 'MISSES'} >= {need}x)")
         elif r["case"] == "mla_decode" and "flashmla" in r["speedup"]:
             x = r["speedup"]["flashmla"]

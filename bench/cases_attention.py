@@ -4,8 +4,8 @@ Cases (``-p impl=...`` picks the implementation; every other parameter is shared
 rows of one point are timed on identical inputs)::
 
     case             impl                                          issue points (-p ...)
-    tree_verify      triton | flashinfer_mask | flashinfer_split   bs/prefix 1/4096 16/2048
-                                                                   64/4096 16/16384
+    tree_verify      triton | triton_sm90 | triton_sm90_n64 |      bs/prefix 1/4096 16/2048
+                     flashinfer_mask | flashinfer_split            64/4096 16/16384
     mla_tree_verify  triton | triton_tma                           bs 1 | 16, prefix 4096
     mla_decode       triton | triton_tma | triton_sm90 | flashmla  bs 128, seq_len 8192
     decode           triton | flashinfer                           bs 1|32|128 x seq_len 1024|8192
@@ -17,8 +17,10 @@ rows of one point are timed on identical inputs)::
   is written at setup), captured in a CUDA graph by the harness.
 - ``triton_tma`` (MLA): the same with ``kernel_config={"tma": True}``: the prefix's full key
   tiles by TMA descriptors (pages hold whole tiles), not yet the default.
-- ``triton_sm90`` (MLA decode): ``kernel_config={"sm90": True}``, the Gluon kernel of
-  :mod:`~specattn.triton_kernels.attention_mla_sm90` (two warpgroups share one score tile).
+- ``triton_sm90``: ``kernel_config={"sm90": True}``, the Gluon kernels: MLA decode
+  :mod:`~specattn.triton_kernels.attention_mla_sm90` (two warpgroups share one score tile),
+  tree verify :mod:`~specattn.triton_kernels.attention_sm90` (score GEMM of the next tile
+  overlapping the softmax); ``triton_sm90_n64`` the latter with 64-key tiles.
 - ``flashinfer_mask``: one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` over the
   ``P + D`` keys with FlashInfer's packed custom mask (built on the device from our bit-packed
   rows by :func:`~specattn.backends.tree_mask.tree_mask_to_flashinfer`); ``plan()`` at setup,
@@ -98,7 +100,7 @@ __all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_
            "FI_WORKSPACE_BYTES", "MLA_SCALING"]
 
 IMPLS: Dict[str, Tuple[str, ...]] = {
-    "tree_verify": ("triton", "flashinfer_mask", "flashinfer_split"),
+    "tree_verify": ("triton", "triton_sm90", "triton_sm90_n64", "flashinfer_mask", "flashinfer_split"),
     "mla_tree_verify": ("triton", "triton_tma"),
     "mla_decode": ("triton", "triton_tma", "triton_sm90", "flashmla"),
     "decode": ("triton", "flashinfer"),
@@ -432,7 +434,8 @@ def _random_q(shape: AttnShape, tokens: int, gen: torch.Generator, device) -> to
 
 
 # ----------------------------------------------------------------------------- impls
-TRITON_IMPLS = {"triton": None, "triton_tma": {"tma": True}, "triton_sm90": {"sm90": True}}  # impl -> TritonBackend kernel_config
+TRITON_IMPLS = {"triton": None, "triton_tma": {"tma": True}, "triton_sm90": {"sm90": True},
+                "triton_sm90_n64": {"sm90": True, "block_n": 64}}  # impl -> TritonBackend kernel_config
 
 
 def _triton_sets(inputs: PagedInputs, batches, qs, num_kv_splits, kernel_config=None):
@@ -609,7 +612,7 @@ _VERIFY_DOC = ("bytes = KV of P+D keys read once + q + o; flops = 2*H*(Dqk+Dv)*v
 @case("tree_verify",
       "TARGET_VERIFY, Llama-3-8B GQA 32 q / 8 kv heads x 128, bf16, page 1, random 64-token "
       "EAGLE trees over a P-token prefix (issue points bs/prefix 1/4096 16/2048 64/4096 "
-      "16/16384); impl=triton|flashinfer_mask|flashinfer_split; " + _VERIFY_DOC,
+      "16/16384); impl=triton|triton_sm90|triton_sm90_n64|flashinfer_mask|flashinfer_split; " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=32, num_kv_heads=8, head_dim=128,
       dtype="bfloat16", page_size=1, topk=8, num_steps=5, input_sets=None, seed=0,
       impl="triton", num_kv_splits=None, fi_backend="fa2", contiguous=False)

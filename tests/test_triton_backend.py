@@ -118,6 +118,27 @@ def test_kernel_writes_every_row_and_no_key_gives_zero():
         assert out[2].abs().sum() > 0                    # request 0 row 2 still sees its prefix
 
 
+def test_sm90_tree_verify_errors_and_eligibility():
+    """``sm90=True`` where the Gluon tree-verify kernel cannot run is a ValueError naming why;
+    the backend applies MHA's ``sm90`` to TARGET_VERIFY only."""
+    from specattn.triton_kernels.attention_sm90 import sm90_tree_verify_supported
+    rng = random.Random(0)
+    sc = make_scenario(ForwardMode.TARGET_VERIFY, bs=2, head_dim=64, rng=rng)
+    be = TritonBackend(sc.req_pool, sc.kv_pool, kernel_config={"sm90": True})
+    be.init_forward_metadata(sc.batch)
+    q, k, v = random_qkv(sc)
+    with pytest.raises(ValueError, match="sm90=True needs .*sm_90 GPU"):
+        be.forward(q, k, v, sc.layer, sc.batch)
+    dec = make_scenario(ForwardMode.DECODE, bs=2, head_dim=64, rng=rng)
+    check(dec, kernel_config={"sm90": True})  # DECODE ignores MHA's sm90
+    why = sm90_tree_verify_supported(torch.zeros(2, 4, 32), torch.zeros(8, 2, 32, dtype=torch.float16),
+                                     torch.zeros(8, 2, 16), None)
+    for need in ("sm_90", "TARGET_VERIFY", "bf16/fp16", "head_dim == v_head_dim"):
+        assert need in why, (need, why)
+    with pytest.raises(ValueError, match="sm90 must be a bool"):
+        TritonBackend(sc.req_pool, sc.kv_pool, kernel_config={"sm90": "yes"})
+
+
 def test_idle():
     sc = make_scenario(ForwardMode.IDLE)
     be = create_backend("triton", sc.req_pool, sc.kv_pool)
@@ -270,6 +291,80 @@ def test_cuda_graph_replay(mode, page_size, dtype, splits, seed):
     _graph_case(mode, page_size, "cuda", True, seed, dtype=dtype, group=rng.choice([1, 4, 8]),
                 head_dim=rng.choice([64, 128]), D=rng.choice([5, 33, 64]), splits=splits,
                 max_prefix=rng.choice([20, 2000]), padded_bs=8)
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon tree-verify kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_sm90_tree_verify_matches_reference(dtype, page_size, head_dim, block_n, seed):
+    """The Gluon tree-verify kernel (``sm90=True``) against the reference: GQA groups 1..8,
+    random trees of 1..64 tokens (mask words crossing 32), prefixes 0, at and around tile
+    boundaries and long, split and not."""
+    rng = random.Random(seed)
+    for group in (1, rng.randint(2, 7), 8):
+        hkv = rng.choice([1, 2, 8])
+        bs = rng.randint(1, 5)
+        P = [rng.choice([0, 1, block_n - 1, block_n, block_n + 1, rng.randint(2, 5000)])
+             for _ in range(bs)]
+        sc = make_scenario(ForwardMode.TARGET_VERIFY, bs=bs, page_size=page_size, device="cuda",
+                           dtype=dtype, num_kv_heads=hkv, num_heads=hkv * group, head_dim=head_dim,
+                           max_prefix=5000, prefix_lens=P, D=rng.choice([1, 7, 33, 64]),
+                           num_layers=1, rng=rng)
+        check(sc, splits=rng.choice([None, 1, 3]), kernel_config={"sm90": True, "block_n": block_n})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon tree-verify kernel needs an sm_90 GPU")
+def test_sm90_tree_verify_poison_and_agrees_with_triton(seed):
+    """NaN in every cache row no request uses never reaches the output, rows of other
+    requests are untouched (poisoned ``out`` outside them stays NaN), and the Gluon kernel
+    agrees with the Triton kernel, split and not."""
+    gen = torch.Generator().manual_seed(seed)
+    Hkv, G, Dh, D, bs = 2, 4, 128, 64, 3
+    P = torch.tensor([0, 129, 1000], dtype=torch.int32)
+    width = 1100
+    rtt = torch.randperm(bs * width * 2, generator=gen)[:bs * width].view(bs, width).int().cuda()
+    kc = torch.full((bs * width * 2, Hkv, Dh), float("nan"), dtype=torch.bfloat16, device="cuda")
+    vc = kc.clone()
+    for b in range(bs):
+        used = rtt[b, :P[b] + D].long()
+        kc[used] = torch.randn(used.numel(), Hkv, Dh, generator=gen).to(kc)
+        vc[used] = torch.randn(used.numel(), Hkv, Dh, generator=gen).to(kc)
+    parents = torch.tensor([-1] + [random.Random(seed + i).randrange(i) for i in range(1, D)])
+    dense = torch.zeros(D, D, dtype=torch.bool)
+    for i in range(D):
+        a = i
+        while a >= 0:
+            dense[i, a] = True
+            a = int(parents[a])
+    tree = pack_tree_mask(dense[None].expand(bs, D, D).contiguous()).cuda()
+    q = torch.randn(bs * D, Hkv * G, Dh, generator=gen).to(kc)
+    qo = torch.arange(0, bs * D + 1, D, dtype=torch.int32).cuda()
+    args = (q, kc, vc, rtt, torch.arange(bs).cuda(), P.cuda(), qo, tree, D, 0.09)
+    for splits in (1, 4):
+        a = paged_attention(*args, num_splits=splits, sm90=False)
+        out = torch.full((bs * D + 5, Hkv * G, Dh), float("nan"), dtype=q.dtype, device="cuda")
+        b = paged_attention(*args, num_splits=splits, sm90=True, out=out[:bs * D])
+        assert torch.isfinite(b).all() and rel_err(a.float(), b.float()) < 1e-2, splits
+        assert torch.isnan(out[bs * D:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon tree-verify kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_sm90_tree_verify_graph_replay(page_size, seed):
+    """Captured at a padded bs, replayed with a smaller one (padded requests: no tokens)."""
+    from triton_cases import graph_case
+    graph_case("mha", ForwardMode.TARGET_VERIFY, page_size, "cuda", True, seed,
+               dtype=torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128, D=64,
+               max_prefix=2000, padded_bs=8, kernel_config={"sm90": True})
 
 
 # ------------------------------------------------------------------------- end to end

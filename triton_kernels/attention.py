@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from ._util import check_paged_metadata, is_pow2, launch_fitting, next_pow2, on_tensor_device
+from .attention_sm90 import sm90_tree_verify, sm90_tree_verify_supported
 
 __all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_config",
            "MHA_CONFIG_KEYS"]
@@ -362,7 +363,8 @@ def choose_block_m(max_rows: int) -> int:
     return min(64, next_pow2(max_rows))
 
 
-MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "sm90")
+SM90_TREE_VERIFY_DEFAULT = False  # sm90=None: use the Gluon tree-verify kernel where it can run
 
 
 def check_kernel_config(config: dict, allowed) -> None:
@@ -412,7 +414,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     num_splits: int = 1, out: Optional[torch.Tensor] = None, *,
                     block_m: Optional[int] = None, block_n: Optional[int] = None,
                     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                    off32: Optional[bool] = None, check_bounds: bool = True) -> torch.Tensor:
+                    off32: Optional[bool] = None, sm90: Optional[bool] = None,
+                    check_bounds: bool = True) -> torch.Tensor:
     """Attention of ``q`` over the paged cache (module docstring: semantics, layout).
 
     Args:
@@ -436,6 +439,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             :func:`default_config`.
         off32: int32 slot address offsets (None: whenever every cache element offset fits
             in 31 bits; False forces int64, True is ignored when they do not fit).
+        sm90: run TARGET_VERIFY on the Gluon kernel of :mod:`.attention_sm90` (the next
+            tile's score GEMM overlaps this tile's softmax; ``block_n`` 64 or 128, the other
+            config keys do not apply).  True raises ValueError where
+            :func:`~.attention_sm90.sm90_tree_verify_supported` says it cannot run or another
+            config key is set; None uses it where it can run and no other key is set (when
+            ``SM90_TREE_VERIFY_DEFAULT``); False never.
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; see
             :func:`~specattn.triton_kernels._util.check_paged_metadata`).  Backends that
@@ -447,7 +456,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Raises:
         ValueError: inconsistent shapes, dtypes or devices; a ``tree_mask`` smaller than
             ``[bs, max_q, ceil(max_q/32)]``; with ``check_bounds``, an index out of range
-            (a request with more than ``max_q`` new tokens, rows or slots outside the tables).
+            (a request with more than ``max_q`` new tokens, rows or slots outside the tables);
+            ``sm90=True`` where its needs are not met.
     """
     T, H, Dqk = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
@@ -470,7 +480,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     BLOCK_D, BLOCK_DV = next_pow2(Dqk), next_pow2(Dv)
     cfg = default_config(max_q * G, max(BLOCK_D, BLOCK_DV), ieee, num_splits)
     overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    check_kernel_config(overrides, MHA_CONFIG_KEYS)
+    check_kernel_config({**overrides, "sm90": sm90}, MHA_CONFIG_KEYS)
+    conflicts = [k for k in ("block_m", "num_warps", "num_stages") if overrides[k] is not None]
+    if block_n not in (None, 64, 128):
+        conflicts.append(f"block_n={block_n}")
+    why = sm90_tree_verify_supported(q, k_cache, v_cache, tree_mask)
+    if why is None and conflicts:
+        why = f"no {'/'.join(conflicts)} override"
+    if sm90 and why is not None:
+        raise ValueError(f"sm90=True needs {why}")
+    if sm90 or (sm90 is None and SM90_TREE_VERIFY_DEFAULT and why is None):
+        o_part, lse, _, _ = _split_partials(num_splits, T, H, Dv, out, seq_lens)
+        sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                         qo_indptr, tree_mask, max_q, sm_scale, out, o_part, lse, num_splits,
+                         block_n or 128)
+        if num_splits > 1:
+            _merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)
+        return out
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     BLOCK_M, BLOCK_N = cfg["block_m"], cfg["block_n"]
     # int32 slot offsets when the largest element offset of both caches fits in 31 bits

@@ -128,7 +128,7 @@ __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "chec
 
 MASK_CAUSAL, MASK_TREE = 0, 1
 MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages", "tma", "sm90")
-SM90_DECODE_DEFAULT = False  # sm90=None: use the Gluon decode kernel wherever it can run
+SM90_DECODE_DEFAULT = True  # sm90=None: use the Gluon decode kernel wherever it can run
 
 
 @triton.jit
