@@ -3,24 +3,27 @@
 Cases (``-p impl=...`` picks the implementation; every other parameter is shared, so the
 rows of one point are timed on identical inputs)::
 
-    case             impl                                          issue points (-p ...)
-    tree_verify      triton | triton_sm90 | triton_sm90_n64 |      bs/prefix 1/4096 16/2048
-                     flashinfer_mask | flashinfer_split            64/4096 16/16384
-    mla_tree_verify  triton | triton_tma                           bs 1 | 16, prefix 4096
-    mla_decode       triton | triton_tma | triton_sm90 | flashmla  bs 128, seq_len 8192
-    decode           triton | flashinfer                           bs 1|32|128 x seq_len 1024|8192
-    extend           triton | flashinfer                           bs 1, 2048 new, prefix 0|4096
+    case             impl                                            issue points (-p ...)
+    tree_verify      triton | triton_generic | triton_sm90_n64 |     bs/prefix 1/4096 16/2048
+                     flashinfer_mask | flashinfer_split              64/4096 16/16384
+    mla_tree_verify  triton | triton_tma                             bs 1 | 16, prefix 4096
+    mla_decode       triton | triton_generic | triton_tma | flashmla bs 128, seq_len 8192
+    decode           triton | flashinfer                             bs 1|32|128 x seq_len 1024|8192
+    extend           triton | flashinfer                             bs 1, 2048 new, prefix 0|4096
 
 - ``triton``: :class:`~specattn.backends.triton_backend.TritonBackend`;
   ``init_forward_metadata`` runs eagerly once per input set at setup, the timed call is
   ``backend._forward(q, layer, batch)`` (the KV of every position, this forward's included,
   is written at setup), captured in a CUDA graph by the harness.
+  On an sm_90 GPU the defaults run the Gluon kernels for MLA decode
+  (:mod:`~specattn.triton_kernels.attention_mla_sm90`) and for tree verify with >= 128 packed
+  rows per request (:mod:`~specattn.triton_kernels.attention_sm90`).
 - ``triton_tma`` (MLA): the same with ``kernel_config={"tma": True}``: the prefix's full key
   tiles by TMA descriptors (pages hold whole tiles), not yet the default.
-- ``triton_sm90``: ``kernel_config={"sm90": True}``, the Gluon kernels: MLA decode
-  :mod:`~specattn.triton_kernels.attention_mla_sm90` (two warpgroups share one score tile),
-  tree verify :mod:`~specattn.triton_kernels.attention_sm90` (score GEMM of the next tile
-  overlapping the softmax); ``triton_sm90_n64`` the latter with 64-key tiles.
+- ``triton_generic``: ``kernel_config={"sm90": False}``: the portable Triton kernels
+  (``tl.dot``; what other GPUs run).
+- ``triton_sm90_n64`` (tree verify): the Gluon kernel with 64-key tiles (the default takes
+  128 without split-KV).
 - ``flashinfer_mask``: one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` over the
   ``P + D`` keys with FlashInfer's packed custom mask (built on the device from our bit-packed
   rows by :func:`~specattn.backends.tree_mask.tree_mask_to_flashinfer`); ``plan()`` at setup,
@@ -100,9 +103,9 @@ __all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_
            "FI_WORKSPACE_BYTES", "MLA_SCALING"]
 
 IMPLS: Dict[str, Tuple[str, ...]] = {
-    "tree_verify": ("triton", "triton_sm90", "triton_sm90_n64", "flashinfer_mask", "flashinfer_split"),
+    "tree_verify": ("triton", "triton_generic", "triton_sm90_n64", "flashinfer_mask", "flashinfer_split"),
     "mla_tree_verify": ("triton", "triton_tma"),
-    "mla_decode": ("triton", "triton_tma", "triton_sm90", "flashmla"),
+    "mla_decode": ("triton", "triton_generic", "triton_tma", "flashmla"),
     "decode": ("triton", "flashinfer"),
     "extend": ("triton", "flashinfer"),
 }
@@ -434,7 +437,7 @@ def _random_q(shape: AttnShape, tokens: int, gen: torch.Generator, device) -> to
 
 
 # ----------------------------------------------------------------------------- impls
-TRITON_IMPLS = {"triton": None, "triton_tma": {"tma": True}, "triton_sm90": {"sm90": True},
+TRITON_IMPLS = {"triton": None, "triton_generic": {"sm90": False}, "triton_tma": {"tma": True},
                 "triton_sm90_n64": {"sm90": True, "block_n": 64}}  # impl -> TritonBackend kernel_config
 
 
@@ -612,7 +615,7 @@ _VERIFY_DOC = ("bytes = KV of P+D keys read once + q + o; flops = 2*H*(Dqk+Dv)*v
 @case("tree_verify",
       "TARGET_VERIFY, Llama-3-8B GQA 32 q / 8 kv heads x 128, bf16, page 1, random 64-token "
       "EAGLE trees over a P-token prefix (issue points bs/prefix 1/4096 16/2048 64/4096 "
-      "16/16384); impl=triton|triton_sm90|triton_sm90_n64|flashinfer_mask|flashinfer_split; " + _VERIFY_DOC,
+      "16/16384); impl=triton|triton_generic|triton_sm90_n64|flashinfer_mask|flashinfer_split; " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=32, num_kv_heads=8, head_dim=128,
       dtype="bfloat16", page_size=1, topk=8, num_steps=5, input_sets=None, seed=0,
       impl="triton", num_kv_splits=None, fi_backend="fa2", contiguous=False)
@@ -649,7 +652,7 @@ def _mla_tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, kv_lora
 @case("mla_decode",
       "DECODE, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, s_q=1, bs=128 x "
       "seq_len 8192 keys (issue bar: within 1.5x of FlashMLA's 538 us on an H200); "
-      "impl=triton|triton_tma|triton_sm90|flashmla; bytes = latent of every key once + q + o",
+      "impl=triton|triton_generic|triton_tma|flashmla; bytes = latent of every key once + q + o",
       bs=128, seq_len=8192, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
       dtype="bfloat16", page_size=64, input_sets=None, seed=0, impl="triton",
       num_kv_splits=None, contiguous=False)

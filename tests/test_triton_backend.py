@@ -137,6 +137,8 @@ def test_sm90_tree_verify_errors_and_eligibility():
         assert need in why, (need, why)
     with pytest.raises(ValueError, match="sm90 must be a bool"):
         TritonBackend(sc.req_pool, sc.kv_pool, kernel_config={"sm90": "yes"})
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        TritonBackend(sc.req_pool, sc.kv_pool, kernel_config={"num_warps": 12})
 
 
 def test_idle():
@@ -302,7 +304,7 @@ def _sm90():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("block_n", [64, 128, None])
 def test_sm90_tree_verify_matches_reference(dtype, page_size, head_dim, block_n, seed):
     """The Gluon tree-verify kernel (``sm90=True``) against the reference: GQA groups 1..8,
     random trees of 1..64 tokens (mask words crossing 32), prefixes 0, at and around tile
@@ -311,7 +313,8 @@ def test_sm90_tree_verify_matches_reference(dtype, page_size, head_dim, block_n,
     for group in (1, rng.randint(2, 7), 8):
         hkv = rng.choice([1, 2, 8])
         bs = rng.randint(1, 5)
-        P = [rng.choice([0, 1, block_n - 1, block_n, block_n + 1, rng.randint(2, 5000)])
+        bn = block_n or 128
+        P = [rng.choice([0, 1, bn - 1, bn, bn + 1, rng.randint(2, 5000)])
              for _ in range(bs)]
         sc = make_scenario(ForwardMode.TARGET_VERIFY, bs=bs, page_size=page_size, device="cuda",
                            dtype=dtype, num_kv_heads=hkv, num_heads=hkv * group, head_dim=head_dim,
@@ -348,12 +351,14 @@ def test_sm90_tree_verify_poison_and_agrees_with_triton(seed):
     q = torch.randn(bs * D, Hkv * G, Dh, generator=gen).to(kc)
     qo = torch.arange(0, bs * D + 1, D, dtype=torch.int32).cuda()
     args = (q, kc, vc, rtt, torch.arange(bs).cuda(), P.cuda(), qo, tree, D, 0.09)
-    for splits in (1, 4):
+    for splits, bn in ((1, 128), (4, None), (1, 64)):
         a = paged_attention(*args, num_splits=splits, sm90=False)
         out = torch.full((bs * D + 5, Hkv * G, Dh), float("nan"), dtype=q.dtype, device="cuda")
-        b = paged_attention(*args, num_splits=splits, sm90=True, out=out[:bs * D])
-        assert torch.isfinite(b).all() and rel_err(a.float(), b.float()) < 1e-2, splits
+        b = paged_attention(*args, num_splits=splits, sm90=True, block_n=bn, out=out[:bs * D])
+        assert torch.isfinite(b).all() and rel_err(a.float(), b.float()) < 1e-2, (splits, bn)
         assert torch.isnan(out[bs * D:]).all()
+    # the default (sm90=None) takes the Gluon kernel here (64 tokens x G 4 = 256 rows)
+    assert torch.equal(paged_attention(*args, num_splits=1), paged_attention(*args, num_splits=1, sm90=True))
 
 
 @pytest.mark.gpu

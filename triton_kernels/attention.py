@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from ._util import check_paged_metadata, is_pow2, launch_fitting, next_pow2, on_tensor_device
-from .attention_sm90 import sm90_tree_verify, sm90_tree_verify_supported
+from .attention_sm90 import SM90_BLOCK_M, sm90_tree_verify, sm90_tree_verify_supported
 
 __all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_config",
            "MHA_CONFIG_KEYS"]
@@ -364,7 +364,6 @@ def choose_block_m(max_rows: int) -> int:
 
 
 MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "sm90")
-SM90_TREE_VERIFY_DEFAULT = False  # sm90=None: use the Gluon tree-verify kernel where it can run
 
 
 def check_kernel_config(config: dict, allowed) -> None:
@@ -443,8 +442,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             tile's score GEMM overlaps this tile's softmax; ``block_n`` 64 or 128, the other
             config keys do not apply).  True raises ValueError where
             :func:`~.attention_sm90.sm90_tree_verify_supported` says it cannot run or another
-            config key is set; None uses it where it can run and no other key is set (when
-            ``SM90_TREE_VERIFY_DEFAULT``); False never.
+            config key is set; None (default) uses it where it can run, no other key is set
+            and a request fills its 128-row tile (``max_q * G >= 128``; below that the Triton
+            kernel's smaller row tiles waste less); False never.
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; see
             :func:`~specattn.triton_kernels._util.check_paged_metadata`).  Backends that
@@ -489,11 +489,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         why = f"no {'/'.join(conflicts)} override"
     if sm90 and why is not None:
         raise ValueError(f"sm90=True needs {why}")
-    if sm90 or (sm90 is None and SM90_TREE_VERIFY_DEFAULT and why is None):
+    if sm90 or (sm90 is None and why is None and max_q * G >= SM90_BLOCK_M):
         o_part, lse, _, _ = _split_partials(num_splits, T, H, Dv, out, seq_lens)
         sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                          qo_indptr, tree_mask, max_q, sm_scale, out, o_part, lse, num_splits,
-                         block_n or 128)
+                         block_n)
         if num_splits > 1:
             _merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)
         return out

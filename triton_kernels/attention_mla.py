@@ -88,7 +88,10 @@ tiles with half the value width (the default at 128 heads) recompute the scores 
 half's program instead (the same 1.53x, no spill), which the H100 sweep found fastest.
 Deeper pipelines do not fit in shared memory (a 2-stage ``BLOCK_N = 64`` latent pipeline
 needs 294 KB).  FlashMLA avoids the recomputation by splitting the value width across two
-warpgroups that share one score tile; that is the next step, beyond Triton's code generation.
+warpgroups that share one score tile; Triton's code generation cannot express that, Gluon
+can: on an sm_90 GPU bf16/fp16 DECODE with a multiple of 64 heads runs the kernel of
+:mod:`.attention_mla_sm90` by default (H100, b128 L8192: 731 us vs 1171 us here and 512 us
+for FlashMLA), see ``sm90`` below.
 
 Tried and dropped (H100, Triton 3.6, 2026-11-22, ``bench/results/2026-11-22-h100-session5``):
 key-major tiles, ``s^T [BLOCK_N, BLOCK_M] = [c | k_pe] @ q^T`` and ``acc^T [r, BLOCK_M] +=
@@ -101,7 +104,7 @@ choice); its whole-tile loop compiled without spills (64 x 64 tiles, 8 warps, 2 
 softmax then reduces across the warps of a warpgroup (through shared memory) and ``p``
 goes through shared memory as the value dot's B operand, every tile.  Reaching FlashMLA
 (508 us) needs what Triton does not expose: warpgroups that exchange one score tile under
-explicit barriers while TMA streams the next latent tile (a CUDA or Gluon kernel).
+explicit barriers -- :mod:`.attention_mla_sm90` (Gluon).
 
 Sources: DeepSeek-V2 (arXiv:2405.04434) for absorbed MLA; FlashMLA (deepseek-ai/FlashMLA:
 64-head tiles, 8 warps, K and V sharing one shared-memory tile, split-KV plus a combine
@@ -128,7 +131,6 @@ __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "chec
 
 MASK_CAUSAL, MASK_TREE = 0, 1
 MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages", "tma", "sm90")
-SM90_DECODE_DEFAULT = True  # sm90=None: use the Gluon decode kernel wherever it can run
 
 
 @triton.jit
@@ -371,8 +373,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             share one score tile, FlashMLA's split; ``block_n`` 32 or 64, the other config
             keys do not apply).  True raises ValueError where
             :func:`~.attention_mla_sm90.sm90_mla_decode_supported` says it cannot run or
-            another config key is set; None uses it where it can run and no other key is set
-            (when ``SM90_DECODE_DEFAULT``); False never.
+            another config key is set; None (default) uses it where it can run and no other
+            key is set; False never.
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; :func:`~specattn.triton_kernels._util.
             check_paged_metadata`).  Backends that validated the batch pass False.
@@ -424,7 +426,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         why = f"no {'/'.join(conflicts)} override"
     if sm90 and why is not None:
         raise ValueError(f"sm90=True needs {why}")
-    if sm90 or (sm90 is None and SM90_DECODE_DEFAULT and why is None):
+    if sm90 or (sm90 is None and why is None):
         if bs == 0 or T == 0:
             return out
         o_part, lse, _, _ = _split_partials(num_splits, T, H, rank, out, seq_lens)

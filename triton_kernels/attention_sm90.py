@@ -29,7 +29,19 @@ Layout (same semantics as :mod:`.attention`, ``forward_batch`` convention):
 
 Scope (:func:`sm90_tree_verify_supported`): TARGET_VERIFY, bf16/fp16 ``q`` and caches of
 one dtype, ``head_dim == v_head_dim`` in (64, 128), an sm_90 GPU; the rest uses
-:mod:`.attention`.  No host sync.
+:mod:`.attention`.  :func:`.attention.paged_attention` takes this kernel by default where it
+can run and a request has >= 128 packed rows (``max_q * G``).  No host sync.
+
+Measured on an H100 (2026-11-22, GQA 32/8, head_dim 128, bf16, page 1, 64-token trees,
+``bench/results/2026-11-22-h100-session6``): 724 / 652 us at bs 64 / P 4096 and bs 16 /
+P 16384 (380 / 421 TFLOP/s) vs 856 / 762 us for the Triton kernel and 882 / 807 us for
+FlashInfer's prefix + tree split; 26.8 us at bs 1 with 64-key tiles.
+Tried and dropped: a warp-specialized form (FA3's layout: 4 loader warps issuing the
+``cp.async`` gathers, two compute warpgroups as separate partitions, mbarrier ring, 232
+registers per compute thread): correct, but 0.96-1.10x of the split -- slower than this
+kernel at every point (``sm90_call3/``).  Each loader thread gathers 32 rows of 16 bytes per
+tile behind a synchronous slot-index load, and the compute warpgroups still wait on its
+arrivals; FA3 gets its producer for free from TMA, which a per-token gather cannot use.
 """
 from __future__ import annotations
 
@@ -125,9 +137,8 @@ if HAVE_GLUON:
             stride_rtt, stride_tmb, stride_tmj,
             qk_scale,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_SPLITS: gl.constexpr):
+            NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr):
         BLOCK_M: gl.constexpr = 128
-        STAGES: gl.constexpr = 3
         dtype: gl.constexpr = K.dtype.element_ty
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
@@ -246,24 +257,28 @@ if HAVE_GLUON:
 
 def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
                      tree_mask, max_q: int, sm_scale: float, out, o_part, lse,
-                     num_splits: int, block_n: int = 128) -> None:
+                     num_splits: int, block_n: Optional[int] = None) -> None:
     """Launch the Gluon tree-verify kernel (module docstring).  Called by
     :func:`.attention.paged_attention`, which validates every argument and index, allocates
     ``out [T, H, D]`` and, with ``num_splits > 1``, the float32 partials it then merges;
-    :func:`sm90_tree_verify_supported` must have returned None.  ``block_n``: 64 or 128."""
+    :func:`sm90_tree_verify_supported` must have returned None.  ``block_n``: 64 or 128 keys
+    per tile (None: 64 with split-KV, whose splits are short, else 128: the H100 best at the
+    issue's points).  Raises ValueError for another ``block_n``."""
+    D = q.shape[2]
+    block_n = block_n or (64 if num_splits > 1 else 128)
     if block_n not in (64, 128):
-        raise ValueError(f"block_n must be 64 or 128, got {block_n}")
+        raise ValueError(f"sm90 tree verify: block_n must be 64 or 128, got {block_n}")
     bs, H, Hkv = req_pool_indices.shape[0], q.shape[1], k_cache.shape[1]
     G = H // Hkv
     ps = o_part.stride() if num_splits > 1 else (0, 0, 0, 0)
     ls = lse.stride() if num_splits > 1 else (0, 0, 0)
     grid = (-(-(max_q * G) // SM90_BLOCK_M), Hkv, bs * num_splits)
-    _tree_verify_sm90_kernel[grid](
-        q, k_cache, v_cache, out, o_part, lse,
-        req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        ps[0], ps[1], ps[2], ls[0], ls[1],
-        req_to_token.stride(0), tree_mask.stride(0), tree_mask.stride(1),
-        sm_scale * 1.4426950408889634,
-        GROUP=G, HEAD_DIM=q.shape[2], BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=8)
+    args = (q, k_cache, v_cache, out, o_part, lse,
+            req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+            ps[0], ps[1], ps[2], ls[0], ls[1],
+            req_to_token.stride(0), tree_mask.stride(0), tree_mask.stride(1),
+            sm_scale * 1.4426950408889634)
+    _tree_verify_sm90_kernel[grid](*args, GROUP=G, HEAD_DIM=D, BLOCK_N=block_n,
+                                   NUM_SPLITS=num_splits, STAGES=3, num_warps=8)
