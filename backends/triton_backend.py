@@ -68,9 +68,10 @@ captured small-batch decode may split a short prefix more than eager would).
 
 Kernel config: ``kernel_config={"block_m": .., "block_n": .., "num_warps": .., "num_stages":
 ..}`` (MLA also ``"block_dv"``: ``kv_lora_rank`` or half of it, ``"tma"``: prefix tiles
-by TMA, pages holding whole tiles, and ``"sm90"``: DECODE on the Gluon sm_90 kernel of
-:mod:`~specattn.triton_kernels.attention_mla_sm90`; MHA's ``"sm90"`` runs TARGET_VERIFY on
-the one of :mod:`~specattn.triton_kernels.attention_sm90`; other modes ignore it) overrides the kernels'
+by TMA, pages holding whole tiles, and ``"sm90"``: the Gluon sm_90 kernel of
+:mod:`~specattn.triton_kernels.attention_mla_sm90`, every mode; MHA's ``"sm90"`` runs
+TARGET_VERIFY on the one of :mod:`~specattn.triton_kernels.attention_sm90`, other modes
+ignore it; on an sm_90 GPU both are the default where they can run) overrides the kernels'
 defaults for every forward (sweeps); keys and values are checked at construction.
 ``page_aligned`` (default True): see :class:`TritonBackend`.
 """
@@ -344,9 +345,8 @@ class TritonBackend(AttentionBackend):
                                **self._config(md.mode))
 
     def _config(self, mode: ForwardMode) -> dict:
-        """The kernel config for ``mode``: ``"sm90"`` names the Gluon kernel of one mode
-        (MLA: DECODE, MHA: TARGET_VERIFY) and is dropped for the others."""
-        sm90_mode = ForwardMode.DECODE if self.kind == AttentionKind.MLA else ForwardMode.TARGET_VERIFY
-        if mode == sm90_mode:
+        """The kernel config for ``mode``: MHA's ``"sm90"`` names the Gluon TARGET_VERIFY
+        kernel and is dropped for the other modes (MLA's Gluon kernel serves every mode)."""
+        if self.kind == AttentionKind.MLA or mode == ForwardMode.TARGET_VERIFY:
             return self.kernel_config
         return {k: v for k, v in self.kernel_config.items() if k != "sm90"}

@@ -6,7 +6,7 @@ rows of one point are timed on identical inputs)::
     case             impl                                            issue points (-p ...)
     tree_verify      triton | triton_generic | triton_sm90_n64 |     bs/prefix 1/4096 16/2048
                      flashinfer_mask | flashinfer_split              64/4096 16/16384
-    mla_tree_verify  triton | triton_tma                             bs 1 | 16, prefix 4096
+    mla_tree_verify  triton | triton_generic | triton_tma            bs 1 | 16, prefix 4096
     mla_decode       triton | triton_generic | triton_tma | flashmla bs 128, seq_len 8192
     decode           triton | flashinfer                             bs 1|32|128 x seq_len 1024|8192
     extend           triton | flashinfer                             bs 1, 2048 new, prefix 0|4096
@@ -104,7 +104,7 @@ __all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_
 
 IMPLS: Dict[str, Tuple[str, ...]] = {
     "tree_verify": ("triton", "triton_generic", "triton_sm90_n64", "flashinfer_mask", "flashinfer_split"),
-    "mla_tree_verify": ("triton", "triton_tma"),
+    "mla_tree_verify": ("triton", "triton_generic", "triton_tma"),
     "mla_decode": ("triton", "triton_generic", "triton_tma", "flashmla"),
     "decode": ("triton", "flashinfer"),
     "extend": ("triton", "flashinfer"),
@@ -633,7 +633,7 @@ def _tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, num_kv_head
 
 @case("mla_tree_verify",
       "TARGET_VERIFY, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, random "
-      "64-token EAGLE trees over a 4096 prefix (issue points bs 1 | 16); impl=triton|triton_tma "
+      "64-token EAGLE trees over a 4096 prefix (issue points bs 1 | 16); impl=triton|triton_generic|triton_tma "
       "(no public library has MLA tree verify with a custom mask); " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=128, kv_lora_rank=512,
       qk_rope_head_dim=64, dtype="bfloat16", page_size=64, topk=8, num_steps=5,

@@ -206,9 +206,9 @@ def test_mla_kernel_input_errors():
 
 
 def test_mla_sm90_errors_and_eligibility():
-    """``sm90=True`` where the Gluon decode kernel cannot run is a ValueError naming why; the
-    eligibility check lists every unmet need; the backend applies ``sm90`` to DECODE only."""
-    from specattn.triton_kernels.attention_mla_sm90 import sm90_mla_decode_supported
+    """``sm90=True`` where the Gluon MLA kernel cannot run is a ValueError naming why; the
+    eligibility check lists every unmet need; the backend passes ``sm90`` to every mode."""
+    from specattn.triton_kernels.attention_mla_sm90 import sm90_mla_supported
     rtt = torch.arange(32, dtype=torch.int32).view(1, 32)
     base = dict(req_to_token=rtt, req_pool_indices=torch.tensor([0]),
                 seq_lens=torch.tensor([20], dtype=torch.int32),
@@ -219,22 +219,18 @@ def test_mla_sm90_errors_and_eligibility():
         mla_paged_attention(q, kv, **base, sm90=True)
     with pytest.raises(ValueError, match="sm90 must be a bool"):
         mla_paged_attention(q, kv, **base, sm90=1)
-    why = sm90_mla_decode_supported(torch.zeros(2, 48, 40), torch.zeros(40, 1, 40), 32, 2,
-                                    torch.zeros(1, 2, 1, dtype=torch.int32))
-    for need in ("sm_90", "DECODE", "bf16/fp16", "kv_lora_rank 512", "divisible by 64"):
+    why = sm90_mla_supported(torch.zeros(2, 48, 40), torch.zeros(40, 1, 40), 32)
+    for need in ("sm_90", "bf16/fp16", "kv_lora_rank 512", "divisible by 64"):
         assert need in why, (need, why)
-    # the backend: DECODE honours sm90=True (so a CPU run fails loudly), other modes ignore it
+    # the backend honours sm90=True in every mode (so a CPU run fails loudly)
     rng = random.Random(0)
     for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
         sc = mla_scenario(mode, rng, bs=2)
         be = TritonBackend(sc.req_pool, sc.kv_pool, kernel_config={"sm90": True})
         be.init_forward_metadata(sc.batch)
         q, k, v = random_qkv(sc)
-        if mode == ForwardMode.DECODE:
-            with pytest.raises(ValueError, match="sm90=True needs"):
-                be.forward(q, k, v, sc.layer, sc.batch)
-        else:
-            assert torch.isfinite(be.forward(q, k, v, sc.layer, sc.batch)).all()
+        with pytest.raises(ValueError, match="sm90=True needs"):
+            be.forward(q, k, v, sc.layer, sc.batch)
 
 
 def test_mla_idle_and_supports():
@@ -364,26 +360,29 @@ def _sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="the Gluon MLA decode kernel needs an sm_90 GPU")
+@pytest.mark.skipif(not _sm90(), reason="the Gluon MLA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("block_n", [32, 64])
 @pytest.mark.parametrize("num_heads", [64, 128])
-def test_mla_sm90_decode_matches_reference(dtype, page_size, block_n, num_heads, seed):
-    """The Gluon decode kernel (``sm90=True``) against the reference backend: prefixes at and
-    around tile boundaries (0, 1, block_n - 1, block_n, ...), up to 8k, split and not."""
+def test_mla_sm90_matches_reference(mode, dtype, page_size, block_n, num_heads, seed):
+    """The Gluon MLA kernel (``sm90=True``) against the reference backend in every mode:
+    prefixes at and around tile boundaries (0, 1, block_n - 1, block_n, ...), up to 8k,
+    random trees of 1..64 tokens, split and not."""
     rng = random.Random(seed)
     P = [0, 1, block_n - 1, block_n, block_n + 1, rng.randint(1, 3000), 8191]
     rng.shuffle(P)
-    bs = rng.randint(1, len(P))
-    sc = mla_scenario(ForwardMode.DECODE, rng, bs=bs, page_size=page_size, device="cuda",
+    bs = rng.randint(1, 4 if mode == ForwardMode.DECODE else 3)
+    sc = mla_scenario(mode, rng, bs=bs, page_size=page_size, device="cuda",
                       dtype=dtype, num_heads=num_heads, kv_lora_rank=512, qk_rope_head_dim=64,
-                      max_prefix=8192, prefix_lens=P[:bs], num_layers=1)
+                      max_prefix=8192, prefix_lens=P[:bs], D=rng.choice([1, 7, 33, 64]),
+                      num_layers=1)
     check(sc, splits=rng.choice([None, 1, 3, 16]), kernel_config={"sm90": True, "block_n": block_n})
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="the Gluon MLA decode kernel needs an sm_90 GPU")
+@pytest.mark.skipif(not _sm90(), reason="the Gluon MLA kernel needs an sm_90 GPU")
 def test_mla_sm90_decode_poison_and_default_agree(seed):
     """NaN in every cache row no request uses never reaches the output (masked copies read
     nothing past a request's keys), and the Gluon kernel agrees with the Triton kernel."""
@@ -408,10 +407,12 @@ def test_mla_sm90_decode_poison_and_default_agree(seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="the Gluon MLA decode kernel needs an sm_90 GPU")
+@pytest.mark.skipif(not _sm90(), reason="the Gluon MLA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mode", GRAPH_MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_mla_sm90_decode_graph_replay(page_size, seed):
+def test_mla_sm90_graph_replay(mode, page_size, seed):
     """Captured at a padded bs, replayed with a smaller one (padded requests: no tokens)."""
-    graph_case("mla", ForwardMode.DECODE, page_size, "cuda", True, seed, dtype=torch.bfloat16,
+    graph_case("mla", mode, page_size, "cuda", True, seed, dtype=torch.bfloat16,
                num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, max_prefix=2000,
-               padded_bs=8, kernel_config={"sm90": True})
+               D=random.Random(seed).choice([5, 64]), padded_bs=8, ext_max=20,
+               kernel_config={"sm90": True})

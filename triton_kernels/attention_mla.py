@@ -89,9 +89,9 @@ half's program instead (the same 1.53x, no spill), which the H100 sweep found fa
 Deeper pipelines do not fit in shared memory (a 2-stage ``BLOCK_N = 64`` latent pipeline
 needs 294 KB).  FlashMLA avoids the recomputation by splitting the value width across two
 warpgroups that share one score tile; Triton's code generation cannot express that, Gluon
-can: on an sm_90 GPU bf16/fp16 DECODE with a multiple of 64 heads runs the kernel of
-:mod:`.attention_mla_sm90` by default (H100, b128 L8192: 731 us vs 1171 us here and 512 us
-for FlashMLA), see ``sm90`` below.
+can: on an sm_90 GPU bf16/fp16 attention with a multiple of 64 heads runs the kernel of
+:mod:`.attention_mla_sm90` by default, every mode (H100, decode b128 L8192: 736 us vs
+1164 us here and 511 us for FlashMLA), see ``sm90`` below.
 
 Tried and dropped (H100, Triton 3.6, 2026-11-22, ``bench/results/2026-11-22-h100-session5``):
 key-major tiles, ``s^T [BLOCK_N, BLOCK_M] = [c | k_pe] @ q^T`` and ``acc^T [r, BLOCK_M] +=
@@ -122,7 +122,7 @@ import triton
 import triton.language as tl
 
 from ._util import check_paged_metadata, is_pow2, launch_fitting, on_tensor_device
-from .attention_mla_sm90 import sm90_mla_decode, sm90_mla_decode_supported
+from .attention_mla_sm90 import sm90_mla_attention, sm90_mla_supported
 from .attention import (_draft_key_count, _draft_visibility, _full_update, _masked_update,
                         _merge_partials, _prefix_range, _program_request, _split_partials,
                         _store_rows, _tile_rows, _tree_mask_arg, check_kernel_config)
@@ -369,10 +369,10 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             ``page_size``), ``block_dv`` and ``qk_rope_head_dim`` <= 256 (TMA box limit) and a
             16-byte aligned cache and row stride.  None = False: measured slower on an H100
             (MLA decode b128 L8192: 1262 vs 1165 us; tree verify within 3 %, 2026-11-22).
-        sm90: run DECODE on the Gluon kernel of :mod:`.attention_mla_sm90` (two warpgroups
-            share one score tile, FlashMLA's split; ``block_n`` 32 or 64, the other config
-            keys do not apply).  True raises ValueError where
-            :func:`~.attention_mla_sm90.sm90_mla_decode_supported` says it cannot run or
+        sm90: run on the Gluon kernel of :mod:`.attention_mla_sm90` (one token x 64 heads per
+            CTA, two warpgroups share one score tile, FlashMLA's split; every mode; ``block_n``
+            32 or 64, the other config keys do not apply).  True raises ValueError where
+            :func:`~.attention_mla_sm90.sm90_mla_supported` says it cannot run or
             another config key is set; None (default) uses it where it can run and no other
             key is set; False never.
         check_bounds: check every index the kernel follows before launching (one host read,
@@ -421,17 +421,17 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     conflicts = [k for k in ("block_m", "block_dv", "num_warps", "num_stages", "tma") if over[k]]
     if block_n not in (None, 32, 64):
         conflicts.append(f"block_n={block_n}")
-    why = sm90_mla_decode_supported(q, kv_cache, rank, max_q, tree_mask)
+    why = sm90_mla_supported(q, kv_cache, rank)
     if why is None and conflicts:
         why = f"no {'/'.join(conflicts)} override"
     if sm90 and why is not None:
         raise ValueError(f"sm90=True needs {why}")
     if sm90 or (sm90 is None and why is None):
-        if bs == 0 or T == 0:
+        if bs == 0 or T == 0 or max_q == 0:
             return out
         o_part, lse, _, _ = _split_partials(num_splits, T, H, rank, out, seq_lens)
-        sm90_mla_decode(q, kv_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
-                        sm_scale, out, o_part, lse, num_splits, block_n or 64)
+        sm90_mla_attention(q, kv_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
+                           tree_mask, max_q, sm_scale, out, o_part, lse, num_splits, block_n or 64)
         if num_splits > 1:
             _merge_partials(o_part, lse, out, num_splits, rank, rank, 4)
         return out

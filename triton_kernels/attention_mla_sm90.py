@@ -1,16 +1,22 @@
-"""Hopper (sm_90) absorbed-MLA decode in Gluon: two warpgroups share one score tile.
+"""Hopper (sm_90) absorbed-MLA attention in Gluon: two warpgroups share one score tile.
 
 Why a second kernel: the Triton kernel of :mod:`.attention_mla` lets the compiler place the
 warps, and for a score dot that feeds another dot Triton puts all of them along the rows, so
 with 64 heads per program both warpgroups compute the same scores, or (the default) two
 programs each own half of the value width and both compute every score: 1.53x the useful
-tensor-core work, and MLA decode at 128 heads is compute-bound (2.3x FlashMLA's time on an
+tensor-core work, and MLA at 128 heads is compute-bound (decode: 2.3x FlashMLA's time on an
 H100).  Gluon (Triton's explicit-layout dialect, ``triton.experimental.gluon``) lets the
 kernel choose the split FlashMLA uses (deepseek-ai/FlashMLA: 64 heads per CTA, 8 warps, the
 value width split across the two warpgroups; no code copied):
 
-- CTA = 64 heads (``BLOCK_H``) of one decode token x one KV split; grid
-  ``(H / 64, bs * num_splits)``.  8 warps = two warpgroups.
+- CTA = 64 heads (``BLOCK_H``) of ONE query token x one KV split; grid
+  ``(H / 64, max_q, bs * num_splits)`` (``(H / 64, bs * num_splits)`` when ``max_q == 1``):
+  axis 1 is the token ``j`` among its request's ``n``
+  new tokens (CTAs with ``j >= n`` exit), so every mode runs here -- DECODE (``n = 1``),
+  EXTEND / DRAFT_EXTEND_V2 (causal: token ``j`` sees keys ``< P + j + 1``) and TARGET_VERIFY
+  (the ``n`` draft keys through the token's bit-packed tree-mask row, bit ``k % 32`` of word
+  ``k // 32``; one row per CTA, so the visibility is a vector over the tile's keys).
+  8 warps = two warpgroups.
 - Scores ``S [64, BLOCK_N] = q_nope @ c^T + q_pe @ k_pe^T`` by ``wgmma`` with the accumulator
   layout ``warps_per_cta = [4, 2]``: warpgroup ``g`` computes the scores of keys
   ``g * BLOCK_N/2 + [0, BLOCK_N/2)``, so no score is computed twice.  ``q`` (``[64, 512]`` and
@@ -25,16 +31,14 @@ value width split across the two warpgroups; no code copied):
 - Key tiles (``[BLOCK_N, 512]`` + ``[BLOCK_N, 64]``) are gathered by ``cp.async`` through
   ``req_to_token`` (one slot per key, so any page size works), double-buffered: tile ``i + 1``
   streams in while tile ``i`` is computed; the slot indices are loaded one tile earlier still.
-- Split-KV: split ``s`` covers keys ``[s * c, min((s + 1) * c, P + 1))`` with
-  ``c = cdiv(cdiv(P + 1, S), BLOCK_N) * BLOCK_N``; partial outputs and base-2 log-sum-exps go
-  to the same workspace as the Triton kernel's and :func:`.attention._merge_kernel` combines
-  them.
+- Split-KV as :mod:`.attention_mla`: split ``s`` covers prefix keys ``[s * c, min((s + 1) *
+  c, P))`` with ``c = cdiv(cdiv(P, S), BLOCK_N) * BLOCK_N``, the last split also this
+  forward's keys; partial outputs and base-2 log-sum-exps go to the same workspace as the
+  Triton kernel's and :func:`.attention._merge_kernel` combines them.
 
-Scope (:func:`sm90_mla_decode_supported`): DECODE only (one new token per request, whose
-latent is already at position ``P``; ``qo_indptr`` steps of 0 or 1), bf16/fp16 ``q`` and
-cache of the same dtype, ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, heads a multiple
-of 64, an sm_90 GPU.  Everything else (and any CPU run: Gluon has no interpreter) uses
-:mod:`.attention_mla`.
+Scope (:func:`sm90_mla_supported`): bf16/fp16 ``q`` and cache of the same dtype,
+``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, heads a multiple of 64, an sm_90 GPU.
+Everything else (and any CPU run: Gluon has no interpreter) uses :mod:`.attention_mla`.
 
 Shared memory at ``BLOCK_N = 64``: ``q`` 72 KB + 2 x 72 KB latent stages + 8 KB ``P`` = 224 KB
 (one CTA per SM).  No host sync.
@@ -57,23 +61,21 @@ try:  # Gluon ships with Triton >= 3.4; its Hopper ops are only compiled on an s
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["sm90_mla_decode", "sm90_mla_decode_supported", "HAVE_GLUON", "BLOCK_H"]
+__all__ = ["sm90_mla_attention", "sm90_mla_supported", "HAVE_GLUON", "BLOCK_H"]
 
 BLOCK_H = 64       # heads per CTA (one wgmma M tile)
 KV_LORA, ROPE = 512, 64
 
 
-def sm90_mla_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
-                              max_q: int, tree_mask: Optional[torch.Tensor]) -> Optional[str]:
-    """None when :func:`sm90_mla_decode` can run this call, else the reason it cannot (a
+def sm90_mla_supported(q: torch.Tensor, kv_cache: torch.Tensor,
+                       kv_lora_rank: int) -> Optional[str]:
+    """None when :func:`sm90_mla_attention` can run this call, else the reason it cannot (a
     string).  Shapes as in :func:`.attention_mla.mla_paged_attention`."""
     why = []
     if not HAVE_GLUON:
         why.append("this Triton has no Gluon")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         why.append(f"an sm_90 GPU (got {q.device})")
-    if max_q != 1 or tree_mask is not None:
-        why.append("DECODE (max_q == 1, no tree mask)")
     if q.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q.dtype:
         why.append(f"bf16/fp16 q and cache of one dtype (got {q.dtype} / {kv_cache.dtype})")
     if kv_lora_rank != KV_LORA or q.shape[-1] != KV_LORA + ROPE:
@@ -109,12 +111,31 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _mla_decode_sm90_kernel(
+    def _visible(keys, P, hi, tree_row, TREE: gl.constexpr):
+        """Which of ``keys`` (one tile, positions) the CTA's token sees: causal, every key
+        below ``hi`` (which stops at the token); tree, every prefix key below ``hi`` and
+        those of this forward's keys (``>= P``) whose bit is set in the token's tree-mask
+        row."""
+        if TREE:
+            draft = keys - P
+            in_draft = (draft >= 0) & (keys < hi)
+            dk = gl.where(in_draft, draft, 0)
+            word = gl.load(tree_row + dk // 32, mask=in_draft, other=0)
+            vis = (keys < gl.minimum(P, hi)) | (in_draft & (((word >> (dk % 32)) & 1) != 0))
+        else:
+            vis = keys < hi
+        return vis
+
+    @gluon.jit
+    def _mla_sm90_kernel(
             Q, KV, O, O_PART, LSE_PART, req_to_token, req_pool_indices, seq_lens, qo_indptr,
+            tree_mask,
             stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rtt,
+            stride_tmb, stride_tmj,
             qk_scale,
-            BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr):
+            BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
+            DECODE: gl.constexpr):
         BLOCK_H: gl.constexpr = 64
         KV_LORA: gl.constexpr = 512
         ROPE: gl.constexpr = 64
@@ -132,22 +153,32 @@ if HAVE_GLUON:
             swizzle_byte_width=128 if BLOCK_N >= 64 else BLOCK_N * 2, element_bitwidth=16, rank=2)
 
         pid_h = gl.program_id(0)
-        pid2 = gl.program_id(1)
+        if DECODE:  # max_q == 1: a 2-D grid, the one token
+            j = 0
+            pid2 = gl.program_id(1)
+        else:
+            j = gl.program_id(1)  # this CTA's token among its request's n new tokens
+            pid2 = gl.program_id(2)
         req = pid2 // NUM_SPLITS
         split = pid2 % NUM_SPLITS
         q_start = gl.load(qo_indptr + req)
         n = gl.load(qo_indptr + req + 1) - q_start
-        if n > 0:
-            tok = q_start.to(gl.int64)
-            kv_len = gl.load(seq_lens + req) + n
+        if j < n:
+            tok = (q_start + j).to(gl.int64)
+            P = gl.load(seq_lens + req)
             rtt_row = req_to_token + gl.load(req_pool_indices + req).to(gl.int64) * stride_rtt
+            if TREE:
+                kv_end = P + n
+            else:  # causal: token j sees this forward's keys up to itself
+                kv_end = P + j + 1
             if NUM_SPLITS == 1:
                 lo = 0
-                hi = kv_len
-            else:
-                chunk = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-                lo = gl.minimum(split * chunk, kv_len)
-                hi = gl.minimum(lo + chunk, kv_len)
+                hi = kv_end
+            else:  # splits share the prefix; the last one also takes this forward's keys
+                chunk = gl.cdiv(gl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
+                lo = gl.minimum(split * chunk, P)
+                hi = gl.where(split == NUM_SPLITS - 1, kv_end, gl.minimum(lo + chunk, P))
+            tree_row = tree_mask + req.to(gl.int64) * stride_tmb + j * stride_tmj
 
             # q: [64, 512] and [64, 64] into shared memory for the whole kernel
             heads_c = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD_C))
@@ -196,10 +227,15 @@ if HAVE_GLUON:
                 s = warpgroup_mma(qr_smem, kr_smem.index(cur).permute((1, 0)), s, is_async=True)
                 s = warpgroup_mma_wait(0, deps=[s])
 
-                s = gl.where((start + keys < hi)[None, :], s * qk_scale, float("-inf"))
+                s = gl.where(_visible(start + keys, P, hi, tree_row, TREE)[None, :], s * qk_scale,
+                             float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(s - m_new[:, None])
+                if TREE:  # a tree row may see nothing yet; causal tiles always hold a key
+                    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_use = m_new
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(s - m_use[:, None])
                 l_part = l_part * alpha[:, None] + p
                 m_i = m_new
 
@@ -229,24 +265,30 @@ if HAVE_GLUON:
                 gl.store(LSE_PART + sp * stride_ls + tok * stride_lt + heads_o, lse)
 
 
-def sm90_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
-                    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                    qo_indptr: torch.Tensor, sm_scale: float, out: torch.Tensor,
-                    o_part: torch.Tensor, lse: torch.Tensor, num_splits: int,
-                    block_n: int = 64) -> None:
-    """Launch the Gluon decode kernel (module docstring).  Called by
+def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
+                       req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                       qo_indptr: torch.Tensor, tree_mask: Optional[torch.Tensor], max_q: int,
+                       sm_scale: float, out: torch.Tensor, o_part: torch.Tensor,
+                       lse: torch.Tensor, num_splits: int, block_n: int = 64) -> None:
+    """Launch the Gluon MLA kernel (module docstring).  Called by
     :func:`.attention_mla.mla_paged_attention`, which validates every argument and index,
     allocates ``out`` ``[T, H, 512]`` and, with ``num_splits > 1``, the float32 partials
-    ``o_part [S, T, H, 512]`` / ``lse [S, T, H]`` it then merges; ``sm90_mla_decode_supported``
-    must have returned None.  ``block_n``: keys per tile, 32 or 64."""
+    ``o_part [S, T, H, 512]`` / ``lse [S, T, H]`` it then merges; :func:`sm90_mla_supported`
+    must have returned None.  ``tree_mask``: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or
+    None (causal); ``max_q``: static bound of new tokens per request (grid axis 1);
+    ``block_n``: keys per tile, 32 or 64 (ValueError otherwise)."""
     if block_n not in (32, 64):
         raise ValueError(f"block_n must be 32 or 64, got {block_n}")
     bs, H = req_pool_indices.shape[0], q.shape[1]
     ps = o_part.stride() if num_splits > 1 else (0, 0, 0, 0)
     ls = lse.stride() if num_splits > 1 else (0, 0, 0)
-    _mla_decode_sm90_kernel[(H // BLOCK_H, bs * num_splits)](
-        q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, seq_lens, qo_indptr,
+    tm = tree_mask if tree_mask is not None else seq_lens
+    tms = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
+    grid = (H // BLOCK_H, bs * num_splits) if max_q == 1 else (H // BLOCK_H, max_q, bs * num_splits)
+    _mla_sm90_kernel[grid](
+        q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
         q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
-        ps[0], ps[1], ps[2], ls[0], ls[1], req_to_token.stride(0),
+        ps[0], ps[1], ps[2], ls[0], ls[1], req_to_token.stride(0), tms[0], tms[1],
         sm_scale * 1.4426950408889634,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=8)
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, TREE=tree_mask is not None, DECODE=max_q == 1,
+        num_warps=8)
