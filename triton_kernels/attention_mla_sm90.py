@@ -67,15 +67,22 @@ BLOCK_H = 64       # heads per CTA (one wgmma M tile)
 KV_LORA, ROPE = 512, 64
 
 
+def sm90_device_needs(t: torch.Tensor) -> list:
+    """What the Gluon sm_90 kernels need and ``t``'s device or Triton lacks: a Triton with
+    Gluon and an sm_90 GPU (list of strings, empty when both are there)."""
+    why = []
+    if not HAVE_GLUON:
+        why.append("this Triton has no Gluon")
+    if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device) != (9, 0):
+        why.append(f"an sm_90 GPU (got {t.device})")
+    return why
+
+
 def sm90_mla_supported(q: torch.Tensor, kv_cache: torch.Tensor,
                        kv_lora_rank: int) -> Optional[str]:
     """None when :func:`sm90_mla_attention` can run this call, else the reason it cannot (a
     string).  Shapes as in :func:`.attention_mla.mla_paged_attention`."""
-    why = []
-    if not HAVE_GLUON:
-        why.append("this Triton has no Gluon")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        why.append(f"an sm_90 GPU (got {q.device})")
+    why = sm90_device_needs(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q.dtype:
         why.append(f"bf16/fp16 q and cache of one dtype (got {q.dtype} / {kv_cache.dtype})")
     if kv_lora_rank != KV_LORA or q.shape[-1] != KV_LORA + ROPE:

@@ -49,10 +49,11 @@ from typing import Optional
 
 import torch
 
-from .attention_mla_sm90 import HAVE_GLUON
+from .attention_mla_sm90 import HAVE_GLUON, sm90_device_needs
 
 if HAVE_GLUON:
     from triton.experimental import gluon
+    from .attention_mla_sm90 import _slots
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared,
@@ -67,11 +68,7 @@ SM90_BLOCK_M = 128
 def sm90_tree_verify_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                tree_mask: Optional[torch.Tensor]) -> Optional[str]:
     """None when :func:`sm90_tree_verify` can run this call, else why not (a string)."""
-    why = []
-    if not HAVE_GLUON:
-        why.append("this Triton has no Gluon")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        why.append(f"an sm_90 GPU (got {q.device})")
+    why = sm90_device_needs(q)
     if tree_mask is None:
         why.append("TARGET_VERIFY (a tree mask)")
     if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
@@ -82,11 +79,6 @@ def sm90_tree_verify_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _slots(rtt_row, start, hi, BLOCK_N: gl.constexpr, LD: gl.constexpr):
-        rows = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-        return gl.load(rtt_row + rows, mask=rows < hi, other=0)
 
     @gluon.jit
     def _kv_copy(k_buf, v_buf, k_base, v_base, slot, start, hi, stride_kt, stride_vt,
