@@ -422,6 +422,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     if block_n not in (None, 32, 64):
         conflicts.append(f"block_n={block_n}")
     why = sm90_mla_supported(q, kv_cache, rank)
+    if why is None and max_q > 65535:  # the token is the Gluon kernel's grid axis 1
+        why = f"max_q <= 65535 (got {max_q})"
     if why is None and conflicts:
         why = f"no {'/'.join(conflicts)} override"
     if sm90 and why is not None:
