@@ -42,6 +42,10 @@ registers per compute thread): correct, but 0.96-1.10x of the split -- slower th
 kernel at every point (``sm90_call3/``).  Each loader thread gathers 32 rows of 16 bytes per
 tile behind a synchronous slot-index load, and the compute warpgroups still wait on its
 arrivals; FA3 gets its producer for free from TMA, which a per-token gather cannot use.
+Also tried and dropped: a deeper schedule (64-key tiles, 4 stages) that issues the score GEMM
+of tile ``j + 1`` before the softmax of tile ``j``, so the softmax runs under both GEMMs:
+correct (27 GPU tests), spill-free offline, but 839-881 us at the two large points and
+29.2 us at bs 1 vs 653-718 / 26.7 us for this schedule (``pipe2_tried/``).
 """
 from __future__ import annotations
 
