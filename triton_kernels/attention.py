@@ -438,8 +438,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             :func:`default_config`.
         off32: int32 slot address offsets (None: whenever every cache element offset fits
             in 31 bits; False forces int64, True is ignored when they do not fit).
-        sm90: run TARGET_VERIFY on the Gluon kernel of :mod:`.attention_sm90` (the next
-            tile's score GEMM overlaps this tile's softmax; ``block_n`` 64 or 128, the other
+        sm90: run TARGET_VERIFY on the Gluon kernel of :mod:`.attention_sm90` (each tile's
+            softmax runs under the previous tile's PV GEMM; ``block_n`` 64 or 128, the other
             config keys do not apply).  True raises ValueError where
             :func:`~.attention_sm90.sm90_tree_verify_supported` says it cannot run or another
             config key is set; None (default) uses it where it can run, no other key is set

@@ -1,5 +1,5 @@
-"""Hopper (sm_90) GQA tree verify in Gluon: the score GEMM of the next key tile overlaps the
-softmax of the current one.
+"""Hopper (sm_90) GQA tree verify in Gluon: the softmax of each key tile runs under the PV
+GEMM of the previous one.
 
 The Triton kernel of :mod:`.attention` (one program per 128 packed rows, ``tl.dot`` on wgmma)
 runs tree verify at 44-50 % of the H100's measured matmul rate, on par with FlashInfer's fa2
