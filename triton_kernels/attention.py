@@ -481,15 +481,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cfg = default_config(max_q * G, max(BLOCK_D, BLOCK_DV), ieee, num_splits)
     overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     check_kernel_config({**overrides, "sm90": sm90}, MHA_CONFIG_KEYS)
-    conflicts = [k for k in ("block_m", "num_warps", "num_stages") if overrides[k] is not None]
-    if block_n not in (None, 64, 128):
-        conflicts.append(f"block_n={block_n}")
-    why = sm90_tree_verify_supported(q, k_cache, v_cache, tree_mask)
-    if why is None and conflicts:
-        why = f"no {'/'.join(conflicts)} override"
-    if sm90 and why is not None:
-        raise ValueError(f"sm90=True needs {why}")
-    if sm90 or (sm90 is None and why is None and max_q * G >= SM90_BLOCK_M):
+    use_sm90 = False
+    if sm90 or (sm90 is None and tree_mask is not None and max_q * G >= SM90_BLOCK_M):
+        conflicts = [k for k in ("block_m", "num_warps", "num_stages") if overrides[k] is not None]
+        if block_n not in (None, 64, 128):
+            conflicts.append(f"block_n={block_n}")
+        why = sm90_tree_verify_supported(q, k_cache, v_cache, tree_mask)
+        if why is None and conflicts:
+            why = f"no {'/'.join(conflicts)} override"
+        if sm90 and why is not None:
+            raise ValueError(f"sm90=True needs {why}")
+        use_sm90 = why is None
+    if use_sm90:
         o_part, lse, _, _ = _split_partials(num_splits, T, H, Dv, out, seq_lens)
         sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                          qo_indptr, tree_mask, max_q, sm_scale, out, o_part, lse, num_splits,

@@ -418,17 +418,20 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     over = dict(block_m=block_m, block_n=block_n, block_dv=block_dv, num_warps=num_warps,
                 num_stages=num_stages, tma=tma, sm90=sm90)
     check_mla_config(over, rank)
-    conflicts = [k for k in ("block_m", "block_dv", "num_warps", "num_stages", "tma") if over[k]]
-    if block_n not in (None, 32, 64):
-        conflicts.append(f"block_n={block_n}")
-    why = sm90_mla_supported(q, kv_cache, rank)
-    if why is None and max_q > 65535:  # the token is the Gluon kernel's grid axis 1
-        why = f"max_q <= 65535 (got {max_q})"
-    if why is None and conflicts:
-        why = f"no {'/'.join(conflicts)} override"
-    if sm90 and why is not None:
-        raise ValueError(f"sm90=True needs {why}")
-    if sm90 or (sm90 is None and why is None):
+    use_sm90 = False
+    if sm90 is not False:  # None (default) or True: the Gluon kernel where it can run
+        conflicts = [k for k in ("block_m", "block_dv", "num_warps", "num_stages", "tma") if over[k]]
+        if block_n not in (None, 32, 64):
+            conflicts.append(f"block_n={block_n}")
+        why = sm90_mla_supported(q, kv_cache, rank)
+        if why is None and max_q > 65535:  # the token is the Gluon kernel's grid axis 1
+            why = f"max_q <= 65535 (got {max_q})"
+        if why is None and conflicts:
+            why = f"no {'/'.join(conflicts)} override"
+        if sm90 and why is not None:
+            raise ValueError(f"sm90=True needs {why}")
+        use_sm90 = why is None
+    if use_sm90:
         if bs == 0 or T == 0 or max_q == 0:
             return out
         o_part, lse, _, _ = _split_partials(num_splits, T, H, rank, out, seq_lens)

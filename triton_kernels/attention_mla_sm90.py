@@ -118,6 +118,29 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _store_out(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, cols, ok, split,
+                   stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                   NUM_SPLITS: gl.constexpr):
+        """Epilogue of both sm_90 kernels (``.attention._store_rows``'s contract): normalise
+        the ``[rows, width]`` float32 accumulator by the row sums ``l_i`` and store it to
+        ``O[tok, head, cols]`` in ``O``'s dtype, or with split-KV the float32 partial to
+        ``O_PART[split, tok, head, cols]`` and the base-2 log-sum-exp to
+        ``LSE_PART[split, tok, head]``.  ``m_i``/``l_i``/``tok`` (int64)/``head``/``ok`` are
+        in the accumulator's row layout; a row with ``l_i == 0`` gets zeros (LSE ``-inf``);
+        rows where ``ok`` is False are not written."""
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        out = gl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
+        if NUM_SPLITS == 1:
+            gl.store(O + (tok * stride_ot + head * stride_oh)[:, None] + cols[None, :],
+                     out.to(O.dtype.element_ty), mask=ok[:, None])
+        else:
+            sp = split.to(gl.int64)
+            gl.store(O_PART + sp * stride_ps + (tok * stride_pt + head * stride_ph)[:, None]
+                     + cols[None, :], out, mask=ok[:, None])
+            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+            gl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse, mask=ok)
+
+    @gluon.jit
     def _visible(keys, P, hi, tree_row, TREE: gl.constexpr):
         """Which of ``keys`` (one tile, positions) the CTA's token sees: causal, every key
         below ``hi`` (which stops at the token); tree, every prefix key below ``hi`` and
@@ -255,21 +278,12 @@ if HAVE_GLUON:
             async_copy.wait_group(0)
 
             # epilogue: normalise; store the output or this split's partial + log2-sum-exp
-            l_i = gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, O_L))
-            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
-            l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-            out = acc / l_safe[:, None]
             heads_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
-            cols_o = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_L))
-            if NUM_SPLITS == 1:
-                gl.store(O + tok * stride_ot + heads_o.to(gl.int64)[:, None] * stride_oh
-                         + cols_o[None, :], out.to(O.dtype.element_ty))
-            else:
-                sp = split.to(gl.int64)
-                gl.store(O_PART + sp * stride_ps + tok * stride_pt
-                         + heads_o.to(gl.int64)[:, None] * stride_ph + cols_o[None, :], out)
-                lse = gl.where(l_i > 0.0, m_o + gl.log2(l_safe), float("-inf"))
-                gl.store(LSE_PART + sp * stride_ls + tok * stride_lt + heads_o, lse)
+            _store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                       gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, O_L)),
+                       tok + heads_o * 0, heads_o, gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_L)),
+                       heads_o >= 0, split, stride_ot, stride_oh, stride_ps, stride_pt,
+                       stride_ph, stride_ls, stride_lt, NUM_SPLITS)
 
 
 def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
@@ -281,9 +295,13 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     :func:`.attention_mla.mla_paged_attention`, which validates every argument and index,
     allocates ``out`` ``[T, H, 512]`` and, with ``num_splits > 1``, the float32 partials
     ``o_part [S, T, H, 512]`` / ``lse [S, T, H]`` it then merges; :func:`sm90_mla_supported`
-    must have returned None.  ``tree_mask``: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or
-    None (causal); ``max_q``: static bound of new tokens per request (grid axis 1);
-    ``block_n``: keys per tile, 32 or 64 (ValueError otherwise)."""
+    must have returned None.  ``q [T, H, 576]`` bf16/fp16 (``[q_nope_absorbed | q_pe]``, H a
+    multiple of 64); ``kv_cache [num_slots, 1, 576]`` of ``q``'s dtype; ``req_to_token`` int32
+    ``[rows, width]``; ``req_pool_indices`` int64 / ``seq_lens`` int32 ``[bs]``; ``qo_indptr``
+    int32 ``[bs + 1]``; ``tree_mask``: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or None
+    (causal); ``max_q``: static bound of new tokens per request (grid axis 1, <= 65535);
+    ``sm_scale`` multiplies ``q . k``; ``block_n``: keys per tile, 32 or 64 (ValueError
+    otherwise).  No host sync."""
     if block_n not in (32, 64):
         raise ValueError(f"block_n must be 32 or 64, got {block_n}")
     bs, H = req_pool_indices.shape[0], q.shape[1]

@@ -57,7 +57,7 @@ from .attention_mla_sm90 import HAVE_GLUON, sm90_device_needs
 
 if HAVE_GLUON:
     from triton.experimental import gluon
-    from .attention_mla_sm90 import _slots
+    from .attention_mla_sm90 import _slots, _store_out
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared,
@@ -71,7 +71,11 @@ SM90_BLOCK_M = 128
 
 def sm90_tree_verify_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                tree_mask: Optional[torch.Tensor]) -> Optional[str]:
-    """None when :func:`sm90_tree_verify` can run this call, else why not (a string)."""
+    """None when :func:`sm90_tree_verify` can run this call, else why not: one string naming
+    every unmet need (a Triton with Gluon, an sm_90 GPU, a tree mask, bf16/fp16 of one dtype,
+    ``head_dim == v_head_dim`` in (64, 128)).  Shapes as in :func:`.attention.paged_attention`:
+    ``q [T, H, D]``, caches ``[num_slots, Hkv, D]``, ``tree_mask`` int32 or None.  Host-only
+    (reads the device's compute capability, no sync)."""
     why = sm90_device_needs(q)
     if tree_mask is None:
         why.append("TARGET_VERIFY (a tree mask)")
@@ -231,35 +235,31 @@ if HAVE_GLUON:
             async_copy.wait_group(0)
 
             # epilogue: normalise, store the output rows or this split's partial + LSE
-            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
-            l_safe = gl.where(l_o > 0.0, l_o, 1.0)
-            out = gl.where((l_o > 0.0)[:, None], acc / l_safe[:, None], 0.0)
             rows_o = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
-            ok_o = rows_o < n * GROUP
-            tok = (q_start + rows_o // GROUP).to(gl.int64)
-            head = hk * GROUP + rows_o % GROUP
-            d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L))
-            if NUM_SPLITS == 1:
-                gl.store(O + (tok * stride_ot + head * stride_oh)[:, None] + d_o[None, :],
-                         out.to(O.dtype.element_ty), mask=ok_o[:, None])
-            else:
-                sp = split.to(gl.int64)
-                gl.store(O_PART + sp * stride_ps + (tok * stride_pt + head * stride_ph)[:, None]
-                         + d_o[None, :], out, mask=ok_o[:, None])
-                lse = gl.where(l_o > 0.0, m_o + gl.log2(l_safe), float("-inf"))
-                gl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse, mask=ok_o)
+            _store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                       gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
+                       (q_start + rows_o // GROUP).to(gl.int64), hk * GROUP + rows_o % GROUP,
+                       gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L)), rows_o < n * GROUP,
+                       split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls,
+                       stride_lt, NUM_SPLITS)
 
 
 def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
                      tree_mask, max_q: int, sm_scale: float, out, o_part, lse,
                      num_splits: int, block_n: Optional[int] = None) -> None:
     """Launch the Gluon tree-verify kernel (module docstring).  Called by
-    :func:`.attention.paged_attention`, which validates every argument and index, allocates
-    ``out [T, H, D]`` and, with ``num_splits > 1``, the float32 partials it then merges;
-    :func:`sm90_tree_verify_supported` must have returned None.  ``block_n``: 64 or 128 keys
-    per tile (None: 64 with split-KV, whose splits are short, else 128: the H100 best at the
-    issue's points).  Raises ValueError for another ``block_n``."""
+    :func:`.attention.paged_attention`, which validates every argument and index; after
+    :func:`sm90_tree_verify_supported` returned None.
+
+    Args: ``q [T, H, D]`` bf16/fp16; ``k_cache``/``v_cache [num_slots, Hkv, D]`` of ``q``'s
+    dtype (``Hkv`` divides ``H``); ``req_to_token`` int32 ``[rows, width]``;
+    ``req_pool_indices`` int64 / ``seq_lens`` int32 ``[bs]``; ``qo_indptr`` int32 ``[bs + 1]``;
+    ``tree_mask`` int32 ``[bs, >= max_q, ceil(max_q / 32)]``; ``max_q`` the static bound of new
+    tokens per request; ``sm_scale`` multiplies ``q . k``; ``out [T, H, D]`` (written);
+    with ``num_splits > 1`` float32 ``o_part [S, T, H, D]`` / ``lse [S, T, H]`` (written,
+    merged by the caller), else unused; ``block_n`` 64 or 128 keys per tile (None: 64 with
+    split-KV, whose splits are short, else 128: the H100 best at the issue's points).
+    Raises ValueError for another ``block_n``.  No host sync."""
     D = q.shape[2]
     block_n = block_n or (64 if num_splits > 1 else 128)
     if block_n not in (64, 128):
