@@ -6,8 +6,10 @@ rows of one point are timed on identical inputs)::
     case             impl                                            issue points (-p ...)
     tree_verify      triton | triton_generic | triton_sm90_n64 |     bs/prefix 1/4096 16/2048
                      flashinfer_mask | flashinfer_split              64/4096 16/16384
-    mla_tree_verify  triton | triton_generic | triton_tma            bs 1 | 16, prefix 4096
-    mla_decode       triton | triton_generic | triton_tma | flashmla bs 128, seq_len 8192
+    mla_tree_verify  triton | triton_generic | triton_sm90_split |   bs 1 | 16, prefix 4096
+                     triton_tma
+    mla_decode       triton | triton_generic | triton_sm90_split |   bs 128, seq_len 8192
+                     triton_tma | flashmla
     decode           triton | flashinfer                             bs 1|32|128 x seq_len 1024|8192
     extend           triton | flashinfer                             bs 1, 2048 new, prefix 0|4096
 
@@ -15,9 +17,11 @@ rows of one point are timed on identical inputs)::
   ``init_forward_metadata`` runs eagerly once per input set at setup, the timed call is
   ``backend._forward(q, layer, batch)`` (the KV of every position, this forward's included,
   is written at setup), captured in a CUDA graph by the harness.
-  On an sm_90 GPU the defaults run the Gluon kernels for MLA decode
-  (:mod:`~specattn.triton_kernels.attention_mla_sm90`) and for tree verify with >= 128 packed
-  rows per request (:mod:`~specattn.triton_kernels.attention_sm90`).
+  On an sm_90 GPU the defaults run the Gluon kernels for MLA (every mode; the seesaw
+  schedule of :mod:`~specattn.triton_kernels.attention_mla_sm90`) and for tree verify with
+  >= 128 packed rows per request (:mod:`~specattn.triton_kernels.attention_sm90`).
+- ``triton_sm90_split`` (MLA): the Gluon MLA kernel with the key-split schedule
+  (``kernel_config={"sm90": True, "seesaw": False}``), the default before the seesaw one.
 - ``triton_tma`` (MLA): the same with ``kernel_config={"tma": True}``: the prefix's full key
   tiles by TMA descriptors (pages hold whole tiles), not yet the default.
 - ``triton_generic``: ``kernel_config={"sm90": False}``: the portable Triton kernels
@@ -104,8 +108,8 @@ __all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_
 
 IMPLS: Dict[str, Tuple[str, ...]] = {
     "tree_verify": ("triton", "triton_generic", "triton_sm90_n64", "flashinfer_mask", "flashinfer_split"),
-    "mla_tree_verify": ("triton", "triton_generic", "triton_tma"),
-    "mla_decode": ("triton", "triton_generic", "triton_tma", "flashmla"),
+    "mla_tree_verify": ("triton", "triton_generic", "triton_sm90_split", "triton_tma"),
+    "mla_decode": ("triton", "triton_generic", "triton_sm90_split", "triton_tma", "flashmla"),
     "decode": ("triton", "flashinfer"),
     "extend": ("triton", "flashinfer"),
 }
@@ -438,7 +442,8 @@ def _random_q(shape: AttnShape, tokens: int, gen: torch.Generator, device) -> to
 
 # ----------------------------------------------------------------------------- impls
 TRITON_IMPLS = {"triton": None, "triton_generic": {"sm90": False}, "triton_tma": {"tma": True},
-                "triton_sm90_n64": {"sm90": True, "block_n": 64}}  # impl -> TritonBackend kernel_config
+                "triton_sm90_n64": {"sm90": True, "block_n": 64},
+                "triton_sm90_split": {"sm90": True, "seesaw": False}}  # impl -> TritonBackend kernel_config
 
 
 def _triton_sets(inputs: PagedInputs, batches, qs, num_kv_splits, kernel_config=None):
@@ -633,7 +638,7 @@ def _tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, num_kv_head
 
 @case("mla_tree_verify",
       "TARGET_VERIFY, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, random "
-      "64-token EAGLE trees over a 4096 prefix (issue points bs 1 | 16); impl=triton|triton_generic|triton_tma "
+      "64-token EAGLE trees over a 4096 prefix (issue points bs 1 | 16); impl=triton|triton_generic|triton_sm90_split|triton_tma "
       "(no public library has MLA tree verify with a custom mask); " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=128, kv_lora_rank=512,
       qk_rope_head_dim=64, dtype="bfloat16", page_size=64, topk=8, num_steps=5,
@@ -652,7 +657,7 @@ def _mla_tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, kv_lora
 @case("mla_decode",
       "DECODE, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, s_q=1, bs=128 x "
       "seq_len 8192 keys (issue bar: within 1.5x of FlashMLA's 538 us on an H200); "
-      "impl=triton|triton_generic|triton_tma|flashmla; bytes = latent of every key once + q + o",
+      "impl=triton|triton_generic|triton_sm90_split|triton_tma|flashmla; bytes = latent of every key once + q + o",
       bs=128, seq_len=8192, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
       dtype="bfloat16", page_size=64, input_sets=None, seed=0, impl="triton",
       num_kv_splits=None, contiguous=False)

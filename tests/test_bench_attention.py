@@ -83,7 +83,8 @@ def test_issue_points_cover_the_issue_and_are_valid():
     assert dec == {(b, s, i) for b in (1, 32, 128) for s in (1024, 8192)
                    for i in ("triton", "flashinfer")}
     assert {(p["bs"], p["seq_len"], p["impl"]) for n, p in pts if n == "mla_decode"} == {
-        (128, 8192, i) for i in ("triton", "triton_generic", "triton_tma", "flashmla")}
+        (128, 8192, i)
+        for i in ("triton", "triton_generic", "triton_sm90_split", "triton_tma", "flashmla")}
     assert {(p["bs"], p["prefix"]) for n, p in pts if n == "mla_tree_verify"} == {(1, 4096),
                                                                                   (16, 4096)}
     assert {(p["prefix"], p["new_tokens"], p["impl"]) for n, p in pts if n == "extend"} == {

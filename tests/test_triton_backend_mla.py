@@ -219,6 +219,10 @@ def test_mla_sm90_errors_and_eligibility():
         mla_paged_attention(q, kv, **base, sm90=True)
     with pytest.raises(ValueError, match="sm90 must be a bool"):
         mla_paged_attention(q, kv, **base, sm90=1)
+    with pytest.raises(ValueError, match="seesaw must be a bool"):
+        mla_paged_attention(q, kv, **base, seesaw="yes")
+    with pytest.raises(ValueError, match="seesaw=True runs 64-key tiles"):
+        mla_paged_attention(q, kv, **base, seesaw=True, block_n=32)
     why = sm90_mla_supported(torch.zeros(2, 48, 40), torch.zeros(40, 1, 40), 32)
     for need in ("sm_90", "bf16/fp16", "kv_lora_rank 512", "divisible by 64"):
         assert need in why, (need, why)
@@ -364,12 +368,14 @@ def _sm90():
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("page_size", [1, 64])
-@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("block_n, seesaw", [(32, False), (64, False), (64, True)],
+                         ids=["split32", "split64", "seesaw"])
 @pytest.mark.parametrize("num_heads", [64, 128])
-def test_mla_sm90_matches_reference(mode, dtype, page_size, block_n, num_heads, seed):
-    """The Gluon MLA kernel (``sm90=True``) against the reference backend in every mode:
-    prefixes at and around tile boundaries (0, 1, block_n - 1, block_n, ...), up to 8k,
-    random trees of 1..64 tokens, split and not."""
+def test_mla_sm90_matches_reference(mode, dtype, page_size, block_n, seesaw, num_heads, seed):
+    """The Gluon MLA kernels (``sm90=True``; key split at 32/64-key tiles, seesaw) against
+    the reference backend in every mode: prefixes at and around tile boundaries (0, 1,
+    block_n - 1, block_n, ..., an odd and an even tile count), up to 8k, random trees of
+    1..64 tokens, split and not."""
     rng = random.Random(seed)
     P = [0, 1, block_n - 1, block_n, block_n + 1, rng.randint(1, 3000), 8191]
     rng.shuffle(P)
@@ -378,14 +384,16 @@ def test_mla_sm90_matches_reference(mode, dtype, page_size, block_n, num_heads, 
                       dtype=dtype, num_heads=num_heads, kv_lora_rank=512, qk_rope_head_dim=64,
                       max_prefix=8192, prefix_lens=P[:bs], D=rng.choice([1, 7, 33, 64]),
                       num_layers=1)
-    check(sc, splits=rng.choice([None, 1, 3, 16]), kernel_config={"sm90": True, "block_n": block_n})
+    check(sc, splits=rng.choice([None, 1, 3, 16]),
+          kernel_config={"sm90": True, "block_n": block_n, "seesaw": seesaw})
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Gluon MLA kernel needs an sm_90 GPU")
 def test_mla_sm90_decode_poison_and_default_agree(seed):
     """NaN in every cache row no request uses never reaches the output (masked copies read
-    nothing past a request's keys), and the Gluon kernel agrees with the Triton kernel."""
+    nothing past a request's keys; the seesaw kernel's TMA tiles of whole pages stop before a
+    partial last tile), and the Gluon kernels agree with the Triton kernel."""
     gen = torch.Generator().manual_seed(seed)
     H, ps, bs = 128, 64, 5
     P = torch.tensor([0, 63, 64, 1000, 4097], dtype=torch.int32)
@@ -401,9 +409,11 @@ def test_mla_sm90_decode_poison_and_default_agree(seed):
             None, 1, 0.07, 512)
     for splits in (1, 4):
         a = mla_paged_attention(*args, num_splits=splits, sm90=False)
-        out = torch.full_like(a, float("nan"))
-        b = mla_paged_attention(*args, num_splits=splits, sm90=True, out=out)
-        assert torch.isfinite(b).all() and rel_err(a.float(), b.float()) < 2e-2, splits
+        for seesaw in (False, True):
+            out = torch.full_like(a, float("nan"))
+            b = mla_paged_attention(*args, num_splits=splits, sm90=True, seesaw=seesaw, out=out,
+                                    page_size=ps)
+            assert torch.isfinite(b).all() and rel_err(a.float(), b.float()) < 2e-2, (splits, seesaw)
 
 
 @pytest.mark.gpu

@@ -369,7 +369,7 @@ MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "sm90")
 def check_kernel_config(config: dict, allowed) -> None:
     """Raise ValueError unless every key of ``config`` is in ``allowed`` and every non-None
     value is an int: ``block_*`` powers of two >= 16, ``num_warps`` a power of two,
-    ``num_stages`` >= 1; ``tma`` (MLA) and ``sm90`` bools.  (Shared by the MHA and MLA kernels
+    ``num_stages`` >= 1; ``tma``/``seesaw`` (MLA) and ``sm90`` bools.  (Shared by the MHA and MLA kernels
     and ``TritonBackend``.)"""
     bad = sorted(set(config) - set(allowed))
     if bad:
@@ -380,7 +380,7 @@ def check_kernel_config(config: dict, allowed) -> None:
         if key == "num_stages":
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"num_stages must be an int >= 1, got {val!r}")
-        elif key in ("tma", "sm90"):
+        elif key in ("tma", "sm90", "seesaw"):
             if not isinstance(val, bool):
                 raise ValueError(f"{key} must be a bool, got {val!r}")
         elif not is_pow2(val) or (key.startswith("block") and val < 16):

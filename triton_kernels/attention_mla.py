@@ -130,7 +130,8 @@ from .attention import (_draft_key_count, _draft_visibility, _full_update, _mask
 __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
 
 MASK_CAUSAL, MASK_TREE = 0, 1
-MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages", "tma", "sm90")
+MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages", "tma", "sm90",
+                   "seesaw")
 
 
 @triton.jit
@@ -333,7 +334,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
                         block_n: Optional[int] = None, block_dv: Optional[int] = None,
                         num_warps: Optional[int] = None,
                         num_stages: Optional[int] = None, tma: Optional[bool] = None,
-                        sm90: Optional[bool] = None,
+                        sm90: Optional[bool] = None, seesaw: Optional[bool] = None,
                         check_bounds: bool = True) -> torch.Tensor:
     """Absorbed-MLA attention of ``q`` over the paged latent cache (module docstring).
 
@@ -375,6 +376,11 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             :func:`~.attention_mla_sm90.sm90_mla_supported` says it cannot run or
             another config key is set; None (default) uses it where it can run and no other
             key is set; False never.
+        seesaw: with the Gluon kernel, FlashMLA's seesaw schedule (warp-specialized: each
+            warpgroup computes the whole score tile of every other key tile; 64-key tiles;
+            whole-page tiles copied by TMA when ``page_size`` is a multiple of 64) instead of
+            the key-split one; None (default) = True unless ``block_n`` is 32.
+            ``seesaw=True`` with ``block_n=32`` raises ValueError.
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; :func:`~specattn.triton_kernels._util.
             check_paged_metadata`).  Backends that validated the batch pass False.
@@ -416,8 +422,10 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     ieee = upcast or kv_cache.dtype == torch.float32
     cfg = default_mla_config(max_q * H, rank, ieee)
     over = dict(block_m=block_m, block_n=block_n, block_dv=block_dv, num_warps=num_warps,
-                num_stages=num_stages, tma=tma, sm90=sm90)
+                num_stages=num_stages, tma=tma, sm90=sm90, seesaw=seesaw)
     check_mla_config(over, rank)
+    if seesaw and block_n == 32:
+        raise ValueError("seesaw=True runs 64-key tiles; block_n=32 needs seesaw=False")
     use_sm90 = False
     if sm90 is not False:  # None (default) or True: the Gluon kernel where it can run
         conflicts = [k for k in ("block_m", "block_dv", "num_warps", "num_stages", "tma") if over[k]]
@@ -436,11 +444,12 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             return out
         o_part, lse, _, _ = _split_partials(num_splits, T, H, rank, out, seq_lens)
         sm90_mla_attention(q, kv_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
-                           tree_mask, max_q, sm_scale, out, o_part, lse, num_splits, block_n or 64)
+                           tree_mask, max_q, sm_scale, out, o_part, lse, num_splits, block_n or 64,
+                           seesaw=seesaw is not False and block_n != 32, page_size=page_size)
         if num_splits > 1:
             _merge_partials(o_part, lse, out, num_splits, rank, rank, 4)
         return out
-    cfg.update({k: v for k, v in over.items() if v is not None})
+    cfg.update({k: v for k, v in over.items() if v is not None and k != "seesaw"})
     BLOCK_M, BLOCK_N, BLOCK_DV = cfg["block_m"], cfg["block_n"], cfg["block_dv"]
     desc_v = desc_pe = None
     if cfg.get("tma", False):

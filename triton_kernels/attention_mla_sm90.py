@@ -1,4 +1,4 @@
-"""Hopper (sm_90) absorbed-MLA attention in Gluon: two warpgroups share one score tile.
+"""Hopper (sm_90) absorbed-MLA attention in Gluon: 64 heads of one token per CTA.
 
 Why a second kernel: the Triton kernel of :mod:`.attention_mla` lets the compiler place the
 warps, and for a score dot that feeds another dot Triton puts all of them along the rows, so
@@ -6,42 +6,65 @@ with 64 heads per program both warpgroups compute the same scores, or (the defau
 programs each own half of the value width and both compute every score: 1.53x the useful
 tensor-core work, and MLA at 128 heads is compute-bound (decode: 2.3x FlashMLA's time on an
 H100).  Gluon (Triton's explicit-layout dialect, ``triton.experimental.gluon``) lets the
-kernel choose the split FlashMLA uses (deepseek-ai/FlashMLA: 64 heads per CTA, 8 warps, the
-value width split across the two warpgroups; no code copied):
+kernel place every warp.  Two schedules share the grid, the modes and the epilogue:
+
+Common to both:
 
 - CTA = 64 heads (``BLOCK_H``) of ONE query token x one KV split; grid
   ``(H / 64, max_q, bs * num_splits)`` (``(H / 64, bs * num_splits)`` when ``max_q == 1``):
-  axis 1 is the token ``j`` among its request's ``n``
-  new tokens (CTAs with ``j >= n`` exit), so every mode runs here -- DECODE (``n = 1``),
-  EXTEND / DRAFT_EXTEND_V2 (causal: token ``j`` sees keys ``< P + j + 1``) and TARGET_VERIFY
-  (the ``n`` draft keys through the token's bit-packed tree-mask row, bit ``k % 32`` of word
-  ``k // 32``; one row per CTA, so the visibility is a vector over the tile's keys).
-  8 warps = two warpgroups.
-- Scores ``S [64, BLOCK_N] = q_nope @ c^T + q_pe @ k_pe^T`` by ``wgmma`` with the accumulator
-  layout ``warps_per_cta = [4, 2]``: warpgroup ``g`` computes the scores of keys
-  ``g * BLOCK_N/2 + [0, BLOCK_N/2)``, so no score is computed twice.  ``q`` (``[64, 512]`` and
-  ``[64, 64]``) sits in shared memory for the whole kernel.
-- Online softmax in float32, log2 domain.  The row max is reduced across the two warpgroups
-  (one shared-memory exchange per tile); the row sum is kept per thread as a ``[64, BLOCK_N]``
-  partial and reduced once at the end.
-- ``P`` (bf16/fp16) goes to shared memory, and ``O [64, 512] += P @ c`` by ``wgmma`` with
-  ``warps_per_cta = [4, 2]`` again: warpgroup ``g`` owns value columns ``g * 256 + [0, 256)``
-  (a ``64 x 256`` float32 accumulator, 128 registers per thread).  The latent tile is loaded
-  once into shared memory and is both the key and the value operand.
-- Key tiles (``[BLOCK_N, 512]`` + ``[BLOCK_N, 64]``) are gathered by ``cp.async`` through
-  ``req_to_token`` (one slot per key, so any page size works), double-buffered: tile ``i + 1``
-  streams in while tile ``i`` is computed; the slot indices are loaded one tile earlier still.
+  axis 1 is the token ``j`` among its request's ``n`` new tokens (CTAs with ``j >= n`` exit),
+  so every mode runs here -- DECODE (``n = 1``), EXTEND / DRAFT_EXTEND_V2 (causal: token
+  ``j`` sees keys ``< P + j + 1``) and TARGET_VERIFY (the ``n`` draft keys through the
+  token's bit-packed tree-mask row, bit ``k % 32`` of word ``k // 32``; one row per CTA, so
+  the visibility is a vector over the tile's keys).
+- The latent tile is loaded once into shared memory and is both the key and the value
+  operand; online softmax in float32, log2 domain; ``O [64, 512]`` is split by columns over
+  the two warpgroups (a ``64 x 256`` float32 accumulator, 128 registers per thread each).
 - Split-KV as :mod:`.attention_mla`: split ``s`` covers prefix keys ``[s * c, min((s + 1) *
   c, P))`` with ``c = cdiv(cdiv(P, S), BLOCK_N) * BLOCK_N``, the last split also this
   forward's keys; partial outputs and base-2 log-sum-exps go to the same workspace as the
-  Triton kernel's and :func:`.attention._merge_kernel` combines them.
+  Triton kernel's and :func:`.attention._merge_kernel` combines them.  No host sync.
+
+**Seesaw** (:func:`_mla_seesaw_kernel`, the default): FlashMLA's schedule
+(deepseek-ai/FlashMLA, ``docs/20250422-new-kernel-deep-dive.md``; no code copied), 64-key
+tiles, warp-specialized into three 4-warp partitions on mbarriers:
+
+- warpgroup 0 computes the whole ``[64, 64]`` score tile of the even key tiles, warpgroup 1
+  of the odd ones (so each reads ``q`` from shared memory once per two tiles, half of what
+  the key split needs), concurrently; ``q_pe`` is the register A operand.
+- Per pair of tiles: warpgroup 0 takes its tile's max ``m0`` and ``P0`` and hands both to
+  warpgroup 1 through shared memory; warpgroup 1 folds ``m0`` into its own tile's max ``m1``
+  and hands ``m1`` and ``P1`` back.  Each warpgroup accumulates both ``P0 V0`` and ``P1 V1``
+  into its 256 value columns (its own ``P`` from registers, the other's from shared memory),
+  rescaling by ``exp2(m - m0)`` and ``exp2(m0 - m1)``; row sums are exchanged once at the
+  end.  One GEMM of each warpgroup runs under the other's softmax.
+- A loader partition fills two tile stages, each 64-column block of a tile on its own
+  barrier so a score GEMM starts on the first block while the rest stream in.  A stage is
+  released in two halves: value columns 0-255 and the rope block once warpgroup 0 is done
+  with them, columns 256-511 once warpgroup 1 is.  Tiles are copied by the tensor memory
+  accelerator (9 boxes of ``[64, 64]`` from the slot of the tile's first key) where a tile is
+  one page's consecutive slots (``page_size % 64 == 0``, the pool's page layout), otherwise
+  (and for a partial last tile, whose rows past the request must read as zeros) gathered by
+  ``cp.async`` per key through ``req_to_token``.
+- Shared memory: ``q_nope`` 64 KB + 2 x 72 KB stages + 2 x 8 KB ``P`` = 225 KB.
+
+**Key split** (:func:`_mla_sm90_kernel`, ``seesaw=False``; 32- or 64-key tiles), 8 warps: both
+warpgroups work on every tile; the score accumulator has ``warps_per_cta = [4, 2]``, so
+warpgroup ``g`` computes the scores of keys ``g * BLOCK_N/2 + [0, BLOCK_N/2)`` (no score is
+computed twice); the row max is reduced across the warpgroups through shared memory once per
+tile, ``P`` goes to shared memory and each warpgroup multiplies it into its value columns.
+Tiles are gathered by ``cp.async`` and double-buffered.  Shared memory at ``BLOCK_N = 64``:
+``q`` 72 KB + 2 x 72 KB stages + 8 KB ``P`` = 224 KB.
+
+Measured on an H100, MLA decode bs 128, L 8192, page 64 (FlashMLA 511-516 us in the same
+runs): key split 750-860 us; seesaw with ``cp.async`` 780-800 us, with TMA 660-720 us
+(1.29-1.40x FlashMLA).  With the loads skipped (a diagnostic, wrong output) the seesaw runs in
+500-575 us, so the rest is the latency of refilling a stage: only two fit.  Prefetching the
+tile after next into L2 (per line, or bulk) was slower (840-1640 us) and was dropped.
 
 Scope (:func:`sm90_mla_supported`): bf16/fp16 ``q`` and cache of the same dtype,
 ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, heads a multiple of 64, an sm_90 GPU.
 Everything else (and any CPU run: Gluon has no interpreter) uses :mod:`.attention_mla`.
-
-Shared memory at ``BLOCK_N = 64``: ``q`` 72 KB + 2 x 72 KB latent stages + 8 KB ``P`` = 224 KB
-(one CTA per SM).  No host sync.
 """
 from __future__ import annotations
 
@@ -54,8 +77,8 @@ try:  # Gluon ships with Triton >= 3.4; its Hopper ops are only compiled on an s
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared,
-                                                                   warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                                   tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -286,11 +309,370 @@ if HAVE_GLUON:
                        stride_ph, stride_ls, stride_lt, NUM_SPLITS)
 
 
+    # ---- seesaw schedule (module docstring) ----
+    # mbarriers ([_NB, 1]); each is arrived on once per phase (count 1), _FIN twice
+    # Blocks are loaded and scored in the order 0 1 2 3 8 4 5 6 7: half A (value columns
+    # 0-255 and the rope block 8), then half B (value columns 256-511).
+    _READY = gl.constexpr(0)     # + stage * 9 + block: 64-column block b of a stage landed
+    _EMPTY = gl.constexpr(18)    # + stage * 2 + half: half A (cols 0-255 + rope) / B freed
+    _Q_READY = gl.constexpr(22)  # q_nope landed
+    _P0_READY = gl.constexpr(23)
+    _P0_FREE = gl.constexpr(24)
+    _P1_READY = gl.constexpr(25)
+    _P1_FREE = gl.constexpr(26)
+    _FIN = gl.constexpr(27)      # row sums exchanged (count 2)
+    _NB = gl.constexpr(28)
+
+    @gluon.jit
+    def _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, b: gl.constexpr):
+        """Wait for 64-column block ``b`` of a stage and issue its score GEMM (block 8: the
+        rope block, ``q_pe`` from registers)."""
+        mbarrier.wait(bars.index(_READY + stage * 9 + b), phase)
+        if b < 8:
+            s = warpgroup_mma(q_smem.slice(b * 64, 64, dim=1),
+                              kc.slice(b * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
+        else:
+            s = warpgroup_mma(q_pe, kr.permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _ss_scores(q_smem, q_pe, kc, kr, bars, stage, phase, S_L: gl.constexpr):
+        """``[64, 64]`` float32 scores of one stage's keys: ``q_nope @ c^T`` over the eight
+        64-column blocks of the latent and ``q_pe @ k_pe^T``, in the load order (half A,
+        then half B), each block's GEMM issued as soon as it has landed."""
+        s = gl.zeros([64, 64], gl.float32, layout=S_L)
+        for b in gl.static_range(4):
+            s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, b)
+        s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 8)
+        for b in gl.static_range(4, 8):
+            s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, b)
+        return warpgroup_mma_wait(0, deps=[s])
+
+    @gluon.jit
+    def _ss_load_qpe(Q, head0, stride_qh, QA_L: gl.constexpr):
+        """``q_pe`` of the CTA's 64 heads (``Q`` points at the token's row), ``[64, 64]``, as
+        the register A operand."""
+        h = head0 + gl.arange(0, 64, layout=gl.SliceLayout(1, QA_L))
+        c = 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, QA_L))
+        return gl.load(Q + h.to(gl.int64)[:, None] * stride_qh + c[None, :])
+
+    @gluon.jit
+    def _ss_copy_block(kc, kr, src, ok, b: gl.constexpr):
+        """``cp.async`` 64-column block ``b`` of a tile (``src``: ``[64, 64]`` pointers of
+        block 0) as one commit group."""
+        if b < 8:
+            async_copy.async_copy_global_to_shared(kc.slice(b * 64, 64, dim=1), src + b * 64,
+                                                   mask=ok[:, None])
+        else:
+            async_copy.async_copy_global_to_shared(kr, src + 512, mask=ok[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _ss_gather(kc, kr, bars, stage, phase, KV, rtt_row, start, hi, stride_kvt):
+        """One key tile into a stage by ``cp.async`` through ``req_to_token`` (rows past
+        ``hi`` zero-filled, never read): half A once it is free, then half B; each block's
+        ready barrier is arrived on as soon as that block has landed."""
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = start + gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
+        ok = rows < hi
+        src = KV + (gl.load(rtt_row + rows, mask=ok, other=0).to(gl.int64) * stride_kvt)[:, None] \
+            + cols[None, :]
+        mbarrier.wait(bars.index(_EMPTY + stage * 2), phase ^ 1)
+        for b in gl.static_range(4):
+            _ss_copy_block(kc, kr, src, ok, b)
+        _ss_copy_block(kc, kr, src, ok, 8)
+        for b in gl.static_range(4):
+            async_copy.wait_group(4 - b)
+            fence_async_shared()  # the cp.async writes, before the wgmma (async proxy) reads
+            mbarrier.arrive(bars.index(_READY + stage * 9 + b), count=1)
+        async_copy.wait_group(0)
+        fence_async_shared()
+        mbarrier.arrive(bars.index(_READY + stage * 9 + 8), count=1)
+        mbarrier.wait(bars.index(_EMPTY + stage * 2 + 1), phase ^ 1)
+        for b in gl.static_range(4, 8):
+            _ss_copy_block(kc, kr, src, ok, b)
+        for b in gl.static_range(4, 8):
+            async_copy.wait_group(7 - b)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(_READY + stage * 9 + b), count=1)
+
+    @gluon.jit
+    def _ss_tma_block(kv_desc, kc, kr, bars, stage, slot0, b: gl.constexpr):
+        """TMA 64-column block ``b`` of a whole-page tile (first slot ``slot0``) into a
+        stage, completing its ready barrier."""
+        bar = bars.index(_READY + stage * 9 + b)
+        mbarrier.expect(bar, 64 * 64 * 2)
+        if b < 8:
+            tma.async_copy_global_to_shared(kv_desc, [slot0, b * 64], bar, kc.slice(b * 64, 64, dim=1))
+        else:
+            tma.async_copy_global_to_shared(kv_desc, [slot0, 512], bar, kr)
+
+    @gluon.jit
+    def _ss_loader(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
+                   rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
+                   stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
+                   stride_ph, stride_ls, stride_lt, qk_scale, kv_desc,
+                   NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
+        """Loader partition (4 warps): ``q_nope`` once, then every key tile into stage
+        ``t % 2``, half A as soon as warpgroup 0 frees it, half B once warpgroup 1 does.
+        With ``TMA`` (pages of a multiple of 64 keys, so a whole tile is one page's
+        consecutive slots) a full tile is 9 tensor-memory-accelerator copies of ``[64, 64]``
+        from the slot of its first key; otherwise (and for a partial last tile, whose rows
+        past ``hi`` must read as zeros) ``cp.async`` per key."""
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
+        q_rows = Q + (head0 + r64).to(gl.int64)[:, None] * stride_qh + cols[None, :]
+        for b in gl.static_range(8):
+            async_copy.async_copy_global_to_shared(q_smem.slice(b * 64, 64, dim=1), q_rows + b * 64)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        mbarrier.arrive(bars.index(_Q_READY), count=1)
+        for t in range(n_tiles):
+            st = t % 2
+            ph = (t // 2) & 1
+            start = lo + t * 64
+            kc = kc_smem.index(st)
+            kr = kr_smem.index(st)
+            if TMA:
+                if start + 64 <= hi:
+                    slot0 = gl.load(rtt_row + start)
+                    mbarrier.wait(bars.index(_EMPTY + st * 2), ph ^ 1)
+                    for b in gl.static_range(4):
+                        _ss_tma_block(kv_desc, kc, kr, bars, st, slot0, b)
+                    _ss_tma_block(kv_desc, kc, kr, bars, st, slot0, 8)
+                    mbarrier.wait(bars.index(_EMPTY + st * 2 + 1), ph ^ 1)
+                    for b in gl.static_range(4, 8):
+                        _ss_tma_block(kv_desc, kc, kr, bars, st, slot0, b)
+                else:
+                    _ss_gather(kc, kr, bars, st, ph, KV, rtt_row, start, hi, stride_kvt)
+            else:
+                _ss_gather(kc, kr, bars, st, ph, KV, rtt_row, start, hi, stride_kvt)
+
+    @gluon.jit
+    def _ss_epilogue(acc, m_i, l_i, x_smem, bars, WG: gl.constexpr, O, O_PART, LSE_PART, tok,
+                     head0, split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
+                     stride_ls, stride_lt, NUM_SPLITS: gl.constexpr, O_L: gl.constexpr):
+        """Exchange the two warpgroups' row sums, then store this warpgroup's 256 columns."""
+        x_smem.index(2 + WG).store(l_i)
+        mbarrier.arrive(bars.index(_FIN), count=1)
+        mbarrier.wait(bars.index(_FIN), 0)
+        l_tot = l_i + x_smem.index(3 - WG).load(l_i.type.layout)
+        heads = head0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+        _store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                   gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), tok + heads * 0, heads,
+                   WG * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L)), heads >= 0, split,
+                   stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                   NUM_SPLITS)
+
+    @gluon.jit
+    def _ss_wg0(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
+                rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
+                stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
+                stride_ph, stride_ls, stride_lt, qk_scale, kv_desc,
+                NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
+        """Warpgroup 0: the scores of the even tiles, value columns ``[0, 256)``."""
+        dtype: gl.constexpr = KV.dtype.element_ty
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 64, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 256, 16])
+        QA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
+        PA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+        q_pe = _ss_load_qpe(Q, head0, stride_qh, QA_L)
+        keys = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=ROW)
+        l_i = gl.zeros([64], gl.float32, layout=ROW)
+        acc = gl.zeros([64, 256], gl.float32, layout=O_L)
+        mbarrier.wait(bars.index(_Q_READY), 0)
+        for k in range(gl.cdiv(n_tiles, 2)):
+            ph = k & 1
+            s = _ss_scores(q_smem, q_pe, kc_smem.index(0), kr_smem.index(0), bars, 0, ph, S_L)
+            s = gl.where(_visible(lo + 2 * k * 64 + keys, P, hi, tree_row, TREE)[None, :],
+                         s * qk_scale, float("-inf"))
+            m0 = gl.maximum(m_i, gl.max(s, axis=1))
+            m0_use = gl.where(m0 == float("-inf"), 0.0, m0)
+            scale0 = gl.exp2(m_i - m0_use)
+            p = gl.exp2(s - m0_use[:, None])
+            l_i = l_i * scale0 + gl.sum(p, axis=1)
+            pb = p.to(dtype)
+            mbarrier.wait(bars.index(_P0_FREE), ph ^ 1)
+            p_smem.index(0).store(pb)
+            x_smem.index(0).store(m0)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(_P0_READY), count=1)
+            acc = acc * gl.convert_layout(scale0, gl.SliceLayout(1, O_L))[:, None]
+            acc = warpgroup_mma(gl.convert_layout(pb, PA_L), kc_smem.index(0).slice(0, 256, dim=1),
+                                acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(bars.index(_EMPTY + 0), count=1)  # stage 0, half A
+            # warpgroup 1's max over both tiles and its P
+            mbarrier.wait(bars.index(_P1_READY), ph)
+            m1 = x_smem.index(1).load(ROW)
+            scale1 = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0 - m1))
+            acc = acc * gl.convert_layout(scale1, gl.SliceLayout(1, O_L))[:, None]
+            l_i = l_i * scale1
+            m_i = m1
+            if 2 * k + 1 < n_tiles:
+                acc = warpgroup_mma(p_smem.index(1), kc_smem.index(1).slice(0, 256, dim=1), acc,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(bars.index(_EMPTY + 2), count=1)  # stage 1, half A
+            mbarrier.arrive(bars.index(_P1_FREE), count=1)
+        _ss_epilogue(acc, m_i, l_i, x_smem, bars, 0, O, O_PART, LSE_PART, tok, head0, split,
+                     stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                     NUM_SPLITS, O_L)
+
+    @gluon.jit
+    def _ss_wg1(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
+                rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
+                stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
+                stride_ph, stride_ls, stride_lt, qk_scale, kv_desc,
+                NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
+        """Warpgroup 1: the scores of the odd tiles, value columns ``[256, 512)``."""
+        dtype: gl.constexpr = KV.dtype.element_ty
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 64, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 256, 16])
+        QA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
+        PA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+        q_pe = _ss_load_qpe(Q, head0, stride_qh, QA_L)
+        keys = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=ROW)
+        l_i = gl.zeros([64], gl.float32, layout=ROW)
+        acc = gl.zeros([64, 256], gl.float32, layout=O_L)
+        mbarrier.wait(bars.index(_Q_READY), 0)
+        for k in range(gl.cdiv(n_tiles, 2)):
+            ph = k & 1
+            has1 = 2 * k + 1 < n_tiles
+            if has1:
+                s = _ss_scores(q_smem, q_pe, kc_smem.index(1), kr_smem.index(1), bars, 1, ph, S_L)
+                s = gl.where(_visible(lo + (2 * k + 1) * 64 + keys, P, hi, tree_row, TREE)[None, :],
+                             s * qk_scale, float("-inf"))
+            else:
+                s = gl.full([64, 64], float("-inf"), gl.float32, layout=S_L)
+            mp = gl.max(s, axis=1)
+            # warpgroup 0's max and P of the even tile
+            mbarrier.wait(bars.index(_P0_READY), ph)
+            m0 = x_smem.index(0).load(ROW)
+            scale0 = gl.exp2(m_i - gl.where(m0 == float("-inf"), 0.0, m0))
+            acc = acc * gl.convert_layout(scale0, gl.SliceLayout(1, O_L))[:, None]
+            acc = warpgroup_mma(p_smem.index(0), kc_smem.index(0).slice(256, 256, dim=1), acc,
+                                is_async=True)
+            m1 = gl.maximum(m0, mp)
+            m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
+            scale1 = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0 - m1))
+            p = gl.exp2(s - m1_use[:, None])
+            l_i = l_i * scale0 * scale1 + gl.sum(p, axis=1)
+            pb = p.to(dtype)
+            mbarrier.wait(bars.index(_P1_FREE), ph ^ 1)
+            if has1:
+                p_smem.index(1).store(pb)
+            x_smem.index(1).store(m1)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(_P1_READY), count=1)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(bars.index(_P0_FREE), count=1)
+            mbarrier.arrive(bars.index(_EMPTY + 1), count=1)  # stage 0, half B
+            acc = acc * gl.convert_layout(scale1, gl.SliceLayout(1, O_L))[:, None]
+            if has1:
+                acc = warpgroup_mma(gl.convert_layout(pb, PA_L),
+                                    kc_smem.index(1).slice(256, 256, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(bars.index(_EMPTY + 3), count=1)  # stage 1, half B
+            m_i = m1
+        _ss_epilogue(acc, m_i, l_i, x_smem, bars, 1, O, O_PART, LSE_PART, tok, head0, split,
+                     stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                     NUM_SPLITS, O_L)
+
+    @gluon.jit
+    def _mla_seesaw_kernel(
+            Q, KV, O, O_PART, LSE_PART, req_to_token, req_pool_indices, seq_lens, qo_indptr,
+            tree_mask,
+            stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
+            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rtt,
+            stride_tmb, stride_tmj,
+            qk_scale, kv_desc,
+            NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, DECODE: gl.constexpr,
+            TMA: gl.constexpr):
+        """The seesaw schedule (module docstring): the arguments of :func:`_mla_sm90_kernel`
+        plus ``kv_desc``, a TMA descriptor over the cache viewed ``[num_slots, 576]`` with
+        ``[64, 64]`` boxes (None unless ``TMA``); 4 warps here (warpgroup 0) and two 4-warp
+        workers (warpgroup 1, the loader), launched with ``maxnreg=168`` so that the
+        warpgroups get 232 registers and the loader 40."""
+        BLOCK_N: gl.constexpr = 64
+        dtype: gl.constexpr = KV.dtype.element_ty
+        pid_h = gl.program_id(0)
+        if DECODE:
+            j = 0
+            pid2 = gl.program_id(1)
+        else:
+            j = gl.program_id(1)
+            pid2 = gl.program_id(2)
+        req = pid2 // NUM_SPLITS
+        split = pid2 % NUM_SPLITS
+        q_start = gl.load(qo_indptr + req)
+        n = gl.load(qo_indptr + req + 1) - q_start
+        if j < n:
+            tok = (q_start + j).to(gl.int64)
+            P = gl.load(seq_lens + req)
+            rtt_row = req_to_token + gl.load(req_pool_indices + req).to(gl.int64) * stride_rtt
+            if TREE:
+                kv_end = P + n
+            else:
+                kv_end = P + j + 1
+            if NUM_SPLITS == 1:
+                lo = split  # 0, as a tensor (partition arguments must be)
+                hi = kv_end
+            else:
+                chunk = gl.cdiv(gl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
+                lo = gl.minimum(split * chunk, P)
+                hi = gl.where(split == NUM_SPLITS - 1, kv_end, gl.minimum(lo + chunk, P))
+            n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+            tree_row = tree_mask + req.to(gl.int64) * stride_tmb + j * stride_tmj
+            head0 = pid_h * 64
+            SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+            XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            q_smem = gl.allocate_shared_memory(dtype, [64, 512], SW)
+            kc_smem = gl.allocate_shared_memory(dtype, [2, 64, 512], SW)
+            kr_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SW)
+            p_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SW)
+            x_smem = gl.allocate_shared_memory(gl.float32, [4, 64], XL)
+            bars = gl.allocate_shared_memory(gl.int64, [_NB, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(_FIN):
+                mbarrier.init(bars.index(i), count=1)
+            mbarrier.init(bars.index(_FIN), count=2)
+            qt = Q + tok * stride_qt
+            gl.warp_specialize([
+                (_ss_wg0, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART,
+                           LSE_PART, rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
+                           stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
+                           stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, NUM_SPLITS, TREE,
+                           TMA)),
+                (_ss_wg1, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART,
+                           LSE_PART, rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
+                           stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
+                           stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, NUM_SPLITS, TREE,
+                           TMA)),
+                (_ss_loader, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART,
+                              LSE_PART, rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
+                              stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
+                              stride_ph, stride_ls, stride_lt, qk_scale, kv_desc,
+                              NUM_SPLITS, TREE, TMA))],
+                               [4, 4], [232, 40])
+
+
 def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
                        req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                        qo_indptr: torch.Tensor, tree_mask: Optional[torch.Tensor], max_q: int,
                        sm_scale: float, out: torch.Tensor, o_part: torch.Tensor,
-                       lse: torch.Tensor, num_splits: int, block_n: int = 64) -> None:
+                       lse: torch.Tensor, num_splits: int, block_n: int = 64,
+                       seesaw: bool = True, page_size: int = 1) -> None:
     """Launch the Gluon MLA kernel (module docstring).  Called by
     :func:`.attention_mla.mla_paged_attention`, which validates every argument and index,
     allocates ``out`` ``[T, H, 512]`` and, with ``num_splits > 1``, the float32 partials
@@ -301,15 +683,36 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     int32 ``[bs + 1]``; ``tree_mask``: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or None
     (causal); ``max_q``: static bound of new tokens per request (grid axis 1, <= 65535);
     ``sm_scale`` multiplies ``q . k``; ``block_n``: keys per tile, 32 or 64 (ValueError
-    otherwise).  No host sync."""
-    if block_n not in (32, 64):
-        raise ValueError(f"block_n must be 32 or 64, got {block_n}")
+    otherwise); ``seesaw``: FlashMLA's seesaw schedule (:func:`_mla_seesaw_kernel`, 64-key
+    tiles only, ValueError with 32) instead of the key split; ``page_size``: the pool's page
+    size -- with a multiple of 64 (and a 16-byte aligned cache and row stride) the seesaw
+    kernel copies whole-page tiles by TMA, which assumes the pool's page layout (key ``p`` of
+    a request at slot ``page * page_size + p % page_size``; see
+    :func:`.attention_mla.mla_paged_attention`'s ``page_size``).  No host sync."""
+    if block_n not in (32, 64) or (seesaw and block_n != 64):
+        raise ValueError(f"block_n must be 64 (seesaw) or 32/64 (key split), got {block_n}")
     bs, H = req_pool_indices.shape[0], q.shape[1]
     ps = o_part.stride() if num_splits > 1 else (0, 0, 0, 0)
     ls = lse.stride() if num_splits > 1 else (0, 0, 0)
     tm = tree_mask if tree_mask is not None else seq_lens
     tms = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
     grid = (H // BLOCK_H, bs * num_splits) if max_q == 1 else (H // BLOCK_H, max_q, bs * num_splits)
+    if seesaw:
+        kv2d = kv_cache[:, 0, :]
+        desc = None
+        aligned = kv2d.data_ptr() % 16 == 0 and (kv2d.stride(0) * kv2d.element_size()) % 16 == 0
+        if page_size % 64 == 0 and aligned:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+            desc = TensorDescriptor.from_tensor(kv2d, [64, 64], gl.NVMMASharedLayout(
+                swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        _mla_seesaw_kernel[grid](
+            q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, seq_lens, qo_indptr,
+            tm, q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
+            ps[0], ps[1], ps[2], ls[0], ls[1], req_to_token.stride(0), tms[0], tms[1],
+            sm_scale * 1.4426950408889634, desc,
+            NUM_SPLITS=num_splits, TREE=tree_mask is not None, DECODE=max_q == 1,
+            TMA=desc is not None, num_warps=4, maxnreg=168)
+        return
     _mla_sm90_kernel[grid](
         q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
         q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
