@@ -68,8 +68,9 @@ captured small-batch decode may split a short prefix more than eager would).
 
 Kernel config: ``kernel_config={"block_m": .., "block_n": .., "num_warps": .., "num_stages":
 ..}`` (MLA also ``"block_dv"``: ``kv_lora_rank`` or half of it, ``"tma"``: prefix tiles
-by TMA, pages holding whole tiles, and ``"sm90"``: the Gluon sm_90 kernel of
-:mod:`~specattn.triton_kernels.attention_mla_sm90`, every mode; MHA's ``"sm90"`` runs
+by TMA, pages holding whole tiles, ``"sm90"``: the Gluon sm_90 kernel of
+:mod:`~specattn.triton_kernels.attention_mla_sm90`, every mode, and ``"seesaw"``: its
+schedule, FlashMLA's seesaw (default) or the key split (False); MHA's ``"sm90"`` runs
 TARGET_VERIFY on the one of :mod:`~specattn.triton_kernels.attention_sm90`, other modes
 ignore it; on an sm_90 GPU both are the default where they can run) overrides the kernels'
 defaults for every forward (sweeps); keys and values are checked at construction.
@@ -164,9 +165,9 @@ class TritonBackend(AttentionBackend):
         num_kv_splits: force the split-KV factor (1 = never split) for the modes that split;
             None picks it from the batch shape and the GPU's SM count (1 on CPU).
         kernel_config: kernel config overrides passed to every kernel call: ``block_m``,
-            ``block_n``, ``num_warps``, ``num_stages`` (MLA also ``block_dv``, and ``tma``, a
-            bool: :func:`~specattn.triton_kernels.attention_mla.mla_paged_attention`); powers of two
-            (``num_stages``: any int >= 1).
+            ``block_n``, ``num_warps``, ``num_stages`` (MLA also ``block_dv``, and ``tma`` /
+            ``seesaw``, bools: :func:`~specattn.triton_kernels.attention_mla.mla_paged_attention`);
+            ``sm90`` (bool) for both kinds; powers of two (``num_stages``: any int >= 1).
         page_aligned: promise that ``req_to_token`` rows follow the pools' page layout (token
             ``p`` of a request at offset ``p % page_size`` of its page, as ``KVAllocator``
             hands slots out), so the MLA kernel reads one slot per key tile when ``block_n``

@@ -90,8 +90,9 @@ Deeper pipelines do not fit in shared memory (a 2-stage ``BLOCK_N = 64`` latent 
 needs 294 KB).  FlashMLA avoids the recomputation by splitting the value width across two
 warpgroups that share one score tile; Triton's code generation cannot express that, Gluon
 can: on an sm_90 GPU bf16/fp16 attention with a multiple of 64 heads runs the kernel of
-:mod:`.attention_mla_sm90` by default, every mode (H100, decode b128 L8192: 736 us vs
-1164 us here and 511 us for FlashMLA), see ``sm90`` below.
+:mod:`.attention_mla_sm90` by default, every mode, with FlashMLA's seesaw schedule (H100,
+decode b128 L8192: 687 us vs 1164 us here and 509 us for FlashMLA; H200: 674 vs 455 us,
+``bench/results/2026-11-22-h*-session7``), see ``sm90`` and ``seesaw`` below.
 
 Tried and dropped (H100, Triton 3.6, 2026-11-22, ``bench/results/2026-11-22-h100-session5``):
 key-major tiles, ``s^T [BLOCK_N, BLOCK_M] = [c | k_pe] @ q^T`` and ``acc^T [r, BLOCK_M] +=
