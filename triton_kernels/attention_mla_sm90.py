@@ -180,6 +180,46 @@ if HAVE_GLUON:
         return vis
 
     @gluon.jit
+    def _cta_token(qo_indptr, NUM_SPLITS: gl.constexpr, DECODE: gl.constexpr):
+        """This CTA's ``(j, req, split, q_start, n)``: token ``j`` (grid axis 1; 0 with the
+        2-D ``DECODE`` grid) of request ``req``'s ``n`` new tokens from row ``q_start``, and
+        its KV split."""
+        if DECODE:  # max_q == 1: a 2-D grid, the one token
+            pid2 = gl.program_id(1)
+            j = pid2 * 0
+        else:
+            j = gl.program_id(1)
+            pid2 = gl.program_id(2)
+        req = pid2 // NUM_SPLITS
+        q_start = gl.load(qo_indptr + req)
+        return j, req, pid2 % NUM_SPLITS, q_start, gl.load(qo_indptr + req + 1) - q_start
+
+    @gluon.jit
+    def _cta_keys(seq_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
+                  stride_rtt, stride_tmb, stride_tmj, BLOCK_N: gl.constexpr,
+                  NUM_SPLITS: gl.constexpr, TREE: gl.constexpr):
+        """The keys token ``j`` of request ``req`` attends to in this split: ``(P, rtt_row,
+        lo, hi, tree_row)`` -- ``P`` committed keys, the request's ``req_to_token`` row,
+        positions ``[lo, hi)`` (tree: the prefix and all ``n`` draft keys, masked later by
+        the token's ``tree_row``; causal: up to the token itself).  Splits share the prefix
+        in ``BLOCK_N``-aligned chunks; the last one also takes this forward's keys."""
+        P = gl.load(seq_lens + req)
+        rtt_row = req_to_token + gl.load(req_pool_indices + req).to(gl.int64) * stride_rtt
+        if TREE:
+            kv_end = P + n
+        else:
+            kv_end = P + j + 1
+        if NUM_SPLITS == 1:
+            lo = split  # 0, as a tensor (warp-specialized partitions take tensors)
+            hi = kv_end
+        else:
+            chunk = gl.cdiv(gl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = gl.minimum(split * chunk, P)
+            hi = gl.where(split == NUM_SPLITS - 1, kv_end, gl.minimum(lo + chunk, P))
+        tree_row = tree_mask + req.to(gl.int64) * stride_tmb + j * stride_tmj
+        return P, rtt_row, lo, hi, tree_row
+
+    @gluon.jit
     def _mla_sm90_kernel(
             Q, KV, O, O_PART, LSE_PART, req_to_token, req_pool_indices, seq_lens, qo_indptr,
             tree_mask,
@@ -206,32 +246,12 @@ if HAVE_GLUON:
             swizzle_byte_width=128 if BLOCK_N >= 64 else BLOCK_N * 2, element_bitwidth=16, rank=2)
 
         pid_h = gl.program_id(0)
-        if DECODE:  # max_q == 1: a 2-D grid, the one token
-            j = 0
-            pid2 = gl.program_id(1)
-        else:
-            j = gl.program_id(1)  # this CTA's token among its request's n new tokens
-            pid2 = gl.program_id(2)
-        req = pid2 // NUM_SPLITS
-        split = pid2 % NUM_SPLITS
-        q_start = gl.load(qo_indptr + req)
-        n = gl.load(qo_indptr + req + 1) - q_start
+        j, req, split, q_start, n = _cta_token(qo_indptr, NUM_SPLITS, DECODE)
         if j < n:
             tok = (q_start + j).to(gl.int64)
-            P = gl.load(seq_lens + req)
-            rtt_row = req_to_token + gl.load(req_pool_indices + req).to(gl.int64) * stride_rtt
-            if TREE:
-                kv_end = P + n
-            else:  # causal: token j sees this forward's keys up to itself
-                kv_end = P + j + 1
-            if NUM_SPLITS == 1:
-                lo = 0
-                hi = kv_end
-            else:  # splits share the prefix; the last one also takes this forward's keys
-                chunk = gl.cdiv(gl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
-                lo = gl.minimum(split * chunk, P)
-                hi = gl.where(split == NUM_SPLITS - 1, kv_end, gl.minimum(lo + chunk, P))
-            tree_row = tree_mask + req.to(gl.int64) * stride_tmb + j * stride_tmj
+            P, rtt_row, lo, hi, tree_row = _cta_keys(
+                seq_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
+                stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
 
             # q: [64, 512] and [64, 64] into shared memory for the whole kernel
             heads_c = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD_C))
@@ -322,6 +342,13 @@ if HAVE_GLUON:
     _P1_FREE = gl.constexpr(26)
     _FIN = gl.constexpr(27)      # row sums exchanged (count 2)
     _NB = gl.constexpr(28)
+    # one warpgroup's layouts: the [64, 64] score tile, the [64, 256] output half, and P as
+    # the register A operand of the PV GEMM
+    _SS_S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, 64, 16]))
+    _SS_O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, 256, 16]))
+    _SS_PA_L = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_SS_O_L.value, k_width=2))
 
     @gluon.jit
     def _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, b: gl.constexpr):
@@ -452,6 +479,20 @@ if HAVE_GLUON:
                 _ss_gather(kc, kr, bars, st, ph, KV, rtt_row, start, hi, stride_kvt)
 
     @gluon.jit
+    def _ss_init(Q, head0, stride_qh, bars):
+        """A warpgroup's start: ``q_pe`` in registers, the tile's key offsets, ``m = -inf``,
+        ``l = 0``, ``O = 0``; then wait until the loader has put ``q_nope`` in place."""
+        S_L: gl.constexpr = _SS_S_L
+        q_pe = _ss_load_qpe(Q, head0, stride_qh, gl.DotOperandLayout(operand_index=0, parent=S_L,
+                                                                     k_width=2))
+        keys = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, S_L))
+        acc = gl.zeros([64, 256], gl.float32, layout=_SS_O_L)
+        mbarrier.wait(bars.index(_Q_READY), 0)
+        return q_pe, keys, m_i, l_i, acc
+
+    @gluon.jit
     def _ss_epilogue(acc, m_i, l_i, x_smem, bars, WG: gl.constexpr, O, O_PART, LSE_PART, tok,
                      head0, split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
                      stride_ls, stride_lt, NUM_SPLITS: gl.constexpr, O_L: gl.constexpr):
@@ -474,23 +515,10 @@ if HAVE_GLUON:
                 stride_ph, stride_ls, stride_lt, qk_scale, kv_desc,
                 NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
         """Warpgroup 0: the scores of the even tiles, value columns ``[0, 256)``."""
-        dtype: gl.constexpr = KV.dtype.element_ty
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 64, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 256, 16])
-        QA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
-        PA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        ROW: gl.constexpr = gl.SliceLayout(1, S_L)
-        q_pe = _ss_load_qpe(Q, head0, stride_qh, QA_L)
-        keys = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
-        m_i = gl.full([64], float("-inf"), gl.float32, layout=ROW)
-        l_i = gl.zeros([64], gl.float32, layout=ROW)
-        acc = gl.zeros([64, 256], gl.float32, layout=O_L)
-        mbarrier.wait(bars.index(_Q_READY), 0)
+        q_pe, keys, m_i, l_i, acc = _ss_init(Q, head0, stride_qh, bars)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
-            s = _ss_scores(q_smem, q_pe, kc_smem.index(0), kr_smem.index(0), bars, 0, ph, S_L)
+            s = _ss_scores(q_smem, q_pe, kc_smem.index(0), kr_smem.index(0), bars, 0, ph, _SS_S_L)
             s = gl.where(_visible(lo + 2 * k * 64 + keys, P, hi, tree_row, TREE)[None, :],
                          s * qk_scale, float("-inf"))
             m0 = gl.maximum(m_i, gl.max(s, axis=1))
@@ -498,22 +526,22 @@ if HAVE_GLUON:
             scale0 = gl.exp2(m_i - m0_use)
             p = gl.exp2(s - m0_use[:, None])
             l_i = l_i * scale0 + gl.sum(p, axis=1)
-            pb = p.to(dtype)
+            pb = p.to(KV.dtype.element_ty)
             mbarrier.wait(bars.index(_P0_FREE), ph ^ 1)
             p_smem.index(0).store(pb)
             x_smem.index(0).store(m0)
             fence_async_shared()
             mbarrier.arrive(bars.index(_P0_READY), count=1)
-            acc = acc * gl.convert_layout(scale0, gl.SliceLayout(1, O_L))[:, None]
-            acc = warpgroup_mma(gl.convert_layout(pb, PA_L), kc_smem.index(0).slice(0, 256, dim=1),
+            acc = acc * gl.convert_layout(scale0, gl.SliceLayout(1, _SS_O_L))[:, None]
+            acc = warpgroup_mma(gl.convert_layout(pb, _SS_PA_L), kc_smem.index(0).slice(0, 256, dim=1),
                                 acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(bars.index(_EMPTY + 0), count=1)  # stage 0, half A
             # warpgroup 1's max over both tiles and its P
             mbarrier.wait(bars.index(_P1_READY), ph)
-            m1 = x_smem.index(1).load(ROW)
+            m1 = x_smem.index(1).load(gl.SliceLayout(1, _SS_S_L))
             scale1 = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0 - m1))
-            acc = acc * gl.convert_layout(scale1, gl.SliceLayout(1, O_L))[:, None]
+            acc = acc * gl.convert_layout(scale1, gl.SliceLayout(1, _SS_O_L))[:, None]
             l_i = l_i * scale1
             m_i = m1
             if 2 * k + 1 < n_tiles:
@@ -524,7 +552,7 @@ if HAVE_GLUON:
             mbarrier.arrive(bars.index(_P1_FREE), count=1)
         _ss_epilogue(acc, m_i, l_i, x_smem, bars, 0, O, O_PART, LSE_PART, tok, head0, split,
                      stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                     NUM_SPLITS, O_L)
+                     NUM_SPLITS, _SS_O_L)
 
     @gluon.jit
     def _ss_wg1(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
@@ -533,35 +561,22 @@ if HAVE_GLUON:
                 stride_ph, stride_ls, stride_lt, qk_scale, kv_desc,
                 NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
         """Warpgroup 1: the scores of the odd tiles, value columns ``[256, 512)``."""
-        dtype: gl.constexpr = KV.dtype.element_ty
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 64, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 256, 16])
-        QA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
-        PA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        ROW: gl.constexpr = gl.SliceLayout(1, S_L)
-        q_pe = _ss_load_qpe(Q, head0, stride_qh, QA_L)
-        keys = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
-        m_i = gl.full([64], float("-inf"), gl.float32, layout=ROW)
-        l_i = gl.zeros([64], gl.float32, layout=ROW)
-        acc = gl.zeros([64, 256], gl.float32, layout=O_L)
-        mbarrier.wait(bars.index(_Q_READY), 0)
+        q_pe, keys, m_i, l_i, acc = _ss_init(Q, head0, stride_qh, bars)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
             has1 = 2 * k + 1 < n_tiles
             if has1:
-                s = _ss_scores(q_smem, q_pe, kc_smem.index(1), kr_smem.index(1), bars, 1, ph, S_L)
+                s = _ss_scores(q_smem, q_pe, kc_smem.index(1), kr_smem.index(1), bars, 1, ph, _SS_S_L)
                 s = gl.where(_visible(lo + (2 * k + 1) * 64 + keys, P, hi, tree_row, TREE)[None, :],
                              s * qk_scale, float("-inf"))
             else:
-                s = gl.full([64, 64], float("-inf"), gl.float32, layout=S_L)
+                s = gl.full([64, 64], float("-inf"), gl.float32, layout=_SS_S_L)
             mp = gl.max(s, axis=1)
             # warpgroup 0's max and P of the even tile
             mbarrier.wait(bars.index(_P0_READY), ph)
-            m0 = x_smem.index(0).load(ROW)
+            m0 = x_smem.index(0).load(gl.SliceLayout(1, _SS_S_L))
             scale0 = gl.exp2(m_i - gl.where(m0 == float("-inf"), 0.0, m0))
-            acc = acc * gl.convert_layout(scale0, gl.SliceLayout(1, O_L))[:, None]
+            acc = acc * gl.convert_layout(scale0, gl.SliceLayout(1, _SS_O_L))[:, None]
             acc = warpgroup_mma(p_smem.index(0), kc_smem.index(0).slice(256, 256, dim=1), acc,
                                 is_async=True)
             m1 = gl.maximum(m0, mp)
@@ -569,7 +584,7 @@ if HAVE_GLUON:
             scale1 = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0 - m1))
             p = gl.exp2(s - m1_use[:, None])
             l_i = l_i * scale0 * scale1 + gl.sum(p, axis=1)
-            pb = p.to(dtype)
+            pb = p.to(KV.dtype.element_ty)
             mbarrier.wait(bars.index(_P1_FREE), ph ^ 1)
             if has1:
                 p_smem.index(1).store(pb)
@@ -579,16 +594,16 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(bars.index(_P0_FREE), count=1)
             mbarrier.arrive(bars.index(_EMPTY + 1), count=1)  # stage 0, half B
-            acc = acc * gl.convert_layout(scale1, gl.SliceLayout(1, O_L))[:, None]
+            acc = acc * gl.convert_layout(scale1, gl.SliceLayout(1, _SS_O_L))[:, None]
             if has1:
-                acc = warpgroup_mma(gl.convert_layout(pb, PA_L),
+                acc = warpgroup_mma(gl.convert_layout(pb, _SS_PA_L),
                                     kc_smem.index(1).slice(256, 256, dim=1), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_EMPTY + 3), count=1)  # stage 1, half B
             m_i = m1
         _ss_epilogue(acc, m_i, l_i, x_smem, bars, 1, O, O_PART, LSE_PART, tok, head0, split,
                      stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                     NUM_SPLITS, O_L)
+                     NUM_SPLITS, _SS_O_L)
 
     @gluon.jit
     def _mla_seesaw_kernel(
@@ -608,33 +623,13 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr = 64
         dtype: gl.constexpr = KV.dtype.element_ty
         pid_h = gl.program_id(0)
-        if DECODE:
-            j = 0
-            pid2 = gl.program_id(1)
-        else:
-            j = gl.program_id(1)
-            pid2 = gl.program_id(2)
-        req = pid2 // NUM_SPLITS
-        split = pid2 % NUM_SPLITS
-        q_start = gl.load(qo_indptr + req)
-        n = gl.load(qo_indptr + req + 1) - q_start
+        j, req, split, q_start, n = _cta_token(qo_indptr, NUM_SPLITS, DECODE)
         if j < n:
             tok = (q_start + j).to(gl.int64)
-            P = gl.load(seq_lens + req)
-            rtt_row = req_to_token + gl.load(req_pool_indices + req).to(gl.int64) * stride_rtt
-            if TREE:
-                kv_end = P + n
-            else:
-                kv_end = P + j + 1
-            if NUM_SPLITS == 1:
-                lo = split  # 0, as a tensor (partition arguments must be)
-                hi = kv_end
-            else:
-                chunk = gl.cdiv(gl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
-                lo = gl.minimum(split * chunk, P)
-                hi = gl.where(split == NUM_SPLITS - 1, kv_end, gl.minimum(lo + chunk, P))
+            P, rtt_row, lo, hi, tree_row = _cta_keys(
+                seq_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
+                stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-            tree_row = tree_mask + req.to(gl.int64) * stride_tmb + j * stride_tmj
             head0 = pid_h * 64
             SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
             XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])

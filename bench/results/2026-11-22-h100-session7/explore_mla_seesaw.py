@@ -30,6 +30,33 @@ def run(args, **kw):
     q, kv, rtt, rpi, seq, qo, tm, n = args
     return mla_paged_attention(q, kv, rtt, rpi, seq, qo, tm, n, 0.07, 512, page_size=64, **kw)
 
+
+def bench(fn, reps=50):
+    """Median us of ``reps`` CUDA-graph replays of ``fn`` (after 3 eager warm-up calls)."""
+    for _ in range(3): fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+        s.record(); g.replay(); e.record(); e.synchronize()
+        ts.append(s.elapsed_time(e) * 1000)
+    ts.sort(); return ts[len(ts) // 2]
+
+def flashmla_call(a, bs):
+    """FlashMLA (legacy SM90 dense decode) on the same inputs, page 64."""
+    import flash_mla
+    q, kv, rtt, rpi, seq, qo, tm, n = a
+    bt = (rtt[:, ::64] // 64).int()
+    kvc = kv.view(-1, 64, 1, 576)
+    q4 = q.view(bs, 1, 128, 576)
+    meta, _ = flash_mla.get_mla_metadata()
+    meta.tile_scheduler_metadata, meta.num_splits = flash_mla.get_mla_decoding_metadata(
+        seq, 128, 1, 128, is_fp8_kvcache=False, topk=None, use_legacy=True)
+    return lambda: flash_mla.flash_mla_with_kvcache(q4, kvc, bt, seq, 512, meta, softmax_scale=0.07,
+                                                    causal=False, use_legacy=True)
+
 what = sys.argv[1]
 if what == "check":
     for (bs, L, n, tree) in [(3, 0, 1, False), (2, 1, 1, False), (4, 63, 1, False), (4, 64, 1, False),
@@ -48,30 +75,9 @@ if what == "check":
                     print(f"bs{bs} L{L} n{n} tree{int(tree)} splits{splits} seesaw{int(ss)} ch{c}: "
                           f"max|d|={err:.2e} finite={bool(torch.isfinite(o).all())}", flush=True)
 elif what == "time":
-    import flash_mla
     bs, L = 128, 8192
     a = make(bs, L)
-    q, kv, rtt, rpi, seq, qo, tm, n = a
-    def bench(fn, reps=50):
-        for _ in range(3): fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        ts = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-            s.record(); g.replay(); e.record(); e.synchronize()
-            ts.append(s.elapsed_time(e) * 1000)
-        ts.sort(); return ts[len(ts) // 2]
-    # FlashMLA anchor
-    bt = (rtt[:, ::64] // 64).int()
-    kvc = kv.view(-1, 64, 1, 576)
-    q4 = q.view(bs, 1, 128, 576)
-    meta, _ = flash_mla.get_mla_metadata()
-    meta.tile_scheduler_metadata, meta.num_splits = flash_mla.get_mla_decoding_metadata(
-        seq, 128, 1, 128, is_fp8_kvcache=False, topk=None, use_legacy=True)
-    fm = lambda: flash_mla.flash_mla_with_kvcache(q4, kvc, bt, seq, 512, meta, softmax_scale=0.07,
-                                                  causal=False, use_legacy=True)
+    fm = flashmla_call(a, bs)
     out = torch.empty(bs, 128, 512, dtype=torch.bfloat16, device=dev)
     res = {}
     for rep in range(3):
@@ -84,29 +90,9 @@ elif what == "time":
     for k, v in res.items():
         print(f"{k:20s} " + " ".join(f"{x:8.1f}" for x in v) + f"   vs flashmla {min(v)/min(res['flashmla']):.2f}x", flush=True)
 if what == "time2":
-    import flash_mla
     bs, L = 128, 8192
     a = make(bs, L)
-    q, kv, rtt, rpi, seq, qo, tm, n = a
-    def bench(fn, reps=50):
-        for _ in range(3): fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        ts = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-            s.record(); g.replay(); e.record(); e.synchronize()
-            ts.append(s.elapsed_time(e) * 1000)
-        ts.sort(); return ts[len(ts) // 2]
-    bt = (rtt[:, ::64] // 64).int()
-    kvc = kv.view(-1, 64, 1, 576)
-    q4 = q.view(bs, 1, 128, 576)
-    meta, _ = flash_mla.get_mla_metadata()
-    meta.tile_scheduler_metadata, meta.num_splits = flash_mla.get_mla_decoding_metadata(
-        seq, 128, 1, 128, is_fp8_kvcache=False, topk=None, use_legacy=True)
-    fm = lambda: flash_mla.flash_mla_with_kvcache(q4, kvc, bt, seq, 512, meta, softmax_scale=0.07,
-                                                  causal=False, use_legacy=True)
+    fm = flashmla_call(a, bs)
     out = torch.empty(bs, 128, 512, dtype=torch.bfloat16, device=dev)
     t = make(16, 4096, n=64, tree=True)
     tout = torch.empty(16 * 64, 128, 512, dtype=torch.bfloat16, device=dev)
