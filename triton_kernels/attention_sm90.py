@@ -46,6 +46,13 @@ Also tried and dropped: a deeper schedule (64-key tiles, 4 stages) that issues t
 of tile ``j + 1`` before the softmax of tile ``j``, so the softmax runs under both GEMMs:
 correct (27 GPU tests), spill-free offline, but 839-881 us at the two large points and
 29.2 us at bs 1 vs 653-718 / 26.7 us for this schedule (``pipe2_tried/``).
+And two CTAs per SM (64-key tiles, a 2-stage ring, 96 KB of shared memory and
+``maxnreg=128``, 164 bytes of spills per thread offline): 980 / 952 us at the two large
+points and 33.6 us at bs 1 vs 727-747 / 673-684 / 26.3 us (``2026-11-22-h100-session7/
+tree_verify_2cta/``).  What bounds this kernel: at the large points the two 128-row CTAs
+of a (request, KV head) each gather the whole prefix through ``cp.async``, 2.2 GB at
+3.0-3.3 TB/s -- the rate at which the ``cp.async`` MLA kernels also stalled, which TMA
+tiles lifted there (:mod:`.attention_mla_sm90`); page-1 gathers cannot use TMA.
 """
 from __future__ import annotations
 
