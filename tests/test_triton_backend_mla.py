@@ -223,6 +223,10 @@ def test_mla_sm90_errors_and_eligibility():
         mla_paged_attention(q, kv, **base, seesaw="yes")
     with pytest.raises(ValueError, match="seesaw=True runs 64-key tiles"):
         mla_paged_attention(q, kv, **base, seesaw=True, block_n=32)
+    with pytest.raises(ValueError, match="seesaw=True needs the Gluon sm_90 kernel.*sm_90 GPU"):
+        mla_paged_attention(q, kv, **base, seesaw=True)
+    with pytest.raises(ValueError, match="seesaw=True needs the Gluon sm_90 kernel.*sm90=False"):
+        mla_paged_attention(q, kv, **base, seesaw=True, sm90=False)
     why = sm90_mla_supported(torch.zeros(2, 48, 40), torch.zeros(40, 1, 40), 32)
     for need in ("sm_90", "bf16/fp16", "kv_lora_rank 512", "divisible by 64"):
         assert need in why, (need, why)

@@ -369,8 +369,8 @@ MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "sm90")
 def check_kernel_config(config: dict, allowed) -> None:
     """Raise ValueError unless every key of ``config`` is in ``allowed`` and every non-None
     value is an int: ``block_*`` powers of two >= 16, ``num_warps`` a power of two,
-    ``num_stages`` >= 1; ``tma``/``seesaw`` (MLA) and ``sm90`` bools.  (Shared by the MHA and MLA kernels
-    and ``TritonBackend``.)"""
+    ``num_stages`` >= 1; ``tma``/``seesaw`` (MLA) and ``sm90`` bools.  (Shared by the MHA and
+    MLA kernels and ``TritonBackend``.)"""
     bad = sorted(set(config) - set(allowed))
     if bad:
         raise ValueError(f"unknown kernel config keys {bad}; allowed: {list(allowed)}")

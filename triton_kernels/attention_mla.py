@@ -381,7 +381,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             warpgroup computes the whole score tile of every other key tile; 64-key tiles;
             whole-page tiles copied by TMA when ``page_size`` is a multiple of 64) instead of
             the key-split one; None (default) = True unless ``block_n`` is 32.
-            ``seesaw=True`` with ``block_n=32`` raises ValueError.
+            ``seesaw=True`` raises ValueError with ``block_n=32`` or where the Gluon kernel
+            cannot run (as ``sm90=True`` does).
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; :func:`~specattn.triton_kernels._util.
             check_paged_metadata`).  Backends that validated the batch pass False.
@@ -427,7 +428,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     check_mla_config(over, rank)
     if seesaw and block_n == 32:
         raise ValueError("seesaw=True runs 64-key tiles; block_n=32 needs seesaw=False")
-    use_sm90 = False
+    use_sm90, why = False, "sm90=False"
     if sm90 is not False:  # None (default) or True: the Gluon kernel where it can run
         conflicts = [k for k in ("block_m", "block_dv", "num_warps", "num_stages", "tma") if over[k]]
         if block_n not in (None, 32, 64):
@@ -440,6 +441,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         if sm90 and why is not None:
             raise ValueError(f"sm90=True needs {why}")
         use_sm90 = why is None
+    if seesaw and not use_sm90:
+        raise ValueError(f"seesaw=True needs the Gluon sm_90 kernel, which cannot run here: {why}")
     if use_sm90:
         if bs == 0 or T == 0 or max_q == 0:
             return out
