@@ -58,8 +58,8 @@ Tiles are gathered by ``cp.async`` and double-buffered.  Shared memory at ``BLOC
 
 Measured on an H100, MLA decode bs 128, L 8192, page 64 (FlashMLA 509-516 us in the same
 runs): key split 736-860 us; seesaw with ``cp.async`` 780-800 us, with TMA 660-720 us
-(1.29-1.40x FlashMLA; 687.0 us = 1.35x in the bench run); on an H200 674.4 us vs FlashMLA's
-454.8 (1.48x; key split 746.3); ``bench/results/2026-11-22-h*-session7``.  With the loads skipped (a diagnostic, wrong output) the seesaw runs in
+(1.29-1.40x FlashMLA; 687.0 us = 1.35x in the bench run); on H200s 627-674 us vs FlashMLA's
+450-455 (1.39-1.49x over three runs; key split 746-749); ``bench/results/2026-11-22-h*-session7``.  With the loads skipped (a diagnostic, wrong output) the seesaw runs in
 500-575 us, so the rest is the latency of refilling a stage: only two fit.  Prefetching the
 tile after next into L2 (per line, or bulk) was slower (840-1640 us) and was dropped.
 
