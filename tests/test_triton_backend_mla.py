@@ -422,6 +422,37 @@ def test_mla_sm90_decode_poison_and_default_agree(seed):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Gluon MLA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+def test_mla_sm90_seesaw_tma_tiles_at_unaligned_split(tree, seed):
+    """Page 64: the seesaw kernel copies whole-page tiles by TMA.  With split-KV the last
+    split starts at ``P``, which need not be a multiple of 64, so a full 64-key tile from there
+    spans two pages and must be gathered per key (a TMA copy from its first slot read the
+    wrong page: max error 2.0 at P = 70, 64 new tokens, 3 splits)."""
+    gen = torch.Generator().manual_seed(seed)
+    ps, H, n = 64, 64, 64
+    P = torch.tensor([1, 65, 70, 130, 191], dtype=torch.int32)
+    bs = P.numel()
+    width = 4 * ps
+    pages = torch.randperm(bs * width // ps, generator=gen).view(bs, -1)
+    rtt = (pages[:, :, None] * ps + torch.arange(ps)).flatten(1).int().cuda()
+    kv = torch.randn(bs * width, 1, 576, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(bs * n, H, 576, generator=gen).to(kv)
+    tm = None
+    if tree:  # every draft token sees the ones before it and a random half of them
+        vis = torch.tril(torch.rand(bs, n, n, generator=gen) < 0.5) | torch.eye(n, dtype=torch.bool)
+        words = (vis.view(bs, n, 2, 32).long() << torch.arange(32)).sum(-1)
+        tm = torch.where(words >= 2 ** 31, words - 2 ** 32, words).int().cuda()
+    args = (q, kv, rtt, torch.arange(bs).cuda(), P.cuda(),
+            torch.arange(bs + 1, dtype=torch.int32).cuda() * n, tm, n, 0.07, 512)
+    ref = mla_paged_attention(*args, num_splits=3, sm90=False).float()
+    for splits in (3, 16):
+        out = torch.full_like(q[..., :512], float("nan"))
+        got = mla_paged_attention(*args, num_splits=splits, seesaw=True, page_size=ps, out=out)
+        assert rel_err(ref, got.float()) < 2e-2, splits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon MLA kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("mode", GRAPH_MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_mla_sm90_graph_replay(mode, page_size, seed):

@@ -43,9 +43,10 @@ tiles, warp-specialized into three 4-warp partitions on mbarriers:
   released in two halves: value columns 0-255 and the rope block once warpgroup 0 is done
   with them, columns 256-511 once warpgroup 1 is.  Tiles are copied by the tensor memory
   accelerator (9 boxes of ``[64, 64]`` from the slot of the tile's first key) where a tile is
-  one page's consecutive slots (``page_size % 64 == 0``, the pool's page layout), otherwise
-  (and for a partial last tile, whose rows past the request must read as zeros) gathered by
-  ``cp.async`` per key through ``req_to_token``.
+  one page's consecutive slots (``page_size % 64 == 0``, the pool's page layout, and the tile
+  at a multiple of 64 keys), otherwise gathered by ``cp.async`` per key through
+  ``req_to_token``: at page 1, for a partial last tile (its rows past the request must read
+  as zeros) and for the tiles of a last KV split that starts at an unaligned ``P``.
 - Shared memory: ``q_nope`` 64 KB + 2 x 72 KB stages + 2 x 8 KB ``P`` = 225 KB.
 
 **Key split** (:func:`_mla_sm90_kernel`, ``seesaw=False``; 32- or 64-key tiles), 8 warps: both
@@ -444,10 +445,11 @@ if HAVE_GLUON:
                    NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
         """Loader partition (4 warps): ``q_nope`` once, then every key tile into stage
         ``t % 2``, half A as soon as warpgroup 0 frees it, half B once warpgroup 1 does.
-        With ``TMA`` (pages of a multiple of 64 keys, so a whole tile is one page's
-        consecutive slots) a full tile is 9 tensor-memory-accelerator copies of ``[64, 64]``
-        from the slot of its first key; otherwise (and for a partial last tile, whose rows
-        past ``hi`` must read as zeros) ``cp.async`` per key."""
+        With ``TMA`` (pages of a multiple of 64 keys) a whole tile at a multiple of 64 keys is
+        one page's consecutive slots: 9 tensor-memory-accelerator copies of ``[64, 64]`` from
+        the slot of its first key.  Other tiles (every tile without ``TMA``, a partial last
+        tile, whose rows past ``hi`` must read as zeros, and the tiles of a last split that
+        starts at an unaligned ``P``) are gathered by ``cp.async`` per key."""
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
@@ -465,7 +467,9 @@ if HAVE_GLUON:
             kc = kc_smem.index(st)
             kr = kr_smem.index(st)
             if TMA:
-                if start + 64 <= hi:
+                # one page's consecutive slots: a whole tile at a multiple of 64 (the last
+                # split starts at P, which need not be one)
+                if (start % 64 == 0) & (start + 64 <= hi):
                     slot0 = gl.load(rtt_row + start)
                     mbarrier.wait(bars.index(_EMPTY + st * 2), ph ^ 1)
                     for b in gl.static_range(4):
