@@ -62,7 +62,9 @@ runs): key split 736-860 us; seesaw with ``cp.async`` 780-800 us, with TMA 660-7
 (1.29-1.40x FlashMLA; 687.0 us = 1.35x in the bench run); on H200s 627-674 us vs FlashMLA's
 450-455 (1.39-1.49x over three runs; key split 746-749); ``bench/results/2026-11-22-h*-session7``.  With the loads skipped (a diagnostic, wrong output) the seesaw runs in
 500-575 us, so the rest is the latency of refilling a stage: only two fit.  Prefetching the
-tile after next into L2 (per line, or bulk) was slower (840-1640 us) and was dropped.
+tile after next into L2 (per line, or bulk) was slower (840-1640 us) and was dropped, and so
+were releasing the rope block right after the score GEMM and making warpgroup 1 wait for
+its ``P0 V0`` GEMM before its softmax (no gain, 670-734 us).
 
 Scope (:func:`sm90_mla_supported`): bf16/fp16 ``q`` and cache of the same dtype,
 ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, heads a multiple of 64, an sm_90 GPU.
