@@ -84,6 +84,7 @@ try:  # Gluon ships with Triton >= 3.4; its Hopper ops are only compiled on an s
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                    tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
@@ -346,6 +347,10 @@ if HAVE_GLUON:
     _P1_FREE = gl.constexpr(26)
     _FIN = gl.constexpr(27)      # row sums exchanged (count 2)
     _NB = gl.constexpr(28)
+    # the 128-byte swizzle of every [rows, 64k] bf16/fp16 tile; the host TMA descriptor's
+    # boxes must land in the same layout
+    _SW128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                               rank=2))
     # one warpgroup's layouts: the [64, 64] score tile, the [64, 256] output half, and P as
     # the register A operand of the PV GEMM
     _SS_S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -638,7 +643,7 @@ if HAVE_GLUON:
                 stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             head0 = pid_h * 64
-            SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+            SW: gl.constexpr = _SW128
             XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             q_smem = gl.allocate_shared_memory(dtype, [64, 512], SW)
             kc_smem = gl.allocate_shared_memory(dtype, [2, 64, 512], SW)
@@ -699,26 +704,18 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     tm = tree_mask if tree_mask is not None else seq_lens
     tms = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
     grid = (H // BLOCK_H, bs * num_splits) if max_q == 1 else (H // BLOCK_H, max_q, bs * num_splits)
-    if seesaw:
-        kv2d = kv_cache[:, 0, :]
-        desc = None
-        aligned = kv2d.data_ptr() % 16 == 0 and (kv2d.stride(0) * kv2d.element_size()) % 16 == 0
-        if page_size % 64 == 0 and aligned:
-            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-            desc = TensorDescriptor.from_tensor(kv2d, [64, 64], gl.NVMMASharedLayout(
-                swizzle_byte_width=128, element_bitwidth=16, rank=2))
-        _mla_seesaw_kernel[grid](
-            q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, seq_lens, qo_indptr,
-            tm, q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
+    args = (q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
+            q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
             ps[0], ps[1], ps[2], ls[0], ls[1], req_to_token.stride(0), tms[0], tms[1],
-            sm_scale * 1.4426950408889634, desc,
-            NUM_SPLITS=num_splits, TREE=tree_mask is not None, DECODE=max_q == 1,
-            TMA=desc is not None, num_warps=4, maxnreg=168)
+            sm_scale * 1.4426950408889634)
+    modes = dict(NUM_SPLITS=num_splits, TREE=tree_mask is not None, DECODE=max_q == 1)
+    if not seesaw:
+        _mla_sm90_kernel[grid](*args, BLOCK_N=block_n, **modes, num_warps=8)
         return
-    _mla_sm90_kernel[grid](
-        q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
-        q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
-        ps[0], ps[1], ps[2], ls[0], ls[1], req_to_token.stride(0), tms[0], tms[1],
-        sm_scale * 1.4426950408889634,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, TREE=tree_mask is not None, DECODE=max_q == 1,
-        num_warps=8)
+    kv2d = kv_cache[:, 0, :]
+    desc = None
+    if (page_size % 64 == 0 and kv2d.data_ptr() % 16 == 0
+            and (kv2d.stride(0) * kv2d.element_size()) % 16 == 0):
+        desc = TensorDescriptor.from_tensor(kv2d, [64, 64], _SW128.value)
+    _mla_seesaw_kernel[grid](*args, desc, **modes, TMA=desc is not None, num_warps=4,
+                             maxnreg=168)
