@@ -167,7 +167,9 @@ class TritonBackend(AttentionBackend):
         kernel_config: kernel config overrides passed to every kernel call: ``block_m``,
             ``block_n``, ``num_warps``, ``num_stages`` (MLA also ``block_dv``, and ``tma`` /
             ``seesaw``, bools: :func:`~specattn.triton_kernels.attention_mla.mla_paged_attention`);
-            ``sm90`` (bool) for both kinds; powers of two (``num_stages``: any int >= 1).
+            ``sm90`` (bool) for both kinds, MHA also ``pingpong`` (bool:
+            :func:`~specattn.triton_kernels.attention.paged_attention`); powers of two
+            (``num_stages``: any int >= 1).
         page_aligned: promise that ``req_to_token`` rows follow the pools' page layout (token
             ``p`` of a request at offset ``p % page_size`` of its page, as ``KVAllocator``
             hands slots out), so the MLA kernel reads one slot per key tile when ``block_n``
@@ -346,8 +348,9 @@ class TritonBackend(AttentionBackend):
                                **self._config(md.mode))
 
     def _config(self, mode: ForwardMode) -> dict:
-        """The kernel config for ``mode``: MHA's ``"sm90"`` names the Gluon TARGET_VERIFY
-        kernel and is dropped for the other modes (MLA's Gluon kernel serves every mode)."""
+        """The kernel config for ``mode``: MHA's ``"sm90"`` and ``"pingpong"`` name the Gluon
+        TARGET_VERIFY kernel and are dropped for the other modes (MLA's Gluon kernel serves
+        every mode)."""
         if self.kind == AttentionKind.MLA or mode == ForwardMode.TARGET_VERIFY:
             return self.kernel_config
-        return {k: v for k, v in self.kernel_config.items() if k != "sm90"}
+        return {k: v for k, v in self.kernel_config.items() if k not in ("sm90", "pingpong")}

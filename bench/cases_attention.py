@@ -4,7 +4,7 @@ Cases (``-p impl=...`` picks the implementation; every other parameter is shared
 rows of one point are timed on identical inputs)::
 
     case             impl                                            issue points (-p ...)
-    tree_verify      triton | triton_generic | triton_sm90_n64 |     bs/prefix 1/4096 16/2048
+    tree_verify      triton | triton_generic | triton_sm90_sync |    bs/prefix 1/4096 16/2048
                      flashinfer_mask | flashinfer_split              64/4096 16/16384
     mla_tree_verify  triton | triton_generic | triton_sm90_split |   bs 1 | 16, prefix 4096
                      triton_tma
@@ -26,8 +26,9 @@ rows of one point are timed on identical inputs)::
   tiles by TMA descriptors (pages hold whole tiles), not yet the default.
 - ``triton_generic``: ``kernel_config={"sm90": False}``: the portable Triton kernels
   (``tl.dot``; what other GPUs run).
-- ``triton_sm90_n64`` (tree verify): the Gluon kernel with 64-key tiles (the default takes
-  128 without split-KV).
+- ``triton_sm90_sync`` (tree verify): the Gluon kernel's synchronous schedule
+  (``kernel_config={"sm90": True, "pingpong": False}``), the default before the
+  warp-specialized ping-pong one.
 - ``flashinfer_mask``: one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` over the
   ``P + D`` keys with FlashInfer's packed custom mask (built on the device from our bit-packed
   rows by :func:`~specattn.backends.tree_mask.tree_mask_to_flashinfer`); ``plan()`` at setup,
@@ -107,7 +108,7 @@ __all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_
            "FI_WORKSPACE_BYTES", "MLA_SCALING"]
 
 IMPLS: Dict[str, Tuple[str, ...]] = {
-    "tree_verify": ("triton", "triton_generic", "triton_sm90_n64", "flashinfer_mask", "flashinfer_split"),
+    "tree_verify": ("triton", "triton_generic", "triton_sm90_sync", "flashinfer_mask", "flashinfer_split"),
     "mla_tree_verify": ("triton", "triton_generic", "triton_sm90_split", "triton_tma"),
     "mla_decode": ("triton", "triton_generic", "triton_sm90_split", "triton_tma", "flashmla"),
     "decode": ("triton", "flashinfer"),
@@ -442,7 +443,7 @@ def _random_q(shape: AttnShape, tokens: int, gen: torch.Generator, device) -> to
 
 # ----------------------------------------------------------------------------- impls
 TRITON_IMPLS = {"triton": None, "triton_generic": {"sm90": False}, "triton_tma": {"tma": True},
-                "triton_sm90_n64": {"sm90": True, "block_n": 64},
+                "triton_sm90_sync": {"sm90": True, "pingpong": False},
                 "triton_sm90_split": {"sm90": True, "seesaw": False}}  # impl -> TritonBackend kernel_config
 
 
@@ -620,7 +621,7 @@ _VERIFY_DOC = ("bytes = KV of P+D keys read once + q + o; flops = 2*H*(Dqk+Dv)*v
 @case("tree_verify",
       "TARGET_VERIFY, Llama-3-8B GQA 32 q / 8 kv heads x 128, bf16, page 1, random 64-token "
       "EAGLE trees over a P-token prefix (issue points bs/prefix 1/4096 16/2048 64/4096 "
-      "16/16384); impl=triton|triton_generic|triton_sm90_n64|flashinfer_mask|flashinfer_split; " + _VERIFY_DOC,
+      "16/16384); impl=triton|triton_generic|triton_sm90_sync|flashinfer_mask|flashinfer_split; " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=32, num_kv_heads=8, head_dim=128,
       dtype="bfloat16", page_size=1, topk=8, num_steps=5, input_sets=None, seed=0,
       impl="triton", num_kv_splits=None, fi_backend="fa2", contiguous=False)

@@ -137,6 +137,15 @@ def test_sm90_tree_verify_errors_and_eligibility():
         assert need in why, (need, why)
     with pytest.raises(ValueError, match="sm90 must be a bool"):
         TritonBackend(sc.req_pool, sc.kv_pool, kernel_config={"sm90": "yes"})
+    with pytest.raises(ValueError, match="pingpong must be a bool"):
+        TritonBackend(sc.req_pool, sc.kv_pool, kernel_config={"pingpong": 1})
+    # pingpong=True names the Gluon kernel: a ValueError where it cannot run, for TARGET_VERIFY
+    be = TritonBackend(sc.req_pool, sc.kv_pool, kernel_config={"pingpong": True})
+    be.init_forward_metadata(sc.batch)
+    with pytest.raises(ValueError, match="pingpong=True needs the Gluon"):
+        be.forward(q, k, v, sc.layer, sc.batch)
+    check(dec, kernel_config={"pingpong": True})  # DECODE ignores MHA's pingpong
+    check(sc, kernel_config={"pingpong": False})  # the synchronous schedule: nothing to refuse
     with pytest.raises(ValueError, match="num_warps must be a power of two"):
         TritonBackend(sc.req_pool, sc.kv_pool, kernel_config={"num_warps": 12})
 
@@ -305,9 +314,11 @@ def _sm90():
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_n", [64, 128, None])
-def test_sm90_tree_verify_matches_reference(dtype, page_size, head_dim, block_n, seed):
-    """The Gluon tree-verify kernel (``sm90=True``) against the reference: GQA groups 1..8,
-    random trees of 1..64 tokens (mask words crossing 32), prefixes 0, at and around tile
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "sync"])
+def test_sm90_tree_verify_matches_reference(dtype, page_size, head_dim, block_n, pingpong, seed):
+    """The Gluon tree-verify kernel (``sm90=True``), both schedules, against the reference:
+    GQA groups 1..8, random trees of 1..64 tokens (mask words crossing 32; at most 64 rows,
+    leaving warpgroup 1 of the ping-pong kernel no row), prefixes 0, at and around tile
     boundaries and long, split and not."""
     rng = random.Random(seed)
     for group in (1, rng.randint(2, 7), 8):
@@ -320,7 +331,8 @@ def test_sm90_tree_verify_matches_reference(dtype, page_size, head_dim, block_n,
                            dtype=dtype, num_kv_heads=hkv, num_heads=hkv * group, head_dim=head_dim,
                            max_prefix=5000, prefix_lens=P, D=rng.choice([1, 7, 33, 64]),
                            num_layers=1, rng=rng)
-        check(sc, splits=rng.choice([None, 1, 3]), kernel_config={"sm90": True, "block_n": block_n})
+        check(sc, splits=rng.choice([None, 1, 3]),
+              kernel_config={"sm90": True, "block_n": block_n, "pingpong": pingpong})
 
 
 @pytest.mark.gpu
@@ -351,11 +363,13 @@ def test_sm90_tree_verify_poison_and_agrees_with_triton(seed):
     q = torch.randn(bs * D, Hkv * G, Dh, generator=gen).to(kc)
     qo = torch.arange(0, bs * D + 1, D, dtype=torch.int32).cuda()
     args = (q, kc, vc, rtt, torch.arange(bs).cuda(), P.cuda(), qo, tree, D, 0.09)
-    for splits, bn in ((1, 128), (4, None), (1, 64)):
+    for splits, bn, pp in ((1, 128, False), (4, None, False), (1, 64, False), (1, None, True),
+                           (4, None, True), (1, 128, True), (9, None, True)):
         a = paged_attention(*args, num_splits=splits, sm90=False)
         out = torch.full((bs * D + 5, Hkv * G, Dh), float("nan"), dtype=q.dtype, device="cuda")
-        b = paged_attention(*args, num_splits=splits, sm90=True, block_n=bn, out=out[:bs * D])
-        assert torch.isfinite(b).all() and rel_err(a.float(), b.float()) < 1e-2, (splits, bn)
+        b = paged_attention(*args, num_splits=splits, sm90=True, block_n=bn, pingpong=pp,
+                            out=out[:bs * D])
+        assert torch.isfinite(b).all() and rel_err(a.float(), b.float()) < 1e-2, (splits, bn, pp)
         assert torch.isnan(out[bs * D:]).all()
     # the default (sm90=None) takes the Gluon kernel here (64 tokens x G 4 = 256 rows)
     assert torch.equal(paged_attention(*args, num_splits=1), paged_attention(*args, num_splits=1, sm90=True))
@@ -364,12 +378,13 @@ def test_sm90_tree_verify_poison_and_agrees_with_triton(seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Gluon tree-verify kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_sm90_tree_verify_graph_replay(page_size, seed):
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "sync"])
+def test_sm90_tree_verify_graph_replay(page_size, pingpong, seed):
     """Captured at a padded bs, replayed with a smaller one (padded requests: no tokens)."""
     from triton_cases import graph_case
     graph_case("mha", ForwardMode.TARGET_VERIFY, page_size, "cuda", True, seed,
                dtype=torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128, D=64,
-               max_prefix=2000, padded_bs=8, kernel_config={"sm90": True})
+               max_prefix=2000, padded_bs=8, kernel_config={"sm90": True, "pingpong": pingpong})
 
 
 # ------------------------------------------------------------------------- end to end

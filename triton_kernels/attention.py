@@ -363,14 +363,14 @@ def choose_block_m(max_rows: int) -> int:
     return min(64, next_pow2(max_rows))
 
 
-MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "sm90")
+MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "sm90", "pingpong")
 
 
 def check_kernel_config(config: dict, allowed) -> None:
     """Raise ValueError unless every key of ``config`` is in ``allowed`` and every non-None
     value is an int: ``block_*`` powers of two >= 16, ``num_warps`` a power of two,
-    ``num_stages`` >= 1; ``tma``/``seesaw`` (MLA) and ``sm90`` bools.  (Shared by the MHA and
-    MLA kernels and ``TritonBackend``.)"""
+    ``num_stages`` >= 1; ``tma``/``seesaw`` (MLA), ``pingpong`` (MHA) and ``sm90`` bools.
+    (Shared by the MHA and MLA kernels and ``TritonBackend``.)"""
     bad = sorted(set(config) - set(allowed))
     if bad:
         raise ValueError(f"unknown kernel config keys {bad}; allowed: {list(allowed)}")
@@ -380,7 +380,7 @@ def check_kernel_config(config: dict, allowed) -> None:
         if key == "num_stages":
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"num_stages must be an int >= 1, got {val!r}")
-        elif key in ("tma", "sm90", "seesaw"):
+        elif key in ("tma", "sm90", "seesaw", "pingpong"):
             if not isinstance(val, bool):
                 raise ValueError(f"{key} must be a bool, got {val!r}")
         elif not is_pow2(val) or (key.startswith("block") and val < 16):
@@ -414,7 +414,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_m: Optional[int] = None, block_n: Optional[int] = None,
                     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                     off32: Optional[bool] = None, sm90: Optional[bool] = None,
-                    check_bounds: bool = True) -> torch.Tensor:
+                    pingpong: Optional[bool] = None, check_bounds: bool = True) -> torch.Tensor:
     """Attention of ``q`` over the paged cache (module docstring: semantics, layout).
 
     Args:
@@ -445,6 +445,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             config key is set; None (default) uses it where it can run, no other key is set
             and a request fills its 128-row tile (``max_q * G >= 128``; below that the Triton
             kernel's smaller row tiles waste less); False never.
+        pingpong: with the Gluon kernel, its warp-specialized ping-pong schedule (default,
+            None or True: a loader partition and two warpgroups taking turns on the tensor
+            cores, FlashAttention-3's) or, False, the synchronous one.  ``pingpong=True``
+            raises ValueError where the Gluon kernel does not run (also when ``sm90`` is None
+            and the call has no tree mask or fewer than 128 packed rows per request).
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; see
             :func:`~specattn.triton_kernels._util.check_paged_metadata`).  Backends that
@@ -480,8 +485,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     BLOCK_D, BLOCK_DV = next_pow2(Dqk), next_pow2(Dv)
     cfg = default_config(max_q * G, max(BLOCK_D, BLOCK_DV), ieee, num_splits)
     overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    check_kernel_config({**overrides, "sm90": sm90}, MHA_CONFIG_KEYS)
+    check_kernel_config({**overrides, "sm90": sm90, "pingpong": pingpong}, MHA_CONFIG_KEYS)
     use_sm90 = False
+    why = "sm90=False" if sm90 is False else f"a tree mask and >= {SM90_BLOCK_M} packed rows per request"
     if sm90 or (sm90 is None and tree_mask is not None and max_q * G >= SM90_BLOCK_M):
         conflicts = [k for k in ("block_m", "num_warps", "num_stages") if overrides[k] is not None]
         if block_n not in (None, 64, 128):
@@ -492,11 +498,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if sm90 and why is not None:
             raise ValueError(f"sm90=True needs {why}")
         use_sm90 = why is None
+    if pingpong and not use_sm90:
+        raise ValueError(f"pingpong=True needs the Gluon sm_90 tree-verify kernel, which needs {why}")
     if use_sm90:
         o_part, lse, _, _ = _split_partials(num_splits, T, H, Dv, out, seq_lens)
         sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                          qo_indptr, tree_mask, max_q, sm_scale, out, o_part, lse, num_splits,
-                         block_n)
+                         block_n, pingpong=pingpong is not False)
         if num_splits > 1:
             _merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)
         return out

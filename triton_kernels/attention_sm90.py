@@ -1,58 +1,67 @@
-"""Hopper (sm_90) GQA tree verify in Gluon: the softmax of each key tile runs under the PV
-GEMM of the previous one.
+"""Hopper (sm_90) GQA tree verify in Gluon: two schedules of one CTA layout.
 
 The Triton kernel of :mod:`.attention` (one program per 128 packed rows, ``tl.dot`` on wgmma)
 runs tree verify at 44-50 % of the H100's measured matmul rate, on par with FlashInfer's fa2
-prefill.  The exponentials of a ``128 x 128`` tile take about half the time of its two GEMMs
-on the SFU, so a kernel that waits for each GEMM before its softmax idles the tensor cores a
-third of the time.  This kernel issues the GEMMs asynchronously and orders each iteration as
-FlashAttention-3 does (Shah et al., arXiv:2407.08608, section 3.2, "intra-warpgroup
-overlapping"; no code copied):
+prefill.  The exponentials of a score tile take about half the time of its two GEMMs on the
+SFU, so a kernel that waits for each GEMM before its softmax idles the tensor cores.
+
+Common layout (same semantics as :mod:`.attention`, ``forward_batch`` convention):
+
+- CTA = 128 packed rows (token ``j = m // G`` x query head ``kv_head * G + m % G``) of one
+  request and KV head; warpgroup ``g`` owns rows ``64 g + [0, 64)`` (wgmma ``m64nNk16``), so
+  the row softmax stays inside a warp.  Grid ``(cdiv(max_q * G, 128), Hkv, bs *
+  num_splits)``; CTAs past ``n * G`` exit.
+- ``q`` in shared memory; keys ``[lo, hi)`` in ``BLOCK_N`` tiles, K and V gathered per token
+  through ``req_to_token`` by ``cp.async`` (rows past ``hi`` zero-filled).  Whole prefix
+  tiles take no mask; the tile holding ``P`` and after test the bound and the bit-packed tree
+  rows (``tree_mask[i, j]``, bit ``k % 32`` of word ``k // 32``).
+- Split-KV as :mod:`.attention` (split ``s`` covers prefix ``[s c, min((s + 1) c, P))``, the
+  last split also the ``n`` draft keys); partials merged by :func:`.attention._merge_kernel`.
+
+**Ping-pong** (:func:`_tree_verify_ws_kernel`, the default), FlashAttention-3's schedule
+(Shah et al., arXiv:2407.08608, sections 3.1-3.2; no code copied), warp-specialized into
+three 4-warp partitions on mbarriers: a loader gathers ``q`` once and every K/V tile into a
+6-stage ring of 64-key tiles (each loader thread's ``cp.async`` arrives on the stage's full
+barrier when it lands, so the loader never waits for its own copies; a stage is refilled once
+both warpgroups released it); the two compute warpgroups take turns on the tensor cores (a
+turn barrier each): on its turn a warpgroup issues the score GEMM of tile ``j`` and the PV
+GEMM of tile ``j - 1``, hands the turn over, and runs the softmax of tile ``j`` under its own
+PV GEMM and the other warpgroup's pair.  Registers: 232 per compute thread, 40 per loader
+thread (``maxnreg=168`` at launch); 128-key tiles spill there and are slower (818 vs 678 us).
+
+**Synchronous** (:func:`_tree_verify_sm90_kernel`, ``pingpong=False``), 8 warps, each
+iteration ordered as FlashAttention-3's intra-warpgroup overlap::
 
     S_j = Q K_j^T   (async)      O += P_{j-1} V_{j-1}   (async, P from registers)
     wait for S_j;  softmax(S_j) -> P_j, alpha_j   (while the PV GEMM runs)
     wait for the PV GEMM;  O *= alpha_j
 
-Layout (same semantics as :mod:`.attention`, ``forward_batch`` convention):
-
-- CTA = 128 packed rows (token ``j = m // G`` x query head ``kv_head * G + m % G``) of one
-  request and KV head, 8 warps: warpgroup ``g`` owns rows ``64 g + [0, 64)`` (wgmma
-  ``m64nNk16``, accumulators ``warps_per_cta = [8, 1]``), so the row softmax stays inside a
-  warp.  Grid ``(cdiv(max_q * G, 128), Hkv, bs * num_splits)``; tiles past ``n * G`` exit.
-- ``q`` in shared memory; keys ``[lo, hi)`` in ``BLOCK_N`` tiles, K and V gathered per
-  token through ``req_to_token`` by ``cp.async`` into a 3-stage ring (tile ``j + 1`` streams
-  while ``j`` computes; a stage is refilled only after the PV GEMM that read it was waited
-  for).  Whole prefix tiles take no mask; the tile holding ``P`` and after test the bound and
-  the bit-packed tree rows (``tree_mask[i, j]``, bit ``k % 32`` of word ``k // 32``).
-- Split-KV as :mod:`.attention` (split ``s`` covers prefix ``[s c, min((s + 1) c, P))``, the
-  last split also the ``n`` draft keys); partials merged by :func:`.attention._merge_kernel`.
+with a 3-stage ring (tile ``j + 1`` streams while ``j`` computes) refilled behind CTA-wide
+barriers, so both warpgroups run in lockstep: their score GEMMs run together and nothing
+hides them.
 
 Scope (:func:`sm90_tree_verify_supported`): TARGET_VERIFY, bf16/fp16 ``q`` and caches of
 one dtype, ``head_dim == v_head_dim`` in (64, 128), an sm_90 GPU; the rest uses
-:mod:`.attention`.  :func:`.attention.paged_attention` takes this kernel by default where it
+:mod:`.attention`.  :func:`.attention.paged_attention` takes this module by default where it
 can run and a request has >= 128 packed rows (``max_q * G``).  No host sync.
 
 Measured on an H100 (2026-11-22, GQA 32/8, head_dim 128, bf16, page 1, 64-token trees,
-``bench/results/2026-11-22-h100-session6``): 724 / 652 us at bs 64 / P 4096 and bs 16 /
-P 16384 (380 / 421 TFLOP/s) vs 856 / 762 us for the Triton kernel and 882 / 807 us for
-FlashInfer's prefix + tree split; 26.8 us at bs 1 with 64-key tiles.
-Tried and dropped: a warp-specialized form (FA3's layout: 4 loader warps issuing the
-``cp.async`` gathers, two compute warpgroups as separate partitions, mbarrier ring, 232
-registers per compute thread): correct, but 0.96-1.10x of the split -- slower than this
-kernel at every point (``sm90_call3/``).  Each loader thread gathers 32 rows of 16 bytes per
-tile behind a synchronous slot-index load, and the compute warpgroups still wait on its
-arrivals; FA3 gets its producer for free from TMA, which a per-token gather cannot use.
-Also tried and dropped: a deeper schedule (64-key tiles, 4 stages) that issues the score GEMM
-of tile ``j + 1`` before the softmax of tile ``j``, so the softmax runs under both GEMMs:
-correct (27 GPU tests), spill-free offline, but 839-881 us at the two large points and
-29.2 us at bs 1 vs 653-718 / 26.7 us for this schedule (``pipe2_tried/``).
-And two CTAs per SM (64-key tiles, a 2-stage ring, 96 KB of shared memory and
-``maxnreg=128``, 164 bytes of spills per thread offline): 980 / 952 us at the two large
-points and 33.6 us at bs 1 vs 727-747 / 673-684 / 26.3 us (``2026-11-22-h100-session7/
-tree_verify_2cta/``).  What bounds this kernel: at the large points the two 128-row CTAs
-of a (request, KV head) each gather the whole prefix through ``cp.async``, 2.2 GB at
-3.0-3.3 TB/s -- the rate at which the ``cp.async`` MLA kernels also stalled, which TMA
-tiles lifted there (:mod:`.attention_mla_sm90`); page-1 gathers cannot use TMA.
+``bench/results/2026-11-22-h100-session8``), bs / P = 1 / 4096, 16 / 2048, 64 / 4096,
+16 / 16384: ping-pong 26.5 / 98.5 / 668.6 / 633.6 us, synchronous 26.6 / 109.8 / 730.3 /
+678.2, FlashInfer's prefix + tree split 50.0 / 134.6 / 904.8 / 799.3 and its custom mask
+62.6 / 308.4 / 2288.7 / 2247.6 in the same run.
+What bounds it (the same session's diagnostics): with the in-loop loads skipped (wrong
+output) the synchronous kernel runs 647 / 564 us at the two large points, the ping-pong one
+637 / 562: the loads cost 40-120 us, the rest is compute at 55-60 % of the measured matmul
+rate.  Tried and dropped there: 256-row CTAs (each K/V tile gathered once per request and KV
+head, not twice; 16 warps at 128 registers or 8 warps with 128-row warpgroups, 32/64-key
+tiles): 790-906 us at bs 64 / P 4096; a deeper prefetch in the synchronous kernel (up to four 64-key tiles in
+flight, or K and V in separate rings so K runs one tile further ahead): 735-823 us; ``q`` as
+the register operand of the ping-pong score GEMM: 702 / 657 us.
+Earlier sessions' tries: a first warp-specialized form whose loader waited for its own copies
+before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the score GEMM of tile ``j + 1`` before the
+softmax of ``j`` (839-881 us), two CTAs per SM (980 / 952 us)
+(``bench/results/2026-11-22-h100-session6``, ``-session7``).
 """
 from __future__ import annotations
 
@@ -68,7 +77,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared,
-                                                                   warpgroup_mma,
+                                                                   mbarrier, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
 __all__ = ["sm90_tree_verify", "sm90_tree_verify_supported", "SM90_BLOCK_M"]
@@ -96,16 +105,38 @@ def sm90_tree_verify_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 if HAVE_GLUON:
 
     @gluon.jit
-    def _kv_copy(k_buf, v_buf, k_base, v_base, slot, start, hi, stride_kt, stride_vt,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LD: gl.constexpr):
-        """cp.async the K and V rows of keys ``start + [0, BLOCK_N)`` (zero past ``hi``) into
-        one stage, committed as one group."""
+    def _rows_copy(buf, base, slot, start, hi, stride_t,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LD: gl.constexpr):
+        """``cp.async`` the rows (``slot``, in ``LD``'s rows) of keys ``start + [0, BLOCK_N)``
+        into ``buf``; rows past ``hi`` are zero-filled, never read."""
         ok = (start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD)) < hi)[:, None]
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))[None, :]
-        s64 = slot.to(gl.int64)[:, None]
-        async_copy.async_copy_global_to_shared(k_buf, k_base + s64 * stride_kt + d, mask=ok)
-        async_copy.async_copy_global_to_shared(v_buf, v_base + s64 * stride_vt + d, mask=ok)
+        async_copy.async_copy_global_to_shared(buf, base + slot.to(gl.int64)[:, None] * stride_t + d,
+                                               mask=ok)
+
+    @gluon.jit
+    def _kv_copy(k_buf, v_buf, k_base, v_base, slot, start, hi, stride_kt, stride_vt,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LD: gl.constexpr):
+        """The K and V rows of keys ``start + [0, BLOCK_N)`` into one stage, one commit group."""
+        _rows_copy(k_buf, k_base, slot, start, hi, stride_kt, BLOCK_N, HEAD_DIM, LD)
+        _rows_copy(v_buf, v_base, slot, start, hi, stride_vt, BLOCK_N, HEAD_DIM, LD)
         async_copy.commit_group()
+
+    @gluon.jit
+    def _tv_keys(seq_lens, req_to_token, req_pool_indices, req, split, n, stride_rtt,
+                 BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr):
+        """A CTA's keys: ``(P, rtt_row, lo, hi)`` -- the request's prefix length, its
+        ``req_to_token`` row, and its split's key range ``[lo, hi)``."""
+        P = gl.load(seq_lens + req)
+        rtt_row = req_to_token + gl.load(req_pool_indices + req).to(gl.int64) * stride_rtt
+        if NUM_SPLITS == 1:
+            lo = 0
+            hi = P + n
+        else:
+            chunk = gl.cdiv(gl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = gl.minimum(split * chunk, P)
+            hi = gl.where(split == NUM_SPLITS - 1, P + n, gl.minimum(lo + chunk, P))
+        return P, rtt_row, lo, hi
 
     @gluon.jit
     def _tile_scores(s, start, P, hi, qk_scale, tree_row, row_ok,
@@ -163,15 +194,8 @@ if HAVE_GLUON:
         n = gl.load(qo_indptr + req + 1) - q_start
         m0 = gl.program_id(0) * BLOCK_M
         if m0 < n * GROUP:
-            P = gl.load(seq_lens + req)
-            rtt_row = req_to_token + gl.load(req_pool_indices + req).to(gl.int64) * stride_rtt
-            if NUM_SPLITS == 1:
-                lo = 0
-                hi = P + n
-            else:
-                chunk = gl.cdiv(gl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
-                lo = gl.minimum(split * chunk, P)
-                hi = gl.where(split == NUM_SPLITS - 1, P + n, gl.minimum(lo + chunk, P))
+            P, rtt_row, lo, hi = _tv_keys(seq_lens, req_to_token, req_pool_indices, req, split, n,
+                                          stride_rtt, BLOCK_N, NUM_SPLITS)
 
             # q rows -> shared memory
             rows_ld = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
@@ -251,10 +275,200 @@ if HAVE_GLUON:
                        stride_lt, NUM_SPLITS)
 
 
+    # ---- warp-specialized ping-pong schedule ----
+    # mbarriers, [2 * STAGES + 2]: stage (its K/V landed: one cp.async arrival per loader
+    # thread), STAGES + stage (both warpgroups are done with it), 2 * STAGES + wg (wg's turn
+    # to issue its GEMMs)
+    _LOADER_WARPS = gl.constexpr(4)
+
+    @gluon.jit
+    def _tv_loader(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
+                   tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
+                   stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
+                   stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
+                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr):
+        """Loader partition: ``q`` once, then each key tile's K and V rows by ``cp.async``
+        into stage ``t % STAGES`` once both warpgroups freed it; each thread's copies arrive
+        on the stage's full barrier when they land."""
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
+                                            [_LOADER_WARPS, 1], [1, 0])
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
+        for h in gl.static_range(2):  # each warpgroup's 64 rows of q
+            rows = m0 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
+            q_rows = ((q_start + rows // GROUP).to(gl.int64) * stride_qt
+                      + (hk * GROUP + rows % GROUP) * stride_qh)
+            async_copy.async_copy_global_to_shared(q_smem.index(h), Q + q_rows[:, None] + d[None, :],
+                                                   mask=(rows < n * GROUP)[:, None])
+        sl = _slots(rtt_row, lo, hi, BLOCK_N, LD)
+        for t in range(n_tiles):
+            st = t % STAGES
+            mbarrier.wait(bars.index(STAGES + st), ((t // STAGES) & 1) ^ 1)
+            start = lo + t * BLOCK_N
+            _rows_copy(k_smem.index(st), K, sl, start, hi, stride_kt, BLOCK_N, HEAD_DIM, LD)
+            _rows_copy(v_smem.index(st), V, sl, start, hi, stride_vt, BLOCK_N, HEAD_DIM, LD)
+            async_copy.mbarrier_arrive(bars.index(st), increment_count=False)
+            sl = _slots(rtt_row, start + BLOCK_N, hi, BLOCK_N, LD)
+        async_copy.commit_group()  # nothing in flight at exit (q when there is no tile)
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _tv_compute(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
+                    tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
+                    stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
+                    stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                    NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+        """Warpgroup ``WG``: rows ``m0 + 64 WG + [0, 64)``.  Each iteration issues the score
+        GEMM of tile ``j`` and the PV GEMM of tile ``j - 1`` on its turn, hands the turn to
+        the other warpgroup, and runs the softmax of tile ``j`` under the GEMMs (its own PV
+        and the other warpgroup's pair): FlashAttention-3's ping-pong and intra-warpgroup
+        overlap (Shah et al., arXiv:2407.08608, sections 3.1-3.2)."""
+        dtype: gl.constexpr = K.dtype.element_ty
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HEAD_DIM, 16])
+        P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        q_wg = q_smem.index(WG)
+        rows_s = m0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
+        row_ok = rows_s < n * GROUP
+        tree_row = tree_base + (rows_s // GROUP).to(gl.int64) * stride_tmj
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, S_L))
+        acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=O_L)
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=S_L)
+        p = s_zero
+        if n_tiles > 0:
+            mbarrier.wait(bars.index(0), 0)
+            fence_async_shared()
+            mbarrier.wait(bars.index(2 * STAGES + WG), 1 - WG)
+            s_tok = warpgroup_mma(q_wg, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            s = _tile_scores(s, lo, P, hi, qk_scale, tree_row, row_ok, BLOCK_N, S_L)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
+            for j in range(1, n_tiles):
+                st = j % STAGES
+                mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+                fence_async_shared()
+                mbarrier.wait(bars.index(2 * STAGES + WG), (j & 1) ^ (1 - WG))
+                s_tok = warpgroup_mma(q_wg, k_smem.index(st).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+                p_op = gl.convert_layout(p.to(dtype), P_OP)
+                o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc, is_async=True)
+                mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                s = _tile_scores(s, lo + j * BLOCK_N, P, hi, qk_scale, tree_row, row_ok,
+                                 BLOCK_N, S_L)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i)
+                acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+                mbarrier.arrive(bars.index(STAGES + (j - 1) % STAGES), count=1)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            # the last tile's PV GEMM
+            mbarrier.wait(bars.index(2 * STAGES + WG), (n_tiles & 1) ^ (1 - WG))
+            p_op = gl.convert_layout(p.to(dtype), P_OP)
+            o_tok = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
+            mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+        rows_o = m0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+        _store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                   gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
+                   (q_start + rows_o // GROUP).to(gl.int64), hk * GROUP + rows_o % GROUP,
+                   gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L)), rows_o < n * GROUP,
+                   split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls,
+                   stride_lt, NUM_SPLITS)
+
+    @gluon.jit
+    def _tv_wg0(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
+                tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
+                stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
+                stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
+                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr):
+        _tv_compute(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
+                    tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
+                    stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
+                    stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
+                    GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES, 0)
+
+    @gluon.jit
+    def _tv_wg1(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
+                tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
+                stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
+                stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
+                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr):
+        _tv_compute(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
+                    tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
+                    stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
+                    stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
+                    GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES, 1)
+
+    @gluon.jit
+    def _tree_verify_ws_kernel(
+            Q, K, V, O, O_PART, LSE_PART,
+            req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+            stride_rtt, stride_tmb, stride_tmj,
+            qk_scale,
+            GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr):
+        """Warp-specialized ping-pong tree verify: 4 warps here (warpgroup 0), warpgroup 1
+        and a 4-warp ``cp.async`` loader as workers, on mbarriers."""
+        dtype: gl.constexpr = K.dtype.element_ty
+        SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        hk = gl.program_id(1)
+        pid2 = gl.program_id(2)
+        req = pid2 // NUM_SPLITS
+        split = pid2 % NUM_SPLITS
+        q_start = gl.load(qo_indptr + req)
+        n = gl.load(qo_indptr + req + 1) - q_start
+        m0 = gl.program_id(0) * 128
+        if m0 < n * GROUP:
+            P, rtt_row, lo, hi = _tv_keys(seq_lens, req_to_token, req_pool_indices, req, split, n,
+                                          stride_rtt, BLOCK_N, NUM_SPLITS)
+            n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+            q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], SW)
+            k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], SW)
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], SW)
+            bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 2, 1],
+                                             mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(bars.index(i), count=_LOADER_WARPS * 32)
+                mbarrier.init(bars.index(STAGES + i), count=2)
+            mbarrier.init(bars.index(2 * STAGES), count=1)
+            mbarrier.init(bars.index(2 * STAGES + 1), count=1)
+            tree_base = tree_mask + req.to(gl.int64) * stride_tmb
+            k_base = K + hk.to(gl.int64) * stride_kh
+            v_base = V + hk.to(gl.int64) * stride_vh
+            gl.warp_specialize([
+                (_tv_wg0, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART, LSE_PART,
+                           rtt_row, tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
+                           stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
+                           stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj,
+                           qk_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES)),
+                (_tv_wg1, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART, LSE_PART,
+                           rtt_row, tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
+                           stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
+                           stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj,
+                           qk_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES)),
+                (_tv_loader, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART,
+                              LSE_PART, rtt_row, tree_base, q_start, n, m0, hk, split, P, lo,
+                              hi, n_tiles, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot,
+                              stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                              stride_tmj, qk_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS,
+                              STAGES))],
+                               [4, _LOADER_WARPS], [232, 40])
+
+
 def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
                      tree_mask, max_q: int, sm_scale: float, out, o_part, lse,
-                     num_splits: int, block_n: Optional[int] = None) -> None:
-    """Launch the Gluon tree-verify kernel (module docstring).  Called by
+                     num_splits: int, block_n: Optional[int] = None,
+                     pingpong: bool = True) -> None:
+    """Launch a Gluon tree-verify kernel (module docstring).  Called by
     :func:`.attention.paged_attention`, which validates every argument and index; after
     :func:`sm90_tree_verify_supported` returned None.
 
@@ -264,12 +478,13 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     ``tree_mask`` int32 ``[bs, >= max_q, ceil(max_q / 32)]``; ``max_q`` the static bound of new
     tokens per request; ``sm_scale`` multiplies ``q . k``; ``out [T, H, D]`` (written);
     with ``num_splits > 1`` float32 ``o_part [S, T, H, D]`` / ``lse [S, T, H]`` (written,
-    merged by the caller), else unused; ``block_n`` 64 or 128 keys per tile (None: 64 with
-    split-KV, whose splits are short, else 128: the H100 best at the issue's points).
+    merged by the caller), else unused; ``block_n`` 64 or 128 keys per tile; ``pingpong``:
+    the warp-specialized ping-pong kernel (:func:`_tree_verify_ws_kernel`; ``block_n`` None
+    = 64, six stages; 128 runs three and spills registers) rather than the synchronous one
+    (:func:`_tree_verify_sm90_kernel`; None = 64 with split-KV, else 128).
     Raises ValueError for another ``block_n``.  No host sync."""
     D = q.shape[2]
-    block_n = block_n or (64 if num_splits > 1 else 128)
-    if block_n not in (64, 128):
+    if block_n not in (None, 64, 128):
         raise ValueError(f"sm90 tree verify: block_n must be 64 or 128, got {block_n}")
     bs, H, Hkv = req_pool_indices.shape[0], q.shape[1], k_cache.shape[1]
     G = H // Hkv
@@ -283,5 +498,13 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
             ps[0], ps[1], ps[2], ls[0], ls[1],
             req_to_token.stride(0), tree_mask.stride(0), tree_mask.stride(1),
             sm_scale * 1.4426950408889634)
+    if pingpong:
+        block_n = block_n or 64
+        # launched with maxnreg=168 so that the warpgroups get 232 registers and the loader 40
+        _tree_verify_ws_kernel[grid](*args, GROUP=G, HEAD_DIM=D, BLOCK_N=block_n,
+                                     NUM_SPLITS=num_splits, STAGES=6 if block_n == 64 else 3,
+                                     num_warps=4, maxnreg=168)
+        return
+    block_n = block_n or (64 if num_splits > 1 else 128)
     _tree_verify_sm90_kernel[grid](*args, GROUP=G, HEAD_DIM=D, BLOCK_N=block_n,
                                    NUM_SPLITS=num_splits, STAGES=3, num_warps=8)
