@@ -68,28 +68,29 @@ def bench(fn, reps=50):
     return ts[len(ts) // 2]
 
 
-checks_only = "--checks-only" in sys.argv
-variants = [tuple(int(x) for x in v.split(",")) for v in sys.argv[1:] if not v.startswith("--")]
-print(torch.cuda.get_device_name(), flush=True)
-# correctness on small shapes (several splits, P not a tile multiple)
-for bs, P, S, n in [(3, 300, 1, 64), (2, 1000, 3, 64), (1, 77, 2, 64), (5, 129, 1, 64),
-                    (2, 200, 1, 8), (3, 500, 2, 20), (2, 0, 1, 64), (4, 5000, 4, 33)]:
-    a = make(bs, P, n=n, seed=bs * 1000 + P)
-    ref = call(a, None, S).float()
-    for vv in variants:
-        if (len(vv) > 5 and vv[5]) or (vv[3] == 0 and len(vv) > 4 and vv[4] & 2):
-            continue
-        o = call(a, vv, S).float()
-        print(f"check bs{bs} P{P} S{S} n{n} {vv}: max|d| vs triton {(o - ref).abs().max().item():.3e}",
-              flush=True)
-if checks_only:
-    sys.exit(0)
-for bs, P, splits in [(1, 4096, (8, 16)), (16, 2048, (1, 2)), (64, 4096, (1,)), (16, 16384, (1, 2))]:
-    a = make(bs, P)
-    for S in splits:
-        row = []
+if __name__ == "__main__":
+    checks_only = "--checks-only" in sys.argv
+    variants = [tuple(int(x) for x in v.split(",")) for v in sys.argv[1:] if not v.startswith("--")]
+    print(torch.cuda.get_device_name(), flush=True)
+    # correctness on small shapes (several splits, P not a tile multiple)
+    for bs, P, S, n in [(3, 300, 1, 64), (2, 1000, 3, 64), (1, 77, 2, 64), (5, 129, 1, 64),
+                        (2, 200, 1, 8), (3, 500, 2, 20), (2, 0, 1, 64), (4, 5000, 4, 33)]:
+        a = make(bs, P, n=n, seed=bs * 1000 + P)
+        ref = call(a, None, S).float()
         for vv in variants:
-            row.append(f"{vv}: {bench(lambda: call(a, vv, S)):.1f}")
-        print(f"bs{bs} P{P} S{S}: " + "  ".join(row), flush=True)
-    del a
-    torch.cuda.empty_cache()
+            if (len(vv) > 5 and vv[5]) or (vv[3] == 0 and len(vv) > 4 and vv[4] & 2):
+                continue
+            o = call(a, vv, S).float()
+            print(f"check bs{bs} P{P} S{S} n{n} {vv}: max|d| vs triton {(o - ref).abs().max().item():.3e}",
+                  flush=True)
+    if checks_only:
+        sys.exit(0)
+    for bs, P, splits in [(1, 4096, (8, 16)), (16, 2048, (1, 2)), (64, 4096, (1,)), (16, 16384, (1, 2))]:
+        a = make(bs, P)
+        for S in splits:
+            row = []
+            for vv in variants:
+                row.append(f"{vv}: {bench(lambda: call(a, vv, S)):.1f}")
+            print(f"bs{bs} P{P} S{S}: " + "  ".join(row), flush=True)
+        del a
+        torch.cuda.empty_cache()
