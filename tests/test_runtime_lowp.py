@@ -4,6 +4,9 @@ to the precision's near-ties (``specattn.spec_runtime.near_greedy``), on the run
 graphs on (gpu):
 
 - the real model (SmolLM2-135M): target-only, EAGLE chain and trees, DFlash; pages 1 and 16;
+- a random GQA model (16 q / 4 kv heads, head_dim 64 and 128) with EAGLE trees of 32 and 64
+  tokens, large enough for the Gluon tree-verify kernel on sm_90 (``--backend triton``);
+  pages 1 and 16;
 - the random MLA model at FlashMLA / FlashInfer MLA shapes (``kv_lora_rank`` 512,
   ``qk_rope_head_dim`` 64): target-only, EAGLE chain and tree; pages 1 and 64 (FlashMLA runs
   64 only, the others skip with the backend's reason).  Modes a backend lacks run on Triton
@@ -108,6 +111,38 @@ def test_real_model_bf16_near_greedy(real_bf16, chat_ids, algo, page_size, backe
     report(eng, res, check_near_greedy(m32, m16, chat_ids, res.tokens))
     if SPECS[algo].algo == "eagle":  # the DFlash drafter is random-init: it may accept nothing
         assert res.mean_accept_length > 1.0
+
+
+# ----------------------------------------------------------------------------- GPU: GQA model
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_draft_tokens", [32, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_model_bf16_near_greedy(tmp_path, seed, num_draft_tokens, head_dim, page_size,
+                                    backend_name):
+    """bf16 near-greedy on a random GQA model (16 q / 4 kv heads) with EAGLE trees of 32 and
+    64 tokens: 128 and 256 packed rows per request, so on an sm_90 GPU the ``triton``
+    backend's TARGET_VERIFY runs the Gluon ping-pong kernel inside the step loop with CUDA
+    graphs (split-KV included, bs 3 is short of the SMs)."""
+    cfg, w = tiny_llama(tmp_path, seed, vocab=1024, hidden=256, layers=3, heads=16, kv_heads=4,
+                        head_dim=head_dim)
+    if backend_name == "triton" and torch.cuda.get_device_capability() == (9, 0):
+        from specattn.triton_kernels.attention_sm90 import sm90_tree_verify_supported
+        probe = torch.empty(1, 16, head_dim, dtype=DT, device="cuda")
+        tm = torch.empty(1, 1, 1, dtype=torch.int32, device="cuda")
+        assert sm90_tree_verify_supported(probe, probe[:, :4], probe[:, :4], tm) is None
+    w16, w32 = rounded(w)
+    m32 = LlamaModel(cfg, dict(w32), device="cuda")
+    m16 = LlamaModel(cfg, dict(w16), device="cuda", dtype=DT)
+    topk, steps = (4, 4) if num_draft_tokens == 32 else (8, 5)
+    spec = SpecConfig("eagle", topk, steps, num_draft_tokens, 2)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 90))] for _ in range(3)]
+    eng = make_engine(backend_name, m16, spec=spec, cuda_graph=True, max_context=192, max_batch=3,
+                      page_size=page_size)
+    assert eng.runners, "no CUDA graphs were captured"
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=24))
+    report(eng, res, check_near_greedy(m32, m16, prompts, res.tokens))
 
 
 # ----------------------------------------------------------------------------- GPU: MLA model
