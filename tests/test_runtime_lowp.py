@@ -113,6 +113,19 @@ def test_real_model_bf16_near_greedy(real_bf16, chat_ids, algo, page_size, backe
         assert res.mean_accept_length > 1.0
 
 
+# ----------------------------------------------------------------------------- GPU: random models
+def _random_model_near_greedy(backend_name, m32, m16, spec, page_size, seed, vocab):
+    """Generate 24 tokens for 3 random prompts of 1..90 tokens on ``m16`` (``--backend``, CUDA
+    graphs on) and check them against ``m32``'s greedy choice up to bf16 near-ties."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 90))] for _ in range(3)]
+    eng = make_engine(backend_name, m16, spec=spec, cuda_graph=True, max_context=192, max_batch=3,
+                      page_size=page_size)
+    assert eng.runners, "no CUDA graphs were captured"
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=24))
+    report(eng, res, check_near_greedy(m32, m16, prompts, res.tokens))
+
+
 # ----------------------------------------------------------------------------- GPU: GQA model
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -132,17 +145,11 @@ def test_gqa_model_bf16_near_greedy(tmp_path, seed, num_draft_tokens, head_dim, 
         tm = torch.empty(1, 1, 1, dtype=torch.int32, device="cuda")
         assert sm90_tree_verify_supported(probe, probe[:, :4], probe[:, :4], tm) is None
     w16, w32 = rounded(w)
-    m32 = LlamaModel(cfg, dict(w32), device="cuda")
-    m16 = LlamaModel(cfg, dict(w16), device="cuda", dtype=DT)
     topk, steps = (4, 4) if num_draft_tokens == 32 else (8, 5)
-    spec = SpecConfig("eagle", topk, steps, num_draft_tokens, 2)
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 90))] for _ in range(3)]
-    eng = make_engine(backend_name, m16, spec=spec, cuda_graph=True, max_context=192, max_batch=3,
-                      page_size=page_size)
-    assert eng.runners, "no CUDA graphs were captured"
-    res = eng.generate(prompts, SamplingParams(max_new_tokens=24))
-    report(eng, res, check_near_greedy(m32, m16, prompts, res.tokens))
+    _random_model_near_greedy(backend_name, LlamaModel(cfg, dict(w32), device="cuda"),
+                              LlamaModel(cfg, dict(w16), device="cuda", dtype=DT),
+                              SpecConfig("eagle", topk, steps, num_draft_tokens, 2), page_size,
+                              seed, cfg.vocab_size)
 
 
 # ----------------------------------------------------------------------------- GPU: MLA model
@@ -164,13 +171,7 @@ def test_mla_model_bf16_near_greedy(seed, algo, page_size, num_heads, backend_na
         probe = torch.empty(1, num_heads, 576, dtype=DT, device="cuda")
         assert sm90_mla_supported(probe, probe[:, :1], 512) is None  # this case covers Gluon
     w16, w32 = rounded(random_mla_weights(cfg, seed))
-    m32 = MLAModel(cfg, dict(w32), device="cuda")
-    m16 = MLAModel(cfg, dict(w16), device="cuda", dtype=DT)
     spec = SPECS[algo] if algo == "none" else SpecConfig("eagle", SPECS[algo].topk, 3, SPECS[algo].num_draft_tokens, 2)
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 90))] for _ in range(3)]
-    eng = make_engine(backend_name, m16, spec=spec, cuda_graph=True, max_context=192, max_batch=3,
-                      page_size=page_size)
-    assert eng.runners, "no CUDA graphs were captured"
-    res = eng.generate(prompts, SamplingParams(max_new_tokens=24))
-    report(eng, res, check_near_greedy(m32, m16, prompts, res.tokens))
+    _random_model_near_greedy(backend_name, MLAModel(cfg, dict(w32), device="cuda"),
+                              MLAModel(cfg, dict(w16), device="cuda", dtype=DT), spec, page_size,
+                              seed, cfg.vocab_size)

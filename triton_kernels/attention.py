@@ -487,7 +487,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     check_kernel_config({**overrides, "sm90": sm90, "pingpong": pingpong}, MHA_CONFIG_KEYS)
     use_sm90 = False
-    why = "sm90=False" if sm90 is False else f"a tree mask and >= {SM90_BLOCK_M} packed rows per request"
+    why = ("sm90=False" if sm90 is False
+           else f"a tree mask and >= {SM90_BLOCK_M} packed rows per request")
     if sm90 or (sm90 is None and tree_mask is not None and max_q * G >= SM90_BLOCK_M):
         conflicts = [k for k in ("block_m", "num_warps", "num_stages") if overrides[k] is not None]
         if block_n not in (None, 64, 128):
@@ -499,7 +500,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             raise ValueError(f"sm90=True needs {why}")
         use_sm90 = why is None
     if pingpong and not use_sm90:
-        raise ValueError(f"pingpong=True needs the Gluon sm_90 tree-verify kernel, which needs {why}")
+        raise ValueError(f"pingpong=True needs the Gluon sm_90 tree-verify kernel, which needs "
+                         f"{why}")
     if use_sm90:
         o_part, lse, _, _ = _split_partials(num_splits, T, H, Dv, out, seq_lens)
         sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,

@@ -27,7 +27,8 @@ both warpgroups released it); the two compute warpgroups take turns on the tenso
 turn barrier each): on its turn a warpgroup issues the score GEMM of tile ``j`` and the PV
 GEMM of tile ``j - 1``, hands the turn over, and runs the softmax of tile ``j`` under its own
 PV GEMM and the other warpgroup's pair.  Registers: 232 per compute thread, 40 per loader
-thread (``maxnreg=168`` at launch); 128-key tiles spill there and are slower (818 vs 678 us).
+thread (``maxnreg=168`` at launch); 128-key tiles spill there and are slower (818 vs 674 us
+at bs 64 / P 4096 in one run).
 
 **Synchronous** (:func:`_tree_verify_sm90_kernel`, ``pingpong=False``), 8 warps, each
 iteration ordered as FlashAttention-3's intra-warpgroup overlap::
@@ -55,13 +56,16 @@ output) the synchronous kernel runs 647 / 564 us at the two large points, the pi
 637 / 562: the loads cost 40-120 us, the rest is compute at 55-60 % of the measured matmul
 rate.  Tried and dropped there: 256-row CTAs (each K/V tile gathered once per request and KV
 head, not twice; 16 warps at 128 registers or 8 warps with 128-row warpgroups, 32/64-key
-tiles): 790-906 us at bs 64 / P 4096; a deeper prefetch in the synchronous kernel (up to four 64-key tiles in
-flight, or K and V in separate rings so K runs one tile further ahead): 735-823 us; ``q`` as
-the register operand of the ping-pong score GEMM: 702 / 657 us.
-Earlier sessions' tries: a first warp-specialized form whose loader waited for its own copies
-before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the score GEMM of tile ``j + 1`` before the
-softmax of ``j`` (839-881 us), two CTAs per SM (980 / 952 us)
-(``bench/results/2026-11-22-h100-session6``, ``-session7``).
+tiles): 790-906 us at bs 64 / P 4096; a deeper prefetch in the synchronous kernel (up to
+four 64-key tiles in flight, or K and V in separate rings so K runs one tile further ahead):
+735-823 us; ``q`` as the register operand of the ping-pong score GEMM: 702 / 657 us; ``P``
+carried in bf16, the scale fused into the exponent and the whole prefix tiles in a loop of
+their own: no gain (688 / 654 us), and it let 128-key tiles fit the compute registers but
+not the loader's (754-798 us).
+Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
+copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
+score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
+(980 / 952 us) (``bench/results/2026-11-22-h100-session6``, ``-session7``).
 """
 from __future__ import annotations
 
