@@ -61,7 +61,9 @@ four 64-key tiles in flight, or K and V in separate rings so K runs one tile fur
 735-823 us; ``q`` as the register operand of the ping-pong score GEMM: 702 / 657 us; ``P``
 carried in bf16, the scale fused into the exponent and the whole prefix tiles in a loop of
 their own: no gain (688 / 654 us), and it let 128-key tiles fit the compute registers but
-not the loader's (754-798 us).
+not the loader's (754-798 us); a loader gathering 32-row pieces to fit 128-key tiles
+(722-845 us), or loading the slots 2-3 tiles ahead (655-699 us vs 676 in the same run; 943
+when that spills the loader's 40 registers).
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM

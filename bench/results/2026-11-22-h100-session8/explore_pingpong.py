@@ -1,8 +1,11 @@
 """Exploration: ping-pong tree-verify variants (tile size, loader registers) against the
 synchronous kernel, same inputs as ``explore_tree_verify.py``.  Usage: python
-explore_pingpong.py VARIANT... with VARIANT = ``sync`` or ``BLOCK_N,LOADER_REGS`` (e.g.
-``64,40 128,56``).  Prints max |diff| vs the portable Triton kernel on small shapes, then
-the median us of 50 CUDA-graph replays per point."""
+explore_pingpong.py VARIANT... with VARIANT = ``sync``, ``default`` (the package's kernel as
+it is) or ``BLOCK_N,LOADER_REGS`` (e.g. ``64,40 128,56``, for a kernel with a
+``loader_regs`` argument); ``alt:BLOCK_N,LOADER_REGS[,SLOTS_AHEAD]`` ran
+``alt_kernel/attention_sm90_alt.py``, a scratch copy of the kernel that is not kept (README,
+runs 6-7).  Prints max |diff| vs the portable Triton kernel on small shapes, then the median
+us of 50 CUDA-graph replays per point."""
 import functools
 import sys
 
@@ -14,16 +17,35 @@ from explore_tree_verify import bench, make
 orig = A.sm90_tree_verify
 
 
+def _alt():
+    """``alt_kernel/attention_sm90_alt.py`` loaded as a sibling of the package's module."""
+    import importlib.util
+    import os
+    name = "specattn.triton_kernels.attention_sm90_alt"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alt_kernel",
+                            "attention_sm90_alt.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
 def call(a, variant, splits):
     q, k, v, rtt, rpi, seq, qo, tm, n = a
     if variant is None:
         return A.paged_attention(q, k, v, rtt, rpi, seq, qo, tm, n, 0.088, splits, sm90=False,
                                  check_bounds=False)
-    if variant == "sync":
+    if variant in ("sync", "default"):
         return A.paged_attention(q, k, v, rtt, rpi, seq, qo, tm, n, 0.088, splits, sm90=True,
-                                 pingpong=False, check_bounds=False)
-    bn, regs = (int(x) for x in variant.split(","))
-    A.sm90_tree_verify = functools.partial(orig, loader_regs=regs)
+                                 pingpong=variant == "default", check_bounds=False)
+    fn = orig
+    if variant.startswith("alt:"):
+        fn, variant = _alt().sm90_tree_verify, variant[4:]
+    bn, regs, *ahead = (int(x) for x in variant.split(","))
+    extra = {"slots_ahead": ahead[0]} if ahead else {}
+    A.sm90_tree_verify = functools.partial(fn, loader_regs=regs, **extra)
     try:
         return A.paged_attention(q, k, v, rtt, rpi, seq, qo, tm, n, 0.088, splits, sm90=True,
                                  block_n=bn, check_bounds=False)
