@@ -64,6 +64,10 @@ their own: no gain (688 / 654 us), and it let 128-key tiles fit the compute regi
 not the loader's (754-798 us); a loader gathering 32-row pieces to fit 128-key tiles
 (722-845 us), or loading the slots 2-3 tiles ahead (655-699 us vs 676 in the same run; 943
 when that spills the loader's 40 registers).
+Nsight Compute on the ping-pong kernel (bs 16 / P 2048): tensor pipe 40 %, DRAM 39 %, issue
+slots 38 %; no eligible warp in 59 % of cycles (3 warps per scheduler), stalls mostly long
+scoreboard, fixed-latency waits and the warpgroup ``bar.sync`` Triton puts around each
+mbarrier wait and arrive: latency-bound, not pipe-bound.
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
