@@ -63,7 +63,8 @@ carried in bf16, the scale fused into the exponent and the whole prefix tiles in
 their own: no gain (688 / 654 us), and it let 128-key tiles fit the compute registers but
 not the loader's (754-798 us); a loader gathering 32-row pieces to fit 128-key tiles
 (722-845 us), or loading the slots 2-3 tiles ahead (655-699 us vs 676 in the same run; 943
-when that spills the loader's 40 registers).
+when that spills the loader's 40 registers); two 64-key tiles per turn (one softmax update
+and half the barrier traffic per 128 keys): 757-763 vs 675-700 us.
 Nsight Compute on the ping-pong kernel (bs 16 / P 2048): tensor pipe 40 %, DRAM 39 %, issue
 slots 38 %; no eligible warp in 59 % of cycles (3 warps per scheduler), stalls mostly long
 scoreboard, fixed-latency waits and the warpgroup ``bar.sync`` Triton puts around each

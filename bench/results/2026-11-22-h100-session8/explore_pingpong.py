@@ -1,8 +1,8 @@
 """Exploration: ping-pong tree-verify variants (tile size, loader registers) against the
 synchronous kernel, same inputs as ``explore_tree_verify.py``.  Usage: python
 explore_pingpong.py VARIANT... with VARIANT = ``sync``, ``default`` (the package's kernel as
-it is) or ``BLOCK_N,LOADER_REGS`` (e.g. ``64,40 128,56``, for a kernel with a
-``loader_regs`` argument); ``alt:BLOCK_N,LOADER_REGS[,SLOTS_AHEAD]`` ran
+it is), ``pair`` (a tile-pair schedule, for a launcher with ``pair``; README, run 14) or
+``BLOCK_N,LOADER_REGS`` (e.g. ``64,40 128,56``, for a launcher with ``loader_regs``); ``alt:BLOCK_N,LOADER_REGS[,SLOTS_AHEAD]`` ran
 ``alt_kernel/attention_sm90_alt.py``, a scratch copy of the kernel that is not kept (README,
 runs 6-7).  Prints max |diff| vs the portable Triton kernel on small shapes, then the median
 us of 50 CUDA-graph replays per point."""
@@ -40,6 +40,13 @@ def call(a, variant, splits):
     if variant in ("sync", "default"):
         return A.paged_attention(q, k, v, rtt, rpi, seq, qo, tm, n, 0.088, splits, sm90=True,
                                  pingpong=variant == "default", check_bounds=False)
+    if variant == "pair":
+        A.sm90_tree_verify = functools.partial(orig, pair=True)
+        try:
+            return A.paged_attention(q, k, v, rtt, rpi, seq, qo, tm, n, 0.088, splits, sm90=True,
+                                     check_bounds=False)
+        finally:
+            A.sm90_tree_verify = orig
     fn = orig
     if variant.startswith("alt:"):
         fn, variant = _alt().sm90_tree_verify, variant[4:]
