@@ -1,11 +1,12 @@
 """Exploration: ping-pong tree-verify variants (tile size, loader registers) against the
 synchronous kernel, same inputs as ``explore_tree_verify.py``.  Usage: python
 explore_pingpong.py VARIANT... with VARIANT = ``sync``, ``default`` (the package's kernel as
-it is), ``pair`` (a tile-pair schedule, for a launcher with ``pair``; README, run 14) or
-``BLOCK_N,LOADER_REGS`` (e.g. ``64,40 128,56``, for a launcher with ``loader_regs``); ``alt:BLOCK_N,LOADER_REGS[,SLOTS_AHEAD]`` ran
-``alt_kernel/attention_sm90_alt.py``, a scratch copy of the kernel that is not kept (README,
-runs 6-7).  Prints max |diff| vs the portable Triton kernel on small shapes, then the median
-us of 50 CUDA-graph replays per point."""
+it is), ``pair`` (a tile-pair schedule, for a launcher with ``pair``; README, run 14),
+``BLOCK_N,LOADER_REGS`` (e.g. ``64,40 128,56``, for a launcher with ``loader_regs``) or
+``alt:BLOCK_N,LOADER_REGS[,SLOTS_AHEAD]`` (ran ``alt_kernel/attention_sm90_alt.py``, a
+scratch copy of the kernel that is not kept; README, runs 6-7).  Prints max |diff| vs the
+portable Triton kernel on small shapes, then the median us of 50 CUDA-graph replays per
+point."""
 import functools
 import sys
 
