@@ -121,6 +121,22 @@ def check_paged_metadata(q: torch.Tensor, req_to_token: torch.Tensor, req_pool_i
 _FITTING_STAGES: dict = {}
 
 
+def choose_gluon(sm90, why, conflicts: Sequence[str], schedule_key: str, schedule) -> bool:
+    """Whether a launcher runs its Gluon sm_90 kernel.  ``why``: None when the kernel can run
+    the call, else the reason (str); ``conflicts``: the config overrides set that it does not
+    take; ``sm90`` / ``schedule`` (the kernel's ``schedule_key`` flag, e.g. ``"seesaw"``):
+    the caller's True / False / None.  Raises ValueError when ``sm90`` or ``schedule`` is True
+    and the kernel cannot run, naming why.  Host-only."""
+    if why is None and conflicts:
+        why = f"no {'/'.join(conflicts)} override"
+    if sm90 and why is not None:
+        raise ValueError(f"sm90=True needs {why}")
+    if schedule and why is not None:
+        raise ValueError(f"{schedule_key}=True needs the Gluon sm_90 kernel, which cannot run "
+                         f"here: {why}")
+    return why is None
+
+
 def launch_fitting(kernel, grid, args: Sequence, kwargs: dict, num_stages: int) -> int:
     """``kernel[grid](*args, **kwargs, num_stages=...)`` with ``num_stages``, or fewer stages
     where this Triton's software pipelining of the config needs more shared memory than the

@@ -57,7 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_paged_metadata, is_pow2, launch_fitting, next_pow2, on_tensor_device
+from ._util import (check_paged_metadata, choose_gluon, is_pow2, launch_fitting, next_pow2,
+                    on_tensor_device)
 from .attention_sm90 import SM90_BLOCK_M, sm90_tree_verify, sm90_tree_verify_supported
 
 __all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_config",
@@ -486,22 +487,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cfg = default_config(max_q * G, max(BLOCK_D, BLOCK_DV), ieee, num_splits)
     overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     check_kernel_config({**overrides, "sm90": sm90, "pingpong": pingpong}, MHA_CONFIG_KEYS)
-    use_sm90 = False
-    why = ("sm90=False" if sm90 is False
-           else f"a tree mask and >= {SM90_BLOCK_M} packed rows per request")
     if sm90 or (sm90 is None and tree_mask is not None and max_q * G >= SM90_BLOCK_M):
         conflicts = [k for k in ("block_m", "num_warps", "num_stages") if overrides[k] is not None]
         if block_n not in (None, 64, 128):
             conflicts.append(f"block_n={block_n}")
         why = sm90_tree_verify_supported(q, k_cache, v_cache, tree_mask)
-        if why is None and conflicts:
-            why = f"no {'/'.join(conflicts)} override"
-        if sm90 and why is not None:
-            raise ValueError(f"sm90=True needs {why}")
-        use_sm90 = why is None
-    if pingpong and not use_sm90:
-        raise ValueError(f"pingpong=True needs the Gluon sm_90 tree-verify kernel, which needs "
-                         f"{why}")
+    else:
+        conflicts = []
+        why = ("sm90=False" if sm90 is False
+               else f"a tree mask and >= {SM90_BLOCK_M} packed rows per request")
+    use_sm90 = choose_gluon(sm90, why, conflicts, "pingpong", pingpong)
     if use_sm90:
         o_part, lse, _, _ = _split_partials(num_splits, T, H, Dv, out, seq_lens)
         sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,

@@ -122,7 +122,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_paged_metadata, is_pow2, launch_fitting, on_tensor_device
+from ._util import check_paged_metadata, choose_gluon, is_pow2, launch_fitting, on_tensor_device
 from .attention_mla_sm90 import sm90_mla_attention, sm90_mla_supported
 from .attention import (_draft_key_count, _draft_visibility, _full_update, _masked_update,
                         _merge_partials, _prefix_range, _program_request, _split_partials,
@@ -428,7 +428,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     check_mla_config(over, rank)
     if seesaw and block_n == 32:
         raise ValueError("seesaw=True runs 64-key tiles; block_n=32 needs seesaw=False")
-    use_sm90, why = False, "sm90=False"
+    conflicts, why = [], "sm90=False"
     if sm90 is not False:  # None (default) or True: the Gluon kernel where it can run
         conflicts = [k for k in ("block_m", "block_dv", "num_warps", "num_stages", "tma") if over[k]]
         if block_n not in (None, 32, 64):
@@ -436,13 +436,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         why = sm90_mla_supported(q, kv_cache, rank)
         if why is None and max_q > 65535:  # the token is the Gluon kernel's grid axis 1
             why = f"max_q <= 65535 (got {max_q})"
-        if why is None and conflicts:
-            why = f"no {'/'.join(conflicts)} override"
-        if sm90 and why is not None:
-            raise ValueError(f"sm90=True needs {why}")
-        use_sm90 = why is None
-    if seesaw and not use_sm90:
-        raise ValueError(f"seesaw=True needs the Gluon sm_90 kernel, which cannot run here: {why}")
+    use_sm90 = choose_gluon(sm90, why, conflicts, "seesaw", seesaw)
     if use_sm90:
         if bs == 0 or T == 0 or max_q == 0:
             return out
