@@ -69,6 +69,15 @@ Nsight Compute on the ping-pong kernel (bs 16 / P 2048): tensor pipe 40 %, DRAM 
 slots 38 %; no eligible warp in 59 % of cycles (3 warps per scheduler), stalls mostly long
 scoreboard, fixed-latency waits and the warpgroup ``bar.sync`` Triton puts around each
 mbarrier wait and arrive: latency-bound, not pipe-bound.
+A ``%clock64`` trace (``bench/results/2026-11-22-h100-session9``, bs 64 / P 4096) puts a
+64-key iteration at ~2220 cycles per warpgroup (the tile's GEMMs of both warpgroups are
+1024 at peak): turn -> S done 480, softmax 1020 (776-789 when it runs alone), stage
+release + next K/V + fence 380, turn wait 170; the warpgroups run ~370 cycles apart, so
+their softmaxes overlap, and the loader takes ~1890 cycles per tile, nearly the period.
+Tried there, none better than noise at bs 64 / P 4096: FlashAttention-4's lazy rescale and
+software exp2, the turn handed over after the row max (warpgroups half a period apart), the
+score GEMM one tile ahead (in flight over the loop's back edge ptxas serializes every
+wgmma), 8 loader warps, slots 2-3 tiles ahead with 56 loader registers, no turn barriers.
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
