@@ -76,8 +76,9 @@ release + next K/V + fence 380, turn wait 170; the warpgroups run ~370 cycles ap
 their softmaxes overlap, and the loader takes ~1890 cycles per tile, nearly the period.
 Tried there, none better than noise at bs 64 / P 4096: FlashAttention-4's lazy rescale and
 software exp2, the turn handed over after the row max (warpgroups half a period apart), the
-score GEMM one tile ahead (in flight over the loop's back edge ptxas serializes every
-wgmma), 8 loader warps, slots 2-3 tiles ahead with 56 loader registers, no turn barriers.
+score GEMM one tile ahead (left in flight over the loop's back edge, it makes ptxas
+serialize every wgmma), 8 loader warps, slots 2-3 tiles ahead with 56 loader registers, no
+turn barriers.
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
