@@ -71,10 +71,13 @@ scoreboard, fixed-latency waits and the warpgroup ``bar.sync`` Triton puts aroun
 mbarrier wait and arrive: latency-bound, not pipe-bound.
 A ``%clock64`` trace (``bench/results/2026-11-22-h100-session9``, bs 64 / P 4096) puts a
 64-key iteration at ~2220 cycles per warpgroup (the tile's GEMMs of both warpgroups are
-1024 at peak): turn -> S done 480, softmax 1020 (776-789 when it runs alone), stage
-release + next K/V + fence 380, turn wait 170; the warpgroups run ~370 cycles apart, so
-their softmaxes overlap, and the loader takes ~1890 cycles per tile, nearly the period.
-Tried there, none better than noise at bs 64 / P 4096: FlashAttention-4's lazy rescale and
+1024 at peak): turn -> S done 480, softmax 1020, stage release + next K/V + fence 380,
+turn wait 170; the warpgroups run ~370 cycles apart and the loader takes ~1890 cycles per
+tile, nearly the period.  Loads alone (the compute only frees the stages) take 586 / 543
+us at bs 64 / P 4096 and bs 16 / P 16384 (530 / 485 with 8 loader warps), the compute alone
+571 / 556 (557 / 514 with the scale folded into the exponent's FFMA), the kernel 677 / 645:
+the two halves cost ~15 % more together than the slower one alone, so faster halves did
+not make a faster kernel.  Tried there, none better than noise at bs 64 / P 4096: FlashAttention-4's lazy rescale and
 software exp2, the turn handed over after the row max (warpgroups half a period apart), the
 score GEMM one tile ahead (left in flight over the loop's back edge, it makes ptxas
 serialize every wgmma), 8 loader warps, slots 2-3 tiles ahead with 56 loader registers, no

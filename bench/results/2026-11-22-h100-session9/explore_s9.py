@@ -3,7 +3,7 @@ cycles, and variants of it.  ``alt_kernel/attention_sm90_alt.py`` is a scratch c
 package's module with an ``OPTS`` bit mask on the ping-pong kernel; it is not committed (it
 repeats the module): rebuild it with ``mkdir -p alt_kernel && patch -o
 alt_kernel/attention_sm90_alt.py ../../../triton_kernels/attention_sm90.py alt_kernel.diff``
-(the module of commit 5562ddd).
+(the module as of commit 4d25ed9; only its docstring differs from 5562ddd's).
 
 OPTS bits: 1 ``%clock64`` trace; 2 lazy rescale (the running max moves only when a row's
 max grows by more than 8 in log2 units, one flag for the warpgroup); 4 the scale folded
@@ -17,7 +17,10 @@ softmax; 128 each turn handed over after the row maxima rather than after the GE
 the back edge); 4096 registers 240 / 24; 8192 the PV wait kept after the softmax (an smem
 store and a warpgroup barrier); 16384 no turn barriers; 32768 the loop's score GEMM over
 half of ``head_dim`` (diagnostic, wrong output); 65536 / 131072 the loader loads the slots
-of 2 / 3 tiles ahead; 262144 registers 224 / 56.
+of 2 / 3 tiles ahead; 262144 registers 224 / 56; 1048576 the loader alone (the compute
+warpgroups only wait for each stage and free it; diagnostic, wrong output); 2097152 the
+compute alone (the loader fills the ring once and then only arrives; diagnostic, wrong
+output).
 
 Usage: ``[TRACE_OPTS=a,b] python explore_s9.py [--trace] VARIANT...`` with VARIANT
 ``default`` (the package's kernel) or ``alt:OPTS``.  Prints max |diff| vs the portable
