@@ -77,11 +77,11 @@ tile, nearly the period.  Loads alone (the compute only frees the stages) take 5
 us at bs 64 / P 4096 and bs 16 / P 16384 (530 / 485 with 8 loader warps), the compute alone
 571 / 556 (557 / 514 with the scale folded into the exponent's FFMA), the kernel 677 / 645:
 the two halves cost ~15 % more together than the slower one alone, so faster halves did
-not make a faster kernel.  Tried there, none better than noise at bs 64 / P 4096: FlashAttention-4's lazy rescale and
-software exp2, the turn handed over after the row max (warpgroups half a period apart), the
-score GEMM one tile ahead (left in flight over the loop's back edge, it makes ptxas
-serialize every wgmma), 8 loader warps, slots 2-3 tiles ahead with 56 loader registers, no
-turn barriers.
+not make a faster kernel.  Tried there, none better than noise at bs 64 / P 4096:
+FlashAttention-4's lazy rescale and software exp2, the turn handed over after the row max
+(warpgroups half a period apart), the score GEMM one tile ahead (left in flight over the
+loop's back edge, it makes ptxas serialize every wgmma), 8 loader warps, slots 2-3 tiles
+ahead with 56 loader registers, no turn barriers.
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
