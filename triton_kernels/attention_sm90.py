@@ -75,7 +75,9 @@ A ``%clock64`` trace (``bench/results/2026-11-22-h100-session9``, bs 64 / P 4096
 turn wait 170; the warpgroups run ~370 cycles apart and the loader takes ~1890 cycles per
 tile, nearly the period.  Loads alone (the compute only frees the stages) take 586 / 543
 us at bs 64 / P 4096 and bs 16 / P 16384 (530 / 485 with 8 loader warps), the compute alone
-571 / 556 (557 / 514 with the scale folded into the exponent's FFMA), the kernel 677 / 645:
+571 / 556 (the loader fills the ring once, then only arrives; the no-load variant above
+read 637 / 562; 557 / 514 with the scale folded into the exponent's FFMA), the kernel
+677 / 645:
 the two halves cost ~15 % more together than the slower one alone, so faster halves did
 not make a faster kernel.  Tried there, none better than noise at bs 64 / P 4096:
 FlashAttention-4's lazy rescale and software exp2, the turn handed over after the row max
