@@ -84,6 +84,12 @@ FlashAttention-4's lazy rescale and software exp2, the turn handed over after th
 (warpgroups half a period apart), the score GEMM one tile ahead (left in flight over the
 loop's back edge, it makes ptxas serialize every wgmma), 8 loader warps, slots 2-3 tiles
 ahead with 56 loader registers, no turn barriers.
+Session 10 (``bench/results/2026-11-23-h100-session10``): a per-thread TMA gather of
+``[1, 64]`` boxes (inline PTX; Gluon 3.6 cannot express a one-row swizzled destination) is
+correct but moves 1.5 TB/s where ``cp.async`` moves 2.4 (the TMA unit takes ~19 cycles per
+128-byte box); halving each CTA's gather (what a 2-CTA cluster sharing tiles could give at
+best) leaves bs 64 / P 4096 at 662 us (630 with the FFMA scale); mbarrier waits and arrivals
+without the warpgroup ``bar.sync`` Gluon puts before each (inline PTX) run 8 % slower.
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
