@@ -1,10 +1,12 @@
 """Exploration (session 10): session 9's ``explore_s9.py`` driver (inputs, checks, timer,
-``--trace``) on this session's scratch kernel ``alt_kernel/attention_sm90_alt.py``, rebuilt
-with ``mkdir -p alt_kernel && patch -o alt_kernel/attention_sm90_alt.py
-../../../triton_kernels/attention_sm90.py alt_kernel.diff``.  OPTS bits as session 9's, plus
-4194304: the loader copies only the first half of each tile's keys (diagnostic, wrong output):
-what halving the gather costs each CTA would leave, as a 2-CTA cluster sharing each tile
-through distributed shared memory would.  Usage as ``explore_s9.py``."""
+``--trace``) on this session's scratch kernels, rebuilt first with ``mkdir -p alt_kernel``
+and ``patch -o alt_kernel/attention_sm90_<stem>.py ../../../triton_kernels/attention_sm90.py
+<diff>`` for (``alt``, ``alt_kernel.diff``) and (``asmbar``, ``asmbar_kernel.diff``).
+
+``alt:OPTS``: session 9's bits, plus 4194304: the loader copies only the first half of each
+tile's keys (diagnostic, wrong output) -- the most a 2-CTA cluster sharing each tile through
+distributed shared memory could save.  ``asmbar[:N]``: see :func:`call`.  Usage as
+``explore_s9.py``."""
 import functools
 import importlib.util
 import os
@@ -15,10 +17,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "2026-11-22-h100-session9"))
 import explore_s9  # noqa: E402
 
 
-def _alt():
-    name = "specattn.triton_kernels.attention_sm90_alt"
+def _scratch(stem):
+    """This session's scratch kernel ``alt_kernel/attention_sm90_<stem>.py`` as a module."""
+    name = f"specattn.triton_kernels.attention_sm90_{stem}"
     if name not in sys.modules:
-        path = os.path.join(HERE, "alt_kernel", "attention_sm90_alt.py")
+        path = os.path.join(HERE, "alt_kernel", f"attention_sm90_{stem}.py")
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
@@ -26,19 +29,8 @@ def _alt():
     return sys.modules[name]
 
 
-explore_s9._alt = _alt
+explore_s9._alt = lambda: _scratch("alt")
 _call_s9 = explore_s9.call
-
-
-def _asmbar():
-    name = "specattn.triton_kernels.attention_sm90_asmbar"
-    if name not in sys.modules:
-        path = os.path.join(HERE, "alt_kernel", "attention_sm90_asmbar.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
 
 
 def call(a, variant, splits, trace=None):
@@ -52,7 +44,7 @@ def call(a, variant, splits, trace=None):
     asm = int(variant.split(":")[1]) if ":" in variant else 7
     q, k, v, rtt, rpi, seq, qo, tm, n = a
     A = explore_s9.A
-    A.sm90_tree_verify = functools.partial(_asmbar().sm90_tree_verify, asm=asm)
+    A.sm90_tree_verify = functools.partial(_scratch("asmbar").sm90_tree_verify, asm=asm)
     try:
         return A.paged_attention(q, k, v, rtt, rpi, seq, qo, tm, n, 0.088, splits, sm90=True,
                                  check_bounds=False)
