@@ -173,9 +173,10 @@ class TritonBackend(AttentionBackend):
         page_aligned: promise that ``req_to_token`` rows follow the pools' page layout (token
             ``p`` of a request at offset ``p % page_size`` of its page, as ``KVAllocator``
             hands slots out), so the MLA kernel reads one slot per key tile when ``block_n``
-            divides ``page_size`` (measured figures use this).  Pass False for rows built
-            otherwise (e.g. scratch rows copied from other requests with ``page_size > 1``):
-            the kernels then gather every key's slot.  The MHA kernel always gathers per key.
+            divides ``page_size``, and the MHA ping-pong tree-verify kernel copies whole
+            64-key tiles by TMA when ``page_size`` is a multiple of 64 (measured figures use
+            this).  Pass False for rows built otherwise (e.g. scratch rows copied from other
+            requests with ``page_size > 1``): the kernels then gather every key's slot.
         topk: accepted for the contract (:class:`~specattn.backends.base.AttentionBackend`);
             the Triton kernels run any tree, so it changes nothing here.
     Raises:
@@ -332,20 +333,20 @@ class TritonBackend(AttentionBackend):
         if q.stride(2) != 1:
             q = q.contiguous()
         rtt = self.req_to_token_pool.req_to_token
+        page_size = self.kv_pool.page_size if self.page_aligned else 1
         if self.kind == AttentionKind.MLA:
             from specattn.triton_kernels.attention_mla import mla_paged_attention
             return mla_paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id), rtt,
                                        md.req_pool_indices, md.seq_lens, md.qo_indptr, md.tree_mask,
                                        md.max_q, layer.scaling, layer.kv_lora_rank,
-                                       num_splits=splits,
-                                       page_size=self.kv_pool.page_size if self.page_aligned else 1,
+                                       num_splits=splits, page_size=page_size,
                                        check_bounds=False, **self._config(md.mode))
         from specattn.triton_kernels.attention import paged_attention
         return paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id),
                                self.kv_pool.get_value_buffer(layer.layer_id), rtt,
                                md.req_pool_indices, md.seq_lens, md.qo_indptr, md.tree_mask,
-                               md.max_q, layer.scaling, num_splits=splits, check_bounds=False,
-                               **self._config(md.mode))
+                               md.max_q, layer.scaling, num_splits=splits, page_size=page_size,
+                               check_bounds=False, **self._config(md.mode))
 
     def _config(self, mode: ForwardMode) -> dict:
         """The kernel config for ``mode``: MHA's ``"sm90"`` and ``"pingpong"`` name the Gluon

@@ -2,8 +2,9 @@
 side by side, with % of roofline and speedups against the library rows.
 
 ``python -m specattn.bench.attention_report OUTDIR [--iters N] [--only CASE ...]
-[--no-check]`` (what ``bench/scripts/gpu_attention.sh`` runs) measures the harness ceilings
-once, runs every ``(case, params)`` of :data:`ISSUE_POINTS` through
+[--no-check] [--page-size N]`` (what ``bench/scripts/gpu_attention.sh`` runs) measures the
+harness ceilings once, runs every ``(case, params)`` of :data:`ISSUE_POINTS` (with
+``--page-size``, the tree-verify points on pages of ``N`` slots: :func:`with_page_size`) through
 :func:`specattn.bench.runner.run_case` (a failing point is recorded with its error and the
 rest still run), and writes into ``OUTDIR``:
 
@@ -63,6 +64,18 @@ ISSUE_POINTS: List[Point] = _points()
 """Every (case, overrides) the issue asks for, library impls included."""
 
 
+def with_page_size(points: Sequence[Point], page_size: Optional[int]) -> List[Point]:
+    """``points`` with ``page_size`` set on the tree-verify ones (None: unchanged; the issue's
+    points use the case default, page 1).  Their label then names the page size.  Raises
+    ValueError for a page size < 1 or one that does not divide every tree-verify prefix
+    (FlashInfer's split needs whole pages of prefix)."""
+    if page_size is None:
+        return list(points)
+    if page_size < 1 or any(p[0] == "tree_verify" and p[1]["prefix"] % page_size for p in points):
+        raise ValueError(f"page size {page_size} must be >= 1 and divide every tree-verify prefix")
+    return [(n, dict(p, page_size=page_size) if n == "tree_verify" else p) for n, p in points]
+
+
 # ----------------------------------------------------------------------------- summary
 def _point_key(row: Dict[str, Any]) -> Tuple[str, Tuple]:
     params = {k: v for k, v in row["params"].items() if k != "impl"}
@@ -70,7 +83,7 @@ def _point_key(row: Dict[str, Any]) -> Tuple[str, Tuple]:
 
 
 def _point_label(name: str, params: Dict[str, Any]) -> str:
-    keys = {"tree_verify": ("bs", "prefix"), "mla_tree_verify": ("bs", "prefix"),
+    keys = {"tree_verify": ("bs", "prefix", "page_size"), "mla_tree_verify": ("bs", "prefix"),
             "mla_decode": ("bs", "seq_len"), "decode": ("bs", "seq_len"),
             "extend": ("bs", "prefix", "new_tokens")}.get(name, ())
     return " ".join(f"{k}={params[k]}" for k in keys if k in params)
@@ -291,7 +304,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--only", nargs="*", default=None, help="cases to run (default: all)")
     ap.add_argument("--no-check", action="store_true", help="skip the cross-check")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="run the tree-verify points on pages of N slots (default: 1, the issue's)")
     args = ap.parse_args(argv)
+    try:
+        points = with_page_size(ISSUE_POINTS, args.page_size)
+    except ValueError as e:
+        ap.error(str(e))
     os.makedirs(args.outdir, exist_ok=True)
     lines: List[str] = []
     if not args.no_check:
@@ -299,7 +318,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lines = cross_check()
         lines.append(f"(cross-check took {time.time() - t0:.0f} s, FlashInfer JIT included)")
         print("\n".join(lines), flush=True)
-    pts = [p for p in ISSUE_POINTS if not args.only or p[0] in args.only]
+    pts = [p for p in points if not args.only or p[0] in args.only]
     reports = run_points(pts, args.outdir, iters=args.iters,
                          log=lambda s: print(s, flush=True), check_lines=lines)
     print(write_summary(reports, os.path.join(args.outdir, "attention_summary.md"), lines))

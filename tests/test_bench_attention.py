@@ -91,6 +91,20 @@ def test_issue_points_cover_the_issue_and_are_valid():
         (pre, 2048, i) for pre in (0, 4096) for i in ("triton", "flashinfer")}
 
 
+def test_with_page_size_sets_only_tree_verify_and_labels_it():
+    pts = rep.with_page_size(rep.ISSUE_POINTS, 64)
+    assert len(pts) == len(rep.ISSUE_POINTS)
+    for (n, p), (n0, p0) in zip(pts, rep.ISSUE_POINTS):
+        assert n == n0 and p == (dict(p0, page_size=64) if n == "tree_verify" else p0)
+    assert rep.ISSUE_POINTS[0][1].get("page_size") is None  # the issue's points are untouched
+    assert rep.with_page_size(rep.ISSUE_POINTS, None) == rep.ISSUE_POINTS
+    assert rep._point_label("tree_verify", pts[0][1]) == "bs=1 prefix=4096 page_size=64"
+    assert rep._point_label("tree_verify", rep.ISSUE_POINTS[0][1]) == "bs=1 prefix=4096"
+    for bad in (0, 3, 4097):  # 3 and 4097 leave part of a prefix page
+        with pytest.raises(ValueError, match="divide every tree-verify prefix"):
+            rep.with_page_size(rep.ISSUE_POINTS, bad)
+
+
 def test_bench_list_shows_the_attention_cases(monkeypatch):
     from typer.testing import CliRunner
 

@@ -118,6 +118,17 @@ def test_kernel_writes_every_row_and_no_key_gives_zero():
         assert out[2].abs().sum() > 0                    # request 0 row 2 still sees its prefix
 
 
+@pytest.mark.parametrize("page_size", [0, -64, True, 64.0, "64"])
+def test_paged_attention_rejects_bad_page_size(page_size):
+    """``page_size`` must be an int >= 1 (a promise about ``req_to_token``, checked first)."""
+    sc = make_scenario(ForwardMode.TARGET_VERIFY, bs=1, head_dim=16, rng=random.Random(0))
+    with pytest.raises(ValueError, match="page_size must be an int >= 1"):
+        paged_attention(torch.zeros(4, 4, 16), torch.zeros(8, 2, 16), torch.zeros(8, 2, 16),
+                        sc.req_pool.req_to_token, torch.zeros(1, dtype=torch.int64),
+                        torch.zeros(1, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
+                        None, 4, 0.25, page_size=page_size)
+
+
 def test_sm90_tree_verify_errors_and_eligibility():
     """``sm90=True`` where the Gluon tree-verify kernel cannot run is a ValueError naming why;
     the backend applies MHA's ``sm90`` to TARGET_VERIFY only."""
@@ -311,7 +322,7 @@ def _sm90():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Gluon tree-verify kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_n", [64, 128, None])
 @pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "sync"])
@@ -319,7 +330,8 @@ def test_sm90_tree_verify_matches_reference(dtype, page_size, head_dim, block_n,
     """The Gluon tree-verify kernel (``sm90=True``), both schedules, against the reference:
     GQA groups 1..8, random trees of 1..64 tokens (mask words crossing 32; at most 64 rows,
     leaving warpgroup 1 of the ping-pong kernel no row), prefixes 0, at and around tile
-    boundaries and long, split and not."""
+    boundaries and long, split and not; at page 64 the ping-pong kernel's whole 64-key tiles
+    come by TMA (the backend passes the pool's page size)."""
     rng = random.Random(seed)
     for group in (1, rng.randint(2, 7), 8):
         hkv = rng.choice([1, 2, 8])
@@ -377,7 +389,7 @@ def test_sm90_tree_verify_poison_and_agrees_with_triton(seed):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Gluon tree-verify kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "sync"])
 def test_sm90_tree_verify_graph_replay(page_size, pingpong, seed):
     """Captured at a padded bs, replayed with a smaller one (padded requests: no tokens)."""
@@ -385,6 +397,54 @@ def test_sm90_tree_verify_graph_replay(page_size, pingpong, seed):
     graph_case("mha", ForwardMode.TARGET_VERIFY, page_size, "cuda", True, seed,
                dtype=torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128, D=64,
                max_prefix=2000, padded_bs=8, kernel_config={"sm90": True, "pingpong": pingpong})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon tree-verify kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_tree_verify_tma_pages(head_dim, seed):
+    """Pages of 64 slots in random order, ``page_size=64``: whole 64-key tiles by TMA (prefix
+    tiles, all-draft tiles at ``P % 64 == 0``), partial tiles and the tiles of a last split
+    starting at an unaligned ``P`` by ``cp.async``.  Every slot no request uses is NaN (the
+    tails of last pages too) and stays out of the output; the output equals the
+    ``cp.async``-only run (``page_size=1``) bit for bit and the Triton kernel's within bf16;
+    and the promise is used: a row that breaks the page layout gives another output."""
+    gen = torch.Generator().manual_seed(seed)
+    Hkv, G, D = 2, 4, 64
+    P = torch.tensor([0, 64, 128, 129, 1000, 4096, 5000], dtype=torch.int32)
+    bs, per_req = len(P), -(-(int(P.max()) + D) // 64)
+    pages = torch.randperm(bs * per_req + 3, generator=gen)[:bs * per_req].view(bs, per_req)
+    pos = torch.arange(per_req * 64)
+    rtt = (pages[:, pos // 64] * 64 + pos % 64).int().cuda()
+    kc = torch.full(((bs * per_req + 3) * 64, Hkv, head_dim), float("nan"), dtype=torch.bfloat16,
+                    device="cuda")
+    vc = kc.clone()
+    for b in range(bs):
+        used = rtt[b, :P[b] + D].long()
+        kc[used] = torch.randn(used.numel(), Hkv, head_dim, generator=gen).to(kc)
+        vc[used] = torch.randn(used.numel(), Hkv, head_dim, generator=gen).to(kc)
+    dense = torch.tril(torch.rand(bs, D, D, generator=gen) < 0.3) | torch.eye(D, dtype=torch.bool)
+    tree = pack_tree_mask(dense).cuda()
+    q = torch.randn(bs * D, Hkv * G, head_dim, generator=gen).to(kc)
+    qo = torch.arange(0, bs * D + 1, D, dtype=torch.int32).cuda()
+    args = (q, kc, vc, rtt, torch.arange(bs).cuda(), P.cuda(), qo, tree, D, 0.09)
+    for splits in (1, 3, 9):
+        ref = paged_attention(*args, num_splits=splits, sm90=False)
+        cp = paged_attention(*args, num_splits=splits, sm90=True, pingpong=True)
+        out = torch.full((bs * D + 5, Hkv * G, head_dim), float("nan"), dtype=q.dtype, device="cuda")
+        tma = paged_attention(*args, num_splits=splits, sm90=True, pingpong=True, page_size=64,
+                              out=out[:bs * D])
+        assert torch.isfinite(tma).all() and torch.equal(tma, cp), splits
+        assert rel_err(ref.float(), tma.float()) < 1e-2, splits
+        assert torch.isnan(out[bs * D:]).all()
+    # key 3 pointed at key 70's slot inside a whole prefix tile: the gather reads the new
+    # slot, the TMA copy reads the page's (consecutive) slots as promised
+    broken = rtt.clone()
+    broken[5, 3] = broken[5, 70]
+    args_b = (q, kc, vc, broken) + args[4:]
+    gathered = paged_attention(*args_b, num_splits=1, sm90=True, pingpong=True)
+    assert not torch.equal(gathered, paged_attention(*args_b, num_splits=1, sm90=True, pingpong=True,
+                                                      page_size=64))
 
 
 # ------------------------------------------------------------------------- end to end

@@ -415,7 +415,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_m: Optional[int] = None, block_n: Optional[int] = None,
                     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                     off32: Optional[bool] = None, sm90: Optional[bool] = None,
-                    pingpong: Optional[bool] = None, check_bounds: bool = True) -> torch.Tensor:
+                    pingpong: Optional[bool] = None, page_size: int = 1,
+                    check_bounds: bool = True) -> torch.Tensor:
     """Attention of ``q`` over the paged cache (module docstring: semantics, layout).
 
     Args:
@@ -451,6 +452,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             cores, FlashAttention-3's) or, False, the synchronous one.  ``pingpong=True``
             raises ValueError where the Gluon kernel does not run (also when ``sm90`` is None
             and the call has no tree mask or fewer than 128 packed rows per request).
+        page_size: the pools' page size, a promise on ``req_to_token`` that the kernel
+            cannot check: token ``p`` of a request at offset ``p % page_size`` of its page
+            (the layout of :mod:`~specattn.backends.pools`).  A multiple of 64 lets the
+            ping-pong Gluon kernel copy each whole 64-key tile at a multiple of 64 keys by TMA
+            from the slot of its first key; 1 (default): one slot per key, any layout.
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; see
             :func:`~specattn.triton_kernels._util.check_paged_metadata`).  Backends that
@@ -463,8 +469,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         ValueError: inconsistent shapes, dtypes or devices; a ``tree_mask`` smaller than
             ``[bs, max_q, ceil(max_q/32)]``; with ``check_bounds``, an index out of range
             (a request with more than ``max_q`` new tokens, rows or slots outside the tables);
-            ``sm90=True`` where its needs are not met.
+            ``sm90=True`` where its needs are not met; ``page_size`` not an int >= 1.
     """
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     T, H, Dqk = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
     bs = req_pool_indices.shape[0]
@@ -501,7 +509,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o_part, lse, _, _ = _split_partials(num_splits, T, H, Dv, out, seq_lens)
         sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                          qo_indptr, tree_mask, max_q, sm_scale, out, o_part, lse, num_splits,
-                         block_n, pingpong=pingpong is not False)
+                         block_n, pingpong=pingpong is not False, page_size=page_size)
         if num_splits > 1:
             _merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)
         return out

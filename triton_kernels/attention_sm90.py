@@ -12,7 +12,11 @@ Common layout (same semantics as :mod:`.attention`, ``forward_batch`` convention
   the row softmax stays inside a warp.  Grid ``(cdiv(max_q * G, 128), Hkv, bs *
   num_splits)``; CTAs past ``n * G`` exit.
 - ``q`` in shared memory; keys ``[lo, hi)`` in ``BLOCK_N`` tiles, K and V gathered per token
-  through ``req_to_token`` by ``cp.async`` (rows past ``hi`` zero-filled).  Whole prefix
+  through ``req_to_token`` by ``cp.async`` (rows past ``hi`` zero-filled).  The ping-pong
+  kernel with ``page_size`` a multiple of 64 copies a whole 64-key tile at a multiple of 64
+  keys by TMA instead (one page's consecutive slots from ``req_to_token[r, start]``: boxes
+  of ``[64, 64]`` over the cache viewed ``[num_slots, Hkv * D]``); a partial tile and the
+  tiles of a last split starting at an unaligned ``P`` stay on ``cp.async``.  Whole prefix
   tiles take no mask; the tile holding ``P`` and after test the bound and the bit-packed tree
   rows (``tree_mask[i, j]``, bit ``k % 32`` of word ``k // 32``).
 - Split-KV as :mod:`.attention` (split ``s`` covers prefix ``[s c, min((s + 1) c, P))``, the
@@ -108,6 +112,8 @@ if HAVE_GLUON:
     from .attention_mla_sm90 import _slots, _store_out
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared,
                                                                    mbarrier, warpgroup_mma,
                                                                    warpgroup_mma_wait)
@@ -314,12 +320,37 @@ if HAVE_GLUON:
     _LOADER_WARPS = gl.constexpr(4)
 
     @gluon.jit
+    def _cp_tile(k_buf, v_buf, bar, K, V, sl, start, hi, stride_kt, stride_vt,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LD: gl.constexpr):
+        """``cp.async`` a tile's K and V rows; each thread's copies arrive on ``bar``."""
+        _rows_copy(k_buf, K, sl, start, hi, stride_kt, BLOCK_N, HEAD_DIM, LD)
+        _rows_copy(v_buf, V, sl, start, hi, stride_vt, BLOCK_N, HEAD_DIM, LD)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+
+    @gluon.jit
+    def _tma_tile(k_desc, v_desc, k_buf, v_buf, bar, slot0, hk,
+                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+        """TMA a whole tile of consecutive slots from ``slot0`` (``[64, 64]`` boxes); the
+        arrivals match ``_cp_tile``'s (one per loader thread) plus the bytes.  Each thread's
+        earlier ``cp.async`` copies (``q`` before the first tile) still hold the phase until
+        they land (a counted ``cp.async`` arrival: +1 now, -1 when they complete)."""
+        async_copy.mbarrier_arrive(bar, increment_count=True)
+        mbarrier.arrive(bar, count=_LOADER_WARPS * 32 - 1)
+        mbarrier.expect(bar, 2 * BLOCK_N * HEAD_DIM * 2)
+        for b in gl.static_range(HEAD_DIM // 64):
+            tma.async_copy_global_to_shared(k_desc, [slot0, hk * HEAD_DIM + b * 64], bar,
+                                            k_buf.slice(b * 64, 64, dim=1))
+            tma.async_copy_global_to_shared(v_desc, [slot0, hk * HEAD_DIM + b * 64], bar,
+                                            v_buf.slice(b * 64, 64, dim=1))
+
+    @gluon.jit
     def _tv_loader(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
                    tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
                    stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
                    stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
+                   k_desc, v_desc,
                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr):
+                   NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA: gl.constexpr):
         """Loader partition: ``q`` once, then each key tile's K and V rows by ``cp.async``
         into stage ``t % STAGES`` once both warpgroups freed it; each thread's copies arrive
         on the stage's full barrier when they land."""
@@ -337,9 +368,16 @@ if HAVE_GLUON:
             st = t % STAGES
             mbarrier.wait(bars.index(STAGES + st), ((t // STAGES) & 1) ^ 1)
             start = lo + t * BLOCK_N
-            _rows_copy(k_smem.index(st), K, sl, start, hi, stride_kt, BLOCK_N, HEAD_DIM, LD)
-            _rows_copy(v_smem.index(st), V, sl, start, hi, stride_vt, BLOCK_N, HEAD_DIM, LD)
-            async_copy.mbarrier_arrive(bars.index(st), increment_count=False)
+            if TMA:  # a whole tile at a multiple of 64 keys is one page's consecutive slots
+                if (start % BLOCK_N == 0) & (start + BLOCK_N <= hi):
+                    _tma_tile(k_desc, v_desc, k_smem.index(st), v_smem.index(st), bars.index(st),
+                              gl.load(rtt_row + start), hk, HEAD_DIM, BLOCK_N)
+                else:
+                    _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V, sl, start,
+                             hi, stride_kt, stride_vt, BLOCK_N, HEAD_DIM, LD)
+            else:
+                _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V, sl, start, hi,
+                         stride_kt, stride_vt, BLOCK_N, HEAD_DIM, LD)
             sl = _slots(rtt_row, start + BLOCK_N, hi, BLOCK_N, LD)
         async_copy.commit_group()  # nothing in flight at exit (q when there is no tile)
         async_copy.wait_group(0)
@@ -445,9 +483,9 @@ if HAVE_GLUON:
             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
             stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
             stride_rtt, stride_tmb, stride_tmj,
-            qk_scale,
+            qk_scale, k_desc, v_desc,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr):
+            NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA: gl.constexpr = False):
         """Warp-specialized ping-pong tree verify: 4 warps here (warpgroup 0), warpgroup 1
         and a 4-warp ``cp.async`` loader as workers, on mbarriers."""
         dtype: gl.constexpr = K.dtype.element_ty
@@ -491,15 +529,15 @@ if HAVE_GLUON:
                               LSE_PART, rtt_row, tree_base, q_start, n, m0, hk, split, P, lo,
                               hi, n_tiles, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot,
                               stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                              stride_tmj, qk_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS,
-                              STAGES))],
+                              stride_tmj, qk_scale, k_desc, v_desc, GROUP, HEAD_DIM, BLOCK_N,
+                              NUM_SPLITS, STAGES, TMA))],
                                [4, _LOADER_WARPS], [232, 40])
 
 
 def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
                      tree_mask, max_q: int, sm_scale: float, out, o_part, lse,
                      num_splits: int, block_n: Optional[int] = None,
-                     pingpong: bool = True) -> None:
+                     pingpong: bool = True, page_size: int = 1) -> None:
     """Launch a Gluon tree-verify kernel (module docstring).  Called by
     :func:`.attention.paged_attention`, which validates every argument and index; after
     :func:`sm90_tree_verify_supported` returned None.
@@ -514,6 +552,10 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     the warp-specialized ping-pong kernel (:func:`_tree_verify_ws_kernel`; ``block_n`` None
     = 64, six stages; 128 runs three and spills registers) rather than the synchronous one
     (:func:`_tree_verify_sm90_kernel`; None = 64 with split-KV, else 128).
+    ``page_size``: the pools' page size, a promise that ``req_to_token`` rows follow the page
+    layout (token ``p`` at offset ``p % page_size`` of its page); a multiple of 64 lets the
+    ping-pong kernel copy whole 64-key tiles by TMA (16-byte aligned caches with
+    ``stride(1) == head_dim``; else ``cp.async`` as at 1).
     Raises ValueError for another ``block_n``.  No host sync."""
     D = q.shape[2]
     if block_n not in (None, 64, 128):
@@ -533,8 +575,16 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     if pingpong:
         block_n = block_n or 64
         # launched with maxnreg=168 so that the warpgroups get 232 registers and the loader 40
-        _tree_verify_ws_kernel[grid](*args, GROUP=G, HEAD_DIM=D, BLOCK_N=block_n,
-                                     NUM_SPLITS=num_splits, STAGES=6 if block_n == 64 else 3,
+        descs = (None, None)
+        if (page_size % 64 == 0 and block_n == 64
+                and all(c.stride(2) == 1 and c.stride(1) == D and c.data_ptr() % 16 == 0
+                        and (c.stride(0) * c.element_size()) % 16 == 0 for c in (k_cache, v_cache))):
+            sw = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+            descs = tuple(TensorDescriptor(c, [c.shape[0], Hkv * D], [c.stride(0), 1], [64, 64], sw)
+                          for c in (k_cache, v_cache))
+        _tree_verify_ws_kernel[grid](*args[:-1], args[-1], *descs, GROUP=G, HEAD_DIM=D,
+                                     BLOCK_N=block_n, NUM_SPLITS=num_splits,
+                                     STAGES=6 if block_n == 64 else 3, TMA=descs[0] is not None,
                                      num_warps=4, maxnreg=168)
         return
     block_n = block_n or (64 if num_splits > 1 else 128)

@@ -17,7 +17,8 @@
 # Writes 7 files into $1: attention_<case>.json x 5 (runner's report layout + errors),
 # attention_summary.md (table, bars, errors, cross-check; rewritten after every point) and
 # attention.log.  The whole run is capped at GPU_ATTENTION_BUDGET_S (default 345 s).
-# Optional: GPU_ATTENTION_ONLY="tree_verify mla_decode" runs a subset of the cases.
+# Optional: GPU_ATTENTION_ONLY="tree_verify mla_decode" runs a subset of the cases;
+# GPU_ATTENTION_PAGE_SIZE=64 runs the tree-verify points on pages of 64 slots.
 set -u
 out=${1:?output dir}
 mkdir -p "$out"
@@ -44,6 +45,7 @@ PY
 
 only=()
 if [[ -n ${GPU_ATTENTION_ONLY:-} ]]; then only=(--only $GPU_ATTENTION_ONLY); fi
+if [[ -n ${GPU_ATTENTION_PAGE_SIZE:-} ]]; then only+=(--page-size "$GPU_ATTENTION_PAGE_SIZE"); fi
 timeout -k 10 "$budget" python3 -m specattn.bench.attention_report "$out" "${only[@]}" 2>&1 \
   | tee -a "$log"
 rc=${PIPESTATUS[0]}

@@ -5,7 +5,8 @@ and ``patch -o alt_kernel/attention_sm90_<stem>.py ../../../triton_kernels/atten
 
 ``alt:OPTS``: session 9's bits, plus 4194304: the loader copies only the first half of each
 tile's keys (diagnostic, wrong output) -- the most a 2-CTA cluster sharing each tile through
-distributed shared memory could save.  ``asmbar[:N]``: see :func:`call`.  Usage as
+distributed shared memory could save.  ``asmbar[:N]`` and ``tma`` (``tma_kernel.diff``):
+see :func:`call`.  ``PAGE=64`` runs every point on pages of 64 slots.  Usage as
 ``explore_s9.py``."""
 import functools
 import importlib.util
@@ -31,6 +32,28 @@ def _scratch(stem):
 
 explore_s9._alt = lambda: _scratch("alt")
 _call_s9 = explore_s9.call
+PAGE = int(os.environ.get("PAGE", "1"))
+_make_s8 = explore_s9.make
+
+
+def make(bs, P, n=64, H=32, Hkv=8, D=128, seed=0):
+    """Session 8's inputs (``explore_s9.make``); with ``PAGE`` > 1 the slots come in pages of
+    ``PAGE`` consecutive slots, the pages in random order (the pools' page layout)."""
+    if PAGE == 1:
+        return _make_s8(bs, P, n=n, H=H, Hkv=Hkv, D=D, seed=seed)
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    per_req = -(-(P + n) // PAGE)
+    pages = torch.randperm(bs * per_req, device="cuda", generator=g).view(bs, per_req)
+    pos = torch.arange(P + n, device="cuda")
+    slots = (pages[:, pos // PAGE] * PAGE + pos % PAGE).int()
+    q, k, v, _, rpi, seq, qo, tm, n = _make_s8(bs, P, n=n, H=H, Hkv=Hkv, D=D, seed=seed)
+    k = torch.randn(bs * per_req * PAGE, Hkv, D, dtype=k.dtype, device="cuda", generator=g)
+    v = torch.randn_like(k)
+    return q, k, v, slots, rpi, seq, qo, tm, n
+
+
+explore_s9.make = make
 
 
 def call(a, variant, splits, trace=None):
@@ -38,13 +61,18 @@ def call(a, variant, splits, trace=None):
     the warpgroup ``bar.sync`` Gluon puts before each; N (default 7) picks which: 1 the
     compute warpgroups' waits (every thread polls), 2 their arrivals (one per warp, counts x4),
     4 the loader's wait and ``cp.async`` arrival, 8 the compute arrivals from one thread of
-    the warpgroup (counts unchanged).  Anything else as ``explore_s9.call``."""
-    if variant is None or not variant.startswith("asmbar"):
+    the warpgroup (counts unchanged).  ``tma``: the package kernel whose loader copies a
+    whole 64-key tile at a multiple of 64 keys by TMA when ``PAGE`` (environment, the pages'
+    size, default 1) is a multiple of 64.  Anything else as ``explore_s9.call``."""
+    if variant is None or not variant.startswith(("asmbar", "tma")):
         return _call_s9(a, variant, splits, trace)
-    asm = int(variant.split(":")[1]) if ":" in variant else 7
     q, k, v, rtt, rpi, seq, qo, tm, n = a
     A = explore_s9.A
-    A.sm90_tree_verify = functools.partial(_scratch("asmbar").sm90_tree_verify, asm=asm)
+    if variant == "tma":
+        A.sm90_tree_verify = functools.partial(_scratch("tma").sm90_tree_verify, page_size=PAGE)
+    else:
+        asm = int(variant.split(":")[1]) if ":" in variant else 7
+        A.sm90_tree_verify = functools.partial(_scratch("asmbar").sm90_tree_verify, asm=asm)
     try:
         return A.paged_attention(q, k, v, rtt, rpi, seq, qo, tm, n, 0.088, splits, sm90=True,
                                  check_bounds=False)
