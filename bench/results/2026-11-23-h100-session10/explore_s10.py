@@ -1,7 +1,6 @@
 """Exploration (session 10): session 9's ``explore_s9.py`` driver (inputs, checks, timer,
-``--trace``) on this session's scratch kernels, rebuilt first with ``mkdir -p alt_kernel``
-and ``patch -o alt_kernel/attention_sm90_<stem>.py ../../../triton_kernels/attention_sm90.py
-<diff>`` for (``alt``, ``alt_kernel.diff``) and (``asmbar``, ``asmbar_kernel.diff``).
+``--trace``) on this session's scratch kernels ``alt_kernel/attention_sm90_<stem>.py``
+(``alt``, ``asmbar``, ``tma``), rebuilt first from this folder's diffs (README, "Files").
 
 ``alt:OPTS``: session 9's bits, plus 4194304: the loader copies only the first half of each
 tile's keys (diagnostic, wrong output) -- the most a 2-CTA cluster sharing each tile through
