@@ -62,13 +62,18 @@ def call(a, variant, splits, trace=None):
     4 the loader's wait and ``cp.async`` arrival, 8 the compute arrivals from one thread of
     the warpgroup (counts unchanged).  ``tma``: the package kernel whose loader copies a
     whole 64-key tile at a multiple of 64 keys by TMA when ``PAGE`` (environment, the pages'
-    size, default 1) is a multiple of 64.  Anything else as ``explore_s9.call``."""
-    if variant is None or not variant.startswith(("asmbar", "tma")):
+    size, default 1) is a multiple of 64; ``fma``: the package kernel (TMA as ``tma``) with
+    the scale folded into the exponent's FFMA; ``pkg``: the package kernel given
+    ``page_size=PAGE`` (``default`` runs it with page 1's gather).  Anything else as
+    ``explore_s9.call``."""
+    if variant is None or not variant.startswith(("asmbar", "tma", "fma", "pkg")):
         return _call_s9(a, variant, splits, trace)
     q, k, v, rtt, rpi, seq, qo, tm, n = a
     A = explore_s9.A
-    if variant == "tma":
-        A.sm90_tree_verify = functools.partial(_scratch("tma").sm90_tree_verify, page_size=PAGE)
+    if variant == "pkg":
+        A.sm90_tree_verify = functools.partial(explore_s9.orig, page_size=PAGE)
+    elif variant in ("tma", "fma"):
+        A.sm90_tree_verify = functools.partial(_scratch(variant).sm90_tree_verify, page_size=PAGE)
     else:
         asm = int(variant.split(":")[1]) if ":" in variant else 7
         A.sm90_tree_verify = functools.partial(_scratch("asmbar").sm90_tree_verify, asm=asm)
