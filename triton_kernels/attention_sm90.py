@@ -54,11 +54,12 @@ Measured on an H100 (2026-11-22, GQA 32/8, head_dim 128, bf16, page 1, 64-token 
 ``bench/results/2026-11-22-h100-session8``), bs / P = 1 / 4096, 16 / 2048, 64 / 4096,
 16 / 16384: ping-pong 26.5 / 98.5 / 668.6 / 633.6 us, synchronous 26.6 / 109.8 / 730.3 /
 678.2, FlashInfer's prefix + tree split 50.0 / 134.6 / 904.8 / 799.3 and its custom mask
-62.6 / 308.4 / 2288.7 / 2247.6 in the same run.  On pages of 64 slots, with whole tiles by
-TMA (``bench/results/2026-11-23-h100-session10``, section 4): 25.0 / 85.1 / 596.1 / 553.8
-us against the split's 49.8 / 134.2 / 873.6 / 831.7 (page 1 in the same session: 26.4 /
-98.5 / 673.1 / 633.5); on an H200 23.8 / 83.5 / 615.7 / 536.9 (page 1: 24.8 / 91.2 / 622.7
-/ 581.2).
+62.6 / 308.4 / 2288.7 / 2247.6 in the same run.  With whole tiles by TMA on pages of 64
+slots and the scale in the exponent's FFMA (``bench/results/2026-11-23-h100-session10``,
+sections 4-5): 24.5 / 83.8 / 575.6 / 530.3 us against the split's 49.8 / 133.9 / 871.4 /
+794.6 at page 64, and 27.4 / 98.1 / 667.6 / 628.3 against 49.7 / 135.0 / 896.2 / 851.8 at
+page 1 (the gather); on an H200 23.6 / 81.6 / 588.8 / 542.6 against 48.6 / 130.9 / 889.9
+/ 849.0 at page 64 (``-h200-session10``).
 What bounds it (the same session's diagnostics): with the in-loop loads skipped (wrong
 output) the synchronous kernel runs 647 / 564 us at the two large points, the ping-pong one
 637 / 562: the loads cost 40-120 us, the rest is compute at 55-60 % of the measured matmul
