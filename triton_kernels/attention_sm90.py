@@ -114,7 +114,7 @@ from .attention_mla_sm90 import HAVE_GLUON, sm90_device_needs
 
 if HAVE_GLUON:
     from triton.experimental import gluon
-    from .attention_mla_sm90 import _slots, _store_out
+    from .attention_mla_sm90 import _SW128, _slots, _store_out
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import tma
@@ -230,7 +230,7 @@ if HAVE_GLUON:
                                                       instr_shape=[16, HEAD_DIM, 16])
         P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [8, 1], [1, 0])
-        SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        SW: gl.constexpr = _SW128  # the TMA descriptors' layout too
 
         hk = gl.program_id(1)
         pid2 = gl.program_id(2)
@@ -497,7 +497,7 @@ if HAVE_GLUON:
         """Warp-specialized ping-pong tree verify: 4 warps here (warpgroup 0), warpgroup 1
         and a 4-warp ``cp.async`` loader as workers, on mbarriers."""
         dtype: gl.constexpr = K.dtype.element_ty
-        SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        SW: gl.constexpr = _SW128  # the TMA descriptors' layout too
         hk = gl.program_id(1)
         pid2 = gl.program_id(2)
         req = pid2 // NUM_SPLITS
@@ -587,10 +587,9 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         if (page_size % 64 == 0 and block_n == 64
                 and all(c.stride(2) == 1 and c.stride(1) == D and c.data_ptr() % 16 == 0
                         and (c.stride(0) * c.element_size()) % 16 == 0 for c in (k_cache, v_cache))):
-            sw = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-            descs = tuple(TensorDescriptor(c, [c.shape[0], Hkv * D], [c.stride(0), 1], [64, 64], sw)
-                          for c in (k_cache, v_cache))
-        _tree_verify_ws_kernel[grid](*args[:-1], args[-1], *descs, GROUP=G, HEAD_DIM=D,
+            descs = tuple(TensorDescriptor(c, [c.shape[0], Hkv * D], [c.stride(0), 1], [64, 64],
+                                           _SW128.value) for c in (k_cache, v_cache))
+        _tree_verify_ws_kernel[grid](*args, *descs, GROUP=G, HEAD_DIM=D,
                                      BLOCK_N=block_n, NUM_SPLITS=num_splits,
                                      STAGES=6 if block_n == 64 else 3, TMA=descs[0] is not None,
                                      num_warps=4, maxnreg=168)
