@@ -174,7 +174,7 @@ class TritonBackend(AttentionBackend):
             ``p`` of a request at offset ``p % page_size`` of its page, as ``KVAllocator``
             hands slots out), so the MLA kernel reads one slot per key tile when ``block_n``
             divides ``page_size``, and the MHA ping-pong tree-verify kernel copies whole
-            64-key tiles by TMA when ``page_size`` is a multiple of 64 (measured figures use
+            64-key tiles by TMA when ``page_size`` is a multiple of 16 (measured figures use
             this).  Pass False for rows built otherwise (e.g. scratch rows copied from other
             requests with ``page_size > 1``): the kernels then gather every key's slot.
         topk: accepted for the contract (:class:`~specattn.backends.base.AttentionBackend`);

@@ -402,21 +402,23 @@ def test_sm90_tree_verify_graph_replay(page_size, pingpong, seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Gluon tree-verify kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_sm90_tree_verify_tma_pages(head_dim, seed):
-    """Pages of 64 slots in random order, ``page_size=64``: whole 64-key tiles by TMA (prefix
-    tiles, all-draft tiles at ``P % 64 == 0``), partial tiles and the tiles of a last split
-    starting at an unaligned ``P`` by ``cp.async``.  Every slot no request uses is NaN (the
+@pytest.mark.parametrize("page", [16, 32, 64])
+def test_sm90_tree_verify_tma_pages(head_dim, page, seed):
+    """Pages of ``page`` slots in random order, ``page_size=page``: whole 64-key tiles at a
+    page boundary by TMA, one box per page run (prefix tiles, all-draft tiles at ``P % 64 ==
+    0``, a last split starting at ``P = 80``), partial tiles and the tiles of a last split
+    starting off a page boundary by ``cp.async``.  Every slot no request uses is NaN (the
     tails of last pages too) and stays out of the output; the output equals the
     ``cp.async``-only run (``page_size=1``) bit for bit and the Triton kernel's within bf16;
     and the promise is used: a row that breaks the page layout gives another output."""
     gen = torch.Generator().manual_seed(seed)
     Hkv, G, D = 2, 4, 64
-    P = torch.tensor([0, 64, 128, 129, 1000, 4096, 5000], dtype=torch.int32)
-    bs, per_req = len(P), -(-(int(P.max()) + D) // 64)
+    P = torch.tensor([0, 64, 80, 128, 129, 1000, 4096, 5000], dtype=torch.int32)
+    bs, per_req = len(P), -(-(int(P.max()) + D) // page)
     pages = torch.randperm(bs * per_req + 3, generator=gen)[:bs * per_req].view(bs, per_req)
-    pos = torch.arange(per_req * 64)
-    rtt = (pages[:, pos // 64] * 64 + pos % 64).int().cuda()
-    kc = torch.full(((bs * per_req + 3) * 64, Hkv, head_dim), float("nan"), dtype=torch.bfloat16,
+    pos = torch.arange(per_req * page)
+    rtt = (pages[:, pos // page] * page + pos % page).int().cuda()
+    kc = torch.full(((bs * per_req + 3) * page, Hkv, head_dim), float("nan"), dtype=torch.bfloat16,
                     device="cuda")
     vc = kc.clone()
     for b in range(bs):
@@ -432,7 +434,7 @@ def test_sm90_tree_verify_tma_pages(head_dim, seed):
         ref = paged_attention(*args, num_splits=splits, sm90=False)
         cp = paged_attention(*args, num_splits=splits, sm90=True, pingpong=True)
         out = torch.full((bs * D + 5, Hkv * G, head_dim), float("nan"), dtype=q.dtype, device="cuda")
-        tma = paged_attention(*args, num_splits=splits, sm90=True, pingpong=True, page_size=64,
+        tma = paged_attention(*args, num_splits=splits, sm90=True, pingpong=True, page_size=page,
                               out=out[:bs * D])
         assert torch.isfinite(tma).all() and torch.equal(tma, cp), splits
         assert rel_err(ref.float(), tma.float()) < 1e-2, splits
@@ -440,11 +442,11 @@ def test_sm90_tree_verify_tma_pages(head_dim, seed):
     # key 3 pointed at key 70's slot inside a whole prefix tile: the gather reads the new
     # slot, the TMA copy reads the page's (consecutive) slots as promised
     broken = rtt.clone()
-    broken[5, 3] = broken[5, 70]
+    broken[6, 3] = broken[6, 70]
     args_b = (q, kc, vc, broken) + args[4:]
     gathered = paged_attention(*args_b, num_splits=1, sm90=True, pingpong=True)
     assert not torch.equal(gathered, paged_attention(*args_b, num_splits=1, sm90=True, pingpong=True,
-                                                      page_size=64))
+                                                      page_size=page))
 
 
 # ------------------------------------------------------------------------- end to end

@@ -454,9 +454,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             and the call has no tree mask or fewer than 128 packed rows per request).
         page_size: the pools' page size, a promise on ``req_to_token`` that the kernel
             cannot check: token ``p`` of a request at offset ``p % page_size`` of its page
-            (the layout of :mod:`~specattn.backends.pools`).  A multiple of 64 lets the
-            ping-pong Gluon kernel copy each whole 64-key tile at a multiple of 64 keys by TMA
-            from the slot of its first key; 1 (default): one slot per key, any layout.
+            (the layout of :mod:`~specattn.backends.pools`).  A multiple of 16 lets the
+            ping-pong Gluon kernel copy each whole 64-key tile that starts at a page boundary
+            by TMA, one box per run of consecutive slots from the slot of its first key;
+            1 (default): one slot per key, any layout.
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; see
             :func:`~specattn.triton_kernels._util.check_paged_metadata`).  Backends that

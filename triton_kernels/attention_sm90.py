@@ -13,10 +13,11 @@ Common layout (same semantics as :mod:`.attention`, ``forward_batch`` convention
   num_splits)``; CTAs past ``n * G`` exit.
 - ``q`` in shared memory; keys ``[lo, hi)`` in ``BLOCK_N`` tiles, K and V gathered per token
   through ``req_to_token`` by ``cp.async`` (rows past ``hi`` zero-filled).  The ping-pong
-  kernel with ``page_size`` a multiple of 64 copies a whole 64-key tile at a multiple of 64
-  keys by TMA instead (one page's consecutive slots from ``req_to_token[r, start]``: boxes
-  of ``[64, 64]`` over the cache viewed ``[num_slots, Hkv * D]``); a partial tile and the
-  tiles of a last split starting at an unaligned ``P`` stay on ``cp.async``.  Whole prefix
+  kernel with ``page_size`` a multiple of 16 copies a whole 64-key tile that starts at a page
+  boundary by TMA instead: for each run of ``R`` consecutive slots (``R`` = 64, 32 or 16,
+  the largest dividing the page size), ``[R, 64]`` boxes from the slot of its first key
+  (``req_to_token``) over the cache viewed ``[num_slots, Hkv * D]``; a partial tile and the
+  tiles of a last split starting off a page boundary stay on ``cp.async``.  Whole prefix
   tiles take no mask; the tile holding ``P`` and after test the bound and the bit-packed tree
   rows (``tree_mask[i, j]``, bit ``k % 32`` of word ``k // 32``).
 - Split-KV as :mod:`.attention` (split ``s`` covers prefix ``[s c, min((s + 1) c, P))``, the
@@ -59,7 +60,8 @@ slots and the scale in the exponent's FFMA (``bench/results/2026-11-23-h100-sess
 sections 4-5): 24.5 / 83.8 / 575.6 / 530.3 us against the split's 49.8 / 133.9 / 871.4 /
 794.6 at page 64, and 27.4 / 98.1 / 667.6 / 628.3 against 49.7 / 135.0 / 896.2 / 851.8 at
 page 1 (the gather); on an H200 23.6 / 81.6 / 588.8 / 542.6 against 48.6 / 130.9 / 889.9
-/ 849.0 at page 64 (``-h200-session10``).
+/ 849.0 at page 64 (``-h200-session10``).  Page 16 (runs of 16 slots, section 6): 25.0 /
+89.1 / 592.1 / 545.4 against 49.9 / 134.0 / 875.3 / 786.0.
 What bounds it (the same session's diagnostics): with the in-loop loads skipped (wrong
 output) the synchronous kernel runs 647 / 564 us at the two large points, the ping-pong one
 637 / 562: the loads cost 40-120 us, the rest is compute at 55-60 % of the measured matmul
@@ -336,20 +338,25 @@ if HAVE_GLUON:
         async_copy.mbarrier_arrive(bar, increment_count=False)
 
     @gluon.jit
-    def _tma_tile(k_desc, v_desc, k_buf, v_buf, bar, slot0, hk,
-                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
-        """TMA a whole tile of consecutive slots from ``slot0`` (``[64, 64]`` boxes); the
-        arrivals match ``_cp_tile``'s (one per loader thread) plus the bytes.  Each thread's
-        earlier ``cp.async`` copies (``q`` before the first tile) still hold the phase until
-        they land (a counted ``cp.async`` arrival: +1 now, -1 when they complete)."""
+    def _tma_tile(k_desc, v_desc, k_buf, v_buf, bar, slots, hk,
+                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
+        """TMA a whole tile made of runs of ``ROWS`` consecutive slots (pages of ``ROWS`` or a
+        multiple): per run, ``[ROWS, 64]`` boxes from the slot of its first key
+        (``slots``: the tile's ``req_to_token`` entries).  The arrivals match ``_cp_tile``'s
+        (one per loader thread) plus the bytes.  Each thread's earlier ``cp.async`` copies
+        (``q`` before the first tile) still hold the phase until they land (a counted
+        ``cp.async`` arrival: +1 now, -1 when they complete)."""
         async_copy.mbarrier_arrive(bar, increment_count=True)
         mbarrier.arrive(bar, count=_LOADER_WARPS * 32 - 1)
         mbarrier.expect(bar, 2 * BLOCK_N * HEAD_DIM * 2)
-        for b in gl.static_range(HEAD_DIM // 64):
-            tma.async_copy_global_to_shared(k_desc, [slot0, hk * HEAD_DIM + b * 64], bar,
-                                            k_buf.slice(b * 64, 64, dim=1))
-            tma.async_copy_global_to_shared(v_desc, [slot0, hk * HEAD_DIM + b * 64], bar,
-                                            v_buf.slice(b * 64, 64, dim=1))
+        for r in gl.static_range(BLOCK_N // ROWS):
+            slot0 = gl.load(slots + r * ROWS)
+            for b in gl.static_range(HEAD_DIM // 64):
+                col = hk * HEAD_DIM + b * 64
+                tma.async_copy_global_to_shared(
+                    k_desc, [slot0, col], bar, k_buf.slice(r * ROWS, ROWS).slice(b * 64, 64, dim=1))
+                tma.async_copy_global_to_shared(
+                    v_desc, [slot0, col], bar, v_buf.slice(r * ROWS, ROWS).slice(b * 64, 64, dim=1))
 
     @gluon.jit
     def _tv_loader(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
@@ -358,7 +365,7 @@ if HAVE_GLUON:
                    stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
                    k_desc, v_desc,
                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA: gl.constexpr):
+                   NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr):
         """Loader partition: ``q`` once, then each key tile's K and V rows by ``cp.async``
         into stage ``t % STAGES`` once both warpgroups freed it; each thread's copies arrive
         on the stage's full barrier when they land."""
@@ -376,10 +383,10 @@ if HAVE_GLUON:
             st = t % STAGES
             mbarrier.wait(bars.index(STAGES + st), ((t // STAGES) & 1) ^ 1)
             start = lo + t * BLOCK_N
-            if TMA:  # a whole tile at a multiple of 64 keys is one page's consecutive slots
-                if (start % BLOCK_N == 0) & (start + BLOCK_N <= hi):
+            if TMA_ROWS > 0:  # a whole tile at a page boundary: runs of consecutive slots
+                if (start % TMA_ROWS == 0) & (start + BLOCK_N <= hi):
                     _tma_tile(k_desc, v_desc, k_smem.index(st), v_smem.index(st), bars.index(st),
-                              gl.load(rtt_row + start), hk, HEAD_DIM, BLOCK_N)
+                              rtt_row + start, hk, HEAD_DIM, BLOCK_N, TMA_ROWS)
                 else:
                     _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V, sl, start,
                              hi, stride_kt, stride_vt, BLOCK_N, HEAD_DIM, LD)
@@ -493,7 +500,7 @@ if HAVE_GLUON:
             stride_rtt, stride_tmb, stride_tmj,
             qk_scale, k_desc, v_desc,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA: gl.constexpr = False):
+            NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr = 0):
         """Warp-specialized ping-pong tree verify: 4 warps here (warpgroup 0), warpgroup 1
         and a 4-warp ``cp.async`` loader as workers, on mbarriers."""
         dtype: gl.constexpr = K.dtype.element_ty
@@ -538,7 +545,7 @@ if HAVE_GLUON:
                               hi, n_tiles, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot,
                               stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                               stride_tmj, qk_scale, k_desc, v_desc, GROUP, HEAD_DIM, BLOCK_N,
-                              NUM_SPLITS, STAGES, TMA))],
+                              NUM_SPLITS, STAGES, TMA_ROWS))],
                                [4, _LOADER_WARPS], [232, 40])
 
 
@@ -561,8 +568,9 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     = 64, six stages; 128 runs three and spills registers) rather than the synchronous one
     (:func:`_tree_verify_sm90_kernel`; None = 64 with split-KV, else 128).
     ``page_size``: the pools' page size, a promise that ``req_to_token`` rows follow the page
-    layout (token ``p`` at offset ``p % page_size`` of its page); a multiple of 64 lets the
-    ping-pong kernel copy whole 64-key tiles by TMA (16-byte aligned caches with
+    layout (token ``p`` at offset ``p % page_size`` of its page); a multiple of 16 lets the
+    ping-pong kernel copy whole 64-key tiles at a page boundary by TMA, one box per run of
+    64 / 32 / 16 consecutive slots and 64 columns (16-byte aligned caches with
     ``stride(1) == head_dim``; else ``cp.async`` as at 1).
     Raises ValueError for another ``block_n``.  No host sync."""
     D = q.shape[2]
@@ -583,15 +591,18 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     if pingpong:
         block_n = block_n or 64
         # launched with maxnreg=168 so that the warpgroups get 232 registers and the loader 40
+        # TMA boxes of one page's run of slots (the largest of 64 / 32 / 16 dividing the page)
+        rows = next((r for r in (64, 32, 16) if page_size % r == 0), 0) if block_n == 64 else 0
+        if not all(c.stride(2) == 1 and c.stride(1) == D and c.data_ptr() % 16 == 0
+                   and (c.stride(0) * c.element_size()) % 16 == 0 for c in (k_cache, v_cache)):
+            rows = 0
         descs = (None, None)
-        if (page_size % 64 == 0 and block_n == 64
-                and all(c.stride(2) == 1 and c.stride(1) == D and c.data_ptr() % 16 == 0
-                        and (c.stride(0) * c.element_size()) % 16 == 0 for c in (k_cache, v_cache))):
-            descs = tuple(TensorDescriptor(c, [c.shape[0], Hkv * D], [c.stride(0), 1], [64, 64],
+        if rows:
+            descs = tuple(TensorDescriptor(c, [c.shape[0], Hkv * D], [c.stride(0), 1], [rows, 64],
                                            _SW128.value) for c in (k_cache, v_cache))
         _tree_verify_ws_kernel[grid](*args, *descs, GROUP=G, HEAD_DIM=D,
                                      BLOCK_N=block_n, NUM_SPLITS=num_splits,
-                                     STAGES=6 if block_n == 64 else 3, TMA=descs[0] is not None,
+                                     STAGES=6 if block_n == 64 else 3, TMA_ROWS=rows,
                                      num_warps=4, maxnreg=168)
         return
     block_n = block_n or (64 if num_splits > 1 else 128)
