@@ -368,7 +368,8 @@ if HAVE_GLUON:
                    NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr):
         """Loader partition: ``q`` once, then each key tile's K and V rows by ``cp.async``
         into stage ``t % STAGES`` once both warpgroups freed it; each thread's copies arrive
-        on the stage's full barrier when they land."""
+        on the stage's full barrier when they land.  With ``TMA_ROWS`` (pages of a multiple
+        of 16 slots), a whole tile at a page boundary comes by TMA instead (``_tma_tile``)."""
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
                                             [_LOADER_WARPS, 1], [1, 0])
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
@@ -590,7 +591,6 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
             sm_scale * 1.4426950408889634)
     if pingpong:
         block_n = block_n or 64
-        # launched with maxnreg=168 so that the warpgroups get 232 registers and the loader 40
         # TMA boxes of one page's run of slots (the largest of 64 / 32 / 16 dividing the page)
         rows = next((r for r in (64, 32, 16) if page_size % r == 0), 0) if block_n == 64 else 0
         if not all(c.stride(2) == 1 and c.stride(1) == D and c.data_ptr() % 16 == 0
@@ -600,6 +600,7 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         if rows:
             descs = tuple(TensorDescriptor(c, [c.shape[0], Hkv * D], [c.stride(0), 1], [rows, 64],
                                            _SW128.value) for c in (k_cache, v_cache))
+        # launched with maxnreg=168 so that the warpgroups get 232 registers and the loader 40
         _tree_verify_ws_kernel[grid](*args, *descs, GROUP=G, HEAD_DIM=D,
                                      BLOCK_N=block_n, NUM_SPLITS=num_splits,
                                      STAGES=6 if block_n == 64 else 3, TMA_ROWS=rows,
