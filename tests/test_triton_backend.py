@@ -330,8 +330,8 @@ def test_sm90_tree_verify_matches_reference(dtype, page_size, head_dim, block_n,
     """The Gluon tree-verify kernel (``sm90=True``), both schedules, against the reference:
     GQA groups 1..8, random trees of 1..64 tokens (mask words crossing 32; at most 64 rows,
     leaving warpgroup 1 of the ping-pong kernel no row), prefixes 0, at and around tile
-    boundaries and long, split and not; at page 64 the ping-pong kernel's whole 64-key tiles
-    come by TMA (the backend passes the pool's page size)."""
+    boundaries and long, split and not; at pages 16 and 64 the ping-pong kernel's whole
+    64-key tiles at a page boundary come by TMA (the backend passes the pool's page size)."""
     rng = random.Random(seed)
     for group in (1, rng.randint(2, 7), 8):
         hkv = rng.choice([1, 2, 8])
