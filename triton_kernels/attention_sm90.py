@@ -101,6 +101,16 @@ correct but moves 1.5 TB/s where ``cp.async`` moves 2.4 (the TMA unit takes ~19 
 128-byte box); halving each CTA's gather (what a 2-CTA cluster sharing tiles could give at
 best) leaves bs 64 / P 4096 at 662 us (630 with the FFMA scale); mbarrier waits and arrivals
 without the warpgroup ``bar.sync`` Gluon puts before each (inline PTX) run 8 % slower.
+Session 11 (``bench/results/2026-11-23-h100-session11``, page 1): a CTA spends 5.6-7.6 us
+outside its key loop (start 2.5-4.3, epilogue 2.2-2.8, relaunch 0.5), but a persistent form
+(one CTA per SM, the ring and turns running on across work items, one or two ``q`` buffers)
+gained nothing: the hand-over still took ~2 us and the loop slowed.  Nsight Compute puts
+13.8 % of all stall samples on the loader waiting for a tile's slots, yet prefetching them
+into L1 stays under 1 %: the slot load queues behind the loader's own gathers.  L2
+prefetches of the K/V rows (per line, per row, or whole 8-head slot rows by one CTA per
+head) were 2-39 % slower; loading a TMA tile's run slots a tile ahead spills the loader at
+page 16; the tree mask loaded per row instead of per score element was slower (the mask
+costs at most 1.4-2.2 %).
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
