@@ -110,7 +110,8 @@ into L1 stays under 1 %: the slot load queues behind the loader's own gathers.  
 prefetches of the K/V rows (per line, per row, or whole 8-head slot rows by one CTA per
 head) were 2-39 % slower; loading a TMA tile's run slots a tile ahead spills the loader at
 page 16; the tree mask loaded per row instead of per score element was slower (the mask
-costs at most 1.4-2.2 %).
+costs at most 1.4-2.2 %); the scalars loaded before the CTA's branch, the next page-64 TMA
+tile's slot loaded ahead and the L1 prefetch together: within 1 %.
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
