@@ -12,26 +12,17 @@ replaying every variant's CUDA graph in turn (``explore_s11.bench_interleaved``)
 Usage: ``ROUNDS=r python combo_ab.py VARIANT...`` with VARIANT ``default`` or
 ``c:k=v,..``."""
 import functools
-import importlib.util
 import os
 import sys
 
 import torch
 
 import specattn.triton_kernels.attention as A
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from explore_s11 import CHECKS, POINTS, _kw, bench_interleaved, make  # noqa: E402
-from runs_ab import make_paged  # noqa: E402
+from explore_s11 import CHECKS, POINTS, _alt, _kw, bench_interleaved, make
+from runs_ab import make_paged
 
 orig = A.sm90_tree_verify
-spec = importlib.util.spec_from_file_location("specattn.triton_kernels.attention_sm90_combo",
-                                              os.path.join(HERE, "alt_kernel",
-                                                           "attention_sm90_combo.py"))
-mod = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = mod
-spec.loader.exec_module(mod)
+mod = _alt("combo")
 
 
 def fn_of(variant):

@@ -11,23 +11,15 @@ prefixes off the tile grid, splits 1 / 3), then the bench's ``tree_verify`` case
 harness's timing) at the issue's three larger points, interleaved twice.  Prints max |diff|
 and median us."""
 import functools
-import importlib.util
-import os
-import sys
 
 import torch
 
 import specattn.triton_kernels.attention as A
+from explore_s11 import _alt
 from specattn.bench import runner
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 orig = A.sm90_tree_verify
-spec = importlib.util.spec_from_file_location("specattn.triton_kernels.attention_sm90_runs",
-                                              os.path.join(HERE, "alt_kernel",
-                                                           "attention_sm90_runs.py"))
-mod = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = mod
-spec.loader.exec_module(mod)
+mod = _alt("runs")
 dev, bf16 = "cuda", torch.bfloat16
 
 
