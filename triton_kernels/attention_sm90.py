@@ -24,16 +24,20 @@ Common layout (same semantics as :mod:`.attention`, ``forward_batch`` convention
   last split also the ``n`` draft keys); partials merged by :func:`.attention._merge_kernel`.
 
 **Ping-pong** (:func:`_tree_verify_ws_kernel`, the default), FlashAttention-3's schedule
-(Shah et al., arXiv:2407.08608, sections 3.1-3.2; no code copied), warp-specialized into
-three 4-warp partitions on mbarriers: a loader gathers ``q`` once and every K/V tile into a
-6-stage ring of 64-key tiles (each loader thread's ``cp.async`` arrives on the stage's full
-barrier when it lands, so the loader never waits for its own copies; a stage is refilled once
-both warpgroups released it); the two compute warpgroups take turns on the tensor cores (a
-turn barrier each): on its turn a warpgroup issues the score GEMM of tile ``j`` and the PV
-GEMM of tile ``j - 1``, hands the turn over, and runs the softmax of tile ``j`` under its own
-PV GEMM and the other warpgroup's pair.  Registers: 232 per compute thread, 40 per loader
-thread (``maxnreg=168`` at launch); 128-key tiles spill there and are slower (818 vs 674 us
-at bs 64 / P 4096 in one run).
+(Shah et al., arXiv:2407.08608, sections 3.1-3.2; no code copied), warp-specialized into two
+4-warp compute partitions and a loader on mbarriers: the loader gathers ``q`` once and every
+K/V tile into a 6-stage ring of 64-key tiles (each loader thread's ``cp.async`` arrives on
+the stage's full barrier when it lands, so the loader never waits for its own copies; a
+stage is refilled once both warpgroups released it); the two compute warpgroups take turns
+on the tensor cores (a turn barrier each): on its turn a warpgroup issues the score GEMM of
+tile ``j`` and the PV GEMM of tile ``j - 1``, hands the turn over, and runs the softmax of
+tile ``j`` under its own PV GEMM and the other warpgroup's pair.  The loader has 8 warps for
+the per-key gather (32 registers a thread, the compute 224, ``maxnreg=128`` at launch):
+1.2-4.5 % faster at page 1 than 4 warps, timed interleaved
+(``bench/results/2026-11-23-h100-session11``, section 10); with TMA tiles (pages of a
+multiple of 16) 4 warps (40 registers, the compute 232, ``maxnreg=168``), as 8 are 2-10 %
+slower there.  128-key tiles spill and are slower (818 vs 674 us at bs 64 / P 4096 in one
+run).
 
 **Synchronous** (:func:`_tree_verify_sm90_kernel`, ``pingpong=False``), 8 warps, each
 iteration ordered as FlashAttention-3's intra-warpgroup overlap::
@@ -111,7 +115,11 @@ prefetches of the K/V rows (per line, per row, or whole 8-head slot rows by one 
 head) were 2-39 % slower; loading a TMA tile's run slots a tile ahead spills the loader at
 page 16; the tree mask loaded per row instead of per score element was slower (the mask
 costs at most 1.4-2.2 %); the scalars loaded before the CTA's branch, the next page-64 TMA
-tile's slot loaded ahead and the L1 prefetch together: within 1 %.
+tile's slot loaded ahead and the L1 prefetch together: within 1 %.  What did help is the
+8-warp loader for the gather that session 9 had measured as noise (one variant timed after
+another): timed interleaved it is 1.2-4.5 % faster at page 1 (section 10), and the bench
+then read 25.5 / 93.4 / 630.4 / 627.4 us against the split's 50.1 / 135.9 / 924.2 / 805.2
+(1.97 / 1.46 / 1.47 / 1.28x, ``attention_page1_lw8``).
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
@@ -337,8 +345,7 @@ if HAVE_GLUON:
     # ---- warp-specialized ping-pong schedule ----
     # mbarriers, [2 * STAGES + 2]: stage (its K/V landed: one cp.async arrival per loader
     # thread), STAGES + stage (both warpgroups are done with it), 2 * STAGES + wg (wg's turn
-    # to issue its GEMMs)
-    _LOADER_WARPS = gl.constexpr(4)
+    # to issue its GEMMs).  LW: the loader's warps (8 for the per-key gather, 4 with TMA).
 
     @gluon.jit
     def _cp_tile(k_buf, v_buf, bar, K, V, sl, start, hi, stride_kt, stride_vt,
@@ -350,7 +357,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tma_tile(k_desc, v_desc, k_buf, v_buf, bar, slots, hk,
-                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
+                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
+                  LW: gl.constexpr):
         """TMA a whole tile made of runs of ``ROWS`` consecutive slots (pages of ``ROWS`` or a
         multiple): per run, ``[ROWS, 64]`` boxes from the slot of its first key
         (``slots``: the tile's ``req_to_token`` entries).  The arrivals match ``_cp_tile``'s
@@ -358,7 +366,7 @@ if HAVE_GLUON:
         (``q`` before the first tile) still hold the phase until they land (a counted
         ``cp.async`` arrival: +1 now, -1 when they complete)."""
         async_copy.mbarrier_arrive(bar, increment_count=True)
-        mbarrier.arrive(bar, count=_LOADER_WARPS * 32 - 1)
+        mbarrier.arrive(bar, count=LW * 32 - 1)
         mbarrier.expect(bar, 2 * BLOCK_N * HEAD_DIM * 2)
         for r in gl.static_range(BLOCK_N // ROWS):
             slot0 = gl.load(slots + r * ROWS)
@@ -376,13 +384,14 @@ if HAVE_GLUON:
                    stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
                    k_desc, v_desc,
                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr):
+                   NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr,
+                   LW: gl.constexpr):
         """Loader partition: ``q`` once, then each key tile's K and V rows by ``cp.async``
         into stage ``t % STAGES`` once both warpgroups freed it; each thread's copies arrive
         on the stage's full barrier when they land.  With ``TMA_ROWS`` (pages of a multiple
         of 16 slots), a whole tile at a page boundary comes by TMA instead (``_tma_tile``)."""
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
-                                            [_LOADER_WARPS, 1], [1, 0])
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [LW, 1],
+                                            [1, 0])
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
         for h in gl.static_range(2):  # each warpgroup's 64 rows of q
             rows = m0 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
@@ -398,7 +407,7 @@ if HAVE_GLUON:
             if TMA_ROWS > 0:  # a whole tile at a page boundary: runs of consecutive slots
                 if (start % TMA_ROWS == 0) & (start + BLOCK_N <= hi):
                     _tma_tile(k_desc, v_desc, k_smem.index(st), v_smem.index(st), bars.index(st),
-                              rtt_row + start, hk, HEAD_DIM, BLOCK_N, TMA_ROWS)
+                              rtt_row + start, hk, HEAD_DIM, BLOCK_N, TMA_ROWS, LW)
                 else:
                     _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V, sl, start,
                              hi, stride_kt, stride_vt, BLOCK_N, HEAD_DIM, LD)
@@ -512,9 +521,10 @@ if HAVE_GLUON:
             stride_rtt, stride_tmb, stride_tmj,
             qk_scale, k_desc, v_desc,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr = 0):
+            NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr = 0,
+            LW: gl.constexpr = 8):
         """Warp-specialized ping-pong tree verify: 4 warps here (warpgroup 0), warpgroup 1
-        and a 4-warp ``cp.async`` loader as workers, on mbarriers."""
+        and the loader (``LW`` warps) as workers, on mbarriers."""
         dtype: gl.constexpr = K.dtype.element_ty
         SW: gl.constexpr = _SW128  # the TMA descriptors' layout too
         hk = gl.program_id(1)
@@ -534,7 +544,7 @@ if HAVE_GLUON:
             bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 2, 1],
                                              mbarrier.MBarrierLayout())
             for i in gl.static_range(STAGES):
-                mbarrier.init(bars.index(i), count=_LOADER_WARPS * 32)
+                mbarrier.init(bars.index(i), count=LW * 32)
                 mbarrier.init(bars.index(STAGES + i), count=2)
             mbarrier.init(bars.index(2 * STAGES), count=1)
             mbarrier.init(bars.index(2 * STAGES + 1), count=1)
@@ -557,8 +567,8 @@ if HAVE_GLUON:
                               hi, n_tiles, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot,
                               stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                               stride_tmj, qk_scale, k_desc, v_desc, GROUP, HEAD_DIM, BLOCK_N,
-                              NUM_SPLITS, STAGES, TMA_ROWS))],
-                               [4, _LOADER_WARPS], [232, 40])
+                              NUM_SPLITS, STAGES, TMA_ROWS, LW))],
+                               [4, LW], [232 if LW == 4 else 224, 40 if LW == 4 else 32])
 
 
 def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
@@ -611,11 +621,15 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         if rows:
             descs = tuple(TensorDescriptor(c, [c.shape[0], Hkv * D], [c.stride(0), 1], [rows, 64],
                                            _SW128.value) for c in (k_cache, v_cache))
-        # launched with maxnreg=168 so that the warpgroups get 232 registers and the loader 40
+        # the per-key gather of 64-key tiles gets an 8-warp loader: 1.2-4.5 % faster at page
+        # 1, slower with TMA tiles (bench/results/2026-11-23-h100-session11, section 10)
+        lw = 8 if rows == 0 and block_n == 64 else 4
+        # launched with maxnreg=168 (4 loader warps: the warpgroups get 232 registers and the
+        # loader 40) or 128 (8 loader warps: 224 and 32)
         _tree_verify_ws_kernel[grid](*args, *descs, GROUP=G, HEAD_DIM=D,
                                      BLOCK_N=block_n, NUM_SPLITS=num_splits,
-                                     STAGES=6 if block_n == 64 else 3, TMA_ROWS=rows,
-                                     num_warps=4, maxnreg=168)
+                                     STAGES=6 if block_n == 64 else 3, TMA_ROWS=rows, LW=lw,
+                                     num_warps=4, maxnreg=168 if lw == 4 else 128)
         return
     block_n = block_n or (64 if num_splits > 1 else 128)
     _tree_verify_sm90_kernel[grid](*args, GROUP=G, HEAD_DIM=D, BLOCK_N=block_n,

@@ -19,7 +19,8 @@ next item's scalars loaded at the start of this one) or ``s:spf=D``
 L2, ``D`` tiles ahead, the whole slot rows (every KV head) of its share of the tile's keys,
 ``cp.async.bulk.prefetch.L2``) or ``m:mask=M`` (``alt_kernel/attention_sm90_mask.py``: the
 tree-mask words of a tile holding draft keys: 0 gathered per score element as the package
-does, 1 loaded once per row and selected per key, 2 none (diagnostic, wrong output)).  ``ptrace=VARIANT``: per-item events of
+does, 1 loaded once per row and selected per key, 2 none (diagnostic, wrong output)) or ``l:lreg=R`` (``alt_kernel/attention_sm90_l8.py``: an
+8-warp loader with ``R`` registers, the warpgroups ``(512 - 2 R) / 2``, launched at 128).  ``ptrace=VARIANT``: per-item events of
 a persistent variant.  ``ROUNDS=r``: ``r`` rounds of timing, each replaying the variants'
 graphs in turn (``bench_interleaved``).  Inputs and timer: session 8's
 ``explore_tree_verify.py`` (page 1, random slots, GQA 32 / 8, head_dim 128, bf16, 64-token
@@ -59,15 +60,25 @@ def _kw(variant):
     return out
 
 
+MODULES = {"alt": "alt", "p": "persist", "s": "slotpf", "r": "rowpf", "m": "mask", "l": "l8",
+           "c": "combo"}
+
+
+def variant_fn(variant, **extra):
+    """The launcher of ``variant`` (``default``: the package's)."""
+    if variant == "default":
+        return orig
+    return functools.partial(_alt(MODULES[variant.split(":")[0]]).sm90_tree_verify,
+                             **_kw(variant), **extra)
+
+
 def call(a, variant, splits, **extra):
     q, k, v, rtt, rpi, seq, qo, tm, n = a
     if variant is None:
         return A.paged_attention(q, k, v, rtt, rpi, seq, qo, tm, n, 0.088, splits, sm90=False,
                                  check_bounds=False)
     if variant != "default":
-        mod = {"p": "persist", "s": "slotpf", "r": "rowpf", "m": "mask"}.get(variant.split(":")[0], "alt")
-        A.sm90_tree_verify = functools.partial(_alt(mod).sm90_tree_verify, **_kw(variant),
-                                               **extra)
+        A.sm90_tree_verify = variant_fn(variant, **extra)
     try:
         return A.paged_attention(q, k, v, rtt, rpi, seq, qo, tm, n, 0.088, splits, sm90=True,
                                  check_bounds=False)
