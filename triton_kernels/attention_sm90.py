@@ -119,7 +119,8 @@ tile's slot loaded ahead and the L1 prefetch together: within 1 %.  What did hel
 8-warp loader for the gather that session 9 had measured as noise (one variant timed after
 another): timed interleaved it is 1.2-4.5 % faster at page 1 (section 10), and the bench
 then read 25.5 / 93.4 / 630.4 / 627.4 us against the split's 50.1 / 135.9 / 924.2 / 805.2
-(1.97 / 1.46 / 1.47 / 1.28x, ``attention_page1_lw8``).
+(1.97 / 1.46 / 1.47 / 1.28x, ``attention_page1_lw8``); on an H200 it is 0-1.6 % faster
+(``bench/results/2026-11-23-h200-session11``: 1.99 / 1.46 / 1.40 / 1.36x in its bench run).
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
