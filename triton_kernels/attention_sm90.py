@@ -32,9 +32,10 @@ stage is refilled once both warpgroups released it); the two compute warpgroups 
 on the tensor cores (a turn barrier each): on its turn a warpgroup issues the score GEMM of
 tile ``j`` and the PV GEMM of tile ``j - 1``, hands the turn over, and runs the softmax of
 tile ``j`` under its own PV GEMM and the other warpgroup's pair.  The loader has 8 warps for
-the per-key gather (32 registers a thread, the compute 224, ``maxnreg=128`` at launch):
-1.2-4.5 % faster at page 1 than 4 warps, timed interleaved
-(``bench/results/2026-11-23-h100-session11``, section 10); with TMA tiles (pages of a
+the per-key gather (32 registers a thread, the compute 224, ``maxnreg=128`` at launch) and
+loads each tile's slots just before its copies (none carried, no spill): 1.2-4.5 % faster at
+page 1 than 4 warps, and 0.8-3.7 % more without the carried slots, timed interleaved
+(``bench/results/2026-11-23-h100-session11``, sections 10-11); with TMA tiles (pages of a
 multiple of 16) 4 warps (40 registers, the compute 232, ``maxnreg=168``), as 8 are 2-10 %
 slower there.  128-key tiles spill and are slower (818 vs 674 us at bs 64 / P 4096 in one
 run).
@@ -389,8 +390,10 @@ if HAVE_GLUON:
                    LW: gl.constexpr):
         """Loader partition: ``q`` once, then each key tile's K and V rows by ``cp.async``
         into stage ``t % STAGES`` once both warpgroups freed it; each thread's copies arrive
-        on the stage's full barrier when they land.  With ``TMA_ROWS`` (pages of a multiple
-        of 16 slots), a whole tile at a page boundary comes by TMA instead (``_tma_tile``)."""
+        on the stage's full barrier when they land.  The gather loads a tile's slots just
+        before its copies; with ``TMA_ROWS`` (pages of a multiple of 16 slots) a whole tile at
+        a page boundary comes by TMA instead (``_tma_tile``), and the slots for the other
+        tiles are loaded a tile ahead."""
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [LW, 1],
                                             [1, 0])
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
@@ -400,7 +403,8 @@ if HAVE_GLUON:
                       + (hk * GROUP + rows % GROUP) * stride_qh)
             async_copy.async_copy_global_to_shared(q_smem.index(h), Q + q_rows[:, None] + d[None, :],
                                                    mask=(rows < n * GROUP)[:, None])
-        sl = _slots(rtt_row, lo, hi, BLOCK_N, LD)
+        if TMA_ROWS > 0:
+            sl = _slots(rtt_row, lo, hi, BLOCK_N, LD)
         for t in range(n_tiles):
             st = t % STAGES
             mbarrier.wait(bars.index(STAGES + st), ((t // STAGES) & 1) ^ 1)
@@ -412,10 +416,11 @@ if HAVE_GLUON:
                 else:
                     _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V, sl, start,
                              hi, stride_kt, stride_vt, BLOCK_N, HEAD_DIM, LD)
-            else:
-                _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V, sl, start, hi,
-                         stride_kt, stride_vt, BLOCK_N, HEAD_DIM, LD)
-            sl = _slots(rtt_row, start + BLOCK_N, hi, BLOCK_N, LD)
+                sl = _slots(rtt_row, start + BLOCK_N, hi, BLOCK_N, LD)  # the next tile's
+            else:  # the gather: the tile's slots loaded just before its copies, none carried
+                _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V,
+                         _slots(rtt_row, start, hi, BLOCK_N, LD), start, hi, stride_kt,
+                         stride_vt, BLOCK_N, HEAD_DIM, LD)
         async_copy.commit_group()  # nothing in flight at exit (q when there is no tile)
         async_copy.wait_group(0)
 
