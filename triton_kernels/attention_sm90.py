@@ -118,10 +118,12 @@ page 16; the tree mask loaded per row instead of per score element was slower (t
 costs at most 1.4-2.2 %); the scalars loaded before the CTA's branch, the next page-64 TMA
 tile's slot loaded ahead and the L1 prefetch together: within 1 %.  What did help is the
 8-warp loader for the gather that session 9 had measured as noise (one variant timed after
-another): timed interleaved it is 1.2-4.5 % faster at page 1 (section 10), and the bench
-then read 25.5 / 93.4 / 630.4 / 627.4 us against the split's 50.1 / 135.9 / 924.2 / 805.2
-(1.97 / 1.46 / 1.47 / 1.28x, ``attention_page1_lw8``); on an H200 it is 0-1.6 % faster
-(``bench/results/2026-11-23-h200-session11``: 1.99 / 1.46 / 1.40 / 1.36x in its bench run).
+another): timed interleaved it is 1.2-4.5 % faster at page 1 (section 10; 0-1.6 % on an
+H200), and with no slots carried between tiles 0.8-3.7 % more (section 11).  The bench then
+read 25.7 / 92.8 / 621.3 / 573.2 us against the split's 49.9 / 135.7 / 893.1 / 798.2 (1.94
+/ 1.46 / 1.44 / 1.39x, ``attention_page1_jit``); on an H200 24.1 / 88.7 / 640.4 / 571.0
+against 48.6 / 132.1 / 883.1 / 802.4 (2.01 / 1.49 / 1.38 / 1.41x,
+``bench/results/2026-11-23-h200-session11``).
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
