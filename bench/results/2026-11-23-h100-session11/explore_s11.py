@@ -20,7 +20,8 @@ L2, ``D`` tiles ahead, the whole slot rows (every KV head) of its share of the t
 ``cp.async.bulk.prefetch.L2``) or ``m:mask=M`` (``alt_kernel/attention_sm90_mask.py``: the
 tree-mask words of a tile holding draft keys: 0 gathered per score element as the package
 does, 1 loaded once per row and selected per key, 2 none (diagnostic, wrong output)) or ``l:lreg=R`` (``alt_kernel/attention_sm90_l8.py``: an
-8-warp loader with ``R`` registers, the warpgroups ``(512 - 2 R) / 2``, launched at 128).  ``ptrace=VARIANT``: per-item events of
+8-warp loader with ``R`` registers, the warpgroups ``(512 - 2 R) / 2``, launched at 128;
+``jit=1``: each tile's slots loaded just before its copies, none carried).  ``ptrace=VARIANT``: per-item events of
 a persistent variant.  ``ROUNDS=r``: ``r`` rounds of timing, each replaying the variants'
 graphs in turn (``bench_interleaved``).  Inputs and timer: session 8's
 ``explore_tree_verify.py`` (page 1, random slots, GQA 32 / 8, head_dim 128, bf16, 64-token
