@@ -630,7 +630,8 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
             descs = tuple(TensorDescriptor(c, [c.shape[0], Hkv * D], [c.stride(0), 1], [rows, 64],
                                            _SW128.value) for c in (k_cache, v_cache))
         # the per-key gather of 64-key tiles gets an 8-warp loader: 1.2-4.5 % faster at page
-        # 1, slower with TMA tiles (bench/results/2026-11-23-h100-session11, section 10)
+        # 1, slower with TMA tiles (bench/results/2026-11-23-h100-session11, section 10); the
+        # opt-in 128-key tiles keep 4 warps (both gathers load each tile's slots just in time)
         lw = 8 if rows == 0 and block_n == 64 else 4
         # launched with maxnreg=168 (4 loader warps: the warpgroups get 232 registers and the
         # loader 40) or 128 (8 loader warps: 224 and 32)
