@@ -31,14 +31,15 @@ the stage's full barrier when it lands, so the loader never waits for its own co
 stage is refilled once both warpgroups released it); the two compute warpgroups take turns
 on the tensor cores (a turn barrier each): on its turn a warpgroup issues the score GEMM of
 tile ``j`` and the PV GEMM of tile ``j - 1``, hands the turn over, and runs the softmax of
-tile ``j`` under its own PV GEMM and the other warpgroup's pair.  The loader has 8 warps for
-the per-key gather (32 registers a thread, the compute 224, ``maxnreg=128`` at launch) and
-loads each tile's slots just before its copies (none carried, no spill): 1.2-4.5 % faster at
-page 1 than 4 warps, and 0.8-3.7 % more without the carried slots, timed interleaved
-(``bench/results/2026-11-23-h100-session11``, sections 10-11); with TMA tiles (pages of a
-multiple of 16) 4 warps (40 registers, the compute 232, ``maxnreg=168``), as 8 are 2-10 %
-slower there.  128-key tiles spill and are slower (818 vs 674 us at bs 64 / P 4096 in one
-run).
+tile ``j`` under the other warpgroup's pair (ptxas waits for the warpgroup's own PV GEMM
+first, which measured faster than overlapping it; session 12 below). The loader has 8 warps
+for the per-key gather (32 registers a thread, the compute 224, ``maxnreg=128`` at launch)
+and loads each tile's slots just before its copies (none carried, no spill): 1.2-4.5 %
+faster at page 1 than 4 warps, and 0.8-3.7 % more without the carried slots, timed
+interleaved (``bench/results/2026-11-23-h100-session11``, sections 10-11); with TMA tiles
+(pages of a multiple of 16) 4 warps (40 registers, the compute 232, ``maxnreg=168``), as 8
+are 2-10 % slower there. 128-key tiles spill and are slower (818 vs 674 us at bs 64 / P 4096
+in one run).
 
 **Synchronous** (:func:`_tree_verify_sm90_kernel`, ``pingpong=False``), 8 warps, each
 iteration ordered as FlashAttention-3's intra-warpgroup overlap::
@@ -124,6 +125,16 @@ read 25.7 / 92.8 / 621.3 / 573.2 us against the split's 49.9 / 135.7 / 893.1 / 7
 / 1.46 / 1.44 / 1.39x, ``attention_page1_jit``); on an H200 24.1 / 88.7 / 640.4 / 571.0
 against 48.6 / 132.1 / 883.1 / 802.4 (2.01 / 1.49 / 1.38 / 1.41x,
 ``bench/results/2026-11-23-h200-session11``).
+Session 12 (``bench/results/2026-11-23-h100-session12``, interleaved): 128-key tiles with
+the gather in 64-key pieces, 10 % slower (the compute still spills at 224 registers).
+ptxas hoists the wait for the PV GEMM of tile ``j - 1`` from after the softmax of ``j``
+(where the PTX has it) to just after its first ``FMNMX``; a basic-block boundary keeps it
+later, and every later place (after the row max, the exponentials or the whole softmax) was
+7-13 % slower, so the softmax deliberately does not run under its own PV GEMM.  A loop of
+whole prefix tiles without mask code, then the masked ones: 2-7 % faster on CTAs of >= 65
+tiles, 1-5 % slower on CTAs of <= 33, and a CUDA graph cannot tell them apart (not
+landed).  The row reductions as trees (ptxas re-chains them) and int32 gather offsets
+shared by K and V were noise.
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
@@ -435,9 +446,11 @@ if HAVE_GLUON:
                     NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
         """Warpgroup ``WG``: rows ``m0 + 64 WG + [0, 64)``.  Each iteration issues the score
         GEMM of tile ``j`` and the PV GEMM of tile ``j - 1`` on its turn, hands the turn to
-        the other warpgroup, and runs the softmax of tile ``j`` under the GEMMs (its own PV
-        and the other warpgroup's pair): FlashAttention-3's ping-pong and intra-warpgroup
-        overlap (Shah et al., arXiv:2407.08608, sections 3.1-3.2)."""
+        the other warpgroup, and runs the softmax of tile ``j`` under the other warpgroup's
+        GEMMs: FlashAttention-3's ping-pong (Shah et al., arXiv:2407.08608, section 3.1).
+        The PTX waits for the PV GEMM of tile ``j - 1`` after the softmax, as FlashAttention-3's
+        intra-warpgroup overlap (section 3.2) does, but ptxas moves that wait up to the row
+        max; keeping it later was 7-13 % slower (module docstring, session 12)."""
         dtype: gl.constexpr = K.dtype.element_ty
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
