@@ -54,7 +54,9 @@ FlashInfer backend passes for its paged prefill and decode wrappers, and ONE JIT
 fa2 batch-prefill module for bf16, head_dim 128, int32 indices) serves the mask, both split
 parts, tensor-core decode and extend; ``merge_state`` adds the small ``cascade`` module.
 ``-p fi_backend=auto`` lets FlashInfer pick fa3 on Hopper for the mask-free prefills (split
-prefix part, extend): one more JIT module.  FlashInfer and FlashMLA are imported only inside
+prefix part, extend): one more JIT module.  At page 1 that split measured 1.25-1.7x slower
+than with fa2 on an H100 and an H200 (``bench/results/2026-11-23-h100-session12``, section
+6), so fa2 stays the anchor.  FlashInfer and FlashMLA are imported only inside
 the impls that need them: a missing one raises ImportError naming the extra
 (``pip install specattn[flashinfer]`` / ``specattn[flashmla]``).
 

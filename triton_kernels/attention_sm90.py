@@ -50,7 +50,9 @@ iteration ordered as FlashAttention-3's intra-warpgroup overlap::
 
 with a 3-stage ring (tile ``j + 1`` streams while ``j`` computes) refilled behind CTA-wide
 barriers, so both warpgroups run in lockstep: their score GEMMs run together and nothing
-hides them.
+hides them.  That is the PTX's order; in the SASS (64-key tiles, checked offline in session
+12) ptxas moves the wait for the PV GEMM up to the start of the softmax, as in the ping-pong
+kernel, so the softmax does not in fact run under it.
 
 Scope (:func:`sm90_tree_verify_supported`): TARGET_VERIFY, bf16/fp16 ``q`` and caches of
 one dtype, ``head_dim == v_head_dim`` in (64, 128), an sm_90 GPU; the rest uses
@@ -448,9 +450,10 @@ if HAVE_GLUON:
         GEMM of tile ``j`` and the PV GEMM of tile ``j - 1`` on its turn, hands the turn to
         the other warpgroup, and runs the softmax of tile ``j`` under the other warpgroup's
         GEMMs: FlashAttention-3's ping-pong (Shah et al., arXiv:2407.08608, section 3.1).
-        The PTX waits for the PV GEMM of tile ``j - 1`` after the softmax, as FlashAttention-3's
-        intra-warpgroup overlap (section 3.2) does, but ptxas moves that wait up to the row
-        max; keeping it later was 7-13 % slower (module docstring, session 12)."""
+        The PTX waits for the PV GEMM of tile ``j - 1`` after the softmax, as
+        FlashAttention-3's intra-warpgroup overlap (section 3.2) does, but ptxas moves that
+        wait up to the start of the row max; keeping it later was 7-13 % slower (module
+        docstring, session 12)."""
         dtype: gl.constexpr = K.dtype.element_ty
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
