@@ -32,14 +32,17 @@ stage is refilled once both warpgroups released it); the two compute warpgroups 
 on the tensor cores (a turn barrier each): on its turn a warpgroup issues the score GEMM of
 tile ``j`` and the PV GEMM of tile ``j - 1``, hands the turn over, and runs the softmax of
 tile ``j`` under the other warpgroup's pair (ptxas waits for the warpgroup's own PV GEMM
-first, which measured faster than overlapping it; session 12 below). The loader has 8 warps
-for the per-key gather (32 registers a thread, the compute 224, ``maxnreg=128`` at launch)
-and loads each tile's slots just before its copies (none carried, no spill): 1.2-4.5 %
-faster at page 1 than 4 warps, and 0.8-3.7 % more without the carried slots, timed
-interleaved (``bench/results/2026-11-23-h100-session11``, sections 10-11); with TMA tiles
-(pages of a multiple of 16) 4 warps (40 registers, the compute 232, ``maxnreg=168``), as 8
-are 2-10 % slower there. 128-key tiles spill and are slower (818 vs 674 us at bs 64 / P 4096
-in one run).
+first, which measured faster than overlapping it; session 12 below). Both partitions take a
+CTA's tiles holding ``P`` or draft keys first, then its whole prefix tiles, so that the
+compute's main loop has no mask code (:func:`_tile_order`; 3-6 % faster at page 64, -1.5 to
++1.5 % at page 1, session 12). The loader has 8 warps for the per-key gather (32 registers a
+thread, the compute 224, ``maxnreg=128`` at launch) and loads each tile's slots just before
+its copies (none carried, no spill): 1.2-4.5 % faster at page 1 than 4 warps, and 0.8-3.7 %
+more without the carried slots, timed interleaved
+(``bench/results/2026-11-23-h100-session11``, sections 10-11); with TMA tiles (pages of a
+multiple of 16) 4 warps (40 registers, the compute 232, ``maxnreg=168``), as 8 are 2-10 %
+slower there. 128-key tiles spill and are slower (818 vs 674 us at bs 64 / P 4096 in one
+run).
 
 **Synchronous** (:func:`_tree_verify_sm90_kernel`, ``pingpong=False``), 8 warps, each
 iteration ordered as FlashAttention-3's intra-warpgroup overlap::
@@ -132,11 +135,13 @@ the gather in 64-key pieces, 10 % slower (the compute still spills at 224 regist
 ptxas hoists the wait for the PV GEMM of tile ``j - 1`` from after the softmax of ``j``
 (where the PTX has it) to just after its first ``FMNMX``; a basic-block boundary keeps it
 later, and every later place (after the row max, the exponentials or the whole softmax) was
-7-13 % slower, so the softmax deliberately does not run under its own PV GEMM.  A loop of
-whole prefix tiles without mask code, then the masked ones: 2-7 % faster on CTAs of >= 65
-tiles, 1-5 % slower on CTAs of <= 33, and a CUDA graph cannot tell them apart (not
-landed).  The row reductions as trees (ptxas re-chains them) and int32 gather offsets
-shared by K and V were noise.
+7-13 % slower, so the softmax deliberately does not run under its own PV GEMM.  Whole
+prefix tiles in a loop without mask code: with the masked tiles after them, 2-7 % faster on
+CTAs of >= 65 tiles but 1-5 % slower on CTAs of <= 33 (a CUDA graph cannot tell them
+apart); with the masked tiles first (folding the first tile's peeled code into that loop,
+so the code is no larger), 2.8-5.6 % faster at page 64 and -1.5 to +1.5 % at page 1 (bs
+16 / P 16384 the slower end; section 7): kept.  The row reductions as trees (ptxas
+re-chains them) and int32 gather offsets shared by K and V were noise.
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
@@ -218,6 +223,15 @@ if HAVE_GLUON:
             lo = gl.minimum(split * chunk, P)
             hi = gl.where(split == NUM_SPLITS - 1, P + n, gl.minimum(lo + chunk, P))
         return P, rtt_row, lo, hi
+
+    @gluon.jit
+    def _tile_order(P, lo, hi, BLOCK_N: gl.constexpr):
+        """``(n_whole, n_masked)``: the CTA's whole prefix tiles and the tiles after them
+        (holding ``P`` or draft keys).  Both partitions visit the masked tiles first, then
+        the whole ones: iteration ``i`` takes tile ``n_whole + i`` for ``i < n_masked``, else
+        ``i - n_masked``."""
+        n_whole = (gl.minimum(P, hi) - lo) // BLOCK_N
+        return n_whole, gl.cdiv(hi - lo, BLOCK_N) - n_whole
 
     @gluon.jit
     def _tile_scores(s, start, P, hi, tree_row, row_ok,
@@ -418,12 +432,14 @@ if HAVE_GLUON:
                       + (hk * GROUP + rows % GROUP) * stride_qh)
             async_copy.async_copy_global_to_shared(q_smem.index(h), Q + q_rows[:, None] + d[None, :],
                                                    mask=(rows < n * GROUP)[:, None])
+        n_whole, n_masked = _tile_order(P, lo, hi, BLOCK_N)
         if TMA_ROWS > 0:
-            sl = _slots(rtt_row, lo, hi, BLOCK_N, LD)
+            sl = _slots(rtt_row, lo + gl.where(n_masked > 0, n_whole, 0) * BLOCK_N, hi, BLOCK_N,
+                        LD)
         for t in range(n_tiles):
             st = t % STAGES
             mbarrier.wait(bars.index(STAGES + st), ((t // STAGES) & 1) ^ 1)
-            start = lo + t * BLOCK_N
+            start = lo + gl.where(t < n_masked, n_whole + t, t - n_masked) * BLOCK_N
             if TMA_ROWS > 0:  # a whole tile at a page boundary: runs of consecutive slots
                 if (start % TMA_ROWS == 0) & (start + BLOCK_N <= hi):
                     _tma_tile(k_desc, v_desc, k_smem.index(st), v_smem.index(st), bars.index(st),
@@ -431,7 +447,8 @@ if HAVE_GLUON:
                 else:
                     _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V, sl, start,
                              hi, stride_kt, stride_vt, BLOCK_N, HEAD_DIM, LD)
-                sl = _slots(rtt_row, start + BLOCK_N, hi, BLOCK_N, LD)  # the next tile's
+                nxt = gl.where(t + 1 < n_masked, n_whole + t + 1, t + 1 - n_masked)
+                sl = _slots(rtt_row, lo + nxt * BLOCK_N, hi, BLOCK_N, LD)  # the next tile's
             else:  # the gather: the tile's slots loaded just before its copies, none carried
                 _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V,
                          _slots(rtt_row, start, hi, BLOCK_N, LD), start, hi, stride_kt,
@@ -440,20 +457,50 @@ if HAVE_GLUON:
         async_copy.wait_group(0)
 
     @gluon.jit
+    def _tv_step(q_wg, k_smem, v_smem, bars, i, start, P, hi, tree_row, row_ok, s_zero, p, m_i,
+                 l_i, acc, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 WG: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr, P_OP: gl.constexpr,
+                 WHOLE: gl.constexpr, dtype: gl.constexpr):
+        """Iteration ``i`` of warpgroup ``WG`` on the tile at ``start``: on its turn the score
+        GEMM of this tile and the PV GEMM of the previous iteration's (at ``i == 0`` ``P`` is
+        zero and this stage's V is read), then the softmax.  ``WHOLE``: a whole prefix tile
+        (no mask code); else the tile's keys are tested (``_tile_scores``)."""
+        st = i % STAGES
+        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        fence_async_shared()
+        mbarrier.wait(bars.index(2 * STAGES + WG), (i & 1) ^ (1 - WG))
+        s_tok = warpgroup_mma(q_wg, k_smem.index(st).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+        p_op = gl.convert_layout(p.to(dtype), P_OP)
+        o_tok = warpgroup_mma(p_op, v_smem.index(gl.where(i > 0, (i + STAGES - 1) % STAGES, st)),
+                              acc, is_async=True)
+        mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        if not WHOLE:
+            s = _tile_scores(s, start, P, hi, tree_row, row_ok, BLOCK_N, S_L)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        mbarrier.arrive(bars.index(STAGES + (i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        return p, m_i, l_i, acc
+
+    @gluon.jit
     def _tv_compute(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
                     tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
                     stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
                     stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                     NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
-        """Warpgroup ``WG``: rows ``m0 + 64 WG + [0, 64)``.  Each iteration issues the score
-        GEMM of tile ``j`` and the PV GEMM of tile ``j - 1`` on its turn, hands the turn to
-        the other warpgroup, and runs the softmax of tile ``j`` under the other warpgroup's
-        GEMMs: FlashAttention-3's ping-pong (Shah et al., arXiv:2407.08608, section 3.1).
-        The PTX waits for the PV GEMM of tile ``j - 1`` after the softmax, as
-        FlashAttention-3's intra-warpgroup overlap (section 3.2) does, but ptxas moves that
-        wait up to the start of the row max; keeping it later was 7-13 % slower (module
-        docstring, session 12)."""
+        """Warpgroup ``WG``: rows ``m0 + 64 WG + [0, 64)``.  Each iteration (``_tv_step``)
+        issues the score GEMM of its tile and the PV GEMM of the previous one on its turn,
+        hands the turn to the other warpgroup, and runs the softmax under the other
+        warpgroup's GEMMs: FlashAttention-3's ping-pong (Shah et al., arXiv:2407.08608,
+        section 3.1).  The PTX waits for the PV GEMM after the softmax, as FlashAttention-3's
+        intra-warpgroup overlap (section 3.2) does, but ptxas moves that wait up to the start
+        of the row max; keeping it later was 7-13 % slower (module docstring, session 12).
+        Tiles in ``_tile_order``'s order: the ones holding ``P`` or draft keys first, then
+        the whole prefix tiles in a loop without mask code (the online softmax does not
+        depend on the order)."""
         dtype: gl.constexpr = K.dtype.element_ty
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
@@ -470,32 +517,21 @@ if HAVE_GLUON:
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=S_L)
         p = s_zero
         if n_tiles > 0:
-            mbarrier.wait(bars.index(0), 0)
-            fence_async_shared()
-            mbarrier.wait(bars.index(2 * STAGES + WG), 1 - WG)
-            s_tok = warpgroup_mma(q_wg, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-            mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            s = _tile_scores(s, lo, P, hi, tree_row, row_ok, BLOCK_N, S_L)
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
-            for j in range(1, n_tiles):
-                st = j % STAGES
-                mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-                fence_async_shared()
-                mbarrier.wait(bars.index(2 * STAGES + WG), (j & 1) ^ (1 - WG))
-                s_tok = warpgroup_mma(q_wg, k_smem.index(st).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)
-                p_op = gl.convert_layout(p.to(dtype), P_OP)
-                o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc, is_async=True)
-                mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
-                s = warpgroup_mma_wait(1, deps=[s_tok])
-                s = _tile_scores(s, lo + j * BLOCK_N, P, hi, tree_row, row_ok, BLOCK_N,
-                                 S_L)
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
-                acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-                mbarrier.arrive(bars.index(STAGES + (j - 1) % STAGES), count=1)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            # the tiles holding P or draft keys first (at least one iteration: tile 0 when
+            # there are none), then the whole prefix tiles, whose loop has no mask code
+            n_whole, n_masked = _tile_order(P, lo, hi, BLOCK_N)
+            n_a = gl.maximum(n_masked, 1)
+            for i in range(0, n_a):
+                start = lo + gl.where(n_masked > 0, n_whole + i, 0) * BLOCK_N
+                p, m_i, l_i, acc = _tv_step(q_wg, k_smem, v_smem, bars, i, start, P, hi,
+                                            tree_row, row_ok, s_zero, p, m_i, l_i, acc,
+                                            qk_scale, BLOCK_N, STAGES, WG, S_L, O_L, P_OP,
+                                            False, dtype)
+            for i in range(n_a, n_tiles):
+                p, m_i, l_i, acc = _tv_step(q_wg, k_smem, v_smem, bars, i,
+                                            lo + (i - n_masked) * BLOCK_N, P, hi, tree_row,
+                                            row_ok, s_zero, p, m_i, l_i, acc, qk_scale,
+                                            BLOCK_N, STAGES, WG, S_L, O_L, P_OP, True, dtype)
             # the last tile's PV GEMM
             mbarrier.wait(bars.index(2 * STAGES + WG), (n_tiles & 1) ^ (1 - WG))
             p_op = gl.convert_layout(p.to(dtype), P_OP)

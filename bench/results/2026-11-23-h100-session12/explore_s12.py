@@ -2,12 +2,16 @@
 kernels, at page 1 and on pages of ``PAGES``.
 
 The scratch kernels are git-ignored copies of the package's ``triton_kernels/attention_sm90.py``
-(commit a34da23), rebuilt from the diffs here::
+as it was before this session's kept change (commits a34da23 / ad77610, the same kernel code),
+rebuilt from the diffs here::
 
     mkdir -p alt_kernel
+    git show a34da23:triton_kernels/attention_sm90.py > /tmp/attention_sm90_a34da23.py
     for m in n128 nobr two brk two2 diag tree pl hyb o32 wo; do
-      patch -o alt_kernel/attention_sm90_$m.py ../../../triton_kernels/attention_sm90.py ${m}_kernel.diff
+      patch -o alt_kernel/attention_sm90_$m.py /tmp/attention_sm90_a34da23.py ${m}_kernel.diff
     done
+    git show ad77610:triton_kernels/attention_sm90.py > alt_kernel/attention_sm90_old.py
+    patch -o alt_kernel/attention_sm90_rev.py alt_kernel/attention_sm90_old.py rev_kernel.diff
 
 Session 11's ``combo_ab.py`` (imported for its paged inputs and launcher) needs its own
 ``alt_kernel/attention_sm90_runs.py``: rebuild it as that folder's README says.
@@ -27,7 +31,10 @@ VARIANT (launcher keywords after the colon):
 - ``d:diag=1|2|3``: diagnostics with wrong output: half of each tile gathered / no copies /
   no compute (section 5);
 - ``z:``: the gather's row offsets in int32, shared by K and V; ``y:``: ``w`` + ``z``
-  (section 6).
+  (section 6);
+- ``v:``: the masked tiles first, their loop always masked (section 7; the kept form, now the
+  package's ``default``, tests each tile in that loop); ``x:``: the package's kernel before
+  it.
 
 Usage: ``ROUNDS=r [NO_CHECKS=1] [PAGES=1,64] [CHECK_PAGES=64] [POINTS="bs/P/S ..."] python
 explore_s12.py VARIANT...``.  Checks: page 1 against the portable Triton kernel on session 11's
@@ -46,7 +53,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "2026-11-23-h100-session11"))
 import explore_s11 as E  # noqa: E402
 
 SCRATCH = {"n": "n128", "o": "nobr", "w": "two", "b": "brk", "t": "two2", "d": "diag", "r": "tree",
-           "q": "pl", "h": "hyb", "z": "o32", "y": "wo"}
+           "q": "pl", "h": "hyb", "z": "o32", "y": "wo", "v": "rev", "x": "old"}
 for mod in SCRATCH.values():
     name = f"specattn.triton_kernels.attention_sm90_{mod}"
     spec = importlib.util.spec_from_file_location(
