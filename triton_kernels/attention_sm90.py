@@ -32,17 +32,18 @@ stage is refilled once both warpgroups released it); the two compute warpgroups 
 on the tensor cores (a turn barrier each): on its turn a warpgroup issues the score GEMM of
 tile ``j`` and the PV GEMM of tile ``j - 1``, hands the turn over, and runs the softmax of
 tile ``j`` under the other warpgroup's pair (ptxas waits for the warpgroup's own PV GEMM
-first, which measured faster than overlapping it; session 12 below). Both partitions take a
-CTA's tiles holding ``P`` or draft keys first, then its whole prefix tiles, so that the
-compute's main loop has no mask code (:func:`_tile_order`; 3-6 % faster at page 64, -1.5 to
-+1.5 % at page 1, session 12). The loader has 8 warps for the per-key gather (32 registers a
-thread, the compute 224, ``maxnreg=128`` at launch) and loads each tile's slots just before
-its copies (none carried, no spill): 1.2-4.5 % faster at page 1 than 4 warps, and 0.8-3.7 %
-more without the carried slots, timed interleaved
-(``bench/results/2026-11-23-h100-session11``, sections 10-11); with TMA tiles (pages of a
-multiple of 16) 4 warps (40 registers, the compute 232, ``maxnreg=168``), as 8 are 2-10 %
-slower there. 128-key tiles spill and are slower (818 vs 674 us at bs 64 / P 4096 in one
-run).
+first, which measured faster than overlapping it; session 12 below). With TMA tiles (pages
+of a multiple of 16) both partitions take a CTA's tiles holding ``P`` or draft keys first,
+then its whole prefix tiles, so that the compute's main loop has no mask code
+(:func:`_tile_order`; 2.6-5.6 % faster at page 64 on an H100 and an H200, session 12); the
+per-key gather keeps tile order, as the same change was up to 1.5 % slower at page 1. The
+loader has 8 warps for the per-key gather (32 registers a thread, the compute 224,
+``maxnreg=128`` at launch) and loads each tile's slots just before its copies (none carried,
+no spill): 1.2-4.5 % faster at page 1 than 4 warps, and 0.8-3.7 % more without the carried
+slots, timed interleaved (``bench/results/2026-11-23-h100-session11``, sections 10-11); with
+TMA tiles (pages of a multiple of 16) 4 warps (40 registers, the compute 232,
+``maxnreg=168``), as 8 are 2-10 % slower there. 128-key tiles spill and are slower (818 vs
+674 us at bs 64 / P 4096 in one run).
 
 **Synchronous** (:func:`_tree_verify_sm90_kernel`, ``pingpong=False``), 8 warps, each
 iteration ordered as FlashAttention-3's intra-warpgroup overlap::
@@ -139,9 +140,9 @@ later, and every later place (after the row max, the exponentials or the whole s
 prefix tiles in a loop without mask code: with the masked tiles after them, 2-7 % faster on
 CTAs of >= 65 tiles but 1-5 % slower on CTAs of <= 33 (a CUDA graph cannot tell them
 apart); with the masked tiles first (folding the first tile's peeled code into that loop,
-so the code is no larger), 2.8-5.6 % faster at page 64 and -1.5 to +1.5 % at page 1 (bs
-16 / P 16384 the slower end; section 7): kept.  The row reductions as trees (ptxas
-re-chains them) and int32 gather offsets shared by K and V were noise.
+so the code is no larger), 2.6-5.6 % faster at page 64 on an H100 and an H200, but
+up to 1.5 % slower at page 1 (section 7): kept for TMA tiles only.  The row reductions
+as trees (ptxas re-chains them) and int32 gather offsets shared by K and V were noise.
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
@@ -227,9 +228,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _tile_order(P, lo, hi, BLOCK_N: gl.constexpr):
         """``(n_whole, n_masked)``: the CTA's whole prefix tiles and the tiles after them
-        (holding ``P`` or draft keys).  Both partitions visit the masked tiles first, then
-        the whole ones: iteration ``i`` takes tile ``n_whole + i`` for ``i < n_masked``, else
-        ``i - n_masked``."""
+        (holding ``P`` or draft keys).  With TMA tiles both partitions visit the masked tiles
+        first, then the whole ones: iteration ``i`` takes tile ``n_whole + i`` for ``i <
+        n_masked``, else ``i - n_masked``."""
         n_whole = (gl.minimum(P, hi) - lo) // BLOCK_N
         return n_whole, gl.cdiv(hi - lo, BLOCK_N) - n_whole
 
@@ -432,14 +433,17 @@ if HAVE_GLUON:
                       + (hk * GROUP + rows % GROUP) * stride_qh)
             async_copy.async_copy_global_to_shared(q_smem.index(h), Q + q_rows[:, None] + d[None, :],
                                                    mask=(rows < n * GROUP)[:, None])
-        n_whole, n_masked = _tile_order(P, lo, hi, BLOCK_N)
-        if TMA_ROWS > 0:
+        if TMA_ROWS > 0:  # the compute's order (``_tile_order``): masked tiles first
+            n_whole, n_masked = _tile_order(P, lo, hi, BLOCK_N)
             sl = _slots(rtt_row, lo + gl.where(n_masked > 0, n_whole, 0) * BLOCK_N, hi, BLOCK_N,
                         LD)
         for t in range(n_tiles):
             st = t % STAGES
             mbarrier.wait(bars.index(STAGES + st), ((t // STAGES) & 1) ^ 1)
-            start = lo + gl.where(t < n_masked, n_whole + t, t - n_masked) * BLOCK_N
+            if TMA_ROWS > 0:
+                start = lo + gl.where(t < n_masked, n_whole + t, t - n_masked) * BLOCK_N
+            else:
+                start = lo + t * BLOCK_N
             if TMA_ROWS > 0:  # a whole tile at a page boundary: runs of consecutive slots
                 if (start % TMA_ROWS == 0) & (start + BLOCK_N <= hi):
                     _tma_tile(k_desc, v_desc, k_smem.index(st), v_smem.index(st), bars.index(st),
@@ -490,7 +494,8 @@ if HAVE_GLUON:
                     stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
                     stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+                    NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
+                    MASKED_FIRST: gl.constexpr):
         """Warpgroup ``WG``: rows ``m0 + 64 WG + [0, 64)``.  Each iteration (``_tv_step``)
         issues the score GEMM of its tile and the PV GEMM of the previous one on its turn,
         hands the turn to the other warpgroup, and runs the softmax under the other
@@ -498,9 +503,10 @@ if HAVE_GLUON:
         section 3.1).  The PTX waits for the PV GEMM after the softmax, as FlashAttention-3's
         intra-warpgroup overlap (section 3.2) does, but ptxas moves that wait up to the start
         of the row max; keeping it later was 7-13 % slower (module docstring, session 12).
-        Tiles in ``_tile_order``'s order: the ones holding ``P`` or draft keys first, then
-        the whole prefix tiles in a loop without mask code (the online softmax does not
-        depend on the order)."""
+        ``MASKED_FIRST`` (TMA tiles): tiles in ``_tile_order``'s order, the ones holding
+        ``P`` or draft keys first, then the whole prefix tiles in a loop without mask code
+        (the online softmax does not depend on the order); else tile 0 peeled, then one loop
+        that tests each tile (``_tile_scores``)."""
         dtype: gl.constexpr = K.dtype.element_ty
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
@@ -517,21 +523,50 @@ if HAVE_GLUON:
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=S_L)
         p = s_zero
         if n_tiles > 0:
-            # the tiles holding P or draft keys first (at least one iteration: tile 0 when
-            # there are none), then the whole prefix tiles, whose loop has no mask code
-            n_whole, n_masked = _tile_order(P, lo, hi, BLOCK_N)
-            n_a = gl.maximum(n_masked, 1)
-            for i in range(0, n_a):
-                start = lo + gl.where(n_masked > 0, n_whole + i, 0) * BLOCK_N
-                p, m_i, l_i, acc = _tv_step(q_wg, k_smem, v_smem, bars, i, start, P, hi,
-                                            tree_row, row_ok, s_zero, p, m_i, l_i, acc,
-                                            qk_scale, BLOCK_N, STAGES, WG, S_L, O_L, P_OP,
-                                            False, dtype)
-            for i in range(n_a, n_tiles):
-                p, m_i, l_i, acc = _tv_step(q_wg, k_smem, v_smem, bars, i,
-                                            lo + (i - n_masked) * BLOCK_N, P, hi, tree_row,
-                                            row_ok, s_zero, p, m_i, l_i, acc, qk_scale,
-                                            BLOCK_N, STAGES, WG, S_L, O_L, P_OP, True, dtype)
+            if MASKED_FIRST:
+                # the tiles holding P or draft keys first (at least one iteration: tile 0 when
+                # there are none), then the whole prefix tiles, whose loop has no mask code
+                n_whole, n_masked = _tile_order(P, lo, hi, BLOCK_N)
+                n_a = gl.maximum(n_masked, 1)
+                for i in range(0, n_a):
+                    start = lo + gl.where(n_masked > 0, n_whole + i, 0) * BLOCK_N
+                    p, m_i, l_i, acc = _tv_step(q_wg, k_smem, v_smem, bars, i, start, P, hi,
+                                                tree_row, row_ok, s_zero, p, m_i, l_i, acc,
+                                                qk_scale, BLOCK_N, STAGES, WG, S_L, O_L, P_OP,
+                                                False, dtype)
+                for i in range(n_a, n_tiles):
+                    p, m_i, l_i, acc = _tv_step(q_wg, k_smem, v_smem, bars, i,
+                                                lo + (i - n_masked) * BLOCK_N, P, hi, tree_row,
+                                                row_ok, s_zero, p, m_i, l_i, acc, qk_scale,
+                                                BLOCK_N, STAGES, WG, S_L, O_L, P_OP, True, dtype)
+            else:  # the per-key gather: tile 0 peeled, then one loop testing each tile
+                mbarrier.wait(bars.index(0), 0)
+                fence_async_shared()
+                mbarrier.wait(bars.index(2 * STAGES + WG), 1 - WG)
+                s_tok = warpgroup_mma(q_wg, k_smem.index(0).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+                mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
+                s = warpgroup_mma_wait(0, deps=[s_tok])
+                s = _tile_scores(s, lo, P, hi, tree_row, row_ok, BLOCK_N, S_L)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+                for j in range(1, n_tiles):
+                    st = j % STAGES
+                    mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+                    fence_async_shared()
+                    mbarrier.wait(bars.index(2 * STAGES + WG), (j & 1) ^ (1 - WG))
+                    s_tok = warpgroup_mma(q_wg, k_smem.index(st).permute((1, 0)), s_zero,
+                                          use_acc=False, is_async=True)
+                    p_op = gl.convert_layout(p.to(dtype), P_OP)
+                    o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc,
+                                          is_async=True)
+                    mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
+                    s = warpgroup_mma_wait(1, deps=[s_tok])
+                    s = _tile_scores(s, lo + j * BLOCK_N, P, hi, tree_row, row_ok, BLOCK_N,
+                                     S_L)
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+                    acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+                    mbarrier.arrive(bars.index(STAGES + (j - 1) % STAGES), count=1)
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             # the last tile's PV GEMM
             mbarrier.wait(bars.index(2 * STAGES + WG), (n_tiles & 1) ^ (1 - WG))
             p_op = gl.convert_layout(p.to(dtype), P_OP)
@@ -552,12 +587,12 @@ if HAVE_GLUON:
                 stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
                 stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr):
+                NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, MASKED_FIRST: gl.constexpr):
         _tv_compute(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
                     tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
                     stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
                     stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
-                    GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES, 0)
+                    GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES, 0, MASKED_FIRST)
 
     @gluon.jit
     def _tv_wg1(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
@@ -565,12 +600,12 @@ if HAVE_GLUON:
                 stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
                 stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr):
+                NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, MASKED_FIRST: gl.constexpr):
         _tv_compute(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
                     tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
                     stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
                     stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale,
-                    GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES, 1)
+                    GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES, 1, MASKED_FIRST)
 
     @gluon.jit
     def _tree_verify_ws_kernel(
@@ -616,12 +651,14 @@ if HAVE_GLUON:
                            rtt_row, tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj,
-                           qk_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES)),
+                           qk_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES,
+                           TMA_ROWS > 0)),
                 (_tv_wg1, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART, LSE_PART,
                            rtt_row, tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj,
-                           qk_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES)),
+                           qk_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES,
+                           TMA_ROWS > 0)),
                 (_tv_loader, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART,
                               LSE_PART, rtt_row, tree_base, q_start, n, m0, hk, split, P, lo,
                               hi, n_tiles, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot,
