@@ -4,6 +4,7 @@ kernel runs in Triton's interpreter (small shapes, float32, tolerance 1e-5 relat
 GPU-marked tests cover bf16/fp16, page sizes 1/16/64, GQA groups 1..8, head_dim 64/128, trees
 up to 64 draft tokens, prefixes up to 32k and real CUDA graphs (capture at a padded bs, replay
 with a smaller one, outputs poisoned), EXTEND in real graphs too."""
+import functools
 import os
 
 import torch
@@ -403,14 +404,18 @@ def test_sm90_tree_verify_graph_replay(page_size, pingpong, seed):
 @pytest.mark.skipif(not _sm90(), reason="the Gluon tree-verify kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("page", [16, 32, 64])
-def test_sm90_tree_verify_tma_pages(head_dim, page, seed):
+def test_sm90_tree_verify_tma_pages(head_dim, page, seed, monkeypatch):
     """Pages of ``page`` slots in random order, ``page_size=page``: whole 64-key tiles at a
     page boundary by TMA, one box per page run (prefix tiles, all-draft tiles at ``P % 64 ==
     0``, a last split starting at ``P = 80``), partial tiles and the tiles of a last split
     starting off a page boundary by ``cp.async``.  Every slot no request uses is NaN (the
     tails of last pages too) and stays out of the output; the output equals the
-    ``cp.async``-only run (``page_size=1``) bit for bit and the Triton kernel's within bf16;
-    and the promise is used: a row that breaks the page layout gives another output."""
+    ``cp.async``-only run (``page_size=1``, in the TMA kernel's tile order:
+    ``masked_first=True``) bit for bit and the Triton kernel's within bf16; and the promise
+    is used: a row that breaks the page layout gives another output."""
+    import specattn.triton_kernels.attention as attention_mod
+    monkeypatch.setattr(attention_mod, "sm90_tree_verify",
+                        functools.partial(attention_mod.sm90_tree_verify, masked_first=True))
     gen = torch.Generator().manual_seed(seed)
     Hkv, G, D = 2, 4, 64
     P = torch.tensor([0, 64, 80, 128, 129, 1000, 4096, 5000], dtype=torch.int32)

@@ -417,7 +417,7 @@ if HAVE_GLUON:
                    k_desc, v_desc,
                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr,
-                   LW: gl.constexpr):
+                   LW: gl.constexpr, MASKED_FIRST: gl.constexpr):
         """Loader partition: ``q`` once, then each key tile's K and V rows by ``cp.async``
         into stage ``t % STAGES`` once both warpgroups freed it; each thread's copies arrive
         on the stage's full barrier when they land.  The gather loads a tile's slots just
@@ -433,14 +433,18 @@ if HAVE_GLUON:
                       + (hk * GROUP + rows % GROUP) * stride_qh)
             async_copy.async_copy_global_to_shared(q_smem.index(h), Q + q_rows[:, None] + d[None, :],
                                                    mask=(rows < n * GROUP)[:, None])
-        if TMA_ROWS > 0:  # the compute's order (``_tile_order``): masked tiles first
+        if MASKED_FIRST:  # the compute's order (``_tile_order``): masked tiles first
             n_whole, n_masked = _tile_order(P, lo, hi, BLOCK_N)
-            sl = _slots(rtt_row, lo + gl.where(n_masked > 0, n_whole, 0) * BLOCK_N, hi, BLOCK_N,
-                        LD)
+        if TMA_ROWS > 0:
+            if MASKED_FIRST:
+                sl = _slots(rtt_row, lo + gl.where(n_masked > 0, n_whole, 0) * BLOCK_N, hi,
+                            BLOCK_N, LD)
+            else:
+                sl = _slots(rtt_row, lo, hi, BLOCK_N, LD)
         for t in range(n_tiles):
             st = t % STAGES
             mbarrier.wait(bars.index(STAGES + st), ((t // STAGES) & 1) ^ 1)
-            if TMA_ROWS > 0:
+            if MASKED_FIRST:
                 start = lo + gl.where(t < n_masked, n_whole + t, t - n_masked) * BLOCK_N
             else:
                 start = lo + t * BLOCK_N
@@ -451,7 +455,10 @@ if HAVE_GLUON:
                 else:
                     _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V, sl, start,
                              hi, stride_kt, stride_vt, BLOCK_N, HEAD_DIM, LD)
-                nxt = gl.where(t + 1 < n_masked, n_whole + t + 1, t + 1 - n_masked)
+                if MASKED_FIRST:
+                    nxt = gl.where(t + 1 < n_masked, n_whole + t + 1, t + 1 - n_masked)
+                else:
+                    nxt = t + 1
                 sl = _slots(rtt_row, lo + nxt * BLOCK_N, hi, BLOCK_N, LD)  # the next tile's
             else:  # the gather: the tile's slots loaded just before its copies, none carried
                 _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V,
@@ -503,7 +510,7 @@ if HAVE_GLUON:
         section 3.1).  The PTX waits for the PV GEMM after the softmax, as FlashAttention-3's
         intra-warpgroup overlap (section 3.2) does, but ptxas moves that wait up to the start
         of the row max; keeping it later was 7-13 % slower (module docstring, session 12).
-        ``MASKED_FIRST`` (TMA tiles): tiles in ``_tile_order``'s order, the ones holding
+        ``MASKED_FIRST`` (the default with TMA tiles): tiles in ``_tile_order``'s order, the ones holding
         ``P`` or draft keys first, then the whole prefix tiles in a loop without mask code
         (the online softmax does not depend on the order); else tile 0 peeled, then one loop
         that tests each tile (``_tile_scores``)."""
@@ -617,7 +624,7 @@ if HAVE_GLUON:
             qk_scale, k_desc, v_desc,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
             NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr = 0,
-            LW: gl.constexpr = 8):
+            LW: gl.constexpr = 8, MASKED_FIRST: gl.constexpr = False):
         """Warp-specialized ping-pong tree verify: 4 warps here (warpgroup 0), warpgroup 1
         and the loader (``LW`` warps) as workers, on mbarriers."""
         dtype: gl.constexpr = K.dtype.element_ty
@@ -652,26 +659,27 @@ if HAVE_GLUON:
                            stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj,
                            qk_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES,
-                           TMA_ROWS > 0)),
+                           MASKED_FIRST)),
                 (_tv_wg1, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART, LSE_PART,
                            rtt_row, tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj,
                            qk_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES,
-                           TMA_ROWS > 0)),
+                           MASKED_FIRST)),
                 (_tv_loader, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART,
                               LSE_PART, rtt_row, tree_base, q_start, n, m0, hk, split, P, lo,
                               hi, n_tiles, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot,
                               stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                               stride_tmj, qk_scale, k_desc, v_desc, GROUP, HEAD_DIM, BLOCK_N,
-                              NUM_SPLITS, STAGES, TMA_ROWS, LW))],
+                              NUM_SPLITS, STAGES, TMA_ROWS, LW, MASKED_FIRST))],
                                [4, LW], [232 if LW == 4 else 224, 40 if LW == 4 else 32])
 
 
 def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
                      tree_mask, max_q: int, sm_scale: float, out, o_part, lse,
                      num_splits: int, block_n: Optional[int] = None,
-                     pingpong: bool = True, page_size: int = 1) -> None:
+                     pingpong: bool = True, page_size: int = 1,
+                     masked_first: Optional[bool] = None) -> None:
     """Launch a Gluon tree-verify kernel (module docstring).  Called by
     :func:`.attention.paged_attention`, which validates every argument and index; after
     :func:`sm90_tree_verify_supported` returned None.
@@ -691,6 +699,10 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     ping-pong kernel copy whole 64-key tiles at a page boundary by TMA, one box per run of
     64 / 32 / 16 consecutive slots and 64 columns (16-byte aligned caches with
     ``stride(1) == head_dim``; else ``cp.async`` as at 1).
+    ``masked_first``: the ping-pong kernel's tile order (``_tile_order``: a CTA's tiles
+    holding ``P`` or draft keys first, then its whole prefix tiles); None = with TMA tiles
+    only, where it measured faster.  The output depends on the order by rounding only (tests
+    set it to compare the TMA and ``cp.async`` paths bit for bit).
     Raises ValueError for another ``block_n``.  No host sync."""
     D = q.shape[2]
     if block_n not in (None, 64, 128):
@@ -727,6 +739,8 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         _tree_verify_ws_kernel[grid](*args, *descs, GROUP=G, HEAD_DIM=D,
                                      BLOCK_N=block_n, NUM_SPLITS=num_splits,
                                      STAGES=6 if block_n == 64 else 3, TMA_ROWS=rows, LW=lw,
+                                     MASKED_FIRST=rows > 0 if masked_first is None
+                                     else bool(masked_first),
                                      num_warps=4, maxnreg=168 if lw == 4 else 128)
         return
     block_n = block_n or (64 if num_splits > 1 else 128)

@@ -9,7 +9,7 @@ Triton 3.6 with its bundled ``ptxas``/``cuobjdump`` (``pip install triton==3.6.0
 Usage: ``python sass_order.py [MODULE.py] [JSON constexprs] [maxnreg]``, e.g.
 ``python sass_order.py alt_kernel/attention_sm90_pl.py '{"PL": 1}'``; defaults: the package's
 module, the page-1 gather (64-key tiles, 6 stages, 8 loader warps, GQA group 4, head_dim
-128, no TMA), ``maxnreg=128``."""
+128, no TMA, tile order as at page 1 where the module has ``MASKED_FIRST``), ``maxnreg=128``."""
 import importlib.util
 import json
 import os
@@ -41,6 +41,7 @@ def compile_ws(path, consts, maxnreg):
            "LSE_PART": "*fp32", "req_to_token": "*i32", "seq_lens": "*i32",
            "qo_indptr": "*i32", "tree_mask": "*i32", "req_pool_indices": "*i64",
            "qk_scale": "fp32", "k_desc": "constexpr", "v_desc": "constexpr"}
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ptr.get(n, "i32") for n in fn.arg_names}
     sig.update({k: "constexpr" for k in consts})
     cx = {(fn.arg_names.index(k),): v for k, v in consts.items()}
@@ -62,7 +63,8 @@ def compile_ws(path, consts, maxnreg):
 
 if __name__ == "__main__":
     path = sys.argv[1] if len(sys.argv) > 1 else str(HERE / "../../../triton_kernels/attention_sm90.py")
-    consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_N=64, NUM_SPLITS=1, STAGES=6, TMA_ROWS=0, LW=8)
+    consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_N=64, NUM_SPLITS=1, STAGES=6, TMA_ROWS=0, LW=8,
+                  MASKED_FIRST=False)
     consts.update(json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
     cubin, spills = compile_ws(path, consts, int(sys.argv[3]) if len(sys.argv) > 3 else 128)
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
