@@ -471,11 +471,12 @@ if HAVE_GLUON:
     def _tv_step(q_wg, k_smem, v_smem, bars, i, start, P, hi, tree_row, row_ok, s_zero, p, m_i,
                  l_i, acc, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  WG: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr, P_OP: gl.constexpr,
-                 WHOLE: gl.constexpr, dtype: gl.constexpr):
+                 WHOLE: gl.constexpr, dtype: gl.constexpr, FROM_ONE: gl.constexpr = False):
         """Iteration ``i`` of warpgroup ``WG`` on the tile at ``start``: on its turn the score
         GEMM of this tile and the PV GEMM of the previous iteration's (at ``i == 0`` ``P`` is
         zero and this stage's V is read), then the softmax.  ``WHOLE``: a whole prefix tile
-        (no mask code); else the tile's keys are tested (``_tile_scores``)."""
+        (no mask code); else the tile's keys are tested (``_tile_scores``).  ``FROM_ONE``:
+        the caller's ``i`` starts at 1 (no code for ``i == 0``)."""
         st = i % STAGES
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         fence_async_shared()
@@ -483,15 +484,21 @@ if HAVE_GLUON:
         s_tok = warpgroup_mma(q_wg, k_smem.index(st).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
         p_op = gl.convert_layout(p.to(dtype), P_OP)
-        o_tok = warpgroup_mma(p_op, v_smem.index(gl.where(i > 0, (i + STAGES - 1) % STAGES, st)),
-                              acc, is_async=True)
+        if FROM_ONE:
+            o_tok = warpgroup_mma(p_op, v_smem.index((i - 1) % STAGES), acc, is_async=True)
+        else:
+            o_tok = warpgroup_mma(p_op, v_smem.index(gl.where(i > 0, (i + STAGES - 1) % STAGES,
+                                                              st)), acc, is_async=True)
         mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
         s = warpgroup_mma_wait(1, deps=[s_tok])
         if not WHOLE:
             s = _tile_scores(s, start, P, hi, tree_row, row_ok, BLOCK_N, S_L)
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-        mbarrier.arrive(bars.index(STAGES + (i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+        if FROM_ONE:
+            mbarrier.arrive(bars.index(STAGES + (i - 1) % STAGES), count=1)
+        else:
+            mbarrier.arrive(bars.index(STAGES + (i + STAGES - 1) % STAGES), count=1, pred=i > 0)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         return p, m_i, l_i, acc
 
@@ -510,10 +517,10 @@ if HAVE_GLUON:
         section 3.1).  The PTX waits for the PV GEMM after the softmax, as FlashAttention-3's
         intra-warpgroup overlap (section 3.2) does, but ptxas moves that wait up to the start
         of the row max; keeping it later was 7-13 % slower (module docstring, session 12).
-        ``MASKED_FIRST`` (the default with TMA tiles): tiles in ``_tile_order``'s order, the ones holding
-        ``P`` or draft keys first, then the whole prefix tiles in a loop without mask code
-        (the online softmax does not depend on the order); else tile 0 peeled, then one loop
-        that tests each tile (``_tile_scores``)."""
+        ``MASKED_FIRST`` (the default with TMA tiles): tiles in ``_tile_order``'s order, the
+        ones holding ``P`` or draft keys first, then the whole prefix tiles in a loop without
+        mask code (the online softmax does not depend on the order); else tile 0 peeled,
+        then one loop that tests each tile (``_tile_scores``)."""
         dtype: gl.constexpr = K.dtype.element_ty
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
@@ -557,23 +564,10 @@ if HAVE_GLUON:
                 s = _tile_scores(s, lo, P, hi, tree_row, row_ok, BLOCK_N, S_L)
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
                 for j in range(1, n_tiles):
-                    st = j % STAGES
-                    mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-                    fence_async_shared()
-                    mbarrier.wait(bars.index(2 * STAGES + WG), (j & 1) ^ (1 - WG))
-                    s_tok = warpgroup_mma(q_wg, k_smem.index(st).permute((1, 0)), s_zero,
-                                          use_acc=False, is_async=True)
-                    p_op = gl.convert_layout(p.to(dtype), P_OP)
-                    o_tok = warpgroup_mma(p_op, v_smem.index((j - 1) % STAGES), acc,
-                                          is_async=True)
-                    mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
-                    s = warpgroup_mma_wait(1, deps=[s_tok])
-                    s = _tile_scores(s, lo + j * BLOCK_N, P, hi, tree_row, row_ok, BLOCK_N,
-                                     S_L)
-                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
-                    acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-                    mbarrier.arrive(bars.index(STAGES + (j - 1) % STAGES), count=1)
-                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+                    p, m_i, l_i, acc = _tv_step(q_wg, k_smem, v_smem, bars, j, lo + j * BLOCK_N,
+                                                P, hi, tree_row, row_ok, s_zero, p, m_i, l_i,
+                                                acc, qk_scale, BLOCK_N, STAGES, WG, S_L, O_L,
+                                                P_OP, False, dtype, True)
             # the last tile's PV GEMM
             mbarrier.wait(bars.index(2 * STAGES + WG), (n_tiles & 1) ^ (1 - WG))
             p_op = gl.convert_layout(p.to(dtype), P_OP)
