@@ -228,9 +228,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _tile_order(P, lo, hi, BLOCK_N: gl.constexpr):
         """``(n_whole, n_masked)``: the CTA's whole prefix tiles and the tiles after them
-        (holding ``P`` or draft keys).  With TMA tiles both partitions visit the masked tiles
-        first, then the whole ones: iteration ``i`` takes tile ``n_whole + i`` for ``i <
-        n_masked``, else ``i - n_masked``."""
+        (holding ``P`` or draft keys).  With ``MASKED_FIRST`` (the default with TMA tiles)
+        both partitions visit the masked tiles first, then the whole ones: iteration ``i``
+        takes tile ``n_whole + i`` for ``i < n_masked``, else ``i - n_masked`` (written out in
+        the loader and the compute rather than shared: a helper changed the TMA loader's
+        compiled code, session 12)."""
         n_whole = (gl.minimum(P, hi) - lo) // BLOCK_N
         return n_whole, gl.cdiv(hi - lo, BLOCK_N) - n_whole
 
