@@ -3,10 +3,11 @@ side by side, with % of roofline and speedups against the library rows.
 
 ``python -m specattn.bench.attention_report OUTDIR [--iters N] [--only CASE ...]
 [--no-check] [--page-size N]`` (what ``bench/scripts/gpu_attention.sh`` runs) measures the
-harness ceilings once, runs every ``(case, params)`` of :data:`ISSUE_POINTS` (with
-``--page-size``, the tree-verify points on pages of ``N`` slots: :func:`with_page_size`) through
-:func:`specattn.bench.runner.run_case` (a failing point is recorded with its error and the
-rest still run), and writes into ``OUTDIR``:
+harness ceilings once, runs every ``(case, params)`` of :data:`ISSUE_POINTS` (FlashInfer's
+tree-verify split twice: with ``fi_backend="fa2"`` and with FlashInfer's default,
+:data:`SPLIT_EXTRA_BACKENDS`; with ``--page-size``, the tree-verify points on pages of ``N``
+slots: :func:`with_page_size`) through :func:`specattn.bench.runner.run_case` (a failing
+point is recorded with its error and the rest still run), and writes into ``OUTDIR``:
 
 - ``attention_<case>.json`` per case, in :func:`specattn.bench.runner.build_report`'s layout
   plus ``"errors": [{"params", "error"}]``;
@@ -39,12 +40,22 @@ Point = Tuple[str, Dict[str, Any]]
 
 TREE_POINTS = ((1, 4096), (16, 2048), (64, 4096), (16, 16384))
 
+SPLIT_EXTRA_BACKENDS = ("auto",)
+"""FlashInfer backends the tree-verify split is also timed with, after the case's default
+(``fi_backend="fa2"``, what SGLang passes): ``"auto"`` is FlashInfer's own default (fa3 for
+the prefix part on Hopper).  Issue 6's split anchors match it at its two large points
+(``bench/results/2026-11-23-h200-session12``); fa2 is faster at page 1.  Such a row is
+labelled ``flashinfer_split[auto]`` (:func:`impl_label`)."""
+
 
 def _points() -> List[Point]:
     pts: List[Point] = []
     for bs, prefix in TREE_POINTS:
         for impl in IMPLS["tree_verify"]:
             pts.append(("tree_verify", dict(bs=bs, prefix=prefix, impl=impl)))
+            if impl == "flashinfer_split":
+                pts += [("tree_verify", dict(bs=bs, prefix=prefix, impl=impl, fi_backend=b))
+                        for b in SPLIT_EXTRA_BACKENDS]
     for impl in IMPLS["mla_decode"]:
         pts.append(("mla_decode", dict(bs=128, seq_len=8192, impl=impl)))
     for bs in (1, 16):
@@ -78,8 +89,26 @@ def with_page_size(points: Sequence[Point], page_size: Optional[int]) -> List[Po
 
 # ----------------------------------------------------------------------------- summary
 def _point_key(row: Dict[str, Any]) -> Tuple[str, Tuple]:
-    params = {k: v for k, v in row["params"].items() if k != "impl"}
+    params = {k: v for k, v in row["params"].items() if k not in ("impl", "fi_backend")}
     return row["name"], tuple(sorted(params.items(), key=lambda kv: kv[0]))
+
+
+def impl_label(name: str, params: Dict[str, Any]) -> str:
+    """A row's impl as the summary names it: ``params["impl"]``, with ``[backend]`` appended
+    for a library impl run with a FlashInfer backend other than case ``name``'s default
+    (``flashinfer_split[auto]``).  ``fi_backend`` is not part of the point (it only changes
+    the FlashInfer rows), so such a row is one more library row of the same point."""
+    impl = str(params.get("impl"))
+    fb = params.get("fi_backend")
+    if impl in LIBRARIES and fb is not None and fb != _case_default(name, "fi_backend"):
+        return f"{impl}[{fb}]"
+    return impl
+
+
+def _case_default(name: str, key: str) -> Any:
+    from .cases import get_case
+
+    return get_case(name).params.get(key)
 
 
 def _point_label(name: str, params: Dict[str, Any]) -> str:
@@ -98,9 +127,10 @@ def pct_roofline(row: Dict[str, Any]) -> Optional[float]:
 
 def summary_rows(results: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """One row per result (``runner.run_case`` dicts with ``params["impl"]``), in input
-    order, with ``point`` (label), ``impl``, ``pct_roofline`` and ``speedup``: for a row whose
-    impl is not a library impl, ``{library_impl: library_time / row_time}`` over the library
-    rows of the same case and parameters (empty for library rows)."""
+    order, with ``point`` (label), ``impl`` (:func:`impl_label`), ``pct_roofline`` and
+    ``speedup``: for a row whose impl is not a library impl, ``{library_label: library_time
+    / row_time}`` over the library rows of the same case and parameters (``fi_backend``
+    aside; empty for library rows)."""
     by_point: Dict[Tuple, List[Dict[str, Any]]] = OrderedDict()
     for r in results:
         by_point.setdefault(_point_key(r), []).append(r)
@@ -112,8 +142,9 @@ def summary_rows(results: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
             for o in by_point[_point_key(r)]:
                 oi = o["params"].get("impl")
                 if oi in LIBRARIES and o["median_us"] > 0:
-                    speed[oi] = o["median_us"] / r["median_us"]
-        rows.append(dict(case=r["name"], point=_point_label(r["name"], r["params"]), impl=impl,
+                    speed[impl_label(o["name"], o["params"])] = o["median_us"] / r["median_us"]
+        rows.append(dict(case=r["name"], point=_point_label(r["name"], r["params"]),
+                         impl=impl_label(r["name"], r["params"]),
                          median_us=r["median_us"], gbps=r.get("gbps"), tflops=r.get("tflops"),
                          pct_copy_bw=r.get("pct_copy_bw"), pct_matmul=r.get("pct_matmul"),
                          pct_roofline=pct_roofline(r), speedup=speed, mode=r.get("mode", ""),
@@ -153,7 +184,9 @@ def render_markdown(rows: Sequence[Dict[str, Any]], title: str = "") -> str:
 def bar_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
     """The issue's bars, one line each, for the rows present: Triton tree verify <= 40 us at
     bs=1 / >= 3x faster than the FlashInfer custom mask and >= 1.5x faster than the split at
-    the larger points; Triton MLA decode (each variant) within 1.5x of FlashMLA."""
+    the larger points (one line per split row: ``flashinfer_split`` with fa2, and each of
+    :data:`SPLIT_EXTRA_BACKENDS`); Triton MLA decode (each variant) within 1.5x of
+    FlashMLA."""
     out = []
     for r in rows:
         if not str(r["impl"]).startswith("triton"):  # triton and its variants (triton_tma, triton_sm90)
@@ -164,11 +197,10 @@ def bar_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
                 out.append(f"tree_verify {r['point']}: {r['impl']} {r['median_us']:.1f} us "
                            f"({'meets' if ok else 'MISSES'} <= 40 us)")
             else:
-                for impl, need in (("flashinfer_mask", 3.0), ("flashinfer_split", 1.5)):
-                    if impl in r["speedup"]:
-                        x = r["speedup"][impl]
-                        out.append(f"tree_verify {r['point']}: {r['impl']} {x:.2f}x vs {impl} "
-                                   f"({'meets' if x >= need else 'MISSES'} >= {need}x)")
+                for lib, x in r["speedup"].items():
+                    need = 3.0 if lib == "flashinfer_mask" else 1.5  # the split, any backend
+                    out.append(f"tree_verify {r['point']}: {r['impl']} {x:.2f}x vs {lib} "
+                               f"({'meets' if x >= need else 'MISSES'} >= {need}x)")
         elif r["case"] == "mla_decode" and "flashmla" in r["speedup"]:
             x = r["speedup"]["flashmla"]
             out.append(f"mla_decode {r['point']}: {r['impl']} {r['median_us']:.1f} us = "

@@ -56,7 +56,8 @@ parts, tensor-core decode and extend; ``merge_state`` adds the small ``cascade``
 ``-p fi_backend=auto`` lets FlashInfer pick fa3 on Hopper for the mask-free prefills (split
 prefix part, extend): one more JIT module.  At page 1 that split measured 1.25-1.7x slower
 than with fa2 on an H100 and an H200 (``bench/results/2026-11-23-h100-session12``, section
-6), so fa2 stays the anchor.  FlashInfer and FlashMLA are imported only inside
+6), so fa2 stays the anchor; :mod:`.attention_report` times the split under both (issue
+6's split anchors match ``"auto"``).  FlashInfer and FlashMLA are imported only inside
 the impls that need them: a missing one raises ImportError naming the extra
 (``pip install specattn[flashinfer]`` / ``specattn[flashmla]``).
 

@@ -79,6 +79,12 @@ def test_issue_points_cover_the_issue_and_are_valid():
     tv = {(p["bs"], p["prefix"], p["impl"]) for n, p in pts if n == "tree_verify"}
     assert tv == {(bs, pre, i) for bs, pre in rep.TREE_POINTS for i in ca.IMPLS["tree_verify"]}
     assert set(rep.TREE_POINTS) == {(1, 4096), (16, 2048), (64, 4096), (16, 16384)}
+    backends = [(p["bs"], p["prefix"], p.get("fi_backend")) for n, p in pts
+                if n == "tree_verify" and p["impl"] == "flashinfer_split"]
+    assert backends == [(bs, pre, b) for bs, pre in rep.TREE_POINTS
+                        for b in (None,) + rep.SPLIT_EXTRA_BACKENDS]
+    assert rep.SPLIT_EXTRA_BACKENDS == ("auto",)
+    assert not any("fi_backend" in p for n, p in pts if p["impl"] != "flashinfer_split")
     dec = {(p["bs"], p["seq_len"], p["impl"]) for n, p in pts if n == "decode"}
     assert dec == {(b, s, i) for b in (1, 32, 128) for s in (1024, 8192)
                    for i in ("triton", "flashinfer")}
@@ -533,6 +539,32 @@ def test_summary_rows_speedups_and_roofline():
     assert any("1.40x vs flashinfer_split (MISSES >= 1.5x)" in b for b in bars)
     assert any("mla_decode" in b and ": triton 900.0 us" in b and "MISSES <= 1.5x" in b for b in bars)
     assert any("triton_tma 700.0 us = 1.30x FlashMLA's time (meets <= 1.5x)" in b for b in bars)
+
+
+def test_split_backends_are_library_rows_of_one_point():
+    """A FlashInfer row with a non-default ``fi_backend`` is one more library row of the same
+    point, labelled with its backend; the Triton rows get a speedup and a bar line for each."""
+    p = dict(bs=64, prefix=4096)
+    res = [_result("tree_verify", "triton", 600.0, p),
+           _result("tree_verify", "flashinfer_split", 870.0, p),
+           _result("tree_verify", "flashinfer_split", 1200.0, dict(p, fi_backend="auto")),
+           _result("tree_verify", "flashinfer_mask", 2400.0, dict(p, fi_backend="fa2")),
+           _result("decode", "flashinfer", 20.0, dict(bs=1, seq_len=1024, fi_backend="auto")),
+           _result("decode", "triton", 10.0, dict(bs=1, seq_len=1024))]
+    rows = rep.summary_rows(res)
+    assert [r["impl"] for r in rows] == ["triton", "flashinfer_split", "flashinfer_split[auto]",
+                                         "flashinfer_mask", "flashinfer[auto]", "triton"]
+    assert rows[0]["speedup"] == pytest.approx({"flashinfer_split": 1.45,
+                                                "flashinfer_split[auto]": 2.0,
+                                                "flashinfer_mask": 4.0})
+    assert rows[5]["speedup"] == {"flashinfer[auto]": 2.0}
+    assert all(r["point"] == "bs=64 prefix=4096" for r in rows[:4])
+    bars = rep.bar_lines(rows)
+    assert bars == ["tree_verify bs=64 prefix=4096: triton 1.45x vs flashinfer_split (MISSES >= 1.5x)",
+                    "tree_verify bs=64 prefix=4096: triton 2.00x vs flashinfer_split[auto] (meets >= 1.5x)",
+                    "tree_verify bs=64 prefix=4096: triton 4.00x vs flashinfer_mask (meets >= 3.0x)"]
+    assert "flashinfer_split[auto]" in rep.render_markdown(rows)
+    assert rep.impl_label("tree_verify", dict(impl="triton", fi_backend="auto")) == "triton"
 
 
 def test_write_summary_lists_errors_and_notes(tmp_path):

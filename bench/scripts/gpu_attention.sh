@@ -7,13 +7,15 @@
 # of one small tree-verify input and one MLA decode input vs the torch reference and vs each
 # other, max abs diff), then every issue point for every impl:
 #   tree_verify     bs/prefix 1/4096 16/2048 64/4096 16/16384  triton|flashinfer_mask|flashinfer_split
+#                   (the split twice: fi_backend fa2, and FlashInfer's default "auto", fa3 on Hopper)
 #   mla_decode      bs 128, seq_len 8192                        triton|flashmla
 #   mla_tree_verify bs 1|16, prefix 4096                        triton
 #   decode          bs 1|32|128 x seq_len 1024|8192             triton|flashinfer
 #   extend          bs 1, 2048 new tokens, prefix 0|4096        triton|flashinfer
-# FlashInfer JIT-compiles 2 modules on a cold cache (~40 s each): the fa2 batch-prefill module
-# (bf16, head_dim 128, int32 indices; custom mask, split, tensor-core decode, extend) and
-# `cascade` (merge_state).  FlashMLA is prebuilt.
+# FlashInfer JIT-compiles 3 modules on a cold cache (~40 s each): the fa2 batch-prefill module
+# (bf16, head_dim 128, int32 indices; custom mask, split, tensor-core decode, extend),
+# `cascade` (merge_state) and, on Hopper, the fa3 one (the split's prefix part under "auto").
+# FlashMLA is prebuilt.
 # Writes 7 files into $1: attention_<case>.json x 5 (runner's report layout + errors),
 # attention_summary.md (table, bars, errors, cross-check; rewritten after every point) and
 # attention.log.  The whole run is capped at GPU_ATTENTION_BUDGET_S (default 345 s).
