@@ -127,7 +127,8 @@ def pct_roofline(row: Dict[str, Any]) -> Optional[float]:
 
 def summary_rows(results: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """One row per result (``runner.run_case`` dicts with ``params["impl"]``), in input
-    order, with ``point`` (label), ``impl`` (:func:`impl_label`), ``pct_roofline`` and
+    order, with ``point`` (label), ``params`` (the result's, less ``impl``), ``impl``
+    (:func:`impl_label`), ``pct_roofline`` and
     ``speedup``: for a row whose impl is not a library impl, ``{library_label: library_time
     / row_time}`` over the library rows of the same case and parameters (``fi_backend``
     aside; empty for library rows)."""
@@ -144,6 +145,7 @@ def summary_rows(results: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
                 if oi in LIBRARIES and o["median_us"] > 0:
                     speed[impl_label(o["name"], o["params"])] = o["median_us"] / r["median_us"]
         rows.append(dict(case=r["name"], point=_point_label(r["name"], r["params"]),
+                         params={k: v for k, v in r["params"].items() if k != "impl"},
                          impl=impl_label(r["name"], r["params"]),
                          median_us=r["median_us"], gbps=r.get("gbps"), tflops=r.get("tflops"),
                          pct_copy_bw=r.get("pct_copy_bw"), pct_matmul=r.get("pct_matmul"),
@@ -192,7 +194,8 @@ def bar_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
         if not str(r["impl"]).startswith("triton"):  # triton and its variants (triton_tma, triton_sm90)
             continue
         if r["case"] == "tree_verify":
-            if r["point"] == "bs=1 prefix=4096":
+            p = r.get("params", {})
+            if (p.get("bs"), p.get("prefix")) == (1, 4096):  # whatever the page size
                 ok = r["median_us"] <= 40.0
                 out.append(f"tree_verify {r['point']}: {r['impl']} {r['median_us']:.1f} us "
                            f"({'meets' if ok else 'MISSES'} <= 40 us)")

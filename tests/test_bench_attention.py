@@ -535,6 +535,7 @@ def test_summary_rows_speedups_and_roofline():
     assert "% roofline" in table[0] and "flashinfer_mask 4.00x" in md
     bars = rep.bar_lines(rows)
     assert any("meets <= 40 us" in b for b in bars)
+    assert not any("bs=1" in b and "flashinfer" in b for b in bars)  # bs 1: only <= 40 us
     assert any("5.00x vs flashinfer_mask (meets >= 3.0x)" in b for b in bars)
     assert any("1.40x vs flashinfer_split (MISSES >= 1.5x)" in b for b in bars)
     assert any("mla_decode" in b and ": triton 900.0 us" in b and "MISSES <= 1.5x" in b for b in bars)
@@ -564,6 +565,13 @@ def test_split_backends_are_library_rows_of_one_point():
                     "tree_verify bs=64 prefix=4096: triton 2.00x vs flashinfer_split[auto] (meets >= 1.5x)",
                     "tree_verify bs=64 prefix=4096: triton 4.00x vs flashinfer_mask (meets >= 3.0x)"]
     assert "flashinfer_split[auto]" in rep.render_markdown(rows)
+    # the runner fills in every case parameter (page_size too): bs 1 still gets its own bar
+    full = dict(CASES["tree_verify"].params, bs=1, prefix=4096)
+    one = rep.summary_rows([_result("tree_verify", "triton", 41.0, full),
+                            _result("tree_verify", "flashinfer_split", 90.0, full)])
+    assert one[0]["point"] == "bs=1 prefix=4096 page_size=1"
+    assert rep.bar_lines(one) == ["tree_verify bs=1 prefix=4096 page_size=1: triton 41.0 us "
+                                  "(MISSES <= 40 us)"]
     assert rep.impl_label("tree_verify", dict(impl="triton", fi_backend="auto")) == "triton"
 
 
