@@ -3,7 +3,7 @@
 # (bash .model-a/put.sh; bash .model-b/put.sh) and gguf is importable (`source
 # .device/setup.sh`, or the gguf wheel alone carried in .whl: this script installs it):
 #   bash bench/scripts/gpu_runtime.sh $OUT
-# Builds specattn._C, then (~6 min on an H100; the phases share a deadline of RT_BUDGET_S,
+# Builds specattn._C, then (~7.5 min on a fresh H100; the phases share a deadline of RT_BUDGET_S,
 # default 540 s from the start, so one call stays inside the device tool's 10 minutes):
 #  1. the runtime's lossless GPU tests (CUDA graphs on, float32) with --backend torch_reference
 #     (plus the reference backend's own GPU tests and the engine's graph-routing test) and with
@@ -50,13 +50,17 @@ tail -3 /tmp/rt_build.log > "$out/errors.log"
 python3 -c "import specattn._ext as e; print('ext', e.EXT_AVAILABLE, e.EXT_MISSING_REASON)" >> "$out/device.txt" 2>&1
 phase build
 
-# 1. lossless GPU tests, one run per backend (the reference's own tests only once)
+# 1. lossless GPU tests, one run per backend (the reference's own tests only once), in
+# RT_XDIST pytest-xdist workers (default 4; 0 = one process): on a fresh machine the Triton
+# run JIT-compiles its kernels, which took past its 220 s in one process (session 13)
+xdist=""
+if [ "${RT_XDIST:-4}" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then xdist="-n ${RT_XDIST:-4}"; fi
 files="tests/test_runtime_gpu.py tests/test_runtime_dflash.py tests/test_runtime_mla.py tests/test_runtime_lowp.py tests/test_runtime_paging.py"
 backends=${RT_BACKENDS:-torch_reference triton}
 for b in $backends; do
   extra=""; [ "$b" = torch_reference ] && extra="tests/test_backend_reference.py tests/test_runtime_backends.py"
   cap=200; [ "$b" = triton ] && cap=220   # triton: JIT compiles
-  timeout "$(left $cap 200)" python3 -m pytest -m gpu --backend "$b" $files $extra -q -p no:warnings -p no:cacheprovider \
+  timeout "$(left $cap 200)" python3 -m pytest -m gpu --backend "$b" $files $extra $xdist -q -p no:warnings -p no:cacheprovider \
     -rs --durations=5 --junitxml="/tmp/rt_junit_$b.xml" > "$out/gpu_tests_$b.log" 2>&1
   echo "pytest --backend $b: exit $?" >> "$out/gpu_tests_$b.log"
   tail -2 "$out/gpu_tests_$b.log"
