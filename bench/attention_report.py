@@ -128,10 +128,9 @@ def pct_roofline(row: Dict[str, Any]) -> Optional[float]:
 def summary_rows(results: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """One row per result (``runner.run_case`` dicts with ``params["impl"]``), in input
     order, with ``point`` (label), ``params`` (the result's, less ``impl``), ``impl``
-    (:func:`impl_label`), ``pct_roofline`` and
-    ``speedup``: for a row whose impl is not a library impl, ``{library_label: library_time
-    / row_time}`` over the library rows of the same case and parameters (``fi_backend``
-    aside; empty for library rows)."""
+    (:func:`impl_label`), ``pct_roofline`` and ``speedup``: for a row whose impl is not a
+    library impl, ``{library_label: library_time / row_time}`` over the library rows of the
+    same case and parameters (``fi_backend`` aside; empty for library rows)."""
     by_point: Dict[Tuple, List[Dict[str, Any]]] = OrderedDict()
     for r in results:
         by_point.setdefault(_point_key(r), []).append(r)
@@ -201,7 +200,12 @@ def bar_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
                            f"({'meets' if ok else 'MISSES'} <= 40 us)")
             else:
                 for lib, x in r["speedup"].items():
-                    need = 3.0 if lib == "flashinfer_mask" else 1.5  # the split, any backend
+                    if lib == "flashinfer_mask":
+                        need = 3.0
+                    elif lib.startswith("flashinfer_split"):  # the split, any backend
+                        need = 1.5
+                    else:
+                        continue
                     out.append(f"tree_verify {r['point']}: {r['impl']} {x:.2f}x vs {lib} "
                                f"({'meets' if x >= need else 'MISSES'} >= {need}x)")
         elif r["case"] == "mla_decode" and "flashmla" in r["speedup"]:
