@@ -11,7 +11,8 @@ Common layout (same semantics as :mod:`.attention`, ``forward_batch`` convention
   request and KV head; warpgroup ``g`` owns rows ``64 g + [0, 64)`` (wgmma ``m64nNk16``), so
   the row softmax stays inside a warp.  Grid ``(cdiv(max_q * G, 128), Hkv, bs *
   num_splits)``; CTAs past ``n * G`` exit.
-- ``q`` in shared memory; keys ``[lo, hi)`` in ``BLOCK_N`` tiles, K and V gathered per token
+- ``q`` in shared memory (the ping-pong warpgroups then load theirs into registers, the score
+  GEMM's A operand); keys ``[lo, hi)`` in ``BLOCK_N`` tiles, K and V gathered per token
   through ``req_to_token`` by ``cp.async`` (rows past ``hi`` zero-filled).  The ping-pong
   kernel with ``page_size`` a multiple of 16 copies a whole 64-key tile that starts at a page
   boundary by TMA instead: for each run of ``R`` consecutive slots (``R`` = 64, 32 or 16,
@@ -143,6 +144,14 @@ apart); with the masked tiles first (folding the first tile's peeled code into t
 so the code is no larger), 2.6-5.6 % faster at page 64 on an H100 and an H200, but
 up to 1.5 % slower at page 1 (section 7): kept for TMA tiles only.  The row reductions
 as trees (ptxas re-chains them) and int32 gather offsets shared by K and V were noise.
+Session 13 (``bench/results/2026-11-23-h100-session13``): ``q`` as the register operand of
+the ping-pong kernel's score GEMM.  With both operands in shared memory, the 64-key score GEMM
+(``m64n64k16``) reads 4 KiB per 32 tensor-core cycles at peak, the SM's whole shared-memory
+bandwidth, while the loader's copies land there too; from registers it reads only K.  Timed
+interleaved against cd5a8c4's kernel at the three larger points: 0.3-1.4 % faster at page 1
+(one round 3.5 %) and 1.9-3.5 % at page 64 on an H100, 0.3-0.6 % and 1.7-3.2 % on an H200
+(bs 1 within noise), the output bit for bit the same; ptxas fits it without spills (224 / 232
+registers).  Session 8 had measured this form slower (702 / 657 us, on the kernel of then).
 Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
 copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
 score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
@@ -470,20 +479,21 @@ if HAVE_GLUON:
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _tv_step(q_wg, k_smem, v_smem, bars, i, start, P, hi, tree_row, row_ok, s_zero, p, m_i,
+    def _tv_step(q_op, k_smem, v_smem, bars, i, start, P, hi, tree_row, row_ok, s_zero, p, m_i,
                  l_i, acc, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  WG: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr, P_OP: gl.constexpr,
                  WHOLE: gl.constexpr, dtype: gl.constexpr, FROM_ONE: gl.constexpr = False):
         """Iteration ``i`` of warpgroup ``WG`` on the tile at ``start``: on its turn the score
         GEMM of this tile and the PV GEMM of the previous iteration's (at ``i == 0`` ``P`` is
         zero and this stage's V is read), then the softmax.  ``WHOLE``: a whole prefix tile
-        (no mask code); else the tile's keys are tested (``_tile_scores``).  ``FROM_ONE``:
+        (no mask code); else the tile's keys are tested (``_tile_scores``).  ``q_op``: the
+        warpgroup's ``q`` rows in registers (the score GEMM's A operand).  ``FROM_ONE``:
         the caller's ``i`` starts at 1 (no code for ``i == 0``)."""
         st = i % STAGES
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         fence_async_shared()
         mbarrier.wait(bars.index(2 * STAGES + WG), (i & 1) ^ (1 - WG))
-        s_tok = warpgroup_mma(q_wg, k_smem.index(st).permute((1, 0)), s_zero,
+        s_tok = warpgroup_mma(q_op, k_smem.index(st).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
         p_op = gl.convert_layout(p.to(dtype), P_OP)
         if FROM_ONE:
@@ -539,6 +549,11 @@ if HAVE_GLUON:
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=S_L)
         p = s_zero
         if n_tiles > 0:
+            # q, which lands with the first tile, as the score GEMM's register operand: the
+            # GEMM then reads only K from shared memory (0.3-1.4 % faster at page 1, 1.7-3.5 %
+            # at page 64; session 13)
+            mbarrier.wait(bars.index(0), 0)
+            q_op = q_wg.load(gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2))
             if MASKED_FIRST:
                 # the tiles holding P or draft keys first (at least one iteration: tile 0 when
                 # there are none), then the whole prefix tiles, whose loop has no mask code
@@ -546,27 +561,26 @@ if HAVE_GLUON:
                 n_a = gl.maximum(n_masked, 1)
                 for i in range(0, n_a):
                     start = lo + gl.where(n_masked > 0, n_whole + i, 0) * BLOCK_N
-                    p, m_i, l_i, acc = _tv_step(q_wg, k_smem, v_smem, bars, i, start, P, hi,
+                    p, m_i, l_i, acc = _tv_step(q_op, k_smem, v_smem, bars, i, start, P, hi,
                                                 tree_row, row_ok, s_zero, p, m_i, l_i, acc,
                                                 qk_scale, BLOCK_N, STAGES, WG, S_L, O_L, P_OP,
                                                 False, dtype)
                 for i in range(n_a, n_tiles):
-                    p, m_i, l_i, acc = _tv_step(q_wg, k_smem, v_smem, bars, i,
+                    p, m_i, l_i, acc = _tv_step(q_op, k_smem, v_smem, bars, i,
                                                 lo + (i - n_masked) * BLOCK_N, P, hi, tree_row,
                                                 row_ok, s_zero, p, m_i, l_i, acc, qk_scale,
                                                 BLOCK_N, STAGES, WG, S_L, O_L, P_OP, True, dtype)
             else:  # the per-key gather: tile 0 peeled, then one loop testing each tile
-                mbarrier.wait(bars.index(0), 0)
                 fence_async_shared()
                 mbarrier.wait(bars.index(2 * STAGES + WG), 1 - WG)
-                s_tok = warpgroup_mma(q_wg, k_smem.index(0).permute((1, 0)), s_zero,
+                s_tok = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero,
                                       use_acc=False, is_async=True)
                 mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
                 s = warpgroup_mma_wait(0, deps=[s_tok])
                 s = _tile_scores(s, lo, P, hi, tree_row, row_ok, BLOCK_N, S_L)
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
                 for j in range(1, n_tiles):
-                    p, m_i, l_i, acc = _tv_step(q_wg, k_smem, v_smem, bars, j, lo + j * BLOCK_N,
+                    p, m_i, l_i, acc = _tv_step(q_op, k_smem, v_smem, bars, j, lo + j * BLOCK_N,
                                                 P, hi, tree_row, row_ok, s_zero, p, m_i, l_i,
                                                 acc, qk_scale, BLOCK_N, STAGES, WG, S_L, O_L,
                                                 P_OP, False, dtype, True)
