@@ -34,6 +34,7 @@ from collections import OrderedDict
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .cases import get_case
 from .cases_attention import IMPLS, LIBRARIES
 
 Point = Tuple[str, Dict[str, Any]]
@@ -100,15 +101,9 @@ def impl_label(name: str, params: Dict[str, Any]) -> str:
     the FlashInfer rows), so such a row is one more library row of the same point."""
     impl = str(params.get("impl"))
     fb = params.get("fi_backend")
-    if impl in LIBRARIES and fb is not None and fb != _case_default(name, "fi_backend"):
+    if impl in LIBRARIES and fb is not None and fb != get_case(name).params.get("fi_backend"):
         return f"{impl}[{fb}]"
     return impl
-
-
-def _case_default(name: str, key: str) -> Any:
-    from .cases import get_case
-
-    return get_case(name).params.get(key)
 
 
 def _point_label(name: str, params: Dict[str, Any]) -> str:
@@ -225,8 +220,6 @@ def cross_check(device: str = "cuda") -> List[str]:
     import torch
 
     from specattn.backends import TorchReferenceBackend
-
-    from .cases import get_case
 
     lines = []
     for name, params in (("tree_verify", dict(bs=4, prefix=1000, input_sets=1)),
