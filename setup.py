@@ -112,4 +112,5 @@ with open(os.path.join(ROOT, "specattn", "_build_info.json"), "w") as f:
 
 packages, package_dir = _packages()
 setup(packages=packages, package_dir=package_dir, ext_modules=ext_modules, cmdclass=cmdclass,
-      package_data={"specattn": ["_build_info.json"]})
+      package_data={"specattn": ["_build_info.json"],
+                    "specattn.spec_runtime": ["data/*.txt", "assets/*/*"]})

@@ -52,6 +52,13 @@ class AttentionBackend(ABC):
     """
 
     name = "base"
+    #: True when the graph metadata builders (``init_forward_metadata_capture_cuda_graph`` /
+    #: ``..._replay_cuda_graph``) are device work only that may itself be recorded inside a
+    #: CUDA graph capture, with no host-side plan and no warm-up forward needed first.  A
+    #: runtime can then capture a whole speculative round (several forwards of this backend
+    #: with metadata rebuilt between them) as one graph.  False for backends whose library
+    #: plans on the host at replay (FlashInfer) or needs a forward before capture (FlashMLA).
+    device_metadata = False
 
     def __init__(self, req_to_token_pool, kv_pool, *, topk: Optional[int] = None):
         if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):

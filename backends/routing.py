@@ -59,6 +59,11 @@ class RoutedBackend(AttentionBackend):
         """The backend that runs ``mode``."""
         return self.routes.get(mode, self.primary)
 
+    @property
+    def device_metadata(self) -> bool:  # noqa: D102
+        """True when every backend it routes to builds its graph metadata on the device."""
+        return all(b.device_metadata for b in self._distinct())
+
     def _distinct(self):
         seen = {id(self.primary): self.primary}
         for b in self.routes.values():

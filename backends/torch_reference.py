@@ -87,6 +87,7 @@ class TorchReferenceBackend(AttentionBackend):
     """The oracle backend (see the module docstring)."""
 
     name = "torch_reference"
+    device_metadata = True
 
     @classmethod
     def supports(cls, mode: ForwardMode, *, graph: bool, kind: AttentionKind) -> bool:

@@ -185,6 +185,7 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    device_metadata = True
 
     def __init__(self, req_to_token_pool, kv_pool, num_kv_splits: Optional[int] = None,
                  kernel_config: Optional[dict] = None, page_aligned: bool = True,

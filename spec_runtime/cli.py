@@ -37,27 +37,70 @@ def load_model(model: Optional[str], dtype: torch.dtype):
     return cfg, w, loader.load_tokenizer(path)
 
 
-def _draft(path: Optional[str], device: str, dtype: torch.dtype):
-    """The separate EAGLE drafter of ``--draft-model``, or None."""
-    if path is None:
+ASSETS = Path(__file__).resolve().parent / "assets"
+DATA = Path(__file__).resolve().parent / "data"
+#: the EAGLE-3 drafter shipped for the default model (SmolLM2-135M-Instruct)
+DEFAULT_EAGLE3 = ASSETS / "smollm2-135m-instruct-eagle3"
+
+
+def eval_prompts_path() -> Path:
+    """The committed eval prompt set (never used for training)."""
+    return DATA / "eval_prompts.txt"
+
+
+def is_eagle3_dir(path) -> bool:
+    """Whether ``path`` is a folder holding an EAGLE-3 drafter (``config.json`` naming
+    ``LlamaForCausalLMEagle3``)."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        arch = json.loads(cfg.read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return False
+    return any("Eagle3" in a for a in arch)
+
+
+def default_drafter(cfg) -> Optional[Path]:
+    """The shipped EAGLE-3 drafter when ``cfg`` (a :class:`~.loader.LlamaConfig`) is the
+    model it was trained for (same sizes, as its config records them), else None."""
+    if not is_eagle3_dir(DEFAULT_EAGLE3):
         return None
-    from .model import LlamaModel
-    cfg, w, _ = load_model(path, dtype)
-    return LlamaModel(cfg, w, device, dtype)
+    d = json.loads((DEFAULT_EAGLE3 / "config.json").read_text())
+    target = (d.get("specattn") or {}).get("target_config") or {}
+    keys = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    if not target or any(target.get(k) != getattr(cfg, k) for k in keys):
+        return None
+    return DEFAULT_EAGLE3
+
+
+def drafter_factory(path, device: str, dtype: torch.dtype):
+    """``target -> drafter`` for the EAGLE drafter in ``path``: an EAGLE-3 folder, or a Llama
+    checkpoint (GGUF or HF folder) over the target's vocabulary."""
+    def make(target):
+        if is_eagle3_dir(path):
+            from .eagle3 import Eagle3Drafter
+            return Eagle3Drafter.load(path, target)
+        from .model import LlamaModel
+        cfg, w, _ = load_model(str(path), dtype)
+        return LlamaModel(cfg, w, device, dtype)
+    return make
 
 
 def engine_for(cfg, w, ids: List[List[int]], spec, *, backend: str, device: str, dtype: torch.dtype,
                max_new_tokens: int, cuda_graph: Optional[bool] = None, draft_model=None,
                page_size: int = 1):
     """The engine ``specattn generate`` runs: one batch of all ``ids`` (``max_batch = len(ids)``),
-    ``max_context`` = longest prompt + ``max_new_tokens`` + one round's tokens + 8, rounded up to
-    a multiple of ``page_size``; CUDA graphs by default on cuda devices.  Raises what
+    ``max_context`` = longest prompt + ``max_new_tokens`` + two rounds' tokens + 8 (the
+    overlapped loop runs one round past a finished request), rounded up to a multiple of
+    ``page_size``; CUDA graphs by default on cuda devices.  ``draft_model``: a ready drafter,
+    or a callable ``target -> drafter``.  Raises what
     :class:`~specattn.spec_runtime.engine.Engine` raises."""
     from .engine import Engine
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     per_round = spec.block_size if spec.algo == "dflash" else spec.num_draft_tokens
-    need = max(map(len, ids)) + max_new_tokens + per_round + 8
+    need = max(map(len, ids)) + max_new_tokens + 2 * per_round + 8
     return Engine(cfg, w, spec=spec, backend=backend, device=device, dtype=dtype,
                   max_batch=len(ids), max_context=-(-need // page_size) * page_size,
                   eos_token_ids=cfg.eos_token_ids,
@@ -85,6 +128,16 @@ def measured_generate(eng, ids: List[List[int]], params, warmup: bool, progress=
     return eng.generate(ids, params, progress=progress), warm_s
 
 
+def _drafter_name(eng, algo: str) -> Optional[str]:
+    """``"eagle3"`` (a trained EAGLE-3 drafter), ``"self-speculative"`` (the target's first
+    layers or another Llama), ``"dflash-random-init"``, or None without a drafter."""
+    if algo == "dflash":
+        return "dflash-random-init"
+    if algo != "eagle":
+        return None
+    return "eagle3" if hasattr(eng.draft, "aux_layer_ids") else "self-speculative"
+
+
 def report_dict(eng, res, warm_s, *, texts: List[str], tok, algo: str, backend: str, dtype: str,
                 topk: int, num_steps: int, num_draft_tokens: int, block_size: int) -> dict:
     """The ``--json`` report of one measured run (``res``, a ``GenerateResult``; ``warm_s``
@@ -99,11 +152,13 @@ def report_dict(eng, res, warm_s, *, texts: List[str], tok, algo: str, backend: 
             "draft_backend": draft_backend.name if draft_backend is not None else None,
             "device": str(eng.device), "dtype": dtype,
             "device_name": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu",
-            "cuda_graph": bool(eng.runners), "graph_modes": list(eng.graph_modes),
+            "cuda_graph": bool(eng.runners or eng.round_graphs),
+            "whole_round_graphs": eng.whole_round_graphs, "graph_modes": list(eng.graph_modes),
             "eager_routed": list(eng.eager_routed), "mode_routed": list(eng.mode_routed),
             "page_size": eng.page_size,
             "warmup": warm_s is not None, "warmup_seconds": warm_s,
             "draft_layers": eng.draft.num_layers if algo in ("eagle", "dflash") else None,
+            "drafter": _drafter_name(eng, algo),
             "topk": topk, "num_steps": num_steps, "num_draft_tokens": num_draft_tokens,
             "block_size": block_size if algo == "dflash" else None,
             "prompts": len(texts), "tokens": res.num_tokens, "seconds": res.seconds,
@@ -132,8 +187,13 @@ def generate(
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0), top_p: float = typer.Option(1.0), seed: int = typer.Option(0),
     model: Optional[str] = typer.Option(None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct)."),
-    draft_model: Optional[str] = typer.Option(None, help="EAGLE: a separate draft checkpoint (GGUF or HF dir) "
-                                                        "with the target's vocabulary."),
+    draft_model: Optional[str] = typer.Option(None, help="EAGLE: a drafter: an EAGLE-3 folder, or a Llama "
+                                                        "checkpoint (GGUF or HF dir) with the target's "
+                                                        "vocabulary (default: the shipped EAGLE-3 drafter "
+                                                        "for the default model)."),
+    self_draft: bool = typer.Option(False, "--self-draft",
+                                    help="EAGLE: draft with the target's first --draft-layers layers "
+                                         "(self-speculative) instead of a trained drafter."),
     chat: bool = typer.Option(True, "--chat/--raw", help="Apply the chat template."),
     cuda_graph: Optional[bool] = typer.Option(None, "--cuda-graph/--eager",
                                               help="CUDA graphs (default: on for cuda devices)."),
@@ -147,19 +207,35 @@ def generate(
     from . import loader
     from .engine import SpecConfig
     from .sampling import SamplingParams
+    if prompt is not None and not prompt.strip():
+        raise typer.BadParameter("the prompt is empty", param_hint="--prompt")
+    if prompts is not None and not prompts.is_file():
+        raise typer.BadParameter(f"no such file: {prompts}", param_hint="--prompts")
     texts: List[str] = ([prompt] if prompt else []) + (
         [l for l in prompts.read_text().splitlines() if l.strip()] if prompts else [])
     if not texts:
-        raise typer.BadParameter("give --prompt or --prompts")
+        raise typer.BadParameter("give --prompt TEXT or --prompts FILE (one prompt per line)")
     if dtype not in DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {sorted(DTYPES)}")
-    cfg, w, tok = load_model(model, DTYPES[dtype])
-    ids = [loader.apply_chat_template(tok, t) if chat else tok.encode(t) for t in texts]
     spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size)
     try:
+        spec.validate()
+    except ValueError as e:
+        raise typer.BadParameter(str(e))
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise typer.BadParameter(f"--device {device}: no CUDA GPU here (torch.cuda.is_available() is False)")
+    if draft_model is not None and not Path(draft_model).exists():
+        raise typer.BadParameter(f"no such drafter: {draft_model}", param_hint="--draft-model")
+    cfg, w, tok = load_model(model, DTYPES[dtype])
+    ids = [loader.apply_chat_template(tok, t) if chat else tok.encode(t) for t in texts]
+    drafter_path = None
+    if algo == "eagle" and not self_draft:
+        drafter_path = draft_model or default_drafter(cfg)
+    try:
         eng = engine_for(cfg, w, ids, spec, backend=backend, device=device, dtype=DTYPES[dtype],
-                         max_new_tokens=max_new_tokens, cuda_graph=cuda_graph,
-                         draft_model=_draft(draft_model, device, DTYPES[dtype]), page_size=page_size)
+                         max_new_tokens=max_new_tokens, cuda_graph=cuda_graph, page_size=page_size,
+                         draft_model=None if drafter_path is None else
+                         drafter_factory(drafter_path, device, DTYPES[dtype]))
     except (ValueError, ImportError, KeyError, NotImplementedError) as e:  # NotImplementedError: UnsupportedError
         raise typer.BadParameter(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
     params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)

@@ -34,11 +34,11 @@ an added ``<|MASK|>`` token; the number of context taps is independent of the dr
 How it maps onto our modes and pools (one round per running batch)
 ------------------------------------------------------------------
 Per request ``P`` = target KV committed (= drafter context KV committed: both cover positions
-``0 .. P-1``), ``root`` = last emitted token, no KV anywhere yet, its slot already at
-``req_to_token[row, P]``.  Target and drafter pools use the same slot indices.
+``0 .. P-1``), ``root`` = last emitted token, no KV anywhere yet.  Target and drafter pools
+use the same slot indices, reserved per request row by the engine.
 
-1. slots: ``B`` new slots at positions ``P+1 .. P+B`` (with the root's: ``P .. P+B``);
-2. draft (:func:`propose_block`): the drafter runs ``TARGET_VERIFY`` on its own backend/pool
+1. slots: the round works at positions ``P .. P+B-1`` (``req_to_token[row, P : P+B]``);
+2. draft (:meth:`DFlashStrategy.propose_block`): the drafter runs ``TARGET_VERIFY`` on its own backend/pool
    with ``seq_lens = P``, ``D = B`` tokens ``[root, MASK x (B-1)]`` at positions
    ``P .. P+B-1`` and an ALL-ONES tree mask.  Our ``TARGET_VERIFY`` means "prefix always
    visible + block tokens visible where the mask bit is set", so all-ones is exactly
@@ -55,22 +55,22 @@ Per request ``P`` = target KV committed (= drafter context KV committed: both co
 5. emit accepted drafts + bonus; ``accept_length`` per round as EAGLE (bonus excluded);
 6. drafter context KV for the committed tokens (root + accepted drafts, positions
    ``P .. P+a``) via ``materialize_kv`` from the compacted hidden states, overwriting the
-   block's scratch K/V in those slots; commit ``P += a + 1``; the bonus is the new root and
-   keeps its slot; the round's other slots are freed.
+   block's scratch K/V in those slots.  The kernel writes all ``B`` rows (a fixed shape):
+   the rows past the accepted path land at positions ``> P + a``, which the next round's
+   block forward overwrites before anything reads them as context.  Commit ``P += a + 1``;
+   the bonus is the new root.
 
-Prefill (:func:`prefill_target`): the target's EXTEND over the prompt captures the tap
-layers and materializes the prompt's context KV in the same pass.
+Prefill (:meth:`DFlashStrategy.prefill`): the target's EXTEND over the prompt captures the
+tap layers, and the prompt's context KV is materialized from them in the same pass.
 
-CUDA graphs: the draft block forward (``TARGET_VERIFY`` on the drafter, input ids only,
-logits out) is captured like the engine's other runners (:func:`capture_graphs`).  The
-target's verify must also return the tap layers' hidden states, which the engine's
-``GraphRunner`` does not (logits only), so it always runs eagerly, as do prefill and
-``materialize_kv``.  ``cuda_graph=True`` therefore works with ``algo="dflash"`` and graphs
-only the drafter.
+CUDA graphs: the whole round (block forward, verify with the tap layers, compaction,
+``materialize_kv``, commit) is one graph on backends that build their metadata on the
+device; on host-planned backends the block forward replays a per-mode graph and the
+verify (which returns hidden states) runs eagerly.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Sequence
+from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -79,13 +79,12 @@ from specattn import ops
 from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch, ForwardMode, pack_tree_mask
 
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
-from .sampling import SamplingParams
+from .strategies import SpecConfig, Strategy
 
 if TYPE_CHECKING:  # the engine imports this module
-    from .engine import Engine, Request
+    from .engine import Engine, ForwardOut, RoundBatch
 
-__all__ = ["context_layer_ids", "DFlashDrafter", "chain_tree", "prefill_target", "propose_block",
-           "dflash_round", "capture_graphs"]
+__all__ = ["context_layer_ids", "DFlashDrafter", "chain_tree", "DFlashStrategy"]
 
 
 def context_layer_ids(num_target_layers: int, num_taps: int) -> List[int]:
@@ -246,70 +245,66 @@ def chain_tree(P: torch.Tensor, D: int) -> ops.TreeInfo:
                         torch.full((bs, D), -1, dtype=torch.int64, device=dev))
 
 
-def _target_forward(engine: "Engine", ids: torch.Tensor, batch: ForwardBatch):
-    """Eager target forward capturing the drafter's tap layers: ``(logits, features)``,
-    ``features [T, taps * hidden]``."""
-    engine.target_backend.init_forward_metadata(batch)
-    hidden, caps = engine.target.forward(ids, batch, engine.target_backend,
-                                         capture_layers=engine.draft.context_layers)
-    return engine.target.logits(hidden), torch.cat(caps, dim=-1)
+class DFlashStrategy(Strategy):
+    """DFlash block drafting (steps 1-6 of the module docstring), over the engine's public
+    operations.  The drafter is a random-init :class:`DFlashDrafter` of
+    ``spec.draft_layers`` (default 2) layers."""
 
+    name = "dflash"
+    verify_topk = 1      # the target verifies a chain
+    draft_topk = None    # the block forward is a TARGET_VERIFY with an all-ones mask
 
-def prefill_target(engine: "Engine", ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """The prompt's target EXTEND, capturing the tap layers, and the prompt's drafter context
-    KV (same slots and positions as the target's).  Returns the target's logits."""
-    logits, feats = _target_forward(engine, ids, batch)
-    engine.draft.write_context_kv(feats, batch.positions, batch.out_cache_loc, engine.draft_pool)
-    return logits
+    def __init__(self, spec: SpecConfig, target, max_context: int = 4096):
+        self.B = spec.block_size
+        self.drafter = DFlashDrafter(target, spec.draft_layers or 2, max_positions=max_context)
+        self.target_capture_layers = tuple(self.drafter.context_layers)
+        self.tokens_per_round = self.emit_width = self.B
 
+    def round_modes(self):
+        return [("target", ForwardMode.TARGET_VERIFY), ("draft", ForwardMode.TARGET_VERIFY)]
 
-def propose_block(engine: "Engine", reqs: List["Request"], rows: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
-    """One non-causal drafter forward per request over ``[root, MASK x (B-1)]`` at positions
-    ``P .. P+B-1`` (``TARGET_VERIFY``, all-ones tree mask; slots ``req_to_token[row, P:P+B]``,
-    already assigned).  Returns ``draft_tokens [bs, B]``: the roots, then the argmax drafts."""
-    B, bs, dev = engine.spec.block_size, len(reqs), engine.device
-    drafter = engine.draft
-    roots = engine._tensor([r.root for r in reqs])
-    ids = torch.full((bs, B), drafter.mask_token_id, dtype=torch.int64, device=dev)
-    ids[:, 0] = roots
-    cols = P[:, None] + torch.arange(B, device=dev)
-    loc = engine.req_pool.req_to_token[rows[:, None], cols].long().flatten()
-    ones = pack_tree_mask(torch.ones(bs, B, B, dtype=torch.bool, device=dev))
-    batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows, [r.P for r in reqs], B, loc,
-                               positions=cols.flatten(), tree_mask=ones, device=dev)
-    logits = engine._run(drafter, engine.draft_backend, ids.flatten(), batch).view(bs, B, -1)
-    return torch.cat([roots[:, None], logits[:, 1:].argmax(-1)], dim=1)
+    def graph_state_sizes(self, max_batch: int) -> Dict[str, Tuple[int, int]]:
+        return {"target": (max_batch, max_batch * self.B), "draft": (max_batch, max_batch * self.B)}
 
+    def per_mode_graph_plan(self, eng: "Engine") -> list:
+        return [("draft", self.drafter, eng.draft_backend, ForwardMode.TARGET_VERIFY, self.B, eng.max_batch)]
 
-def dflash_round(engine: "Engine", reqs: List["Request"], params: SamplingParams) -> None:
-    """One DFlash round for the running requests (steps 1-6 of the module docstring)."""
-    B, bs, dev = engine.spec.block_size, len(reqs), engine.device
-    rows, P, out_cache_loc = engine._open_round(reqs, B)               # positions P+1 .. P+B
-    draft_tokens = propose_block(engine, reqs, rows, P)                 # [bs, B], root first
-    # verify the chain on the target (capturing the tap layers)
-    tree = chain_tree(P, B)
-    batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows, [r.P for r in reqs], B, out_cache_loc,
-                               positions=tree.positions, tree_mask=tree.tree_mask, device=dev)
-    logits, feats = _target_forward(engine, draft_tokens.flatten(), batch)
-    engine.num_forward_target += 1
-    cp, n_acc = engine._verify_and_compact(draft_tokens, tree, logits, B - 1, out_cache_loc, params,
-                                           hidden_states=feats)
-    # drafter context KV of the committed tokens: root + accepted drafts at P .. P+a
-    keep = (torch.arange(B, device=dev)[None, :] <= n_acc[:, None]).flatten()
-    engine.draft.write_context_kv(cp.hidden_states[keep], tree.positions[keep], cp.tgt_loc[keep],
-                                  engine.draft_pool)
-    engine._commit_round(reqs, cp.predicts.view(bs, B).long(), n_acc, B, params)
+    def prefill(self, eng: "Engine", rows: torch.Tensor, lens: List[int], ids: torch.Tensor,
+                batch: ForwardBatch, out: "ForwardOut") -> None:
+        """The prompt's drafter context KV from the tap layers of the target's prefill
+        (same slots and positions as the target's)."""
+        self.drafter.write_context_kv(out.features, batch.positions, batch.out_cache_loc, eng.draft_pool)
 
+    def propose_block(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+        """One non-causal drafter forward per request over ``[root, MASK x (B-1)]`` at positions
+        ``P .. P+B-1`` (``TARGET_VERIFY``, all-ones tree mask; slots ``req_to_token[row, P:P+B]``).
+        Returns ``draft_tokens [bs, B]``: the roots, then the argmax drafts."""
+        B, bs, dev = self.B, rows.shape[0], eng.device
+        roots = eng.roots[rows]
+        ids = torch.full((bs, B), self.drafter.mask_token_id, dtype=torch.int64, device=dev)
+        ids[:, 0] = roots
+        cols = P[:, None] + torch.arange(B, device=dev)
+        loc = eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
+        ones = pack_tree_mask(torch.ones(bs, B, B, dtype=torch.bool, device=dev))
+        batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, B, loc, positions=cols.flatten(),
+                          tree_mask=ones, host_prefix_lens=rb.host())
+        logits = eng.forward("draft", ids.flatten(), batch).logits.view(bs, B, -1)
+        return torch.cat([roots[:, None], logits[:, 1:].argmax(-1)], dim=1)
 
-def capture_graphs(engine: "Engine", max_batch: int) -> None:
-    """CUDA graphs for the drafter's block forward (``TARGET_VERIFY``, ``B`` tokens per request,
-    padded batch sizes up to ``max_batch``), registered where ``Engine._run`` looks them up;
-    eager instead (``engine.eager_routed``) when the drafter's backend cannot capture it.
-    The target's forwards stay eager (the verify needs the tap layers' hidden states)."""
-    from .graph_runner import GraphRunner, padded_sizes
-    B = engine.spec.block_size
-    for _, model, backend, mode in engine.graph_plan(
-            [("draft", engine.draft, engine.draft_backend, ForwardMode.TARGET_VERIFY)]):
-        backend.init_cuda_graph_state(max_batch, max_batch * B)
-        engine.runners[(id(model), mode)] = GraphRunner(model, backend, mode, B, padded_sizes(max_batch),
-                                                        torch.cuda.graph_pool_handle())
+    def round(self, eng: "Engine", rb: "RoundBatch") -> None:
+        B, rows, dev = self.B, rb.rows, eng.device
+        bs = rows.shape[0]
+        P = eng.prefix_lens[rows]
+        draft_tokens = self.propose_block(eng, rb, rows, P)                 # [bs, B], root first
+        tree = chain_tree(P, B)
+        out_cache_loc = eng.req_pool.req_to_token[rows[:, None], P[:, None] + torch.arange(B, device=dev)
+                                                  ].long().flatten()
+        batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, B, out_cache_loc, positions=tree.positions,
+                          tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
+        t = eng.forward("target", draft_tokens.flatten(), batch, capture_layers=self.target_capture_layers)
+        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t.logits, B - 1, out_cache_loc,
+                                           hidden_states=t.features)
+        # context KV of root + accepted drafts (positions P .. P+a); the other rows land past
+        # the new prefix and are overwritten by the next block forward before any read
+        self.drafter.write_context_kv(cp.hidden_states, tree.positions, cp.tgt_loc, eng.draft_pool)
+        eng.commit(rb, rows, P, cp.predicts.view(bs, B).long(), n_acc)

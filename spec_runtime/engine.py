@@ -1,92 +1,73 @@
-"""The step loop: target-only decoding and EAGLE (chain and tree) speculative decoding with
-spec-v2 semantics, on any ``AttentionBackend`` (DFlash block drafting: :mod:`.dflash`).
+"""The step loop: target-only decoding, EAGLE (chain and tree) and DFlash speculative decoding
+with spec-v2 semantics, on any ``AttentionBackend``, with the rounds on the device.
 
-One EAGLE round per running batch (``P`` = target KV committed, ``root`` = last emitted token,
-whose target KV is not yet written; the drafter already holds ``root``'s KV and its logits):
+Layout
+------
+- The engine owns the pools, the backends, the per-request state on the device and the host
+  loop.  Each decoding *algorithm* is a :class:`~specattn.spec_runtime.strategies.Strategy`
+  (``none``, ``eagle``, ``dflash``: :func:`~specattn.spec_runtime.strategies.make_strategy`)
+  that says which forward modes it needs, prefills its drafter and runs one *round* through
+  the engine's public operations (:meth:`Engine.batch`, :meth:`Engine.forward`,
+  :meth:`Engine.sample`, :meth:`Engine.verify_and_compact`, :meth:`Engine.commit`).  New
+  drafters plug in as new strategies; the engine never branches on the algorithm.
+- Slots are reserved up front: request row ``r`` (one of ``max_batch``) owns the KV slots of
+  positions ``0 .. max_context - 1`` for the engine's lifetime (``req_to_token[r]`` is
+  filled once, page by page: position ``p`` at offset ``p % page_size`` of its page).  A
+  round therefore allocates nothing: the verify writes at ``req_to_token[r, P : P + D]``,
+  the accepted path is compacted there, and committing is ``P += accept_length + 1``.
+  EAGLE trees with ``topk > 1`` also get per-request scratch rows and pages (one per beam
+  and draft step), as SGLang copies the last partial page per beam.
+- A round is device work only: no host sync, no data-dependent shape, no allocation that
+  depends on values.  Its inputs are the request rows (``RoundBatch.rows``), its outputs
+  the tokens it emits per request (``emit_tokens``, ``emit_count``) and the updated state
+  (``prefix_lens``, ``roots`` and the strategy's own).
+- With ``cuda_graph=True`` and backends whose graph metadata is device work
+  (``backend.device_metadata``: ``triton``, ``torch_reference``), the WHOLE round is one CUDA
+  graph per padded batch size (1, 2, 4, 8, 16, 24, ...; padding rows point at a dummy
+  request whose state is reset at the end of every round), and the host loop overlaps: it
+  queues round ``n + 1`` before it reads round ``n``'s tokens (one pinned copy + one event
+  per round), as SGLang's spec-v2 overlap scheduler does.  A request that finished in round
+  ``n`` has the tokens of round ``n + 1`` dropped.
+- Other backends (FlashInfer plans on the host; FlashMLA needs a forward before capture)
+  run the same round function from the host, one round at a time, with host copies of the
+  lengths for their planners and per-mode CUDA graphs for the plain forwards
+  (:class:`~specattn.spec_runtime.graph_runner.GraphRunner`); the others run eagerly
+  (:attr:`Engine.eager_routed`).
 
-1. draft: ``num_steps - 1`` DECODE steps over ``topk`` beams per request (each beam a scratch
-   ``req_to_token`` row: prefix + root + its ancestors), scoring ``topk`` children per beam;
-2. tree build (``specattn.ops.build_tree``) from the ``num_draft_tokens - 1`` best candidates;
-3. TARGET_VERIFY over the ``D`` tree tokens at slots ``req_to_token[r, P : P + D]``;
-4. verify (greedy or lossless speculative sampling) -> accepted drafts + bonus token;
-5. accepted-path compaction + one KV move for all target layers;
-6. DRAFT_EXTEND_V2 over a fixed ``min(num_steps, D-1) + 1`` tokens per request (accepted drafts,
-   bonus, padding) at positions ``P+1 ..``: writes the drafter's KV and yields the bonus
-   token's draft logits, which are the next round's first draft step;
-7. commit ``P += accept_length + 1``, free the rest of the round's slots.
-
-Each request keeps one ``req_to_token`` row; its KV slots are the same indices in the target's
-and the drafter's pools.  Pages (``page_size``, 1 by default): a request's positions fill its
-pages in order (position ``p`` at offset ``p % page_size``, ``KVAllocator.alloc_extend``), and a
-round frees only the pages wholly past the new root.  EAGLE beams (scratch rows) share the
-prefix's full pages; the page holding a beam's draft position is private to the beam, a fresh
-page with the source beam's drafter KV copied in (one ``move_kv_cache`` for all drafter
-layers per step), as SGLang copies the last partial page per beam when ``topk > 1``.
-
-Backends: the target and the drafter each get their own instance of the one named backend
-(``create_backend``, told the drafts' ``topk``: 1 for chains).  Nothing here is specific to a
-backend: at construction the engine asks ``backend.supports(mode, graph=False, kind=...)`` for
-every mode its algorithm runs on each model (:meth:`Engine.required_modes`); a mode the
-backend lacks goes to the ``triton`` backend over the same pools when that one supports it
-(:class:`~specattn.backends.RoutedBackend`, listed in :attr:`Engine.mode_routed`; e.g.
-FlashInfer's missing MLA tree verify), else construction raises ``UnsupportedError`` naming
-what is missing.  With ``cuda_graph=True`` it captures only the modes whose backend answers
-``supports(mode, graph=True, ...)`` and runs the others eagerly (listed in
-:attr:`Engine.eager_routed`).
+Routing: at construction the engine asks ``backend.supports(mode, graph=False, kind=...)``
+for every mode its strategy runs on each model; a mode the backend lacks goes to the
+``triton`` backend over the same pools when that one supports it
+(:class:`~specattn.backends.RoutedBackend`, listed in :attr:`Engine.mode_routed`), else
+construction raises ``UnsupportedError`` naming what is missing.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from specattn import ops
-from specattn.backends import (ForwardBatch, ForwardMode, KVAllocator, ReqToTokenPool, RoutedBackend,
+from specattn.backends import (ForwardBatch, ForwardMode, ReqToTokenPool, RoutedBackend,
                                UnsupportedError, create_backend)
 
-from . import dflash
+from .graph_runner import GraphRunner, padded_sizes
 from .model import LlamaModel
 from .sampling import SamplingParams, logits_to_probs, sample
+from .strategies import SpecConfig, Strategy, make_strategy
 
-
-@dataclass
-class SpecConfig:
-    """``algo``: ``none`` | ``eagle`` | ``dflash``.  EAGLE drafts ``num_steps`` levels with
-    ``topk`` beams and verifies ``num_draft_tokens`` tokens (root included); ``topk = 1`` is a chain.  The
-    default drafter is the target's first ``draft_layers`` layers + final norm + LM head
-    (``None``: three quarters of the target's layers; early layers alone draft poorly: on
-    SmolLM2-135M, 8 of 30 layers accept ~0.1 drafts per round, 24 of 30 ~0.8).  DFlash
-    (:mod:`.dflash`) drafts ``block_size - 1`` tokens per round in one non-causal block forward
-    of a random-init ``draft_layers``-layer drafter (``None``: 2) and verifies them as a chain."""
-
-    algo: str = "none"
-    topk: int = 1
-    num_steps: int = 3
-    num_draft_tokens: int = 4
-    draft_layers: Optional[int] = None
-    block_size: int = 16
-
-    def validate(self) -> None:
-        if self.algo not in ("none", "eagle", "dflash"):
-            raise ValueError(f"unknown algo {self.algo!r}")
-        if self.algo == "eagle":
-            n_cand = self.topk + (self.num_steps - 1) * self.topk ** 2
-            if self.topk < 1 or self.num_steps < 1 or not 2 <= self.num_draft_tokens <= n_cand + 1:
-                raise ValueError(f"need topk >= 1, num_steps >= 1, 2 <= num_draft_tokens <= {n_cand + 1}")
-        if self.algo == "dflash" and self.block_size < 2:
-            raise ValueError(f"dflash needs block_size >= 2, got {self.block_size}")
+__all__ = ["Engine", "SpecConfig", "GenerateResult", "ForwardOut", "RoundBatch", "Request"]
 
 
 @dataclass
 class Request:
+    """Host-side bookkeeping of one request (its device state lives in the engine)."""
+
     rid: int
     prompt: List[int]
     row: int = -1
-    P: int = 0                                  # target KV committed
-    root: int = -1                              # last emitted token (KV not yet in the target)
-    draft_logits: Optional[torch.Tensor] = None  # drafter's logits after root [V]
     output: List[int] = field(default_factory=list)
     accept_lengths: List[int] = field(default_factory=list)
     max_new_tokens: int = 32
@@ -101,6 +82,7 @@ class GenerateResult:
     accept_lengths: List[List[int]]   # per request, per round: accepted drafts (bonus excluded)
     seconds: float
     num_forward_target: int
+    num_rounds: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +93,42 @@ class GenerateResult:
         """Mean tokens emitted per target verify (accepted drafts + bonus); 1.0 without spec."""
         rounds = [a for per in self.accept_lengths for a in per]
         return 1.0 + sum(rounds) / len(rounds) if rounds else 1.0
+
+
+@dataclass
+class ForwardOut:
+    """What :meth:`Engine.forward` returns: float32 ``logits [T, V]``; ``hidden [T, H]`` (the
+    drafter's pre-norm state for its next step, EAGLE-3; the final normed hidden for plain
+    models, None from a per-mode graph); ``features [T, n * H]``: the residual stream after
+    each requested layer, concatenated (None when none were asked)."""
+
+    logits: torch.Tensor
+    hidden: Optional[torch.Tensor] = None
+    features: Optional[torch.Tensor] = None
+
+
+@dataclass
+class RoundBatch:
+    """One round's requests: ``rows`` int64 ``[bs]`` (request rows; the dummy row for
+    padding), and where the round writes what it emits: ``emit_tokens`` int64 ``[bs, W]``
+    (the first ``emit_count[i]`` are request ``i``'s new tokens) and ``emit_count`` int64
+    ``[bs]``.  ``host_prefix_lens`` (int32 CPU ``[bs]``) only when the backends plan on the
+    host (the engine then runs rounds one at a time and reads the lengths first)."""
+
+    rows: torch.Tensor
+    emit_tokens: torch.Tensor
+    emit_count: torch.Tensor
+    host_prefix_lens: Optional[torch.Tensor] = None
+
+    @property
+    def bs(self) -> int:
+        return self.rows.shape[0]
+
+    def host(self, offset: int = 0, repeat: int = 1) -> Optional[torch.Tensor]:
+        """Host copies of ``prefix_lens + offset`` (each repeated ``repeat`` times), or None."""
+        if self.host_prefix_lens is None:
+            return None
+        return self.host_prefix_lens.repeat_interleave(repeat) + offset
 
 
 class Engine:
@@ -124,23 +142,29 @@ class Engine:
         device, dtype: where and in what a Llama built from ``weights`` runs (default CPU,
             float32); a ready model runs where it is, and every pool follows it.
         backend: attention backend name (``specattn.backends.create_backend``).
-        max_batch, max_context: capacity (requests at once, tokens per request).
-        page_size: KV page size of both pools (``max_context`` a multiple of it); e.g. 64 for
-            FlashMLA.
+        max_batch, max_context: capacity (requests at once, token positions per request;
+            every request row reserves ``max_context`` KV slots up front).
+        page_size: KV page size of every pool (``max_context`` a multiple of it); e.g. 64
+            for FlashMLA.
         eos_token_ids: generation stops after emitting one of these.
-        draft_model: EAGLE only: a separate drafter (same interface and vocabulary as the
-            target, e.g. a small checkpoint loaded the same way) instead of the target's first
-            ``draft_layers`` layers.
-        cuda_graph: replay CUDA graphs for DECODE, TARGET_VERIFY and DRAFT_EXTEND_V2 (GPU
-            only; captured at construction for padded batch sizes 1, 2, 4, .. up to the max).
-            A mode the backend cannot capture (``supports(mode, graph=True)`` False) runs
-            eagerly instead and is listed in :attr:`eager_routed`.
+        draft_model: EAGLE only: a separate drafter: a Llama over the target's vocabulary
+            (run like the target), or an EAGLE-3 drafter
+            (:class:`~specattn.spec_runtime.eagle3.Eagle3Drafter`, fed the target's hidden
+            states); or a callable ``target -> drafter`` that builds one over the engine's
+            target.  Default: the target's first ``draft_layers`` layers.
+        cuda_graph: CUDA graphs (GPU only, captured at construction for greedy decoding and
+            at first use for a sampling configuration): whole rounds when every backend
+            builds its graph metadata on the device, else per-mode graphs of the plain
+            forwards (see the module docstring).
 
     Attributes:
         target_backend, draft_backend: the backends (``draft_backend`` only with a drafter).
-        graph_modes: ``"target:DECODE"``-style names of the captured (model, mode) pairs.
-        eager_routed: the same for modes run eagerly under ``cuda_graph=True`` because their
-            backend cannot capture them.
+        draft: the drafter model (None for ``algo="none"``).
+        round_graphs: ``{(padded_bs, sampling key): CUDAGraph}`` of whole rounds.
+        runners: per-mode graph runners (host-planned backends only).
+        graph_modes: ``"target:DECODE"``-style names of the (model, mode) pairs that run
+            inside CUDA graphs.
+        eager_routed: the same for modes run eagerly under ``cuda_graph=True``.
         mode_routed: ``"target:TARGET_VERIFY->triton"``-style names of the modes the named
             backend lacks, run by the ``triton`` backend over the same pools.
 
@@ -160,6 +184,8 @@ class Engine:
         self.spec.validate()
         if page_size < 1 or max_context % page_size:
             raise ValueError(f"max_context ({max_context}) must be a multiple of page_size ({page_size})")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.eos = set(eos_token_ids)
         if weights is not None:
             self.target = LlamaModel(config, weights, "cpu" if device is None else device, dtype)
@@ -168,64 +194,81 @@ class Engine:
             if device is not None and torch.empty(0, device=device).device != config.device:
                 raise ValueError(f"device={device} differs from the ready model's {config.device}")
         self.device, self.dtype = self.target.device, self.target.dtype
-        k = self.spec.topk if self.spec.algo == "eagle" else 0
-        self.max_context, self.page_size = max_context, page_size
-        self.req_pool = ReqToTokenPool(max_batch * (1 + 2 * k), max_context, self.device)
-        # every request's pages + one private page per beam and draft step
-        size = page_size * (max_batch * (max_context // page_size) + max_batch * max(1, k) * self.spec.num_steps)
-        self.alloc = KVAllocator(size, page_size, self.device)
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError("cuda_graph needs a CUDA device")
+        self.max_batch, self.max_context, self.page_size = max_batch, max_context, page_size
+        if hasattr(self.target, "reserve_positions"):
+            self.target.reserve_positions(max_context)
+        if draft_model is not None and not hasattr(draft_model, "make_kv_pool"):
+            draft_model = draft_model(self.target)   # a factory over the target
+        self.strategy: Strategy = make_strategy(self.spec, self.target, draft_model, max_context)
+        self._layout()
         self.mode_routed: List[str] = []
-        roles = {}
+        roles: Dict[str, List[ForwardMode]] = {}
         for role, mode in self.required_modes():
             roles.setdefault(role, []).append(mode)
-
-        self.target_pool = self.target.make_kv_pool(size, page_size)
-        topk = self.spec.topk if self.spec.algo == "eagle" else 1  # DFlash verifies a chain
-        self.target_backend = self._make_backend(backend, "target", self.target_pool, roles["target"], topk)
-        if self.spec.algo == "eagle":
-            if draft_model is not None:
-                if draft_model.vocab_size != self.target.vocab_size or draft_model.device != self.device:
-                    raise ValueError("draft_model must share the target's vocabulary and device")
-                self.draft = draft_model
-            else:
-                n = self.spec.draft_layers or max(1, 3 * self.target.num_layers // 4)
-                self.draft = self.target.with_layers(n)
-            self.draft_pool = self.draft.make_kv_pool(size, page_size)
-            self.draft_backend = self._make_backend(backend, "draft", self.draft_pool, roles["draft"], topk)
-        elif self.spec.algo == "dflash":  # block drafter whose context KV comes from target hidden states
-            self.draft = dflash.DFlashDrafter(self.target, self.spec.draft_layers or 2, max_positions=max_context)
-            self.draft_pool = self.draft.make_kv_pool(size, page_size)
-            # its block forward is a TARGET_VERIFY with an all-ones (non-causal) mask: no chain promise
-            self.draft_backend = self._make_backend(backend, "draft", self.draft_pool, roles["draft"], None)
+        self.target_pool = self.target.make_kv_pool(self.pool_size, page_size)
+        self.target_backend = self._make_backend(backend, "target", self.target_pool, roles["target"],
+                                                 self.strategy.verify_topk)
+        self.draft = self.strategy.drafter
+        self.draft_pool = self.draft_backend = None
+        if self.draft is not None:
+            self.draft_pool = self.draft.make_kv_pool(self.pool_size, page_size)
+            self.draft_backend = self._make_backend(backend, "draft", self.draft_pool, roles["draft"],
+                                                    self.strategy.draft_topk)
         self._check_support()
+        # device state of every request row (+ the dummy row that padding points at)
+        n = max_batch + 1
+        self.prefix_lens = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.roots = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.strategy.build(self)
+        self.generator = torch.Generator(device=self.device)
         self.num_forward_target = 0
-        self.runners = {}
+        self.params = SamplingParams()
+        self.runners: Dict[Tuple[int, ForwardMode], object] = {}
+        self.round_graphs: Dict[Tuple[int, tuple], torch.cuda.CUDAGraph] = {}
         self.graph_modes: List[str] = []
         self.eager_routed: List[str] = []
+        self._graph_mode = False       # forwards take their metadata from the graph builders
+        self._graph_pool = None
+        self.whole_round_graphs = False
         if cuda_graph:
-            if self.device.type != "cuda":
-                raise ValueError("cuda_graph needs a CUDA device")
-            if self.spec.algo == "dflash":  # drafter graphs only: the verify returns hidden states
-                dflash.capture_graphs(self, max_batch)
-            else:
-                self._capture_graphs(max_batch)
+            self._plan_graphs()
+
+    # ------------------------------------------------------------------ layout
+    def _layout(self) -> None:
+        """Rows, slots and pages, fixed for the engine's lifetime (module docstring)."""
+        B, ps, W = self.max_batch, self.page_size, self.max_context
+        ppr = W // ps                                     # pages per request row
+        scratch_rows, scratch_units = self.strategy.scratch_shape()   # per request
+        self.dummy_row = B
+        self.num_rows = (B + 1) * (1 + scratch_rows)
+        self.req_pool = ReqToTokenPool(self.num_rows, W, self.device)
+        # pages: 0 reserved (padding), then each request's ppr pages, then the scratch pages
+        self.pool_size = ps * (B * ppr + B * scratch_units)
+        pos = torch.arange(W)
+        pages = 1 + torch.arange(B)[:, None] * ppr + pos[None, :] // ps
+        rtt = self.req_pool.req_to_token
+        rtt[:B] = (pages * ps + pos % ps).to(rtt.device, rtt.dtype)
+        rtt[B] = 0
+        # scratch rows of request row r: B + 1 + r * scratch_rows + j; start as copies of row r
+        self.scratch_rows = (B + 1 + torch.arange((B + 1) * scratch_rows).view(B + 1, scratch_rows)
+                             ).to(self.device) if scratch_rows else None
+        if scratch_rows:
+            rtt[B + 1:] = rtt[:B + 1].repeat_interleave(scratch_rows, 0)
+        # scratch pages of request row r: unit u -> page 1 + B * ppr + r * units + u (dummy: page 0)
+        if scratch_units:
+            first = 1 + B * ppr + torch.arange(B)[:, None] * scratch_units + torch.arange(scratch_units)
+            self.scratch_pages = torch.cat([first, torch.zeros(1, scratch_units, dtype=torch.int64)]
+                                           ).to(self.device)
+        else:
+            self.scratch_pages = None
 
     # ------------------------------------------------------------------ backends
     def required_modes(self) -> List[Tuple[str, ForwardMode]]:
-        """``(role, mode)`` for every forward this engine's algorithm runs, ``role`` in
-        ``"target"``, ``"draft"``: the target's EXTEND (prefill) and DECODE (``none``) or
-        TARGET_VERIFY (EAGLE, DFlash); the EAGLE drafter's EXTEND, DRAFT_EXTEND_V2 and DECODE
-        (``num_steps > 1``); the DFlash drafter's TARGET_VERIFY (its block forward)."""
-        sp = self.spec
-        out = [("target", ForwardMode.EXTEND),
-               ("target", ForwardMode.DECODE if sp.algo == "none" else ForwardMode.TARGET_VERIFY)]
-        if sp.algo == "eagle":
-            out += [("draft", ForwardMode.EXTEND), ("draft", ForwardMode.DRAFT_EXTEND_V2)]
-            if sp.num_steps > 1:
-                out.append(("draft", ForwardMode.DECODE))
-        elif sp.algo == "dflash":
-            out.append(("draft", ForwardMode.TARGET_VERIFY))
-        return out
+        """``(role, mode)`` for every forward this engine's strategy runs, ``role`` in
+        ``"target"``, ``"draft"`` (the target's EXTEND always: the prefill)."""
+        return self.strategy.required_modes()
 
     def _make_backend(self, name: str, role: str, pool, modes, topk: Optional[int]):
         """Backend ``name`` over ``pool``; the modes it lacks (eagerly) go to ``triton`` over the
@@ -244,68 +287,227 @@ class Engine:
         self.mode_routed += [f"{role}:{m.name}->{fallback.name}" for m in routes]
         return RoutedBackend(backend, routes)
 
-    def _backend_of(self, role: str):
+    def backend_of(self, role: str):
+        """The backend of ``role`` (``"target"`` or ``"draft"``)."""
         return self.target_backend if role == "target" else self.draft_backend
+
+    def model_of(self, role: str):
+        """The model of ``role`` (``"target"`` or ``"draft"``)."""
+        return self.target if role == "target" else self.draft
 
     def _check_support(self) -> None:
         """Raise ``UnsupportedError`` unless every required mode is supported eagerly."""
         missing = []
         for role, mode in self.required_modes():
-            b = self._backend_of(role)
+            b = self.backend_of(role)
             if not b.supports(mode, graph=False, kind=b.kind):
                 missing.append(f"{role} {mode.name} ({b.kind.name})")
         if missing:
             raise UnsupportedError(f"backend {self.target_backend.name!r} does not support "
                                    f"{', '.join(missing)} needed by algo {self.spec.algo!r}")
 
+    # ------------------------------------------------------------------ graphs
+    def _plan_graphs(self) -> None:
+        """Whole-round graphs when every round mode is capturable by a backend that builds
+        its metadata on the device; else per-mode graphs (:meth:`graph_plan`)."""
+        round_modes = self.strategy.round_modes()
+        whole = all(self.backend_of(role).device_metadata and
+                    self.backend_of(role).supports(mode, graph=True, kind=self.backend_of(role).kind)
+                    for role, mode in round_modes)
+        self._graph_pool = torch.cuda.graph_pool_handle()
+        if whole:
+            self.whole_round_graphs = True
+            for role, (max_bs, max_tokens) in self.strategy.graph_state_sizes(self.max_batch).items():
+                self.backend_of(role).init_cuda_graph_state(max_bs, max_tokens)
+            self.graph_modes = [f"{role}:{mode.name}" for role, mode in round_modes]
+            self._static = self._round_buffers(self.max_batch)
+            for pbs in reversed(padded_sizes(self.max_batch)):
+                self._capture_round(pbs, SamplingParams())
+            return
+        plan = self.graph_plan(self.strategy.per_mode_graph_plan(self.max_batch))
+        sizes: Dict[int, Tuple[int, int]] = {}
+        for role, model, backend, mode, D, bs in plan:  # one static state per backend, sized for all
+            mb, mt = sizes.get(id(backend), (0, 0))
+            sizes[id(backend)] = (max(mb, bs), max(mt, bs * D))
+        for backend in {id(p[2]): p[2] for p in plan}.values():
+            backend.init_cuda_graph_state(*sizes[id(backend)])
+        for role, model, backend, mode, D, bs in plan:
+            self.runners[(id(model), mode)] = GraphRunner(model, backend, mode, D, padded_sizes(bs),
+                                                          self._graph_pool)
+
     def graph_plan(self, candidates) -> list:
         """Keep the ``(role, model, backend, mode, ...)`` entries whose backend can capture
-        ``mode`` (``supports(mode, graph=True)``); record the rest in :attr:`eager_routed`."""
-        keep = []
+        ``mode`` (``supports(mode, graph=True)``); record the rest in :attr:`eager_routed`.
+        Round modes that are not in ``candidates`` (forwards that take or return hidden
+        states) are recorded as eager too."""
+        keep, names = [], set()
         for entry in candidates:
             role, _, backend, mode = entry[:4]
+            names.add((role, mode))
             if backend.supports(mode, graph=True, kind=backend.kind):
                 keep.append(entry)
                 self.graph_modes.append(f"{role}:{mode.name}")
             else:
                 self.eager_routed.append(f"{role}:{mode.name}")
+        for role, mode in self.strategy.round_modes():
+            if (role, mode) not in names and f"{role}:{mode.name}" not in self.eager_routed:
+                self.eager_routed.append(f"{role}:{mode.name}")
         return keep
 
-    def _capture_graphs(self, max_batch: int) -> None:
-        from .graph_runner import GraphRunner, padded_sizes
-        sp, pool = self.spec, torch.cuda.graph_pool_handle()
-        if sp.algo == "none":
-            plan = [("target", self.target, self.target_backend, ForwardMode.DECODE, 1, max_batch)]
-        else:
-            L = min(sp.num_steps, sp.num_draft_tokens - 1) + 1
-            plan = [("target", self.target, self.target_backend, ForwardMode.TARGET_VERIFY, sp.num_draft_tokens,
-                     max_batch),
-                    ("draft", self.draft, self.draft_backend, ForwardMode.DRAFT_EXTEND_V2, L, max_batch)]
-            if sp.num_steps > 1:
-                plan.append(("draft", self.draft, self.draft_backend, ForwardMode.DECODE, 1, max_batch * sp.topk))
-        plan = [p[1:] for p in self.graph_plan(plan)]
-        sizes = {}
-        for model, backend, mode, D, bs in plan:  # one static state per backend, sized for all
-            mb, mt = sizes.get(id(backend), (0, 0))
-            sizes[id(backend)] = (max(mb, bs), max(mt, bs * D))
-        for backend in {id(p[1]): p[1] for p in plan}.values():
-            backend.init_cuda_graph_state(*sizes[id(backend)])
-        for model, backend, mode, D, bs in plan:
-            self.runners[(id(model), mode)] = GraphRunner(model, backend, mode, D, padded_sizes(bs), pool)
+    def _round_buffers(self, bs: int) -> RoundBatch:
+        dev = self.device
+        W = self.strategy.emit_width
+        return RoundBatch(torch.full((bs,), self.dummy_row, dtype=torch.int64, device=dev),
+                          torch.zeros(bs, W, dtype=torch.int64, device=dev),
+                          torch.zeros(bs, dtype=torch.int64, device=dev))
 
-    # ------------------------------------------------------------------ helpers
-    def _run(self, model, backend, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        runner = self.runners.get((id(model), batch.forward_mode))
+    @staticmethod
+    def _sampling_key(params: SamplingParams) -> tuple:
+        return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)
+
+    def _capture_round(self, pbs: int, params: SamplingParams) -> None:
+        """Capture one round for ``pbs`` padded requests (all pointing at the dummy row during
+        capture) under the sampling configuration ``params``."""
+        rb = RoundBatch(self._static.rows[:pbs], self._static.emit_tokens[:pbs], self._static.emit_count[:pbs])
+        rb.rows.fill_(self.dummy_row)
+        saved, self.params = self.params, params
+        self._graph_mode = True
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: JIT compiles, allocator, lazy inits
+                self.strategy.round(self, rb)
+                self._reset_dummy()
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            if not params.greedy:
+                g.register_generator_state(self.generator)
+            with torch.cuda.graph(g, pool=self._graph_pool):
+                self.strategy.round(self, rb)
+                self._reset_dummy()
+        finally:
+            self._graph_mode = False
+            self.params = saved
+            self._rows_now = None  # the static rows now point at the dummy row
+        self.round_graphs[(pbs, self._sampling_key(params))] = g
+
+    @staticmethod
+    def _graphs_can_sample(params: SamplingParams) -> bool:
+        """Greedy rounds always capture; sampling rounds need torch's graph-safe custom
+        generators (``CUDAGraph.register_generator_state``), else they run from the host."""
+        return params.greedy or hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+
+    def _reset_dummy(self) -> None:
+        self.prefix_lens[self.dummy_row] = 0
+        self.roots[self.dummy_row] = 0
+        self.strategy.reset_row(self, self.dummy_row)
+
+    # ------------------------------------------------------------------ public ops for strategies
+    def batch(self, mode: ForwardMode, rows: torch.Tensor, prefix_lens: torch.Tensor, n: int,
+              out_cache_loc: torch.Tensor, positions: Optional[torch.Tensor] = None,
+              tree_mask: Optional[torch.Tensor] = None,
+              host_prefix_lens: Optional[torch.Tensor] = None) -> ForwardBatch:
+        """A fixed-shape ``ForwardBatch`` from device tensors, no host sync: ``rows`` int64
+        ``[bs]``, ``prefix_lens`` ``[bs]`` (KV committed before, any int dtype), ``n`` tokens
+        per request (DECODE: 1), ``out_cache_loc`` ``[bs * n]``; ``positions`` default to
+        ``prefix_lens + j``.  ``host_prefix_lens`` (CPU) become the batch's host copies for
+        backends that plan on the host."""
+        bs, dev = rows.shape[0], rows.device
+        seq = prefix_lens.to(torch.int32)
+        if positions is None:
+            positions = (prefix_lens.long()[:, None] + torch.arange(n, device=dev)).flatten()
+        host = None if host_prefix_lens is None else host_prefix_lens.to(torch.int32)
+        return ForwardBatch(mode, rows, seq, torch.full((bs,), n, dtype=torch.int32, device=dev),
+                            out_cache_loc.long(), positions.long(),
+                            num_tokens_per_req=n if mode.has_fixed_tokens_per_req() else None,
+                            tree_mask=tree_mask, seq_lens_cpu=host,
+                            extend_lens_cpu=None if host is None else torch.full_like(host, n))
+
+    def forward(self, role: str, input_ids: torch.Tensor, batch: ForwardBatch,
+                hidden_in: Optional[torch.Tensor] = None, capture_layers: Sequence[int] = ()) -> ForwardOut:
+        """One forward of ``role``'s model over ``batch`` (metadata built here: eagerly, by
+        the graph builders inside a whole-round capture, or by a per-mode graph's replay).
+        ``hidden_in [T, *]`` feeds an EAGLE-3 drafter; ``capture_layers`` asks the model for
+        the residual stream after those layers (``ForwardOut.features``)."""
+        model, backend = self.model_of(role), self.backend_of(role)
+        plain = hidden_in is None and not capture_layers
+        runner = self.runners.get((id(model), batch.forward_mode)) if plain else None
         if runner is not None:
-            return runner.run(batch, tokens)
-        backend.init_forward_metadata(batch)
-        hidden, _ = model.forward(tokens, batch, backend)
-        return model.logits(hidden)
+            return ForwardOut(runner.run(batch, input_ids))
+        if self._graph_mode:
+            backend.init_forward_metadata_capture_cuda_graph(batch)
+        else:
+            backend.init_forward_metadata(batch)
+        if hidden_in is not None:
+            hidden, logits = model.forward(input_ids, batch, backend, hidden_in)
+            return ForwardOut(logits, hidden)
+        if hasattr(model, "forward_logits"):
+            logits, caps = model.forward_logits(input_ids, batch, backend, capture_layers=capture_layers)
+            return ForwardOut(logits, None, torch.cat(caps, -1) if caps else None)
+        hidden, caps = model.forward(input_ids, batch, backend, capture_layers=capture_layers)
+        return ForwardOut(model.logits(hidden), hidden, torch.cat(caps, -1) if caps else None)
 
-    def _tensor(self, x, dtype=torch.int64):
-        return torch.as_tensor(x, dtype=dtype, device=self.device)
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 ``[N]`` tokens from float32 ``logits [N, V]`` under the current generation's
+        sampling parameters (greedy: argmax); graph-safe."""
+        return sample(logits, self.params, self.generator)
 
-    def _emit(self, req: Request, tokens: Sequence[int], params: SamplingParams) -> None:
+    def verify_and_compact(self, draft_tokens: torch.Tensor, tree: ops.TreeInfo, logits: torch.Tensor,
+                           num_steps: int, out_cache_loc: torch.Tensor,
+                           hidden_states: Optional[torch.Tensor] = None):
+        """Greedy or lossless stochastic tree verify of ``draft_tokens [bs, n]`` against the
+        target's ``logits [bs*n, V]``, then accepted-path compaction (tokens and, when given,
+        ``hidden_states [bs*n, *]``) and one KV move for all target layers.  Returns
+        ``(CompactedPath, accept_length int64 [bs])``; device work only."""
+        bs, n = draft_tokens.shape
+        args = (draft_tokens, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
+        if self.params.greedy:
+            res = ops.verify_tree_greedy(*args, logits.argmax(-1).view(bs, n), num_steps)
+        else:
+            probs = logits_to_probs(logits, self.params).view(bs, n, -1)
+            res = ops.tree_speculative_sampling(*args, probs, num_steps, generator=self.generator)
+        cp = ops.compact_accepted_path(res.accept_index, res.accept_length, out_cache_loc, n,
+                                       predicts=res.predicts, hidden_states=hidden_states)
+        # hazards stay within each request's block; slots are the engine's own: no checks
+        self.target_pool.move_kv_cache(cp.tgt_loc, cp.src_loc, group_size=n, check_values=False)
+        return cp, res.accept_length.long()
+
+    def commit(self, rb: RoundBatch, rows: torch.Tensor, prefix_lens: torch.Tensor, path: torch.Tensor,
+               accept_length: torch.Tensor) -> None:
+        """Emit each request's accepted drafts + bonus (``path [bs, n]``, compacted, int64)
+        into ``rb``, commit ``prefix_lens += accept_length + 1`` and make the bonus the new
+        root.  Device work only."""
+        bs, n = path.shape
+        rb.emit_tokens[:, :n].copy_(path)
+        rb.emit_count.copy_(accept_length + 1)
+        self.prefix_lens[rows] = prefix_lens + accept_length + 1
+        self.roots[rows] = path.gather(1, accept_length[:, None]).squeeze(1)
+
+    # ------------------------------------------------------------------ driver
+    def _margin(self, overlap: bool) -> int:
+        """Positions past ``len(prompt) + max_new_tokens`` a request may touch: one round's
+        tokens (two with the overlapped loop, which runs one round more) + 2."""
+        return (2 if overlap else 1) * self.strategy.tokens_per_round + 2
+
+    def _prefill(self, reqs: List[Request]) -> None:
+        rows = [r.row for r in reqs]
+        lens = [len(r.prompt) for r in reqs]
+        rtt = self.req_pool.req_to_token
+        ids = torch.tensor([t for r in reqs for t in r.prompt], dtype=torch.int64, device=self.device)
+        loc = torch.cat([rtt[r.row, :len(r.prompt)] for r in reqs]).long()
+        batch = ForwardBatch.extend(rows, [0] * len(reqs), lens, loc, device=self.device)
+        out = self.forward("target", ids, batch, capture_layers=self.strategy.target_capture_layers)
+        self.num_forward_target += 1
+        last = torch.cumsum(torch.tensor(lens, device=self.device), 0) - 1
+        roots = self.sample(out.logits[last])
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self.prefix_lens[rows_t] = torch.tensor(lens, dtype=torch.int64, device=self.device)
+        self.roots[rows_t] = roots
+        self.strategy.prefill(self, rows_t, lens, ids, batch, out)
+        for r, t in zip(reqs, roots.tolist()):
+            self._emit(r, [t])
+
+    def _emit(self, req: Request, tokens: Sequence[int]) -> None:
         for t in tokens:
             req.output.append(int(t))
             if int(t) in self.eos:
@@ -315,265 +517,100 @@ class Engine:
             if req.finished:
                 return
 
-    def _release(self, req: Request) -> None:
-        used = self.req_pool.req_to_token[req.row, :req.P + 1]
-        self.alloc.free(used)
-        self.req_pool.free([req.row])
-
-    def _alloc(self, n: int) -> torch.Tensor:
-        """``n`` slots filling fresh pages in order."""
-        slots = self.alloc.alloc(n)
-        if slots is None:
-            raise RuntimeError(f"out of KV slots: need {n}, have {self.alloc.available_size()}")
-        return slots
-
-    def _grow(self, reqs: List[Request], n: int) -> torch.Tensor:
-        """Slots for positions ``P+1 .. P+n`` of each request, continuing in the page of
-        position ``P`` (int64 ``[len(reqs), n]``; one host read of the last slots)."""
-        last = [-1] * len(reqs)
-        if self.page_size > 1:
-            rows, P = self._tensor([r.row for r in reqs]), self._tensor([r.P for r in reqs])
-            last = self.req_pool.req_to_token[rows, P].tolist()
-        slots = self.alloc.alloc_extend([r.P + 1 for r in reqs], [n] * len(reqs), last)
-        if slots is None:
-            raise RuntimeError(f"out of KV slots: need {n} per request, have {self.alloc.available_size()}")
-        return slots.view(len(reqs), n)
-
-    def _beam_slots(self, rows: torch.Tensor, src_rows: torch.Tensor,
-                    pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Scratch beam rows ``rows`` (copies of ``src_rows``) get a slot at position ``pos``
-        each.  Pages > 1: the page holding ``pos`` becomes a fresh page per beam, with the
-        drafter KV of the source's page copied in (its positions before ``pos``: prefix,
-        root, ancestors), so the beams never write into a shared page.  Returns the slots
-        (int64 ``[n]``) and every slot to free after drafting."""
-        rtt, n, ps = self.req_pool.req_to_token, rows.numel(), self.page_size
-        if ps == 1:
-            slots = self._alloc(n)
-            rtt[rows, pos] = slots.to(rtt.dtype)
-            return slots, slots
-        pages = self._alloc(n * ps).view(n, ps)                 # one fresh page per beam
-        start = pos // ps * ps
-        offs = torch.arange(ps, device=self.device)
-        src_page = rtt[src_rows, start].long() // ps * ps      # pos == start: nothing to copy
-        self.draft_pool.move_kv_cache(pages.flatten(), (src_page[:, None] + offs).flatten(),
-                                      check_values=False)
-        rtt[rows[:, None], start[:, None] + offs] = pages.to(rtt.dtype)
-        return pages.gather(1, (pos - start)[:, None]).squeeze(1), pages.flatten()
-
-    # ------------------------------------------------------------------ prefill
-    def _prefill(self, reqs: List[Request], params: SamplingParams) -> None:
-        rows = self.req_pool.alloc(len(reqs))
-        if rows is None:
-            raise RuntimeError("more requests than max_batch")
-        lens = [len(r.prompt) for r in reqs]
-        # each request gets its prompt's slots plus the root's slot (position P), in its own pages
-        slots = self.alloc.alloc_extend([0] * len(reqs), [n + 1 for n in lens], [-1] * len(reqs))
-        if slots is None:
-            raise RuntimeError(f"out of KV slots: need {sum(lens) + len(reqs)} in whole pages, "
-                               f"have {self.alloc.available_size()}")
-        slots = slots.split([n + 1 for n in lens])
-        for r, row, s in zip(reqs, rows, slots):
-            r.row, r.P = row, len(r.prompt)
-            self.req_pool.write(row, 0, s)
-        ids = self._tensor([t for r in reqs for t in r.prompt])
-        loc = torch.cat([s[:-1] for s in slots])
-        batch = ForwardBatch.extend(rows, [0] * len(reqs), lens, loc, device=self.device)
-        if self.spec.algo == "dflash":  # also captures the target layers the drafter's context KV needs
-            logits = dflash.prefill_target(self, ids, batch)
+    def _launch(self, rows: List[int], host: Optional[torch.Tensor]):
+        """Run one round for request ``rows`` (replaying a whole-round graph, or from the host)
+        and start copying what it emits (``[count, tokens...]`` per request) to ``host``
+        (pinned, with an event to wait for); on the CPU returns it directly."""
+        bs = len(rows)
+        if self.whole_round_graphs and self._graphs_can_sample(self.params):
+            pbs = next(s for s in padded_sizes(self.max_batch) if s >= bs)
+            key = (pbs, self._sampling_key(self.params))
+            if key not in self.round_graphs:
+                self._capture_round(pbs, self.params)
+            if self._rows_now != (pbs, rows):
+                stage = torch.full((pbs,), self.dummy_row, dtype=torch.int64).pin_memory()
+                stage[:bs] = torch.tensor(rows, dtype=torch.int64)
+                self._static.rows[:pbs].copy_(stage, non_blocking=True)
+                self._rows_now = (pbs, rows)
+            self.round_graphs[key].replay()
+            rb = RoundBatch(self._static.rows[:pbs], self._static.emit_tokens[:pbs],
+                            self._static.emit_count[:pbs])
         else:
-            logits = self._run(self.target, self.target_backend, ids, batch)
+            rb = self._round_buffers(bs)
+            rb.rows.copy_(torch.tensor(rows, dtype=torch.int64))
+            if any(not self.backend_of(role).device_metadata for role, _ in self.strategy.round_modes()):
+                rb.host_prefix_lens = self.prefix_lens[rb.rows].to("cpu", torch.int32)
+            self.strategy.round(self, rb)
+            self._reset_dummy()
         self.num_forward_target += 1
-        last = torch.cumsum(self._tensor(lens), 0) - 1
-        roots = sample(logits[last], params, self.generator).tolist()
-        for r, t in zip(reqs, roots):
-            r.root = t
-            self._emit(r, [t], params)
-        if self.spec.algo == "eagle":  # drafter: prompt + root, root's logits = first draft step
-            ids = self._tensor([t for r in reqs for t in r.prompt + [r.root]])
-            batch = ForwardBatch.extend(rows, [0] * len(reqs), [n + 1 for n in lens], torch.cat(slots),
-                                        device=self.device)
-            logits = self._run(self.draft, self.draft_backend, ids, batch)
-            for r, i in zip(reqs, (last + torch.arange(1, len(reqs) + 1, device=self.device)).tolist()):
-                r.draft_logits = logits[i]
+        if host is None:
+            return torch.cat([rb.emit_count[:bs, None], rb.emit_tokens[:bs]], 1), None
+        host[:bs, :1].copy_(rb.emit_count[:bs, None], non_blocking=True)
+        host[:bs, 1:].copy_(rb.emit_tokens[:bs], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return host, ev
 
-    # ------------------------------------------------------------------ target-only
-    def _decode_step(self, reqs: List[Request], params: SamplingParams) -> None:
-        rows = [r.row for r in reqs]
-        P = [r.P for r in reqs]
-        loc = self.req_pool.req_to_token[self._tensor(rows), self._tensor(P)].long()
-        batch = ForwardBatch.decode(rows, P, loc, device=self.device)
-        logits = self._run(self.target, self.target_backend, self._tensor([r.root for r in reqs]), batch)
-        self.num_forward_target += 1
-        nxt = sample(logits, params, self.generator).tolist()
-        new = self._grow(reqs, 1)[:, 0]
-        for r, t, s in zip(reqs, nxt, new):
-            r.P += 1
-            self.req_pool.write(r.row, r.P, s[None])
-            r.root = t
-            self._emit(r, [t], params)
-
-    # ------------------------------------------------------------------ EAGLE
-    def _draft_tree(self, reqs: List[Request]):
-        """Returns (parent_list [bs, K(S-1)+1], selected_index [bs, D-1], draft_tokens [bs, D])."""
-        sp, bs, dev = self.spec, len(reqs), self.device
-        K, S, D = sp.topk, sp.num_steps, sp.num_draft_tokens
-        P = self._tensor([r.P for r in reqs])
-        logp = torch.log_softmax(torch.stack([r.draft_logits for r in reqs]).float(), -1)
-        beam_scores, beam_tokens = logp.topk(K, dim=-1)               # [bs, K]
-        cand_scores, cand_tokens = [beam_scores], [beam_tokens]
-        blocks = [torch.cat([torch.full((bs, 1), -1, device=dev, dtype=torch.int64),
-                             torch.arange(K, device=dev).expand(bs, K)], 1)]
-        rows = self.req_pool.alloc(2 * bs * K)
-        bufs = [self._tensor(rows[:bs * K]).view(bs, K), self._tensor(rows[bs * K:]).view(bs, K)]
-        rtt = self.req_pool.req_to_token
-        real = self._tensor([r.row for r in reqs])
-        src_rows = real[:, None].expand(bs, K)
-        scratch = []
-        for s in range(1, S):
-            cur = bufs[s % 2]
-            rtt[cur.flatten()] = rtt[src_rows.flatten()]               # prefix + root + ancestors
-            pos = (P + s).repeat_interleave(K)
-            slots, owned = self._beam_slots(cur.flatten(), src_rows.flatten(), pos)
-            scratch.append(owned)
-            host_pos = [r.P + s for r in reqs for _ in range(K)]  # host copy: no device read to plan
-            batch = ForwardBatch.decode(cur.flatten(), host_pos, slots, device=dev)
-            logits = self._run(self.draft, self.draft_backend, beam_tokens.flatten(), batch)
-            lp = torch.log_softmax(logits, -1).view(bs, K, -1)
-            child_scores, child_tokens = lp.topk(K, dim=-1)             # [bs, K, K]
-            child_scores = beam_scores[..., None] + child_scores
-            cand_scores.append(child_scores.flatten(1))
-            cand_tokens.append(child_tokens.flatten(1))
-            if s < S - 1:
-                beam_scores, best = child_scores.flatten(1).topk(K, dim=-1)
-                beam_tokens = child_tokens.flatten(1).gather(1, best)
-                src_rows = cur.gather(1, best // K)
-                blocks.append(K + (s - 1) * K * K + best)
-        self.req_pool.free(rows)
-        for sl in scratch:
-            self.alloc.free(sl)
-        scores, tokens = torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1)
-        selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
-        parent_list = torch.cat(blocks, 1) if S > 1 else torch.full((bs, 1), -1, device=dev, dtype=torch.int64)
-        draft_tokens = torch.cat([self._tensor([r.root for r in reqs])[:, None], tokens.gather(1, selected)], 1)
-        return parent_list, selected, draft_tokens
-
-    def _eagle_round(self, reqs: List[Request], params: SamplingParams) -> None:
-        sp, bs, dev = self.spec, len(reqs), self.device
-        K, S, D = sp.topk, sp.num_steps, sp.num_draft_tokens
-        L = min(S, D - 1) + 1
-        rows_t, P, out_cache_loc = self._open_round(reqs, D)
-        rtt = self.req_pool.req_to_token
-        parent_list, selected, draft_tokens = self._draft_tree(reqs)
-        tree = ops.build_tree(parent_list, selected, P.to(torch.int32), K, S, D)
-        host_P = [r.P for r in reqs]  # seq_lens from the host: batches carry seq_lens_cpu
-        batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, rows_t, host_P, D, out_cache_loc,
-                                   positions=tree.positions, tree_mask=tree.tree_mask, device=dev)
-        logits = self._run(self.target, self.target_backend, draft_tokens.flatten(), batch)
-        self.num_forward_target += 1
-        cp, n_acc = self._verify_and_compact(draft_tokens, tree, logits, S, out_cache_loc, params)
-        path = cp.predicts.view(bs, D).long()                          # accepted drafts + bonus first
-        # drafter: accepted drafts + bonus (+ padding) at P+1 .., fixed L tokens per request
-        ext_loc = rtt[rows_t[:, None], P[:, None] + 1 + torch.arange(L, device=dev)].long().flatten()
-        batch = ForwardBatch.fixed(ForwardMode.DRAFT_EXTEND_V2, rows_t, [p + 1 for p in host_P], L, ext_loc,
-                                   device=dev)
-        dlogits = self._run(self.draft, self.draft_backend, path[:, :L].flatten(), batch).view(bs, L, -1)
-        bonus_logits = dlogits[torch.arange(bs, device=dev), n_acc]
-        self._commit_round(reqs, path, n_acc, D, params)
-        for i, r in enumerate(reqs):
-            r.draft_logits = bonus_logits[i]
-
-    # ------------------------------------------------------------------ round pieces (EAGLE, DFlash)
-    def _open_round(self, reqs: List[Request], n: int):
-        """Allocate ``n`` slots per request for positions ``P+1 .. P+n`` (position ``P``, the
-        root's, is held already).  Returns ``(rows int64 [bs], P int64 [bs], out_cache_loc
-        int64 [bs*n])``: the slots of positions ``P .. P+n-1``, where the verify writes."""
-        new = self._grow(reqs, n)
-        for i, r in enumerate(reqs):
-            self.req_pool.write(r.row, r.P + 1, new[i])
-        rows, P = self._tensor([r.row for r in reqs]), self._tensor([r.P for r in reqs])
-        cols = P[:, None] + torch.arange(n, device=self.device)
-        return rows, P, self.req_pool.req_to_token[rows[:, None], cols].long().flatten()
-
-    def _verify_and_compact(self, draft_tokens, tree, logits, num_steps: int, out_cache_loc,
-                            params: SamplingParams, hidden_states=None):
-        """Greedy or lossless stochastic tree verify of ``draft_tokens [bs, n]`` against the
-        target's ``logits [bs*n, V]``, then accepted-path compaction and one KV move for all
-        target layers.  Returns ``(CompactedPath, accept_length int64 [bs])``."""
-        bs, n = draft_tokens.shape
-        args = (draft_tokens, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
-        if params.greedy:
-            res = ops.verify_tree_greedy(*args, logits.argmax(-1).view(bs, n), num_steps)
-        else:
-            probs = logits_to_probs(logits, params).view(bs, n, -1)
-            res = ops.tree_speculative_sampling(*args, probs, num_steps, generator=self.generator)
-        cp = ops.compact_accepted_path(res.accept_index, res.accept_length, out_cache_loc, n,
-                                       predicts=res.predicts, hidden_states=hidden_states)
-        # hazards stay within each request's block; slots come from our allocator: no checks,
-        # no host sync on the hot path
-        self.target_pool.move_kv_cache(cp.tgt_loc, cp.src_loc, group_size=n, check_values=False)
-        return cp, res.accept_length.long()
-
-    def _commit_round(self, reqs: List[Request], path: torch.Tensor, n_acc: torch.Tensor, n: int,
-                      params: SamplingParams) -> None:
-        """Emit each request's accepted drafts + bonus (``path [bs, n]``, compacted), commit
-        ``P += accept_length + 1``, make the bonus the new root and free the round's pages
-        wholly past the new root's position."""
-        rtt, ps = self.req_pool.req_to_token, self.page_size
-        for i, r in enumerate(reqs):
-            a = int(n_acc[i])
-            r.accept_lengths.append(a)
-            self._emit(r, path[i, :a + 1].tolist(), params)
-            r.root = int(path[i, a])
-            old_end = r.P + n
-            r.P += a + 1
-            keep = -(-(r.P + 1) // ps) * ps           # positions < keep share the root's pages
-            if keep <= old_end:
-                self.alloc.free(rtt[r.row, keep:old_end + 1])
-
-    # ------------------------------------------------------------------ driver
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = None,
                  progress=None, max_new_tokens: Optional[Sequence[int]] = None) -> GenerateResult:
         """Generate for all prompts at once; each request stops at EOS or its token limit
         (``max_new_tokens[i]`` if given, else ``params.max_new_tokens``).  ``progress`` is
-        called with the number of tokens generated so far after every step.
+        called with the number of tokens generated so far after every round.
 
         Raises:
-            ValueError: empty prompt or one too long for ``max_context``.
-            RuntimeError: out of KV slots or request rows.
+            ValueError: no prompts, an empty prompt, one too long for ``max_context``, more
+                prompts than ``max_batch``, or bad ``max_new_tokens``.
         """
         params = params or SamplingParams()
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(params.seed if params.seed is not None else 0)
         limits = list(max_new_tokens) if max_new_tokens is not None else [params.max_new_tokens] * len(prompts)
         if len(limits) != len(prompts) or min(limits, default=1) < 1:
             raise ValueError("max_new_tokens needs one limit >= 1 per prompt")
-        reqs = [Request(i, list(p), max_new_tokens=m) for i, (p, m) in enumerate(zip(prompts, limits))]
-        margin = (self.spec.block_size if self.spec.algo == "dflash" else self.spec.num_draft_tokens) + 2
-        for r in reqs:
-            if not r.prompt or len(r.prompt) + r.max_new_tokens + margin > self.max_context:
-                raise ValueError(f"prompt {r.rid}: length {len(r.prompt)} + max_new_tokens "
-                                 f"{r.max_new_tokens} does not fit max_context {self.max_context}")
+        if not prompts:
+            raise ValueError("no prompts")
+        if len(prompts) > self.max_batch:
+            raise ValueError(f"{len(prompts)} prompts but max_batch is {self.max_batch}")
+        reqs = [Request(i, list(p), row=i, max_new_tokens=m) for i, (p, m) in enumerate(zip(prompts, limits))]
+        need = max(len(r.prompt) + r.max_new_tokens for r in reqs)
+        if any(not r.prompt for r in reqs) or need + self._margin(False) > self.max_context:
+            r = next(r for r in reqs if not r.prompt or len(r.prompt) + r.max_new_tokens + self._margin(False)
+                     > self.max_context)
+            raise ValueError(f"prompt {r.rid}: length {len(r.prompt)} + max_new_tokens "
+                             f"{r.max_new_tokens} does not fit max_context {self.max_context}")
+        overlap = self.whole_round_graphs and need + self._margin(True) <= self.max_context
+        self.params = params
+        self.generator.manual_seed(params.seed if params.seed is not None else 0)
         self.num_forward_target = 0
+        self._rows_now = None
         t0 = time.perf_counter()
-        self._prefill(reqs, params)
-        while True:
-            for r in reqs:
-                if r.finished and r.row >= 0:
-                    self._release(r)
-                    r.row = -1
-            running = [r for r in reqs if not r.finished]
+        self._prefill(reqs)
+        # per round: [count, tokens...] of each request, copied to pinned memory (3 in rotation)
+        host = [torch.zeros(self.max_batch, 1 + self.strategy.emit_width, dtype=torch.int64).pin_memory()
+                for _ in range(3)] if self.device.type == "cuda" else None
+        pending: deque = deque()
+        n_rounds, k = 0, 0
+        running = [r for r in reqs if not r.finished]
+        while running or pending:
             if progress is not None:
                 progress(sum(len(r.output) for r in reqs))
-            if not running:
-                break
-            if self.spec.algo == "eagle":
-                self._eagle_round(running, params)
-            elif self.spec.algo == "dflash":
-                dflash.dflash_round(self, running, params)
-            else:
-                self._decode_step(running, params)
+            if running and len(pending) < (2 if overlap else 1):
+                buf = host[k % 3] if host is not None else None
+                k += 1
+                pending.append((list(running), self._launch([r.row for r in running], buf)))
+                n_rounds += 1
+                if overlap and len(pending) < 2:
+                    continue
+            snap, (emitted, ev) = pending.popleft()
+            if ev is not None:
+                ev.synchronize()
+            for r, (c, *t) in zip(snap, emitted[:len(snap)].tolist()):   # the round's one read
+                if r.finished:
+                    continue
+                if self.strategy.records_accept_length:
+                    r.accept_lengths.append(c - 1)
+                self._emit(r, t[:c])
+            running = [r for r in running if not r.finished]
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
         return GenerateResult([r.output for r in reqs], [r.finish_reason for r in reqs],
-                              [r.accept_lengths for r in reqs], time.perf_counter() - t0,
-                              self.num_forward_target)
+                              [r.accept_lengths for r in reqs], seconds, self.num_forward_target, n_rounds)

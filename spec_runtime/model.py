@@ -4,6 +4,17 @@ RMSNorm, neox-style RoPE (HF ``rotate_half``), GQA attention, SwiGLU MLP, tied o
 head.  Weights are a dict under HF ``LlamaForCausalLM`` names (see ``loader.py``).  A model
 over the first ``N`` layers of the same weights (shared, not copied) is the default EAGLE
 self-speculative drafter: ``LlamaModel(cfg, weights, num_layers=N)``.
+
+Two forward paths compute the same function:
+
+- :meth:`LlamaModel.forward`: the reference, op by op as HF's ``LlamaForCausalLM`` (about
+  40 kernels per layer on a GPU);
+- :meth:`LlamaModel.forward_logits` with ``fused=True`` (the default on CUDA): five fused
+  ops per layer plus attention (:mod:`specattn.ops.fused_llama`): RMSNorm + QKV projection
+  + RoPE + KV-cache store, attention (``save_kv_cache=False``: the KV is already stored),
+  o_proj + residual add, RMSNorm + gate/up projection + SiLU-and-multiply, down_proj +
+  residual add; then RMSNorm + LM head in one op.  The Q/K/V weights are stacked once into
+  ``self_attn.qkv_proj.weight`` (the per-projection entries become views of it).
 """
 from __future__ import annotations
 
@@ -12,6 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from specattn import ops
 from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch
 
 from .loader import LlamaConfig
@@ -54,6 +66,20 @@ def place_weights(weights: Dict[str, torch.Tensor], device: torch.device, dtype)
     return weights
 
 
+def _stack_qkv(w: Dict[str, torch.Tensor], config: LlamaConfig) -> None:
+    """Add ``self_attn.qkv_proj.weight = cat(q, k, v)`` per layer (once per weights dict) and
+    make the per-projection entries views of it, so nothing is stored twice."""
+    hq = config.num_attention_heads * config.head_dim
+    hkv = config.num_key_value_heads * config.head_dim
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        if p + "qkv_proj.weight" in w:
+            continue
+        qkv = torch.cat([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]]).contiguous()
+        w[p + "qkv_proj.weight"] = qkv
+        w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"] = qkv.split([hq, hkv, hkv])
+
+
 class LlamaModel:
     """Llama decoder over ``num_layers`` (default all) layers of ``weights``.
 
@@ -62,10 +88,13 @@ class LlamaModel:
         weights: HF-named tensors (moved to ``device``/``dtype`` once; shared with any other
             model built over the same dict).
         num_layers: use only the first ``num_layers`` layers (self-speculative drafter).
+        fused: run :meth:`forward_logits` through the fused ops (default: on CUDA).  The
+            engine calls :meth:`reserve_positions` with its ``max_context``; positions past
+            the RoPE table are not checked on that path.
     """
 
     def __init__(self, config: LlamaConfig, weights: Dict[str, torch.Tensor], device="cpu",
-                 dtype=torch.float32, num_layers: Optional[int] = None):
+                 dtype=torch.float32, num_layers: Optional[int] = None, fused: Optional[bool] = None):
         self.config, self.dtype = config, dtype
         self.device = torch.empty(0, device=device).device
         self.num_layers = num_layers or config.num_hidden_layers
@@ -75,7 +104,19 @@ class LlamaModel:
         c = config
         self.layers = [AttentionLayer.mha(i, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
                        for i in range(self.num_layers)]
-        self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        self.lm_head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
+        self.fused = self.device.type == "cuda" if fused is None else bool(fused)
+        self.cos_sin_cache: Optional[torch.Tensor] = None
+        if self.fused:
+            _stack_qkv(self.w, config)
+            self.reserve_positions(config.max_position_embeddings)
+
+    def reserve_positions(self, n: int) -> None:
+        """Make the fused path's RoPE table cover positions ``0 .. n-1`` (float32
+        ``[n, head_dim]``, :func:`specattn.ops.make_cos_sin_cache`)."""
+        if self.fused and (self.cos_sin_cache is None or self.cos_sin_cache.shape[0] < n):
+            self.cos_sin_cache = ops.make_cos_sin_cache(n, self.config.head_dim, self.config.rope_theta,
+                                                        device=self.device)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
                 capture_layers: Sequence[int] = ()) -> Tuple[torch.Tensor, List[torch.Tensor]]:
@@ -104,6 +145,36 @@ class LlamaModel:
                 captured.append(h)
         return rms_norm(h, w["model.norm.weight"], c.rms_norm_eps), captured
 
+    def forward_logits(self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
+                       capture_layers: Sequence[int] = ()) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """float32 logits ``[T, vocab]`` of ``input_ids [T]`` and the residual stream after each
+        layer in ``capture_layers`` (as :meth:`forward`), by the fused ops when
+        ``self.fused`` (module docstring), else ``logits(forward(...))``.  Writes the KV at
+        ``batch.out_cache_loc`` of ``backend.kv_pool``; no host sync."""
+        if not self.fused:
+            hidden, captured = self.forward(input_ids, batch, backend, capture_layers)
+            return self.logits(hidden), captured
+        c, w = self.config, self.w
+        T, eps = input_ids.shape[0], c.rms_norm_eps
+        pool = backend.kv_pool
+        h = w["model.embed_tokens.weight"][input_ids]
+        captured = []
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q = ops.qkv_rope_store(h, w[p + "input_layernorm.weight"], w[p + "self_attn.qkv_proj.weight"], eps,
+                                   batch.positions, self.cos_sin_cache, batch.out_cache_loc,
+                                   pool.get_key_buffer(i), pool.get_value_buffer(i), c.num_attention_heads,
+                                   c.num_key_value_heads, c.head_dim, check_values=False)
+            o = backend.forward(q, None, None, layer, batch, save_kv_cache=False)
+            ops.matmul_residual(o.reshape(T, -1), w[p + "self_attn.o_proj.weight"], h)
+            act = ops.rms_norm_swiglu(h, w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_proj.weight"],
+                                      w[p + "mlp.up_proj.weight"], eps)
+            ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], h)
+            if i in capture_layers:
+                captured.append(h.clone())
+        logits = ops.rms_norm_matmul(h, w["model.norm.weight"], self.lm_head, eps, out_dtype=torch.float32)
+        return logits, captured
+
     def make_kv_pool(self, size: int, page_size: int = 1, num_layers: Optional[int] = None):
         """A KV pool fitting this model's attention (``num_layers`` default: the model's)."""
         from specattn.backends import MHATokenToKVPool
@@ -114,7 +185,10 @@ class LlamaModel:
     def with_layers(self, num_layers: int) -> "LlamaModel":
         """The same model over its first ``num_layers`` layers (weights shared): the default
         EAGLE self-speculative drafter."""
-        return LlamaModel(self.config, self.w, self.device, self.dtype, num_layers=num_layers)
+        m = LlamaModel(self.config, self.w, self.device, self.dtype, num_layers=num_layers, fused=self.fused)
+        if self.fused:
+            m.cos_sin_cache = self.cos_sin_cache
+        return m
 
     @property
     def vocab_size(self) -> int:

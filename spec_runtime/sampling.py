@@ -42,7 +42,16 @@ def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Generator] = None
            ) -> torch.Tensor:
-    """int64 ``[N]`` next tokens: argmax when greedy, else a draw from :func:`logits_to_probs`."""
+    """int64 ``[N]`` next tokens: argmax when greedy, else a draw from :func:`logits_to_probs`.
+
+    The draw is the exponential race ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. per
+    entry (the token with the smallest ``E_v / p_v`` wins, which happens with probability
+    ``p_v``), as SGLang's and vLLM's samplers do: unlike ``torch.multinomial`` it needs no
+    host sync and can be captured in a CUDA graph (with ``generator`` registered there).
+    """
     if p.greedy:
         return logits.argmax(-1)
-    return torch.multinomial(logits_to_probs(logits, p), 1, generator=generator).squeeze(-1)
+    probs = logits_to_probs(logits, p)
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    race.clamp_(min=torch.finfo(race.dtype).tiny)  # a zero-probability token can never win
+    return (probs / race).argmax(-1)

@@ -26,7 +26,8 @@ import torch
 from specattn.backends import UnsupportedError
 
 __all__ = ["interpreted", "skip_real_model_if_interpreted", "skip_if_interpreted",
-           "skip_cpu_tensors_without_interpreter", "make_engine", "require_support"]
+           "skip_cpu_tensors_without_interpreter", "make_engine", "require_support",
+           "check_rows_restored", "uses_graphs"]
 
 
 def interpreted(name: str) -> bool:
@@ -86,3 +87,24 @@ def require_support(backend, *modes, graph: bool = False) -> None:
     if missing:
         pytest.skip(f"--backend {backend.name} does not support {', '.join(missing)} for "
                     f"{backend.kind.name}{' in CUDA graphs' if graph else ''}")
+
+
+def check_rows_restored(eng) -> None:
+    """After ``generate``: every request row still lists the slots reserved for it (position
+    ``p`` at offset ``p % page_size`` of its own pages, the dummy row all zeros), and every
+    EAGLE scratch row equals its request row again (the beams' columns were undone)."""
+    rtt = eng.req_pool.req_to_token.cpu().long()
+    B, ps, W = eng.max_batch, eng.page_size, eng.max_context
+    pos = torch.arange(W)
+    pages = 1 + torch.arange(B)[:, None] * (W // ps) + pos // ps
+    assert torch.equal(rtt[:B], pages * ps + pos % ps), "a request row was changed"
+    assert not rtt[B].any(), "the dummy row was changed"
+    if eng.scratch_rows is not None:
+        sr = eng.scratch_rows.cpu()
+        for r in range(B + 1):
+            assert torch.equal(rtt[sr[r]], rtt[r].expand(sr.shape[1], W)), f"scratch rows of {r} not restored"
+
+
+def uses_graphs(eng) -> bool:
+    """Whether the engine replays any CUDA graph (whole rounds or per-mode forwards)."""
+    return bool(eng.round_graphs or eng.runners)

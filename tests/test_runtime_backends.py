@@ -29,9 +29,10 @@ def tiny(tmp_path, seed):
     return cfg, w, random_prompts(seed, V)
 
 
-def restricted_backend(monkeypatch, eager_no=(), graph_no=()):
+def restricted_backend(monkeypatch, eager_no=(), graph_no=(), device_metadata=True):
     """Make the engine build a reference backend that says no to ``eager_no`` modes (eager and
-    graph) and to ``graph_no`` modes in graphs; returns the list of backends built."""
+    graph) and to ``graph_no`` modes in graphs (and, with ``device_metadata=False``, claims
+    to plan on the host like FlashInfer); returns the list of backends built."""
     built = []
 
     class Restricted(TorchReferenceBackend):
@@ -42,6 +43,8 @@ def restricted_backend(monkeypatch, eager_no=(), graph_no=()):
             if mode in eager_no or (graph and mode in graph_no):
                 return False
             return super().supports(mode, graph=graph, kind=kind)
+
+    Restricted.device_metadata = device_metadata
 
     def create(name, req_pool, kv_pool, **kw):
         built.append(Restricted(req_pool, kv_pool))
@@ -102,13 +105,13 @@ def test_unsupported_kind_is_named(monkeypatch, seed):
 
 
 def test_ready_model_sets_the_pools_device(seed):
-    """A ready model brings its device: the request pool and allocator follow it (a GPU run
+    """A ready model brings its device: the request pool and the state follow it (a GPU run
     once put them on the CPU default beside a CUDA model), and a different ``device`` is an
     error, not a silent split."""
     from specattn.spec_runtime.mla_model import MLAConfig, MLAModel
     model = MLAModel(MLAConfig(vocab_size=64), seed=seed)
     eng = Engine(model, spec=SpecConfig("eagle", 1, 2, 3, 2), max_context=64)
-    assert eng.req_pool.device == eng.alloc.device == eng.target_pool.device == model.device
+    assert eng.req_pool.device == eng.prefix_lens.device == eng.target_pool.device == model.device
     with pytest.raises(ValueError, match="differs from the ready model"):
         Engine(model, device="meta", max_context=64)
 
@@ -129,7 +132,7 @@ def test_graph_routing_runs_uncapturable_modes_eagerly(tiny, monkeypatch):
     assert (id(eng.target), M.TARGET_VERIFY) not in eng.runners and len(eng.runners) == 2
     assert eng.generate(prompts, p).tokens == want
     eng = Engine(cfg, dict(w), spec=SpecConfig("dflash", block_size=4), cuda_graph=True, **kw)
-    assert eng.eager_routed == ["draft:TARGET_VERIFY"] and not eng.runners
+    assert eng.eager_routed == ["draft:TARGET_VERIFY", "target:TARGET_VERIFY"] and not eng.runners
     assert eng.generate(prompts, p).tokens == want
 
 
@@ -201,13 +204,15 @@ def test_generate_command_bad_backend(tiny, monkeypatch):
 @pytest.mark.parametrize("spec", [SpecConfig("none"), SpecConfig("eagle", 2, 3, 6, 2), SpecConfig("dflash", block_size=4)],
                          ids=["none", "eagle", "dflash"])
 def test_batches_carry_host_lengths(tiny, spec, monkeypatch):
-    """Every batch the engine runs carries ``seq_lens_cpu`` / ``extend_lens_cpu`` equal to its
-    device lengths (host planners such as FlashInfer's then read no device value), and the
-    graph buffers pad them like the device ones."""
+    """With a backend that plans on the host (``device_metadata = False``, as FlashInfer),
+    every batch the engine runs carries ``seq_lens_cpu`` / ``extend_lens_cpu`` equal to its
+    device lengths (the planner then reads no device value), and the graph buffers pad them
+    like the device ones."""
     from specattn.backends import GraphInputBuffers
     cfg, w, prompts = tiny
     seen = []
     real = TorchReferenceBackend.init_forward_metadata
+    restricted_backend(monkeypatch, device_metadata=False)
 
     def init(self, batch):  # every forward of the target and the drafter builds its metadata here
         assert batch.seq_lens_cpu is not None and batch.extend_lens_cpu is not None, batch.forward_mode

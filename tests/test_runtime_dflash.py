@@ -10,7 +10,7 @@ import torch
 from specattn import ops
 from specattn.backends import ForwardBatch, ForwardMode, pack_tree_mask
 from specattn.spec_runtime import dflash
-from runtime_backend import make_engine
+from runtime_backend import check_rows_restored, make_engine, uses_graphs
 from specattn.spec_runtime.engine import Request, SpecConfig
 from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, write_random_hf_dir
 from specattn.spec_runtime.sampling import SamplingParams
@@ -29,11 +29,6 @@ def random_model(tmp_path, seed):
 def random_prompts(seed, n=None):
     rng = random.Random(seed)
     return [[rng.randrange(V) for _ in range(rng.randint(1, 12))] for _ in range(n or rng.randint(2, 4))]
-
-
-def check_released(eng, free0):
-    assert eng.alloc.available_size() == free0
-    assert eng.req_pool.available_size() == eng.req_pool.size
 
 
 # ---------------------------------------------------------------------- pieces
@@ -75,15 +70,12 @@ def test_block_forward_is_noncausal_attention_over_context(tmp_path, backend_nam
     orig = d.write_context_kv
     d.write_context_kv = lambda f, pos, loc, pool: (feats.setdefault("f", f), orig(f, pos, loc, pool))
     prompts = random_prompts(seed, 2)
-    reqs = [Request(i, p) for i, p in enumerate(prompts)]
-    eng.generator = torch.Generator()
-    eng._prefill(reqs, SamplingParams())
-    rows, P = eng._tensor([r.row for r in reqs]), eng._tensor([r.P for r in reqs])
-    new = eng._alloc(len(reqs) * B).view(len(reqs), B)
-    for i, r in enumerate(reqs):
-        eng.req_pool.write(r.row, r.P + 1, new[i])
+    reqs = [Request(i, p, row=i) for i, p in enumerate(prompts)]
+    eng._prefill(reqs)
+    rows = torch.arange(len(reqs))
+    P = eng.prefix_lens[rows]
     ids = torch.full((len(reqs), B), d.mask_token_id)
-    ids[:, 0] = eng._tensor([r.root for r in reqs])
+    ids[:, 0] = eng.roots[rows]
     cols = P[:, None] + torch.arange(B)
     loc = eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
     mask = pack_tree_mask(torch.ones(len(reqs), B, B, dtype=torch.bool))
@@ -139,12 +131,11 @@ def test_dflash_lossless_random_models(tmp_path, block_size, backend_name):
     eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=block_size),
                       max_context=128)
     assert eng.target_backend.name == eng.draft_backend.name == backend_name
-    free0 = eng.alloc.available_size()
     res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
     assert res.tokens == base.tokens, f"seed={seed}"
     assert all(0 <= a <= block_size - 1 for per in res.accept_lengths for a in per)
     assert res.num_forward_target == 1 + max(len(per) for per in res.accept_lengths)
-    check_released(eng, free0)
+    check_rows_restored(eng)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -160,31 +151,32 @@ def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size, b
         prompts, SamplingParams(max_new_tokens=NEW + B)).tokens
     rng = random.Random(seed)
     expected = {i: [] for i in range(len(prompts))}
-    real = dflash.propose_block
+    real = dflash.DFlashStrategy.propose_block
 
-    def oracle(engine, reqs, rows, P):
-        toks = real(engine, reqs, rows, P).clone()          # the drafter still runs
-        for i, r in enumerate(reqs):
-            n = len(r.output)
-            assert r.root == ref[r.rid][n - 1]
-            toks[i, 1:] = torch.tensor(ref[r.rid][n:n + B - 1])
+    def oracle(self, engine, rb, rows, P):
+        toks = real(self, engine, rb, rows, P).clone()      # the drafter still runs
+        for i, (row, p) in enumerate(zip(rows.tolist(), P.tolist())):
+            if row >= len(prompts):                          # a padding row
+                continue
+            n = p - len(prompts[row]) + 1                    # tokens emitted so far (root last)
+            assert toks[i, 0] == ref[row][n - 1]
+            toks[i, 1:] = torch.tensor(ref[row][n:n + B - 1])
             exp = B - 1
-            if len(expected[r.rid]) % 2:
+            if len(expected[row]) % 2:
                 k = rng.randint(2, B - 1) if B > 2 else 1
                 toks[i, k] = (toks[i, k] + 1) % V
                 exp = k - 1
-            expected[r.rid].append(exp)
+            expected[row].append(exp)
         return toks
 
-    monkeypatch.setattr(dflash, "propose_block", oracle)
+    monkeypatch.setattr(dflash.DFlashStrategy, "propose_block", oracle)
     eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=B), max_context=128)
-    free0 = eng.alloc.available_size()
     res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
     assert res.tokens == [t[:NEW] for t in ref], f"seed={seed}"
     assert res.accept_lengths == [expected[i] for i in range(len(prompts))], f"seed={seed}"
     rounds = [a for per in res.accept_lengths for a in per]
     assert B - 1 in rounds and any(0 < a < B - 1 for a in rounds), rounds
-    check_released(eng, free0)
+    check_rows_restored(eng)
 
 
 def test_sampling_smoke(tmp_path, backend_name):
@@ -192,14 +184,13 @@ def test_sampling_smoke(tmp_path, backend_name):
     cfg, w = random_model(tmp_path, seed)
     prompts = random_prompts(seed, 3)
     eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=8), max_context=128)
-    free0 = eng.alloc.available_size()
     limits = [5, 9, 13]
     res = eng.generate(prompts, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=NEW),
                        max_new_tokens=limits)
     assert [len(t) for t in res.tokens] == limits
     assert res.finish_reasons == ["length"] * 3
     assert all(0 <= t < V for out in res.tokens for t in out)
-    check_released(eng, free0)
+    check_rows_restored(eng)
     again = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=8),
                         max_context=128).generate(
         prompts, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=NEW), max_new_tokens=limits)
@@ -215,12 +206,11 @@ def test_stops_on_eos(tmp_path, backend_name):
     eos = base[0][4]
     eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=4), max_context=128,
                       eos_token_ids=[eos])
-    free0 = eng.alloc.available_size()
     res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
     for want, got, why in zip(base, res.tokens, res.finish_reasons):
         cut = want[:want.index(eos) + 1] if eos in want else want
         assert got == cut and why == ("eos" if eos in want else "length"), f"seed={seed}"
-    check_released(eng, free0)
+    check_rows_restored(eng)
 
 
 # ---------------------------------------------------------------------- GPU
@@ -237,10 +227,9 @@ def test_dflash_lossless_cuda(tmp_path, block_size, backend_name):
     for graph in (False, True):
         eng = make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=block_size),
                           cuda_graph=graph, **kw)
-        assert bool(eng.runners or eng.eager_routed) == graph
-        free0 = eng.alloc.available_size()
+        assert (uses_graphs(eng) or bool(eng.eager_routed)) == graph
         res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
         assert res.tokens == base.tokens, f"seed={seed} cuda_graph={graph}"
-        check_released(eng, free0)
+        check_rows_restored(eng)
     res = eng.generate(prompts, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=NEW))
     assert [len(t) for t in res.tokens] == [NEW] * len(prompts)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from runtime_backend import make_engine
+from runtime_backend import check_rows_restored, make_engine, uses_graphs
 from specattn.spec_runtime.engine import SpecConfig
 from specattn.spec_runtime.loader import (LlamaConfig, apply_chat_template, hf_greedy, load_hf_dir,
                                           write_random_hf_dir)
@@ -19,7 +19,7 @@ SPECS = [SpecConfig("eagle", 1, 3, 4, 24), SpecConfig("eagle", 2, 3, 6, 24), Spe
 def _graphed(eng, spec):
     """The engine captured graphs (modes the backend cannot capture run eagerly: listed in
     ``eng.eager_routed``, printed) and the drafter runs on the target's backend."""
-    assert eng.runners, "no CUDA graphs were captured"
+    assert uses_graphs(eng), "no CUDA graphs were captured"
     print(f"graphs: {eng.graph_modes}; routed eager: {eng.eager_routed}")
     if spec.algo != "none":
         assert eng.draft_backend.name == eng.target_backend.name

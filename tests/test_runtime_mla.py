@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from runtime_backend import make_backend, make_engine, require_support
+from runtime_backend import check_rows_restored, make_backend, make_engine, require_support, uses_graphs
 from specattn.backends import (AttentionKind, ForwardBatch, ForwardMode, KVAllocator, MLATokenToKVPool,
                                ReqToTokenPool, TorchReferenceBackend)
 from specattn.spec_runtime.engine import SpecConfig
@@ -182,7 +182,6 @@ def test_eagle_lossless(seed, spec, backend_name):
     assert eng.target_backend.kind == AttentionKind.MLA and isinstance(eng.draft_pool, MLATokenToKVPool)
     assert eng.target_backend.name == eng.draft_backend.name == backend_name
     assert eng.draft.num_layers == spec.draft_layers
-    free = eng.alloc.available_size()
     res = eng.generate(prompts, params, max_new_tokens=limits)
     assert res.tokens == base.tokens, f"seed={seed} {spec}"
     assert [len(t) for t in res.tokens] == limits
@@ -192,7 +191,7 @@ def test_eagle_lossless(seed, spec, backend_name):
     if spec.draft_layers < model.num_layers:
         assert 0 in rounds or cap > max(rounds), f"seed={seed}: drafts never rejected: {rounds}"
     assert res.num_forward_target < sum(limits)
-    assert eng.alloc.available_size() == free and eng.req_pool.available_size() == eng.req_pool.size
+    check_rows_restored(eng)
 
 
 # ------------------------------------------------------------------ the model's interface
@@ -249,11 +248,13 @@ def test_eagle_lossless_cuda_graphs(seed, backend_name):
     eager = make_engine(backend_name, model, spec=SpecConfig("none"), **kw).generate(
         prompts, params, max_new_tokens=limits)
     graph = make_engine(backend_name, model, spec=SpecConfig("none"), cuda_graph=True, **kw)
-    assert len(graph.runners) + len(graph.eager_routed) == 1, (graph.graph_modes, graph.eager_routed)
+    assert uses_graphs(graph) and len(graph.graph_modes) + len(graph.eager_routed) == 1, \
+        (graph.graph_modes, graph.eager_routed)
     assert graph.generate(prompts, params, max_new_tokens=limits).tokens == eager.tokens, f"seed={seed}"
     for spec in SPECS[1:]:
         eng = make_engine(backend_name, model, spec=spec, cuda_graph=True, **kw)
-        assert len(eng.runners) + len(eng.eager_routed) == 3, (eng.graph_modes, eng.eager_routed)
+        assert uses_graphs(eng) and len(eng.graph_modes) + len(eng.eager_routed) == 3, \
+            (eng.graph_modes, eng.eager_routed)
         res = eng.generate(prompts, params, max_new_tokens=limits)
         assert res.tokens == eager.tokens, f"seed={seed} {spec}"
         assert sum(a for per in res.accept_lengths for a in per) > 0, f"seed={seed} {spec}"

@@ -1,0 +1,396 @@
+"""``specattn bench e2e``: the main job measured end to end on the real model.
+
+For every algorithm x batch size (default: target-only decoding, EAGLE chain, EAGLE tree and
+DFlash at batch 1, 4, 16, 64) the suite builds the runtime's engine on one GPU, in one
+process (CUDA graphs on, the ``triton`` backend, bf16 by default), runs one untimed warm-up
+generation, then times generations of the committed eval prompts
+(``spec_runtime/data/eval_prompts.txt``, never used for training).  Batch size ``b`` runs
+``max(1, min_requests // b)`` consecutive batches of ``b`` prompts (so batch 1 averages over
+several prompts) with ``max_new_tokens`` each.
+
+One row per pair (the JSON's ``rows``):
+
+- ``algo``, ``backend``, ``dtype``, ``bs``, ``config`` (the spec fields);
+- ``tokens_per_s``: generated tokens / seconds of the timed generations (prefill included);
+- ``accept_length``: tokens emitted per target verify, bonus included (1 without spec);
+- ``step_ms``: wall time per round (a plain step, or a speculative round), prefill excluded
+  (timed generations minus prefill-only generations of the same prompts, over the rounds);
+- ``kernels_per_step`` and ``kernel_ms_per_step``: from a ``torch.profiler`` run of the same
+  generations, minus a profiled prefill-only run, over the rounds (every kernel, CUDA-graph
+  replays included; memcpy/memset are not kernels);
+- ``gpu_busy``: ``kernel_ms_per_step / step_ms`` (kernel time per step of the profiled run
+  over the wall time per step of the unprofiled one);
+- ``speedup``: ``tokens_per_s`` over target-only decoding's at the same batch size;
+- ``lossless``: ``"reference"`` for target-only decoding; ``"exact"`` when every output equals
+  target-only decoding's in the same run; in bf16 / fp16 otherwise ``"near-greedy"`` when every
+  emitted token is the float32 greedy choice up to the precision's near-ties
+  (:mod:`specattn.spec_runtime.near_greedy`), else ``"FAIL"``.
+
+Peers (``--peers``): HF transformers' ``generate`` with a static cache on the same weights
+(``algo = "hf_static"``), greedy, same prompts and token counts, at batch sizes 1 and 16.
+
+The JSON also holds ``device``, ``versions``, ``commit``, ``timestamp``, ``settings`` and
+``ceilings`` (the bf16 matmul and copy ceilings, measured).  :func:`write_results` writes it
+with a markdown table; :func:`render_png` draws the bar chart (matplotlib, where installed:
+``specattn bench plot FILE.json`` redraws it from the JSON anywhere).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+SUITE = "e2e"
+DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
+DEFAULT_ALGOS = ("none", "eagle_chain", "eagle_tree", "dflash")
+
+
+@dataclass
+class E2EConfig:
+    """What one ``specattn bench e2e`` run measures (flags of the command)."""
+
+    algos: Sequence[str] = DEFAULT_ALGOS
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES
+    backend: str = "triton"
+    dtype: str = "bfloat16"
+    max_new_tokens: int = 128
+    min_requests: int = 4
+    chain: Dict[str, int] = field(default_factory=lambda: dict(topk=1, num_steps=5, num_draft_tokens=6))
+    tree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=5, num_draft_tokens=16))
+    block_size: int = 16
+    drafter: Optional[str] = None           # EAGLE drafter folder (default: the shipped one)
+    prompts: Optional[str] = None           # prompt file (default: the eval set)
+    peers: bool = True
+    profile: bool = True
+    check: bool = True
+    model: Optional[str] = None
+
+
+def spec_fields(algo: str, cfg: E2EConfig) -> dict:
+    """The :class:`~specattn.spec_runtime.engine.SpecConfig` fields of a suite algorithm."""
+    if algo == "none":
+        return dict(algo="none")
+    if algo == "eagle_chain":
+        return dict(algo="eagle", **cfg.chain)
+    if algo == "eagle_tree":
+        return dict(algo="eagle", **cfg.tree)
+    if algo == "dflash":
+        return dict(algo="dflash", block_size=cfg.block_size)
+    raise ValueError(f"unknown algo {algo!r}; known: none, eagle_chain, eagle_tree, dflash")
+
+
+def git_commit() -> Optional[str]:
+    """``$SPECATTN_COMMIT`` if set (a machine without the repository's history), else
+    ``git rev-parse HEAD`` of the package's checkout, else None."""
+    env = os.environ.get("SPECATTN_COMMIT")
+    if env:
+        return env
+    try:
+        root = Path(__file__).resolve().parent.parent
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def gpu_slug(name: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``: the results folder of a device."""
+    low = name.lower()
+    for key in ("h200", "h100", "h20", "b200", "a100", "l40s", "l4"):
+        if key in low:
+            return key
+    return "".join(ch for ch in low if ch.isalnum())[:16] or "gpu"
+
+
+# ---------------------------------------------------------------------- measurement
+def _profile_kernels(fn: Callable[[], object]):
+    """Run ``fn`` under ``torch.profiler``; returns ``(kernels launched, kernel ms)``."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    count, us = 0, 0.0
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(e, "self_cuda_time_total", 0.0)
+        if not dev_us or e.key.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")):
+            continue
+        count += e.count
+        us += dev_us
+    return count, us / 1e3
+
+
+@dataclass
+class _Timed:
+    outputs: List[List[int]]
+    tokens: int
+    seconds: float
+    rounds: int
+    accept: float
+
+
+def _run_batches(eng, batches, params, limits_fn) -> _Timed:
+    outs, tokens, seconds, rounds, acc = [], 0, 0.0, 0, []
+    for b in batches:
+        res = eng.generate(b, params, max_new_tokens=limits_fn(b))
+        outs += res.tokens
+        tokens += res.num_tokens
+        seconds += res.seconds
+        rounds += res.num_rounds
+        acc += [a for per in res.accept_lengths for a in per]
+    return _Timed(outs, tokens, seconds, rounds, 1.0 + sum(acc) / len(acc) if acc else 1.0)
+
+
+def measure_engine(eng, batches: List[List[List[int]]], max_new_tokens: int, profile: bool) -> dict:
+    """Warm up, time, and (``profile``) profile ``eng`` on ``batches`` of prompts."""
+    from specattn.spec_runtime.sampling import SamplingParams
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    full = lambda b: [max_new_tokens] * len(b)          # noqa: E731
+    one = lambda b: [1] * len(b)                        # noqa: E731  prefill only
+    _run_batches(eng, batches[:1], params, full)        # warm-up: JIT compiles, lazy init
+    _run_batches(eng, batches[:1], params, one)
+    timed = _run_batches(eng, batches, params, full)
+    pre = _run_batches(eng, batches, params, one)
+    rounds = max(timed.rounds - pre.rounds, 1)
+    step_ms = (timed.seconds - pre.seconds) * 1e3 / rounds
+    row = dict(tokens=timed.tokens, seconds=timed.seconds, tokens_per_s=timed.tokens / timed.seconds,
+               accept_length=timed.accept, rounds=timed.rounds, step_ms=step_ms,
+               kernels_per_step=None, kernel_ms_per_step=None, gpu_busy=None)
+    if profile:
+        k_full, ms_full = _profile_kernels(lambda: _run_batches(eng, batches, params, full))
+        k_pre, ms_pre = _profile_kernels(lambda: _run_batches(eng, batches, params, one))
+        row["kernels_per_step"] = (k_full - k_pre) / rounds
+        row["kernel_ms_per_step"] = (ms_full - ms_pre) / rounds
+        row["gpu_busy"] = row["kernel_ms_per_step"] / step_ms if step_ms > 0 else None
+    return row, timed.outputs
+
+
+def _hf_static(model_path: str, dtype: torch.dtype, batches, max_new_tokens: int) -> Optional[dict]:
+    """HF transformers' greedy ``generate`` with a static cache (left-padded batches)."""
+    from specattn.spec_runtime import loader
+    hf = loader.load_hf_oracle(model_path, dtype).to("cuda")
+    hf.generation_config.pad_token_id = hf.generation_config.eos_token_id
+
+    def run(batch):
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in batch], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                          min_new_tokens=max_new_tokens, do_sample=False, cache_implementation="static")
+        torch.cuda.synchronize()
+        return (out.shape[1] - width) * len(batch), time.perf_counter() - t0
+
+    run(batches[0])  # warm-up
+    tokens, seconds = 0, 0.0
+    for b in batches:
+        n, s = run(b)
+        tokens, seconds = tokens + n, seconds + s
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, accept_length=1.0)
+
+
+def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Measure every ``(algo, bs)`` of ``cfg`` (module docstring); returns the JSON report.
+
+    Raises:
+        RuntimeError: no CUDA GPU.  ValueError: an unknown algo or an empty prompt file.
+    """
+    from specattn.bench import harness
+    from specattn.bench.runner import device_summary
+    from specattn.info import module_version
+    from specattn.spec_runtime import loader
+    from specattn.spec_runtime.cli import DTYPES, default_drafter, eval_prompts_path, load_model
+    from specattn.spec_runtime.engine import Engine, SpecConfig
+    from specattn.spec_runtime.model import LlamaModel
+    import specattn
+
+    harness.require_cuda()
+    say = progress or (lambda msg: None)
+    for a in cfg.algos:
+        spec_fields(a, cfg)
+    dtype = DTYPES[cfg.dtype]
+    texts = [l for l in Path(cfg.prompts or eval_prompts_path()).read_text().splitlines() if l.strip()]
+    if not texts:
+        raise ValueError("the prompt file is empty")
+    cfg_model, weights, tok = load_model(cfg.model, dtype)
+    ids_all = [loader.apply_chat_template(tok, t) for t in texts]
+    target = LlamaModel(cfg_model, weights, "cuda", dtype)
+    drafter_path = cfg.drafter or default_drafter(cfg_model)
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    say("measuring the ceilings")
+    ceilings = harness.measure_ceilings()
+    rows: List[dict] = []
+    base_out: Dict[int, List[List[int]]] = {}
+    base_tps: Dict[int, float] = {}
+    for bs in cfg.batch_sizes:
+        n_batches = max(1, cfg.min_requests // bs)
+        if bs * n_batches > len(ids_all):
+            raise ValueError(f"batch size {bs} needs {bs * n_batches} prompts, the file has {len(ids_all)}")
+        batches = [ids_all[i * bs:(i + 1) * bs] for i in range(n_batches)]
+        longest = max(len(p) for b in batches for p in b)
+        for algo in cfg.algos:
+            fields = spec_fields(algo, cfg)
+            spec = SpecConfig(**fields)
+            per_round = spec.block_size if spec.algo == "dflash" else spec.num_draft_tokens
+            ctx = -(-(longest + cfg.max_new_tokens + 2 * per_round + 8) // 64) * 64
+            draft = None
+            if spec.algo == "eagle" and drafter_path is not None:
+                from specattn.spec_runtime.eagle3 import Eagle3Drafter
+                draft = Eagle3Drafter.load(drafter_path, target)
+            say(f"{algo} bs={bs}: building the engine (CUDA graphs)")
+            eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
+                         eos_token_ids=(), cuda_graph=True, draft_model=draft)
+            say(f"{algo} bs={bs}: warm-up, timing" + (", profiling" if cfg.profile else ""))
+            row, outs = measure_engine(eng, batches, cfg.max_new_tokens, cfg.profile)
+            row.update(algo=algo, backend=cfg.backend, dtype=cfg.dtype, bs=bs, config=fields,
+                       drafter=(str(drafter_path) if draft is not None else
+                                ("self-speculative" if spec.algo == "eagle" else
+                                 ("random-init" if spec.algo == "dflash" else None))),
+                       whole_round_graphs=eng.whole_round_graphs)
+            if algo == "none":
+                base_out[bs], base_tps[bs] = outs, row["tokens_per_s"]
+                row["lossless"] = "reference"
+            elif cfg.check and bs in base_out:
+                row["lossless"] = _lossless(outs, base_out[bs], [p for b in batches for p in b],
+                                            cfg_model, weights, dtype)
+            else:
+                row["lossless"] = None
+            row["speedup"] = row["tokens_per_s"] / base_tps[bs] if bs in base_tps else None
+            rows.append(row)
+            say(f"{algo} bs={bs}: {row['tokens_per_s']:.1f} tokens/s, accept {row['accept_length']:.2f}")
+            del eng, draft
+            gc.collect()
+            torch.cuda.empty_cache()
+        if cfg.peers and bs in (1, 16) and cfg.model is None:
+            say(f"hf_static bs={bs}")
+            try:
+                from specattn.spec_runtime.model_fetch import fetch_model
+                hf = _hf_static(str(fetch_model()), dtype, batches, cfg.max_new_tokens)
+                hf.update(algo="hf_static", backend="transformers", dtype=cfg.dtype, bs=bs, config={},
+                          lossless=None, speedup=hf["tokens_per_s"] / base_tps[bs] if bs in base_tps else None)
+                rows.append(hf)
+            except Exception as e:  # a peer that cannot run is reported, not fatal
+                rows.append(dict(algo="hf_static", backend="transformers", dtype=cfg.dtype, bs=bs,
+                                 error=f"{type(e).__name__}: {e}"))
+    return {
+        "suite": SUITE,
+        "device": device_summary(),
+        "versions": {"specattn": specattn.__version__, "torch": torch.__version__,
+                     "triton": module_version("triton"), "cuda": torch.version.cuda,
+                     "transformers": module_version("transformers")},
+        "commit": git_commit(),
+        "timestamp": stamp,
+        "settings": {k: v for k, v in asdict(cfg).items()},
+        "ceilings": asdict(ceilings),
+        "model": "SmolLM2-135M-Instruct" if cfg.model is None else str(cfg.model),
+        "num_prompts": len(ids_all),
+        "rows": rows,
+    }
+
+
+def _lossless(outs, base, prompts, cfg_model, weights, dtype) -> str:
+    if outs == base:
+        return "exact"
+    if dtype == torch.float32:
+        return "FAIL"
+    from specattn.spec_runtime.model import LlamaModel
+    from specattn.spec_runtime.near_greedy import near_greedy
+    w32 = {k: v.float() for k, v in weights.items()}
+    m32 = LlamaModel(cfg_model, w32, "cuda", torch.float32, fused=False)
+    mlow = LlamaModel(cfg_model, dict(weights), "cuda", dtype, fused=False)
+    bad = [i for i, (a, b) in enumerate(zip(outs, base)) if a != b]
+    res = near_greedy(m32, mlow, [prompts[i] for i in bad], [outs[i] for i in bad])
+    del w32, m32, mlow
+    return "near-greedy" if res.max_ratio <= 1.0 and res.vocab_share <= 0.1 else "FAIL"
+
+
+# ---------------------------------------------------------------------- output
+def _cell(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(report: dict) -> str:
+    """The report as a markdown table (one row per measured pair)."""
+    dev = report["device"]["name"]
+    lines = [f"# End to end: {report['model']} on {dev}",
+             "",
+             f"{report['timestamp']}, commit `{(report.get('commit') or 'unknown')[:12]}`, "
+             f"torch {report['versions']['torch']}, triton {report['versions']['triton']}; "
+             f"{report['settings']['max_new_tokens']} new tokens per request, "
+             f"{report['num_prompts']} eval prompts, CUDA graphs, greedy.",
+             "",
+             "| algo | bs | dtype | backend | tokens/s | speedup | accept length | step ms | "
+             "kernels/step | kernel ms/step | gpu_busy | lossless |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['algo']} | {r['bs']} | {r['dtype']} | {r['backend']} | error: "
+                         f"{r['error'][:80]} | | | | | | | |")
+            continue
+        lines.append(f"| {r['algo']} | {r['bs']} | {r['dtype']} | {r['backend']} | "
+                     f"{r['tokens_per_s']:.1f} | {_cell(r.get('speedup'), '.2f')} | "
+                     f"{r['accept_length']:.2f} | {_cell(r.get('step_ms'), '.3f')} | "
+                     f"{_cell(r.get('kernels_per_step'), '.0f')} | {_cell(r.get('kernel_ms_per_step'), '.3f')} | "
+                     f"{_cell(r.get('gpu_busy'), '.2f')} | {r.get('lossless') or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_png(report: dict, path: Path) -> bool:
+    """Bar chart of tokens/s per algorithm and batch size (accept length annotated).  Returns
+    False (nothing written) when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in report["rows"] if "error" not in r]
+    algos = list(dict.fromkeys(r["algo"] for r in rows))
+    sizes = sorted({r["bs"] for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(3.2 * len(sizes), 3.8), squeeze=False)
+    colors = plt.get_cmap("tab10")
+    for ax, bs in zip(axes[0], sizes):
+        here = {r["algo"]: r for r in rows if r["bs"] == bs}
+        names = [a for a in algos if a in here]
+        vals = [here[a]["tokens_per_s"] for a in names]
+        bars = ax.bar(range(len(names)), vals, color=[colors(algos.index(a)) for a in names])
+        for b, a in zip(bars, names):
+            acc = here[a].get("accept_length")
+            if acc and a not in ("none", "hf_static"):
+                ax.annotate(f"{acc:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+        ax.set_title(f"bs {bs}", fontsize=9)
+        ax.set_ylabel("tokens/s" if bs == sizes[0] else "")
+    fig.suptitle(f"{report['model']}, {report['device']['name']} ({report['timestamp'][:10]}); "
+                 f"labels: tokens per verify", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results(report: dict, out_dir: Path) -> List[Path]:
+    """``out_dir/e2e.json`` + ``e2e.md`` (+ ``e2e.png`` where matplotlib is installed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{SUITE}.json", out_dir / f"{SUITE}.md"]
+    paths[0].write_text(json.dumps(report, indent=2) + "\n")
+    paths[1].write_text(markdown(report))
+    png = out_dir / f"{SUITE}.png"
+    if render_png(report, png):
+        paths.append(png)
+    return paths

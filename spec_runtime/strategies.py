@@ -1,0 +1,393 @@
+"""Decoding algorithms as strategies over the engine's public operations.
+
+A :class:`Strategy` says which forward modes it needs, prefills its drafter after the
+target's prefill, and runs one *round* for a batch of requests through
+:class:`~specattn.spec_runtime.engine.Engine`'s public operations (``batch``, ``forward``,
+``sample``, ``verify_and_compact``, ``commit``).  A round is device work only (no host sync,
+no value-dependent shape), so the engine can capture it whole in one CUDA graph.  The engine
+never branches on the algorithm: a new drafter (n-gram, DDTree) is a new strategy.
+
+- :class:`PlainDecoding` (``algo="none"``): one target DECODE per round.
+- :class:`EagleStrategy` (``algo="eagle"``): EAGLE top-k tree (``topk = 1``: a chain) drafted
+  by a self-speculative drafter (the target's first layers, or another Llama), or by an
+  EAGLE-3 drafter fed the target's hidden states
+  (:class:`~specattn.spec_runtime.eagle3.Eagle3Drafter`).
+- :class:`~specattn.spec_runtime.dflash.DFlashStrategy` (``algo="dflash"``): a block drafted
+  in one non-causal forward, verified as a chain.
+
+Request state on the device: ``engine.prefix_lens[row]`` (``P``: target KV committed),
+``engine.roots[row]`` (the last emitted token, whose target KV is not written yet, at
+position ``P``); a strategy adds its own (e.g. EAGLE: the drafter's top-k after the root).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from specattn import ops
+from specattn.backends import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:  # the engine imports this module
+    from .engine import Engine, ForwardOut, RoundBatch
+
+__all__ = ["SpecConfig", "Strategy", "PlainDecoding", "EagleStrategy", "make_strategy"]
+
+Role = str
+ModeList = List[Tuple[Role, ForwardMode]]
+
+
+@dataclass
+class SpecConfig:
+    """``algo``: ``none`` | ``eagle`` | ``dflash``.  EAGLE drafts ``num_steps`` levels with
+    ``topk`` beams and verifies ``num_draft_tokens`` tokens (root included); ``topk = 1`` is a
+    chain.  The self-speculative EAGLE drafter is the target's first ``draft_layers`` layers +
+    final norm + LM head (``None``: three quarters of the target's layers); a trained EAGLE-3
+    drafter is passed to the engine as ``draft_model``.  DFlash drafts ``block_size - 1``
+    tokens per round in one non-causal block forward of a ``draft_layers``-layer drafter
+    (``None``: 2) and verifies them as a chain."""
+
+    algo: str = "none"
+    topk: int = 1
+    num_steps: int = 3
+    num_draft_tokens: int = 4
+    draft_layers: Optional[int] = None
+    block_size: int = 16
+
+    def validate(self) -> None:
+        """Raises ValueError on an unknown algo or bounds that no tree can meet."""
+        if self.algo not in ("none", "eagle", "dflash"):
+            raise ValueError(f"unknown algo {self.algo!r} (none | eagle | dflash)")
+        if self.algo == "eagle":
+            if self.topk < 1 or self.num_steps < 1:
+                raise ValueError(f"eagle needs topk >= 1 and num_steps >= 1, got topk={self.topk}, "
+                                 f"num_steps={self.num_steps}")
+            n_cand = ops.num_tree_candidates(self.topk, self.num_steps)
+            if not 2 <= self.num_draft_tokens <= n_cand + 1:
+                raise ValueError(f"eagle with topk={self.topk}, num_steps={self.num_steps} needs "
+                                 f"2 <= num_draft_tokens <= {n_cand + 1}, got {self.num_draft_tokens}")
+        if self.algo == "dflash" and self.block_size < 2:
+            raise ValueError(f"dflash needs block_size >= 2, got {self.block_size}")
+
+
+class Strategy(ABC):
+    """One decoding algorithm (see the module docstring).
+
+    Attributes (set by subclasses):
+        drafter: the draft model, or None.
+        verify_topk, draft_topk: the ``topk`` promise each role's backend is built with
+            (1: the target only ever verifies chains).
+        tokens_per_round: most positions past ``P`` one round writes or commits.
+        emit_width: most tokens one round emits per request.
+        records_accept_length: whether rounds are verifies (accept lengths are reported).
+        target_capture_layers: target layers whose output residual stream the strategy reads.
+    """
+
+    name = "base"
+    drafter = None
+    verify_topk: Optional[int] = 1
+    draft_topk: Optional[int] = None
+    tokens_per_round = 1
+    emit_width = 1
+    records_accept_length = True
+    target_capture_layers: Sequence[int] = ()
+
+    def required_modes(self) -> ModeList:
+        """Every ``(role, mode)`` it runs: the target's EXTEND (prefill), the drafter's
+        prefill modes and :meth:`round_modes`."""
+        return [("target", ForwardMode.EXTEND)] + self.round_modes()
+
+    @abstractmethod
+    def round_modes(self) -> ModeList:
+        """The ``(role, mode)`` pairs one round runs."""
+
+    def scratch_shape(self) -> Tuple[int, int]:
+        """``(scratch req_to_token rows, scratch pages)`` the engine reserves per request."""
+        return 0, 0
+
+    def build(self, eng: "Engine") -> None:
+        """Allocate the strategy's device state (one row per engine request row + dummy)."""
+
+    def reset_row(self, eng: "Engine", row: int) -> None:
+        """Clear the state of ``row`` (the dummy row after each round)."""
+
+    @abstractmethod
+    def graph_state_sizes(self, max_batch: int) -> Dict[Role, Tuple[int, int]]:
+        """``{role: (max requests, max tokens)}`` of one forward in a round of ``max_batch``
+        requests (each backend's CUDA-graph state)."""
+
+    def per_mode_graph_plan(self, eng: "Engine") -> list:
+        """``(role, model, backend, mode, tokens per request, max requests)`` of the plain
+        forwards (token ids in, logits out) that host-planned backends capture per mode."""
+        return []
+
+    def prefill(self, eng: "Engine", rows: torch.Tensor, lens: List[int], ids: torch.Tensor,
+                batch: ForwardBatch, out: "ForwardOut") -> None:
+        """After the target's EXTEND over the prompts (``ids``, ``batch``, its output ``out``
+        with ``target_capture_layers`` features) and the roots' sampling."""
+
+    @abstractmethod
+    def round(self, eng: "Engine", rb: "RoundBatch") -> None:
+        """One round for ``rb.rows`` (device work only): forwards, verify, commit."""
+
+
+class PlainDecoding(Strategy):
+    """Target-only decoding: each round is one DECODE of the roots."""
+
+    name = "none"
+    records_accept_length = False
+
+    def round_modes(self) -> ModeList:
+        return [("target", ForwardMode.DECODE)]
+
+    def graph_state_sizes(self, max_batch: int) -> Dict[Role, Tuple[int, int]]:
+        return {"target": (max_batch, max_batch)}
+
+    def per_mode_graph_plan(self, eng: "Engine") -> list:
+        return [("target", eng.target, eng.target_backend, ForwardMode.DECODE, 1, eng.max_batch)]
+
+    def round(self, eng: "Engine", rb: "RoundBatch") -> None:
+        rows = rb.rows
+        P = eng.prefix_lens[rows]
+        loc = eng.req_pool.req_to_token[rows, P]
+        batch = eng.batch(ForwardMode.DECODE, rows, P, 1, loc, host_prefix_lens=rb.host())
+        nxt = eng.sample(eng.forward("target", eng.roots[rows], batch).logits)
+        rb.emit_tokens[:, 0] = nxt
+        rb.emit_count.fill_(1)
+        eng.prefix_lens[rows] = P + 1
+        eng.roots[rows] = nxt
+
+
+class EagleStrategy(Strategy):
+    """EAGLE drafting (SGLang spec v2's round; ``P`` = target KV committed, ``root`` = last
+    emitted token, no target KV yet; the drafter holds the root's entry and its top-k):
+
+    1. draft: ``num_steps - 1`` DECODE steps over ``topk`` beams per request, scoring
+       ``topk`` children per beam (beams with ``topk > 1`` run on scratch ``req_to_token``
+       rows: prefix + root + ancestors; each beam's entry in a scratch slot, or with pages a
+       scratch page holding a copy of the source beam's page, one ``move_kv_cache`` per step);
+    2. tree build (``ops.build_tree``) from the ``num_draft_tokens - 1`` best candidates;
+    3. TARGET_VERIFY over the ``D`` tree tokens at slots ``req_to_token[r, P : P + D]``;
+    4. verify (greedy or lossless speculative sampling), accepted-path compaction and one
+       KV move for all target layers;
+    5. DRAFT_EXTEND_V2 over a fixed ``L = min(num_steps, D - 1) + 1`` tokens per request
+       (accepted drafts, bonus, padding): the drafter's entries for them, and the bonus
+       token's top-k (the next round's first step);
+    6. commit ``P += accept_length + 1``.
+
+    Drafter entries: a self-speculative drafter (a Llama) keeps one entry per token
+    position, like the target.  An EAGLE-3 drafter's entry ``t`` pairs the token at position
+    ``t + 1`` with the target's features at position ``t`` (SGLang / vLLM / SpecForge), so
+    its entries sit one index lower (``shift = 1``): the root's entry is ``P - 1``, draft
+    step ``s`` writes entry ``P - 1 + s``, and DRAFT_EXTEND_V2 writes entries ``P ..``
+    from the compacted target features of the accepted path.
+    """
+
+    name = "eagle"
+
+    def __init__(self, spec: SpecConfig, target, draft_model=None):
+        self.K, self.S, self.D = spec.topk, spec.num_steps, spec.num_draft_tokens
+        self.L = min(self.S, self.D - 1) + 1
+        if draft_model is not None:
+            if draft_model.vocab_size != target.vocab_size or draft_model.device != target.device:
+                raise ValueError("draft_model must share the target's vocabulary and device")
+            self.drafter = draft_model
+        else:
+            n = spec.draft_layers or max(1, 3 * target.num_layers // 4)
+            self.drafter = target.with_layers(n)
+        self.eagle3 = hasattr(self.drafter, "aux_layer_ids")
+        self.shift = 1 if self.eagle3 else 0
+        self.target_capture_layers = tuple(self.drafter.aux_layer_ids) if self.eagle3 else ()
+        self.verify_topk = self.draft_topk = self.K
+        self.tokens_per_round = max(self.D, self.S + 1)
+        self.emit_width = self.D
+
+    # ---------------------------------------------------------------- plan
+    def required_modes(self) -> ModeList:
+        rm = self.round_modes()
+        return [("target", ForwardMode.EXTEND), rm[0], ("draft", ForwardMode.EXTEND)] + rm[1:]
+
+    def round_modes(self) -> ModeList:
+        out = [("target", ForwardMode.TARGET_VERIFY), ("draft", ForwardMode.DRAFT_EXTEND_V2)]
+        if self.S > 1:
+            out.append(("draft", ForwardMode.DECODE))
+        return out
+
+    def scratch_shape(self) -> Tuple[int, int]:
+        if self.K == 1 or self.S == 1:
+            return 0, 0
+        return 2 * self.K, self.K * (self.S - 1)
+
+    def graph_state_sizes(self, max_batch: int) -> Dict[Role, Tuple[int, int]]:
+        beams = max_batch * self.K
+        return {"target": (max_batch, max_batch * self.D),
+                "draft": (beams, max(beams, max_batch * self.L))}
+
+    def per_mode_graph_plan(self, eng: "Engine") -> list:
+        if self.eagle3:  # every forward takes or returns hidden states: eager
+            return []
+        plan = [("target", eng.target, eng.target_backend, ForwardMode.TARGET_VERIFY, self.D, eng.max_batch),
+                ("draft", self.drafter, eng.draft_backend, ForwardMode.DRAFT_EXTEND_V2, self.L, eng.max_batch)]
+        if self.S > 1:
+            plan.append(("draft", self.drafter, eng.draft_backend, ForwardMode.DECODE, 1,
+                         eng.max_batch * self.K))
+        return plan
+
+    def build(self, eng: "Engine") -> None:
+        n, dev = eng.max_batch + 1, eng.device
+        self.top_scores = torch.zeros(n, self.K, dtype=torch.float32, device=dev)
+        self.top_tokens = torch.zeros(n, self.K, dtype=torch.int64, device=dev)
+        self.hidden = torch.zeros(n, self.drafter.hidden_size, dtype=eng.dtype, device=dev) \
+            if self.eagle3 else None
+
+    def reset_row(self, eng: "Engine", row: int) -> None:
+        self.top_scores[row] = 0
+        self.top_tokens[row] = 0
+        if self.hidden is not None:
+            self.hidden[row] = 0
+
+    def _keep_top(self, rows: torch.Tensor, logits: torch.Tensor, hidden: Optional[torch.Tensor]) -> None:
+        self.top_scores[rows], self.top_tokens[rows] = torch.log_softmax(logits.float(), -1).topk(self.K, dim=-1)
+        if self.hidden is not None:
+            self.hidden[rows] = hidden.to(self.hidden.dtype)
+
+    # ---------------------------------------------------------------- prefill
+    def prefill(self, eng: "Engine", rows: torch.Tensor, lens: List[int], ids: torch.Tensor,
+                batch: ForwardBatch, out: "ForwardOut") -> None:
+        """The drafter's EXTEND over the prompts and roots: self-speculative: tokens
+        ``x_0 .. x_n`` (prompt + root) at positions ``0 .. n``; EAGLE-3: tokens ``x_1 .. x_n``
+        paired with the target's features ``g_0 .. g_{n-1}`` at entries ``0 .. n-1``."""
+        dev, rtt = eng.device, eng.req_pool.req_to_token
+        roots = eng.roots[rows]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        if self.eagle3:  # drop each prompt's first token, append its root: same shape as the prompts
+            keep = torch.tensor([i for a, b in zip(starts, starts[1:]) for i in range(a + 1, b)],
+                                dtype=torch.int64, device=dev)
+            dst = torch.tensor([i for a, b in zip(starts, starts[1:]) for i in range(a, b - 1)],
+                               dtype=torch.int64, device=dev)
+            d_ids = torch.empty_like(ids)
+            d_ids[dst] = ids[keep]
+            d_ids[torch.tensor(starts[1:], device=dev) - 1] = roots
+            o = eng.forward("draft", d_ids, batch, hidden_in=out.features)
+            last = torch.tensor(starts[1:], device=dev) - 1
+        else:
+            new_lens = [n + 1 for n in lens]
+            d_ids = torch.empty(len(ids) + len(lens), dtype=torch.int64, device=dev)
+            src = torch.tensor([i + k for k, (a, b) in enumerate(zip(starts, starts[1:])) for i in range(a, b)],
+                               dtype=torch.int64, device=dev)
+            d_ids[src] = ids
+            last = torch.tensor([b + k for k, b in enumerate(starts[1:])], dtype=torch.int64, device=dev)
+            d_ids[last] = roots
+            loc = torch.cat([rtt[r, :n] for r, n in zip(rows.tolist(), new_lens)]).long()
+            d_batch = ForwardBatch.extend(rows, [0] * len(lens), new_lens, loc, device=dev)
+            o = eng.forward("draft", d_ids, d_batch)
+        self._keep_top(rows, o.logits[last], None if o.hidden is None else o.hidden[last])
+
+    # ---------------------------------------------------------------- round
+    def _draft(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor):
+        """Steps ``1 .. S-1`` over the beams.  Returns ``(parent_list [bs, K(S-1)+1],
+        candidate scores [bs, n_cand], candidate tokens [bs, n_cand])``."""
+        K, S, sh, dev = self.K, self.S, self.shift, eng.device
+        bs, rtt, ps = rows.shape[0], eng.req_pool.req_to_token, eng.page_size
+        beam_scores, beam_tokens = self.top_scores[rows], self.top_tokens[rows]
+        cand_scores, cand_tokens = [beam_scores], [beam_tokens]
+        blocks = [torch.cat([torch.full((bs, 1), -1, dtype=torch.int64, device=dev),
+                             torch.arange(K, device=dev).expand(bs, K)], 1)]
+        src_rows = rows[:, None].expand(bs, K)
+        src_hidden = self.hidden[rows][:, None, :].expand(bs, K, -1) if self.eagle3 else None
+        arK = torch.arange(K, device=dev)
+        for s in range(1, S):
+            idx = P - sh + s                                  # the beams' new entries [bs]
+            if K == 1:
+                cur = rows[:, None]
+                slots = rtt[rows, idx][:, None].long()
+            else:
+                cur = eng.scratch_rows[rows][:, (s % 2) * K + arK]          # [bs, K]
+                if s > 1:  # the ancestors' entries, whole pages of them, from the source beams
+                    c0 = (P - sh + 1) // ps * ps
+                    cols = (c0[:, None, None] + torch.arange(s - 1 + ps, device=dev)).clamp(max=eng.max_context - 1)
+                    rtt[cur[:, :, None], cols] = rtt[src_rows[:, :, None], cols]
+                unit = eng.scratch_pages[rows][:, arK * (S - 1) + (s - 1)]   # [bs, K] pages
+                if ps == 1:
+                    slots = unit
+                    rtt[cur, idx[:, None].expand(bs, K)] = slots.to(rtt.dtype)
+                else:  # a private page holding a copy of the source beam's page
+                    start = (idx // ps * ps)[:, None].expand(bs, K)
+                    offs = torch.arange(ps, device=dev)
+                    src_first = rtt[src_rows, start].long() // ps * ps
+                    page_slots = unit[..., None] * ps + offs                 # [bs, K, ps]
+                    eng.draft_pool.move_kv_cache(page_slots.flatten(), (src_first[..., None] + offs).flatten(),
+                                                 check_values=False)
+                    rtt[cur[..., None], start[..., None] + offs] = page_slots.to(rtt.dtype)
+                    slots = page_slots.gather(2, (idx % ps)[:, None, None].expand(bs, K, 1)).squeeze(2)
+            prefix = idx.repeat_interleave(K)
+            batch = eng.batch(ForwardMode.DECODE, cur.flatten(), prefix, 1, slots.flatten(),
+                              host_prefix_lens=rb.host(s - sh, repeat=K))
+            o = eng.forward("draft", beam_tokens.flatten(), batch,
+                            hidden_in=src_hidden.reshape(bs * K, -1) if self.eagle3 else None)
+            lp = torch.log_softmax(o.logits.float(), -1).view(bs, K, -1)
+            child_scores, child_tokens = lp.topk(K, dim=-1)                  # [bs, K, K]
+            child_scores = beam_scores[..., None] + child_scores
+            cand_scores.append(child_scores.flatten(1))
+            cand_tokens.append(child_tokens.flatten(1))
+            if s < S - 1:
+                beam_scores, best = child_scores.flatten(1).topk(K, dim=-1)
+                beam_tokens = child_tokens.flatten(1).gather(1, best)
+                parent = best // K
+                if K > 1:
+                    src_rows = cur.gather(1, parent)
+                if self.eagle3:
+                    h = o.hidden.view(bs, K, -1)
+                    src_hidden = h.gather(1, parent[..., None].expand(bs, K, h.shape[-1]))
+                blocks.append(K + (s - 1) * K * K + best)
+        if K > 1 and S > 1:  # undo the scratch rows' columns: the next round's prefix is there
+            width = (-(-(S - 1) // ps) + 1) * ps
+            c0 = (P - sh + 1) // ps * ps
+            cols = (c0[:, None] + torch.arange(width, device=dev)).clamp(max=eng.max_context - 1)
+            sc = eng.scratch_rows[rows]                                      # [bs, 2K]
+            rtt[sc[:, :, None], cols[:, None, :]] = rtt[rows[:, None, None], cols[:, None, :]]
+        parent_list = torch.cat(blocks, 1) if S > 1 else \
+            torch.full((bs, 1), -1, dtype=torch.int64, device=dev)
+        return parent_list, torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1)
+
+    def round(self, eng: "Engine", rb: "RoundBatch") -> None:
+        K, S, D, L, sh, dev = self.K, self.S, self.D, self.L, self.shift, eng.device
+        rows, rtt = rb.rows, eng.req_pool.req_to_token
+        bs = rows.shape[0]
+        P = eng.prefix_lens[rows]
+        parent_list, scores, tokens = self._draft(eng, rb, rows, P)
+        selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
+        draft_tokens = torch.cat([eng.roots[rows][:, None], tokens.gather(1, selected)], 1)
+        tree = ops.build_tree(parent_list, selected, P.to(torch.int32), K, S, D)
+        out_cache_loc = rtt[rows[:, None], P[:, None] + torch.arange(D, device=dev)].long().flatten()
+        batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
+                          tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
+        t = eng.forward("target", draft_tokens.flatten(), batch, capture_layers=self.target_capture_layers)
+        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t.logits, S, out_cache_loc,
+                                           hidden_states=t.features)
+        path = cp.predicts.view(bs, D).long()          # accepted drafts + bonus first
+        first = P - sh + 1                              # the drafter entry of path[:, 0]
+        ext_loc = rtt[rows[:, None], first[:, None] + torch.arange(L, device=dev)].long().flatten()
+        batch = eng.batch(ForwardMode.DRAFT_EXTEND_V2, rows, first, L, ext_loc,
+                          host_prefix_lens=rb.host(1 - sh))
+        hid = cp.hidden_states.view(bs, D, -1)[:, :L].reshape(bs * L, -1) if self.eagle3 else None
+        o = eng.forward("draft", path[:, :L].flatten(), batch, hidden_in=hid)
+        at = torch.arange(bs, device=dev) * L + n_acc   # the bonus token's entry
+        self._keep_top(rows, o.logits[at], None if o.hidden is None else o.hidden[at])
+        eng.commit(rb, rows, P, path, n_acc)
+
+
+def make_strategy(spec: SpecConfig, target, draft_model=None, max_context: int = 4096) -> Strategy:
+    """The strategy of ``spec.algo`` for ``target`` (``draft_model``: EAGLE's drafter;
+    ``max_context``: the most positions a request reaches, for drafters' RoPE tables)."""
+    spec.validate()
+    if spec.algo == "none":
+        return PlainDecoding()
+    if spec.algo == "eagle":
+        return EagleStrategy(spec, target, draft_model)
+    from .dflash import DFlashStrategy
+    return DFlashStrategy(spec, target, max_context)
