@@ -71,7 +71,8 @@ class E2EConfig:
     peers: bool = True
     profile: bool = True
     check: bool = True
-    model: Optional[str] = None
+    model: Optional[str] = None             # GGUF file or HF folder (default: SmolLM2-135M-Instruct)
+    device: str = "cuda"                    # the bench is for GPUs; "cpu" only for tests
 
 
 def spec_fields(algo: str, cfg: E2EConfig) -> dict:
@@ -151,8 +152,10 @@ def _run_batches(eng, batches, params, limits_fn) -> _Timed:
     return _Timed(outs, tokens, seconds, rounds, 1.0 + sum(acc) / len(acc) if acc else 1.0)
 
 
-def measure_engine(eng, batches: List[List[List[int]]], max_new_tokens: int, profile: bool) -> dict:
-    """Warm up, time, and (``profile``) profile ``eng`` on ``batches`` of prompts."""
+def measure_engine(eng, batches: List[List[List[int]]], max_new_tokens: int, profile: bool):
+    """Warm up, time, and (``profile``) profile ``eng`` on ``batches`` of prompts.  Returns
+    ``(row, outputs)``: the row's measured fields (module docstring) and every request's
+    generated tokens."""
     from specattn.spec_runtime.sampling import SamplingParams
     params = SamplingParams(max_new_tokens=max_new_tokens)
     full = lambda b: [max_new_tokens] * len(b)          # noqa: E731
@@ -203,8 +206,11 @@ def _hf_static(model_path: str, dtype: torch.dtype, batches, max_new_tokens: int
     return dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, accept_length=1.0)
 
 
-def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None) -> dict:
+def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
+            on_row: Optional[Callable[[dict], None]] = None) -> dict:
     """Measure every ``(algo, bs)`` of ``cfg`` (module docstring); returns the JSON report.
+    ``progress`` gets one line per phase; ``on_row`` gets the report so far after every row
+    (the command writes it, so a run stopped by a time limit keeps what it measured).
 
     Raises:
         RuntimeError: no CUDA GPU.  ValueError: an unknown algo or an empty prompt file.
@@ -218,7 +224,8 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None) ->
     from specattn.spec_runtime.model import LlamaModel
     import specattn
 
-    harness.require_cuda()
+    if cfg.device.startswith("cuda"):
+        harness.require_cuda()
     say = progress or (lambda msg: None)
     for a in cfg.algos:
         spec_fields(a, cfg)
@@ -228,12 +235,32 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None) ->
         raise ValueError("the prompt file is empty")
     cfg_model, weights, tok = load_model(cfg.model, dtype)
     ids_all = [loader.apply_chat_template(tok, t) for t in texts]
-    target = LlamaModel(cfg_model, weights, "cuda", dtype)
+    target = LlamaModel(cfg_model, weights, cfg.device, dtype)
     drafter_path = cfg.drafter or default_drafter(cfg_model)
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     say("measuring the ceilings")
-    ceilings = harness.measure_ceilings()
+    ceilings = harness.measure_ceilings() if cfg.device.startswith("cuda") else None
     rows: List[dict] = []
+    report = {
+        "suite": SUITE,
+        "device": device_summary() if cfg.device.startswith("cuda") else {"name": "cpu"},
+        "versions": {"specattn": specattn.__version__, "torch": torch.__version__,
+                     "triton": module_version("triton"), "cuda": torch.version.cuda,
+                     "transformers": module_version("transformers")},
+        "commit": git_commit(),
+        "timestamp": stamp,
+        "settings": {k: v for k, v in asdict(cfg).items()},
+        "ceilings": asdict(ceilings) if ceilings is not None else None,
+        "model": "SmolLM2-135M-Instruct" if cfg.model is None else str(cfg.model),
+        "num_prompts": len(ids_all),
+        "rows": rows,
+    }
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(report)
+
     base_out: Dict[int, List[List[int]]] = {}
     base_tps: Dict[int, float] = {}
     for bs in cfg.batch_sizes:
@@ -253,7 +280,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None) ->
                 draft = Eagle3Drafter.load(drafter_path, target)
             say(f"{algo} bs={bs}: building the engine (CUDA graphs)")
             eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
-                         eos_token_ids=(), cuda_graph=True, draft_model=draft)
+                         eos_token_ids=(), cuda_graph=cfg.device.startswith("cuda"), draft_model=draft)
             say(f"{algo} bs={bs}: warm-up, timing" + (", profiling" if cfg.profile else ""))
             row, outs = measure_engine(eng, batches, cfg.max_new_tokens, cfg.profile)
             row.update(algo=algo, backend=cfg.backend, dtype=cfg.dtype, bs=bs, config=fields,
@@ -266,11 +293,11 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None) ->
                 row["lossless"] = "reference"
             elif cfg.check and bs in base_out:
                 row["lossless"] = _lossless(outs, base_out[bs], [p for b in batches for p in b],
-                                            cfg_model, weights, dtype)
+                                            cfg_model, weights, dtype, cfg.device)
             else:
                 row["lossless"] = None
             row["speedup"] = row["tokens_per_s"] / base_tps[bs] if bs in base_tps else None
-            rows.append(row)
+            add(row)
             say(f"{algo} bs={bs}: {row['tokens_per_s']:.1f} tokens/s, accept {row['accept_length']:.2f}")
             del eng, draft
             gc.collect()
@@ -282,27 +309,14 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None) ->
                 hf = _hf_static(str(fetch_model()), dtype, batches, cfg.max_new_tokens)
                 hf.update(algo="hf_static", backend="transformers", dtype=cfg.dtype, bs=bs, config={},
                           lossless=None, speedup=hf["tokens_per_s"] / base_tps[bs] if bs in base_tps else None)
-                rows.append(hf)
+                add(hf)
             except Exception as e:  # a peer that cannot run is reported, not fatal
-                rows.append(dict(algo="hf_static", backend="transformers", dtype=cfg.dtype, bs=bs,
-                                 error=f"{type(e).__name__}: {e}"))
-    return {
-        "suite": SUITE,
-        "device": device_summary(),
-        "versions": {"specattn": specattn.__version__, "torch": torch.__version__,
-                     "triton": module_version("triton"), "cuda": torch.version.cuda,
-                     "transformers": module_version("transformers")},
-        "commit": git_commit(),
-        "timestamp": stamp,
-        "settings": {k: v for k, v in asdict(cfg).items()},
-        "ceilings": asdict(ceilings),
-        "model": "SmolLM2-135M-Instruct" if cfg.model is None else str(cfg.model),
-        "num_prompts": len(ids_all),
-        "rows": rows,
-    }
+                add(dict(algo="hf_static", backend="transformers", dtype=cfg.dtype, bs=bs,
+                         error=f"{type(e).__name__}: {e}"))
+    return report
 
 
-def _lossless(outs, base, prompts, cfg_model, weights, dtype) -> str:
+def _lossless(outs, base, prompts, cfg_model, weights, dtype, device) -> str:
     if outs == base:
         return "exact"
     if dtype == torch.float32:
@@ -310,8 +324,8 @@ def _lossless(outs, base, prompts, cfg_model, weights, dtype) -> str:
     from specattn.spec_runtime.model import LlamaModel
     from specattn.spec_runtime.near_greedy import near_greedy
     w32 = {k: v.float() for k, v in weights.items()}
-    m32 = LlamaModel(cfg_model, w32, "cuda", torch.float32, fused=False)
-    mlow = LlamaModel(cfg_model, dict(weights), "cuda", dtype, fused=False)
+    m32 = LlamaModel(cfg_model, w32, device, torch.float32, fused=False)
+    mlow = LlamaModel(cfg_model, dict(weights), device, dtype, fused=False)
     bad = [i for i, (a, b) in enumerate(zip(outs, base)) if a != b]
     res = near_greedy(m32, mlow, [prompts[i] for i in bad], [outs[i] for i in bad])
     del w32, m32, mlow

@@ -110,19 +110,27 @@ class ForwardOut:
 @dataclass
 class RoundBatch:
     """One round's requests: ``rows`` int64 ``[bs]`` (request rows; the dummy row for
-    padding), and where the round writes what it emits: ``emit_tokens`` int64 ``[bs, W]``
-    (the first ``emit_count[i]`` are request ``i``'s new tokens) and ``emit_count`` int64
-    ``[bs]``.  ``host_prefix_lens`` (int32 CPU ``[bs]``) only when the backends plan on the
-    host (the engine then runs rounds one at a time and reads the lengths first)."""
+    padding), and where the round writes what it emits: ``emitted`` int64 ``[bs, 1 + W]``,
+    column 0 the count of request ``i``'s new tokens (``emit_count``), then the tokens
+    (``emit_tokens``; the first ``count`` are valid), so the host reads one contiguous block.
+    ``host_prefix_lens`` (int32 CPU ``[bs]``) only when the backends plan on the host (the
+    engine then runs rounds one at a time and reads the lengths first)."""
 
     rows: torch.Tensor
-    emit_tokens: torch.Tensor
-    emit_count: torch.Tensor
+    emitted: torch.Tensor
     host_prefix_lens: Optional[torch.Tensor] = None
 
     @property
     def bs(self) -> int:
         return self.rows.shape[0]
+
+    @property
+    def emit_tokens(self) -> torch.Tensor:
+        return self.emitted[:, 1:]
+
+    @property
+    def emit_count(self) -> torch.Tensor:
+        return self.emitted[:, 0]
 
     def host(self, offset: int = 0, repeat: int = 1) -> Optional[torch.Tensor]:
         """Host copies of ``prefix_lens + offset`` (each repeated ``repeat`` times), or None."""
@@ -358,8 +366,7 @@ class Engine:
         dev = self.device
         W = self.strategy.emit_width
         return RoundBatch(torch.full((bs,), self.dummy_row, dtype=torch.int64, device=dev),
-                          torch.zeros(bs, W, dtype=torch.int64, device=dev),
-                          torch.zeros(bs, dtype=torch.int64, device=dev))
+                          torch.zeros(bs, 1 + W, dtype=torch.int64, device=dev))
 
     @staticmethod
     def _sampling_key(params: SamplingParams) -> tuple:
@@ -368,7 +375,7 @@ class Engine:
     def _capture_round(self, pbs: int, params: SamplingParams) -> None:
         """Capture one round for ``pbs`` padded requests (all pointing at the dummy row during
         capture) under the sampling configuration ``params``."""
-        rb = RoundBatch(self._static.rows[:pbs], self._static.emit_tokens[:pbs], self._static.emit_count[:pbs])
+        rb = RoundBatch(self._static.rows[:pbs], self._static.emitted[:pbs])
         rb.rows.fill_(self.dummy_row)
         saved, self.params = self.params, params
         self._graph_mode = True
@@ -533,8 +540,7 @@ class Engine:
                 self._static.rows[:pbs].copy_(stage, non_blocking=True)
                 self._rows_now = (pbs, rows)
             self.round_graphs[key].replay()
-            rb = RoundBatch(self._static.rows[:pbs], self._static.emit_tokens[:pbs],
-                            self._static.emit_count[:pbs])
+            rb = RoundBatch(self._static.rows[:pbs], self._static.emitted[:pbs])
         else:
             rb = self._round_buffers(bs)
             rb.rows.copy_(torch.tensor(rows, dtype=torch.int64))
@@ -544,9 +550,8 @@ class Engine:
             self._reset_dummy()
         self.num_forward_target += 1
         if host is None:
-            return torch.cat([rb.emit_count[:bs, None], rb.emit_tokens[:bs]], 1), None
-        host[:bs, :1].copy_(rb.emit_count[:bs, None], non_blocking=True)
-        host[:bs, 1:].copy_(rb.emit_tokens[:bs], non_blocking=True)
+            return rb.emitted[:bs], None
+        host[:bs].copy_(rb.emitted[:bs], non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
         return host, ev

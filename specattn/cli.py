@@ -174,9 +174,15 @@ def bench_e2e(
         typer.echo(NO_GPU_MESSAGE, err=True)
         raise typer.Exit(code=2)
     console = Console(stderr=True)
-    report = e2e.run_e2e(cfg, progress=lambda msg: console.print(f"[dim]{msg}[/]"))
-    folder = out or Path("bench/results") / e2e.gpu_slug(report["device"]["name"])
-    for p in e2e.write_results(report, folder):
+    where = {}
+
+    def save(report: dict) -> None:  # after every row: a stopped run keeps what it measured
+        folder = out or Path("bench/results") / e2e.gpu_slug(report["device"]["name"])
+        where["paths"] = e2e.write_results(report, folder)
+
+    report = e2e.run_e2e(cfg, progress=lambda msg: console.print(f"[dim]{msg}[/]"), on_row=save)
+    save(report)
+    for p in where["paths"]:
         console.print(f"wrote {p}")
     typer.echo(e2e.markdown(report))
 
@@ -202,10 +208,7 @@ def _register_runtime() -> None:
     from specattn.spec_runtime.cli import generate, model_app
     app.command("generate")(generate)
     app.add_typer(model_app, name="model")
-    try:
-        from specattn.spec_runtime.drafter_cli import drafter_app
-    except ImportError:  # pragma: no cover - the module ships with the package
-        return
+    from specattn.spec_runtime.drafter_cli import drafter_app
     app.add_typer(drafter_app, name="drafter")
 
 

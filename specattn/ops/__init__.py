@@ -12,6 +12,9 @@ implementation (``impl=`` forces one):
 """
 from . import registry
 from .compaction import CompactedPath, compact_accepted_path, compact_accepted_path_reference
+from .fused_llama import (llama_rms_norm_reference, matmul_residual, matmul_residual_reference,
+                          qkv_rope_store, qkv_rope_store_reference, rms_norm_matmul,
+                          rms_norm_matmul_reference, rms_norm_swiglu, rms_norm_swiglu_reference)
 from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, materialize_kv,
                              materialize_kv_reference, rms_norm_reference, stack_kv_proj_weights)
 from .kv_move import move_kv_cache, move_kv_cache_reference
@@ -27,4 +30,7 @@ __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
            "tree_speculative_sampling", "tree_speculative_sampling_reference",
            "CompactedPath", "compact_accepted_path", "compact_accepted_path_reference",
            "materialize_kv", "materialize_kv_reference", "make_cos_sin_cache",
-           "rms_norm_reference", "apply_rope_neox_reference", "stack_kv_proj_weights"]
+           "rms_norm_reference", "apply_rope_neox_reference", "stack_kv_proj_weights",
+           "rms_norm_matmul", "rms_norm_matmul_reference", "qkv_rope_store",
+           "qkv_rope_store_reference", "matmul_residual", "matmul_residual_reference",
+           "rms_norm_swiglu", "rms_norm_swiglu_reference", "llama_rms_norm_reference"]

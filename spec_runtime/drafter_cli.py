@@ -1,0 +1,167 @@
+"""``specattn drafter train``: train an EAGLE-3 drafter for the target by self-distillation.
+
+``drafter_app`` is a typer app with one command, ``train``; the top-level CLI mounts it as
+``specattn drafter``.  The work is :func:`specattn.spec_runtime.train_drafter.run_training`.
+Bad arguments exit with status 2 and one line on stderr.
+"""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Optional
+
+import torch
+import typer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("triton", "torch_reference", "flashinfer")
+
+drafter_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                          help="EAGLE-3 drafters for the target model.")
+
+
+@drafter_app.callback()
+def _drafter():
+    """EAGLE-3 drafters for the target model (checkpoints SGLang and vLLM load)."""
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"specattn drafter train: error: {msg}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _command_line(ctx: typer.Context) -> str:
+    """The full command with every option spelled out (what the model card records)."""
+    parts = ["specattn", "drafter", "train"]
+    for p in ctx.command.params:
+        v = ctx.params.get(p.name)
+        if v is None or not p.opts:
+            continue
+        if isinstance(v, bool):
+            if p.secondary_opts:
+                parts.append(p.opts[0] if v else p.secondary_opts[0])
+            elif v:
+                parts.append(p.opts[0])
+            continue
+        parts += [p.opts[0], shlex.quote(str(v))]
+    return " ".join(parts)
+
+
+@drafter_app.command("train")
+def train_cmd(
+    ctx: typer.Context,
+    out: Path = typer.Option(..., "--out", help="Output folder: config.json, model.safetensors, README.md, "
+                                                "train_log.json."),
+    model: Optional[str] = typer.Option(None, help="Target: a GGUF file or HF dir (default: SmolLM2-135M-Instruct)."),
+    prompts: Optional[Path] = typer.Option(None, help="Training prompts, one per line (default: the packaged "
+                                                      "spec_runtime/data/train_prompts.txt)."),
+    data: Optional[Path] = typer.Option(None, help="Data cache (.safetensors): loaded if it exists (generation "
+                                                   "skipped), else generated and written here."),
+    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="cuda | cpu."),
+    dtype: Optional[str] = typer.Option(None, help="Target dtype: float32 | bfloat16 | float16 (default: "
+                                                   "bfloat16 on cuda, float32 on cpu)."),
+    backend: Optional[str] = typer.Option(None, help="Attention backend for data generation (default: triton "
+                                                     "on cuda, torch_reference on cpu)."),
+    cuda_graph: Optional[bool] = typer.Option(None, "--cuda-graph/--eager", help="CUDA graphs for data "
+                                                                                 "generation (default: on on cuda)."),
+    gen_batch: int = typer.Option(64, help="Prompts per generation batch."),
+    max_new_tokens: int = typer.Option(384, help="Response length limit (also capped by --seq-len)."),
+    greedy: bool = typer.Option(True, "--greedy/--no-greedy", help="One greedy response per prompt."),
+    samples_per_prompt: int = typer.Option(1, help="Sampled responses per prompt."),
+    temperature: float = typer.Option(0.8, help="Sampling temperature of the sampled responses."),
+    top_p: float = typer.Option(0.95, help="Top-p of the sampled responses."),
+    top_k: int = typer.Option(0, help="Top-k of the sampled responses (0 = off)."),
+    num_seeds: int = typer.Option(256, help="Raw-text seeds (first words of prompts, common openers) continued "
+                                            "by sampling."),
+    seed_max_new_tokens: int = typer.Option(256, help="Length limit of the seed continuations."),
+    seed_temperature: float = typer.Option(0.9, help="Temperature of the seed continuations."),
+    data_time_budget_s: float = typer.Option(150.0, help="Start no generation batch after this many seconds "
+                                                         "(0 = no limit)."),
+    seq_len: int = typer.Option(512, help="Tokens per packed training row."),
+    batch_size: int = typer.Option(16, help="Rows per training step."),
+    steps: int = typer.Option(3000, help="Optimizer steps (the schedule shrinks to fit --time-budget-s)."),
+    ttt_steps: int = typer.Option(7, help="Training-time-test steps unrolled per step."),
+    lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW)."),
+    min_lr_ratio: float = typer.Option(0.1, help="Final learning rate / peak (cosine)."),
+    warmup_steps: int = typer.Option(100, help="Linear warm-up steps."),
+    weight_decay: float = typer.Option(0.01, help="AdamW weight decay (matrices only)."),
+    grad_clip: float = typer.Option(1.0, help="Gradient norm clip (0 = off)."),
+    seed: int = typer.Option(0, help="Seed of init, split, data order and sampling."),
+    eval_frac: float = typer.Option(0.05, help="Fraction of prompts / seeds held out."),
+    eval_every: int = typer.Option(250, help="Evaluate on held-out batches every N steps (0 = only at the end)."),
+    eval_batches: int = typer.Option(8, help="Held-out batches per periodic evaluation (the final one uses all)."),
+    loss_chunk: int = typer.Option(2048, help="Rows per LM-head chunk in the loss (bounds memory)."),
+    time_budget_s: float = typer.Option(300.0, help="Stop training after this many seconds (0 = no limit)."),
+    amp: bool = typer.Option(True, "--amp/--no-amp", help="bf16 autocast on cuda."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars."),
+):
+    """Generate data with the target, train an EAGLE-3 drafter on it (training-time test, soft
+    cross-entropy to the target's distributions) and export it with a model card."""
+    from rich.console import Console
+
+    from .train_drafter import DEFAULT_TRAIN_PROMPTS, GenConfig, RunOptions, TrainConfig, run_training
+    dev = device.strip().lower()
+    if not (dev == "cpu" or dev == "cuda" or dev.startswith("cuda:")):
+        _fail(f"--device must be cuda or cpu, got {device!r}")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        _fail("--device cuda but no CUDA device is available (use --device cpu)")
+    if dtype is None:
+        dtype = "bfloat16" if dev.startswith("cuda") else "float32"
+    if dtype not in DTYPES:
+        _fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if backend is None:
+        backend = "triton" if dev.startswith("cuda") else "torch_reference"
+    if backend not in BACKENDS:
+        _fail(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if cuda_graph and not dev.startswith("cuda"):
+        _fail("--cuda-graph needs --device cuda")
+    for name, v in (("gen-batch", gen_batch), ("max-new-tokens", max_new_tokens), ("seq-len", seq_len),
+                    ("batch-size", batch_size), ("steps", steps), ("ttt-steps", ttt_steps),
+                    ("seed-max-new-tokens", seed_max_new_tokens), ("loss-chunk", loss_chunk),
+                    ("eval-batches", eval_batches)):
+        if v < 1:
+            _fail(f"--{name} must be >= 1, got {v}")
+    for name, v in (("samples-per-prompt", samples_per_prompt), ("num-seeds", num_seeds),
+                    ("warmup-steps", warmup_steps), ("eval-every", eval_every), ("top-k", top_k),
+                    ("time-budget-s", time_budget_s), ("data-time-budget-s", data_time_budget_s),
+                    ("weight-decay", weight_decay), ("grad-clip", grad_clip)):
+        if v < 0:
+            _fail(f"--{name} must be >= 0, got {v}")
+    if seq_len < 3:
+        _fail("--seq-len must be >= 3")
+    if not lr > 0:
+        _fail(f"--lr must be > 0, got {lr}")
+    if not 0 <= min_lr_ratio <= 1:
+        _fail(f"--min-lr-ratio must be in [0, 1], got {min_lr_ratio}")
+    if not 0 <= eval_frac < 1:
+        _fail(f"--eval-frac must be in [0, 1), got {eval_frac}")
+    if not (temperature > 0 and seed_temperature > 0):
+        _fail("--temperature and --seed-temperature must be > 0")
+    if not 0 < top_p <= 1:
+        _fail(f"--top-p must be in (0, 1], got {top_p}")
+    if not greedy and samples_per_prompt == 0:
+        _fail("--no-greedy needs --samples-per-prompt >= 1")
+    prompts = prompts or DEFAULT_TRAIN_PROMPTS
+    have_data = data is not None and data.is_file()
+    if not have_data and not prompts.is_file():
+        _fail(f"prompt file not found: {prompts}")
+    if model is not None and not Path(model).exists():
+        _fail(f"--model {model}: no such file or folder")
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out} exists and is not a folder")
+
+    gen = GenConfig(gen_batch=gen_batch, max_new_tokens=max_new_tokens, greedy=greedy,
+                    samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k,
+                    seed_max_new_tokens=seed_max_new_tokens, seed_temperature=seed_temperature, backend=backend,
+                    cuda_graph=cuda_graph, time_budget_s=data_time_budget_s, seed=seed)
+    tc = TrainConfig(seq_len=seq_len, batch_size=batch_size, steps=steps, ttt_steps=ttt_steps, lr=lr,
+                     min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps, weight_decay=weight_decay,
+                     grad_clip=grad_clip, seed=seed, eval_frac=eval_frac, eval_every=eval_every,
+                     eval_batches=eval_batches, loss_chunk=loss_chunk, time_budget_s=time_budget_s, amp=amp)
+    opts = RunOptions(out=out, model=model, prompts=prompts, data=data, num_seeds=num_seeds, device=dev,
+                      dtype=DTYPES[dtype], gen=gen, train=tc, command=_command_line(ctx), progress=progress)
+    console = Console(stderr=True)
+    try:
+        run_training(opts, console=console)
+    except (ValueError, FileNotFoundError, ImportError, KeyError) as e:
+        _fail(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))

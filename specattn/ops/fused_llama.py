@@ -1,0 +1,425 @@
+"""Fused Llama-layer ops: RMSNorm folded into the GEMM that consumes it, RoPE and the KV-cache
+store folded into the QKV projection, the residual add folded into o_proj / down_proj.
+
+One decoder layer of a Llama-family model (``spec_runtime/model.py``) then takes four GEMM
+launches plus attention::
+
+    q = qkv_rope_store(h, input_layernorm, w_qkv, eps, positions, cos_sin_cache,
+                       out_cache_loc, k_cache, v_cache, H, Hkv, D)   # norm + QKV + RoPE + store
+    o = attention(q, ...)
+    matmul_residual(o.view(T, H * D), w_o, h)                         # h += o @ w_o.T
+    a = rms_norm_swiglu(h, post_attention_layernorm, w_gate, w_up, eps)
+    matmul_residual(a, w_down, h)                                     # h += a @ w_down.T
+
+and the final norm + LM head is ``rms_norm_matmul(h, norm, lm_head, eps, out_dtype=float32)``.
+
+Implementations (registry ops of the same names; each takes its reference's signature):
+
+- ``reference``: plain PyTorch, the model's own sequence of operations in the activation
+  dtype (``*_reference`` below; no validation).
+- ``triton``: one launch per op (:mod:`specattn.triton_kernels.fused_llama`); CUDA-graph
+  capturable; also runs in the CPU interpreter (``TRITON_INTERPRET=1``).
+
+``impl="auto"`` takes Triton for CUDA tensors when Triton is importable (and, for
+:func:`qkv_rope_store`, ``head_dim`` is a power of two >= 32), else the reference; CPU
+tensors always get the reference.  There is no CUDA C++ implementation.
+
+Precision contract (``dt`` = the activation dtype; "reference" = the ``*_reference``
+functions, i.e. the model's unfused sequence).  The Triton kernels compute the same
+functions with float32 accumulation and fewer roundings:
+
+- RMSNorm prologue: the reference rounds ``x * rsqrt(mean(x^2) + eps)`` to ``dt`` and then
+  ``norm_weight * that`` to ``dt`` again before the GEMM; the bf16 / float32 kernels round
+  ``x * norm_weight`` to ``dt`` once and apply the row scale to the float32 accumulator
+  after the K loop (float16: the row scale first, then one rounding, so un-normalized
+  products cannot overflow float16).  Mathematically the same ``RMSNorm(x) @ W^T``.
+- Epilogues run in float32 with ONE rounding to the output dtype at the store: the RoPE
+  rotation (with the float32 cos/sin of ``cos_sin_cache``; the reference rounds cos/sin and
+  every product to ``dt``), ``silu(g) * u`` (the reference rounds ``g``, ``u``, ``silu(g)``
+  and the product), ``residual + x @ W^T`` (the reference rounds the product, then the sum)
+  and the float32 logits of ``out_dtype=torch.float32`` (the reference rounds to ``dt``
+  first, as ``LlamaModel.logits`` does).
+- So against the exact result (float64 on the same ``dt`` inputs) the kernels' error is at
+  most the reference's, up to float32 accumulation order.  Error measure: ``|out - exact|``
+  over the rms of the exact output row (SwiGLU: over ``|u| rms(g) + |silu(g)| rms(u)`` per
+  element, how the GEMMs' errors propagate).  Measured by tests/test_ops_fused_llama.py
+  (Triton compiled for an H100, and in the CPU interpreter):
+
+  ===========  =====================  ==========================================
+  dtype        Triton, max            reference (unfused, the model's sequence)
+  ===========  =====================  ==========================================
+  float32      1.5e-6 (K <= 100),     same order (cuBLAS / CPU GEMM accumulation)
+               6.7e-6 (K = 576, 1536)
+  bfloat16     1.4e-2                 3.6e-2 (Q after RoPE), 1.5e-2 elsewhere
+  float16      1.9e-3                 5.0e-3
+  ===========  =====================  ==========================================
+
+  The 16-bit numbers include the final rounding of the output (up to ``2^-8 |out|``, relative
+  to the row rms several times that for the row's largest elements); beyond one such
+  rounding, Triton's bf16 error is below 8e-3 (float16 1.1e-3).  The tests bound Triton by
+  1e-4 (float32) and 2e-2 (16-bit) beyond one output rounding, the reference by 1e-4 /
+  5e-2.  With float32 activations the dots are IEEE float32 (never TF32).
+- The RoPE'd and stored values follow the same contract (cache stores round once, from
+  float32, to the cache dtype, which may differ from ``dt``).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import registry
+from ._checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+__all__ = ["rms_norm_matmul", "qkv_rope_store", "matmul_residual", "rms_norm_swiglu",
+           "rms_norm_matmul_reference", "qkv_rope_store_reference", "matmul_residual_reference",
+           "rms_norm_swiglu_reference", "llama_rms_norm_reference"]
+
+_TRITON_MODULE = "specattn.triton_kernels.fused_llama"
+
+
+# ------------------------------------------------------------------------------------------
+# references: the model's unfused sequence, in the activation dtype
+# ------------------------------------------------------------------------------------------
+
+def llama_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm over the last dim: ``weight * (x.float() * rsqrt(mean(x.float()^2) +
+    eps)).to(x.dtype)``, returned in ``x.dtype`` (HF ``LlamaRMSNorm``; the same operations
+    as ``spec_runtime.model.rms_norm``)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, H, D]; cos / sin [T, D] in x's dtype (HF rotate_half)
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def rms_norm_matmul_reference(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                              eps: float, *, out_dtype: Optional[torch.dtype] = None
+                              ) -> torch.Tensor:
+    """Reference of :func:`rms_norm_matmul`: ``(RMSNorm(x) @ weight.T).to(out_dtype)``, the
+    GEMM in ``x.dtype`` (no validation)."""
+    y = llama_rms_norm_reference(x, norm_weight, eps) @ weight.T
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def qkv_rope_store_reference(x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tensor,
+                             eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                             out_cache_loc: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                             head_dim: int) -> torch.Tensor:
+    """Reference of :func:`qkv_rope_store` (no validation): the model's sequence in
+    ``x.dtype``: norm, the Q / K / V projections (slices of ``w_qkv``), RoPE with cos/sin
+    cast to ``x.dtype``, then ``k_cache[out_cache_loc] = k`` / ``v_cache[...] = v``."""
+    T, H, Hkv, D = x.shape[0], num_heads, num_kv_heads, head_dim
+    n = llama_rms_norm_reference(x, norm_weight, eps)
+    q = (n @ w_qkv[:H * D].T).view(T, H, D)
+    k = (n @ w_qkv[H * D:(H + Hkv) * D].T).view(T, Hkv, D)
+    v = (n @ w_qkv[(H + Hkv) * D:].T).view(T, Hkv, D)
+    cs = cos_sin_cache[positions.long()].float()
+    half = D // 2
+    cos = torch.cat([cs[:, :half], cs[:, :half]], dim=-1).to(x.dtype)
+    sin = torch.cat([cs[:, half:], cs[:, half:]], dim=-1).to(x.dtype)
+    q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    loc = out_cache_loc.long()
+    k_cache[loc] = k.to(k_cache.dtype)
+    v_cache[loc] = v.to(v_cache.dtype)
+    return q
+
+
+def matmul_residual_reference(x: torch.Tensor, weight: torch.Tensor,
+                              residual: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`matmul_residual`: ``residual += x @ weight.T`` (in ``x.dtype``, in
+    place); returns ``residual`` (no validation)."""
+    residual += x @ weight.T
+    return residual
+
+
+def rms_norm_swiglu_reference(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor,
+                              w_up: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference of :func:`rms_norm_swiglu`: ``silu(n @ w_gate.T) * (n @ w_up.T)`` with
+    ``n = RMSNorm(x)``, in ``x.dtype`` (no validation)."""
+    n = llama_rms_norm_reference(x, norm_weight, eps)
+    return F.silu(n @ w_gate.T) * (n @ w_up.T)
+
+
+_REFERENCES = {
+    "rms_norm_matmul": rms_norm_matmul_reference,
+    "qkv_rope_store": qkv_rope_store_reference,
+    "matmul_residual": matmul_residual_reference,
+    "rms_norm_swiglu": rms_norm_swiglu_reference,
+}
+for _name, _ref in _REFERENCES.items():
+    registry.register(_name, "reference", (lambda f: lambda: f)(_ref))
+    registry.register(_name, "triton", registry.from_module(_TRITON_MODULE, _name, "Triton"))
+
+
+# ------------------------------------------------------------------------------------------
+# validation
+# ------------------------------------------------------------------------------------------
+
+def _check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (
+            math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
+    return float(eps)
+
+
+def _check_x(x) -> torch.Tensor:
+    """Activations ``[M, K >= 1]``; a copy with a contiguous last dim if needed."""
+    check_tensor("x", x, dim=2, dtypes=FLOAT_DTYPES)
+    if x.shape[1] < 1:
+        raise ValueError(f"x must be [M, K] with K >= 1, got {list(x.shape)}")
+    return x if x.stride(1) == 1 or x.shape[0] == 0 else x.contiguous()
+
+
+def _check_weight(name: str, w, x: torch.Tensor, rows: Optional[int] = None) -> None:
+    check_tensor(name, w, dtypes=(x.dtype,), device=x.device, shape=(rows, x.shape[1]))
+    if w.stride(1) != 1 and w.shape[0] > 0:
+        raise ValueError(f"{name} must have a contiguous last dim (stride(1) == 1), got strides "
+                         f"{list(w.stride())}; make it contiguous once, where it is loaded")
+
+
+def _check_norm_weight(norm_weight, x: torch.Tensor) -> torch.Tensor:
+    """``[K]`` in ``x``'s dtype; a contiguous copy if strided (the kernels read it densely)."""
+    check_tensor("norm_weight", norm_weight, dtypes=(x.dtype,), device=x.device,
+                 shape=(x.shape[1],))
+    return norm_weight if norm_weight.stride(0) == 1 else norm_weight.contiguous()
+
+
+def _span(t: torch.Tensor):
+    if t.numel() == 0:
+        return None
+    last = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def _check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    sa, sb = _span(a), _span(b)
+    if sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]:
+        raise ValueError(f"{name_a} and {name_b} overlap in memory; the kernel would read "
+                         f"what it writes")
+
+
+def _check_int(name: str, v, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    return int(v)
+
+
+def _run(name: str, impl: str, dev: torch.device):
+    return registry.dispatch(name, impl, dev)
+
+
+# ------------------------------------------------------------------------------------------
+# public wrappers
+# ------------------------------------------------------------------------------------------
+
+def rms_norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                    eps: float, *, out_dtype: Optional[torch.dtype] = None,
+                    impl: str = "auto") -> torch.Tensor:
+    """``RMSNorm(x, norm_weight) @ weight.T`` in one launch (final norm + LM head).
+
+    ``RMSNorm(x, g) = g * (x.float() * rsqrt(mean(x.float()^2, -1) + eps)).to(x.dtype)``
+    (Llama / HF ``LlamaRMSNorm``).
+
+    Args:
+        x: ``[M, K]`` float32 / bfloat16 / float16 activations (``M`` may be 0; a last dim
+            that is not contiguous is copied first).
+        norm_weight: ``[K]``, ``x.dtype``: the RMSNorm weight.
+        weight: ``[N, K]``, ``x.dtype``, contiguous last dim (``torch.nn.Linear`` layout).
+        eps: RMSNorm epsilon, a finite float > 0.
+        out_dtype: dtype of the result, one of the three float dtypes (default ``x.dtype``;
+            the LM head asks ``torch.float32`` logits).
+        impl: ``"auto"`` | ``"triton"`` | ``"reference"`` (see the module docstring).
+    Returns:
+        ``[M, N]`` in ``out_dtype``, a new tensor.
+    Raises:
+        TypeError: a non-tensor argument.  ValueError: wrong ranks, shapes, dtypes or devices,
+        ``K == 0``, a weight without a contiguous last dim, bad ``eps`` / ``out_dtype``.
+        RuntimeError: a forced ``impl`` unavailable here.
+    """
+    x = _check_x(x)
+    norm_weight = _check_norm_weight(norm_weight, x)
+    _check_weight("weight", weight, x)
+    eps = _check_eps(eps)
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be None or one of {[str(d) for d in FLOAT_DTYPES]}, "
+                         f"got {out_dtype!r}")
+    return _run("rms_norm_matmul", impl, x.device)(x, norm_weight, weight, eps,
+                                                    out_dtype=out_dtype)
+
+
+def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
+                    impl: str = "auto") -> torch.Tensor:
+    """``residual += x @ weight.T`` in place, in one launch (o_proj / down_proj with the
+    residual add).
+
+    Args:
+        x: ``[M, K]`` float32 / bfloat16 / float16 (a last dim that is not contiguous is
+            copied first).
+        weight: ``[N, K]``, ``x.dtype``, contiguous last dim.
+        residual: ``[M, N]``, ``x.dtype``, contiguous last dim, rows not overlapping each
+            other, disjoint from ``x`` and ``weight``; updated in place.
+        impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
+    Returns:
+        ``residual``.
+    Raises:
+        TypeError: a non-tensor argument.  ValueError: wrong ranks, shapes, dtypes or devices,
+        ``K == 0``, a weight or residual without a contiguous last dim, a residual whose rows
+        overlap or that overlaps ``x`` / ``weight``.  RuntimeError: a forced ``impl``
+        unavailable here.
+    """
+    x = _check_x(x)
+    _check_weight("weight", weight, x)
+    M, N = x.shape[0], weight.shape[0]
+    check_tensor("residual", residual, dtypes=(x.dtype,), device=x.device, shape=(M, N))
+    if M > 0 and N > 0 and (residual.stride(1) != 1 or (M > 1 and residual.stride(0) < N)):
+        raise ValueError(f"residual must have a contiguous last dim and non-overlapping rows, "
+                         f"got strides {list(residual.stride())}")
+    _check_disjoint("residual", residual, "x", x)
+    _check_disjoint("residual", residual, "weight", weight)
+    return _run("matmul_residual", impl, x.device)(x, weight, residual)
+
+
+def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor,
+                    w_up: torch.Tensor, eps: float, *, impl: str = "auto") -> torch.Tensor:
+    """``silu(n @ w_gate.T) * (n @ w_up.T)`` with ``n = RMSNorm(x, norm_weight)``, in one
+    launch (post-attention norm + the MLP's gate and up projections).
+
+    Args:
+        x: ``[M, K]`` float32 / bfloat16 / float16.
+        norm_weight: ``[K]``, ``x.dtype``.
+        w_gate, w_up: ``[I, K]`` each, ``x.dtype``, contiguous last dims.
+        eps: RMSNorm epsilon, a finite float > 0.
+        impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
+    Returns:
+        ``[M, I]`` in ``x.dtype``, a new tensor.
+    Raises:
+        TypeError: a non-tensor argument.  ValueError: wrong ranks, shapes, dtypes or devices,
+        ``K == 0``, gate and up shapes that differ, a weight without a contiguous last dim,
+        bad ``eps``.  RuntimeError: a forced ``impl`` unavailable here.
+    """
+    x = _check_x(x)
+    norm_weight = _check_norm_weight(norm_weight, x)
+    _check_weight("w_gate", w_gate, x)
+    _check_weight("w_up", w_up, x, rows=w_gate.shape[0])
+    eps = _check_eps(eps)
+    return _run("rms_norm_swiglu", impl, x.device)(x, norm_weight, w_gate, w_up, eps)
+
+
+def _qkv_impl(impl: str, device: torch.device, head_dim: int) -> str:
+    """``impl`` for :func:`qkv_rope_store`, with ``auto`` resolved to ``reference`` where the
+    Triton kernel cannot take ``head_dim`` (not a power of two >= 32)."""
+    if impl != "auto" or torch.device(device).type != "cuda":
+        return impl
+    if registry.availability("qkv_rope_store")["triton"] is not None:
+        return impl
+    from specattn.triton_kernels.fused_llama import qkv_head_dim_supported
+    return impl if qkv_head_dim_supported(head_dim) else "reference"
+
+
+def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tensor, eps: float,
+                   positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   num_heads: int, num_kv_heads: int, head_dim: int, *,
+                   check_values: bool = True, impl: str = "auto") -> torch.Tensor:
+    """Input RMSNorm + fused QKV projection + neox RoPE on Q and K + K/V cache store, in one
+    launch.  Returns Q.
+
+    With ``y = RMSNorm(x, norm_weight) @ w_qkv.T`` viewed as ``[M, H + 2*Hkv, D]`` (``H =
+    num_heads``, ``Hkv = num_kv_heads``, ``D = head_dim``): ``q = rope(y[:, :H])``,
+    ``k = rope(y[:, H:H + Hkv])``, ``v = y[:, H + Hkv:]``, where ``rope`` rotates halves over
+    the whole head (HF ``rotate_half``): with ``c, s = cos_sin_cache[positions[m]].chunk(2)``,
+    ``out[:D/2] = y[:D/2] * c - y[D/2:] * s`` and ``out[D/2:] = y[D/2:] * c + y[:D/2] * s``.
+    Then ``k_cache[out_cache_loc[m]] = k[m]`` and ``v_cache[out_cache_loc[m]] = v[m]``, cast
+    to the cache dtype; other cache slots are untouched.
+
+    Args:
+        x: ``[M, K]`` float32 / bfloat16 / float16 activations (the residual stream).
+        norm_weight: ``[K]``, ``x.dtype``: the input RMSNorm weight.
+        w_qkv: ``[(H + 2*Hkv) * D, K]``, ``x.dtype``, contiguous last dim:
+            ``cat([W_q, W_k, W_v])`` of the layer's ``torch.nn.Linear`` weights.
+        eps: RMSNorm epsilon, a finite float > 0.
+        positions: ``[M]`` int64 / int32 token positions, in ``[0, max_pos)``.
+        cos_sin_cache: ``[max_pos, D]`` float (float32 as made by
+            :func:`specattn.ops.make_cos_sin_cache` ``(max_pos, D, rope_theta)``): row ``p``
+            is ``cat(cos(p * inv_freq), sin(p * inv_freq))``.
+        out_cache_loc: ``[M]`` int32 / int64 cache slots, distinct, in ``[0, num_slots)``.
+        k_cache, v_cache: ``[num_slots, Hkv, D]`` contiguous, one float dtype (float32 /
+            bfloat16 / float16, may differ from ``x.dtype``) and shape, disjoint; written in
+            place.
+        num_heads, num_kv_heads: ``H >= 1``, ``Hkv >= 1``.
+        head_dim: ``D``, even (the Triton kernel: a power of two >= 32).
+        check_values: run the value checks under Raises (default; one host sync each);
+            ``False`` skips them so the call never syncs (a runtime's hot path, whose slots and
+            positions come from its own allocator).  The Triton kernel then skips the cache
+            stores of rows with an out-of-range slot or position (their Q rows are
+            unspecified); the reference raises torch's indexing error.
+        impl: ``"auto"`` | ``"triton"`` | ``"reference"``; ``auto`` on CUDA takes Triton
+            when ``D`` is a power of two >= 32, else the reference.
+    Returns:
+        ``q``: ``[M, H, D]`` in ``x.dtype``, a new contiguous tensor.
+    Raises:
+        TypeError: a non-tensor argument.  ValueError: wrong ranks, shapes, dtypes or devices,
+        ``K == 0``, bad head counts / ``head_dim`` / ``eps``, a ``w_qkv`` without a contiguous
+        last dim, caches not contiguous or overlapping, a ``cos_sin_cache`` not
+        ``[>= 1, D]``, repeated slots in ``out_cache_loc``; ``impl="triton"`` with a head dim
+        it does not take.
+        IndexError: a slot outside ``[0, num_slots)`` or a position outside ``[0, max_pos)``.
+        RuntimeError: a forced ``impl`` unavailable here.
+        The value checks (IndexError, repeated slots) cost host syncs and are skipped with
+        ``check_values=False`` and while a CUDA graph is being captured.  Every check runs
+        before anything is written.
+    """
+    x = _check_x(x)
+    dev = x.device
+    M, K = x.shape
+    H = _check_int("num_heads", num_heads, 1)
+    Hkv = _check_int("num_kv_heads", num_kv_heads, 1)
+    D = _check_int("head_dim", head_dim, 2)
+    if D % 2:
+        raise ValueError(f"head_dim must be even (RoPE rotates halves), got {D}")
+    norm_weight = _check_norm_weight(norm_weight, x)
+    _check_weight("w_qkv", w_qkv, x, rows=(H + 2 * Hkv) * D)
+    eps = _check_eps(eps)
+    check_tensor("positions", positions, dtypes=INDEX_DTYPES, device=dev, shape=(M,))
+    check_tensor("out_cache_loc", out_cache_loc, dtypes=INDEX_DTYPES, device=dev, shape=(M,))
+    check_tensor("cos_sin_cache", cos_sin_cache, dim=2, dtypes=FLOAT_DTYPES, device=dev)
+    max_pos = cos_sin_cache.shape[0]
+    if max_pos < 1 or cos_sin_cache.shape[1] != D:
+        raise ValueError(f"cos_sin_cache must be [max_pos >= 1, head_dim = {D}], got "
+                         f"{list(cos_sin_cache.shape)}")
+    check_tensor("k_cache", k_cache, dim=3, dtypes=FLOAT_DTYPES, device=dev,
+                 shape=(None, Hkv, D))
+    num_slots = k_cache.shape[0]
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), device=dev,
+                 shape=(num_slots, Hkv, D))
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not c.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    _check_disjoint("k_cache", k_cache, "v_cache", v_cache)
+    impl = _qkv_impl(impl, dev, D)
+    fn = _run("qkv_rope_store", impl, dev)
+    if impl == "triton":
+        from specattn.triton_kernels.fused_llama import QKV_MIN_HEAD_DIM, qkv_head_dim_supported
+        if not qkv_head_dim_supported(D):
+            raise ValueError(f"impl='triton' needs head_dim a power of two >= "
+                             f"{QKV_MIN_HEAD_DIM}, got {D}; use impl='reference' or 'auto'")
+    if check_values and M > 0:
+        check_index_range("out_cache_loc", out_cache_loc, num_slots)
+        check_index_range("positions", positions, max_pos)
+        if not capturing() and torch.unique(out_cache_loc).numel() != M:
+            raise ValueError("out_cache_loc repeats a slot; the cache write would be ambiguous")
+    return fn(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
+              v_cache, H, Hkv, D)

@@ -1,0 +1,131 @@
+"""``specattn bench e2e`` on the CPU: its pieces (algorithm specs, timing arithmetic on a tiny
+engine, the markdown / JSON / PNG writers), the command's argument errors, and the schema of
+every committed e2e results file (so the README's figures cannot drift from them)."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specattn import cli
+from specattn.bench import e2e
+from specattn.spec_runtime.engine import Engine, SpecConfig
+from tiny_models import random_prompts, tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+ROW_KEYS = {"algo", "backend", "dtype", "bs", "tokens_per_s", "accept_length", "kernels_per_step",
+            "gpu_busy", "lossless"}
+TOP_KEYS = {"suite", "device", "versions", "commit", "timestamp", "settings", "ceilings", "rows"}
+
+
+def test_spec_fields():
+    cfg = e2e.E2EConfig(chain=dict(topk=1, num_steps=4, num_draft_tokens=5))
+    assert e2e.spec_fields("none", cfg) == {"algo": "none"}
+    assert e2e.spec_fields("eagle_chain", cfg) == {"algo": "eagle", "topk": 1, "num_steps": 4, "num_draft_tokens": 5}
+    assert e2e.spec_fields("dflash", cfg)["block_size"] == 16
+    for algo in e2e.DEFAULT_ALGOS:
+        SpecConfig(**e2e.spec_fields(algo, e2e.E2EConfig())).validate()
+    with pytest.raises(ValueError, match="unknown algo"):
+        e2e.spec_fields("medusa", cfg)
+
+
+def test_gpu_slug():
+    assert e2e.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert e2e.gpu_slug("NVIDIA H200") == "h200"
+    assert e2e.gpu_slug("Some Card 9") == "somecard9"
+
+
+def test_measure_engine_on_a_tiny_model(tmp_path, seed):
+    """Rounds, tokens and step time add up (profiling needs CUDA and is off here)."""
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96)
+    prompts = random_prompts(seed, 96, n=4)
+    eng = Engine(cfg, dict(w), spec=SpecConfig("eagle", 1, 3, 4, 2), max_batch=2, max_context=64)
+    row, outs = e2e.measure_engine(eng, [prompts[:2], prompts[2:]], 9, profile=False)
+    assert row["tokens"] == 4 * 9 and len(outs) == 4 and all(len(o) == 9 for o in outs)
+    assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
+    assert 1.0 <= row["accept_length"] <= 4.0 and row["rounds"] >= 2 * 9 // 4
+    assert row["gpu_busy"] is None and row["kernels_per_step"] is None
+
+
+def _report(rows):
+    return {"suite": "e2e", "device": {"name": "NVIDIA H100 80GB HBM3"},
+            "versions": {"torch": "2.x", "triton": "3.x"}, "commit": "abc", "timestamp": "2026-01-01T00:00:00+00:00",
+            "settings": {"max_new_tokens": 8}, "ceilings": {}, "model": "m", "num_prompts": 4, "rows": rows}
+
+
+def test_writers(tmp_path):
+    rows = [dict(algo="none", backend="triton", dtype="bfloat16", bs=1, tokens_per_s=1000.0, accept_length=1.0,
+                 step_ms=1.0, kernels_per_step=200.0, kernel_ms_per_step=0.9, gpu_busy=0.9, lossless="reference",
+                 speedup=1.0),
+            dict(algo="eagle_chain", backend="triton", dtype="bfloat16", bs=1, tokens_per_s=2500.0,
+                 accept_length=3.2, step_ms=1.3, kernels_per_step=300.0, kernel_ms_per_step=1.2, gpu_busy=0.92,
+                 lossless="exact", speedup=2.5),
+            dict(algo="hf_static", backend="transformers", dtype="bfloat16", bs=1, error="RuntimeError: x")]
+    paths = e2e.write_results(_report(rows), tmp_path / "h100")
+    names = {p.name for p in paths}
+    assert {"e2e.json", "e2e.md"} <= names
+    md = (tmp_path / "h100" / "e2e.md").read_text()
+    assert "| eagle_chain | 1 | bfloat16 | triton | 2500.0 | 2.50 | 3.20 |" in md and "error: RuntimeError" in md
+    assert json.loads((tmp_path / "h100" / "e2e.json").read_text())["rows"][1]["accept_length"] == 3.2
+
+
+def test_cli_errors():
+    runner = CliRunner()
+    res = runner.invoke(cli.app, ["bench", "e2e", "--algos", "medusa"])
+    assert res.exit_code == 2 and "unknown algo" in res.output
+    res = runner.invoke(cli.app, ["bench", "e2e", "--chain", "1,2"])
+    assert res.exit_code == 2 and "topk,num_steps,num_draft_tokens" in res.output
+    res = runner.invoke(cli.app, ["bench", "plot", "nope.json"])
+    assert res.exit_code == 2 and "no such file" in res.output
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("bench/results/*/e2e.json")), ids=lambda p: p.parent.name)
+def test_committed_e2e_results_schema(path):
+    report = json.loads(path.read_text())
+    assert TOP_KEYS <= set(report) and report["suite"] == "e2e"
+    assert report["commit"] and report["device"]["name"]
+    assert e2e.gpu_slug(report["device"]["name"]) == path.parent.name
+    for r in report["rows"]:
+        if "error" in r:
+            continue
+        assert ROW_KEYS <= set(r), sorted(ROW_KEYS - set(r))
+        assert r["tokens_per_s"] > 0 and r["accept_length"] >= 1.0
+    assert (path.parent / "e2e.md").read_text() == e2e.markdown(report)
+
+
+class _Tok:
+    def encode(self, text):
+        return [b % 96 for b in text.encode()][:10] or [1]
+
+
+def test_run_e2e_dry_run_on_cpu(tmp_path, seed, monkeypatch):
+    """The whole suite on a tiny model on the CPU (no graphs, no profiler, no peers): one
+    row per (algo, bs), speedups against target-only decoding, every spec row lossless, and
+    the EAGLE rows on an EAGLE-3 drafter loaded from a folder."""
+    from specattn.spec_runtime import cli as rcli
+    from specattn.spec_runtime.eagle3 import Eagle3Drafter
+    from specattn.spec_runtime.model import LlamaModel
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96)
+    from specattn.spec_runtime import loader
+    monkeypatch.setattr(rcli, "load_model", lambda model, dtype: (cfg, dict(w), _Tok()))
+    monkeypatch.setattr(loader, "apply_chat_template", lambda tok, text: tok.encode(text))
+    drafter = Eagle3Drafter.from_target(LlamaModel(cfg, dict(w)), seed=seed).save(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"prompt number {i}" for i in range(8)) + "\n")
+    seen = []
+    conf = e2e.E2EConfig(batch_sizes=(1, 2), max_new_tokens=6, min_requests=2, dtype="float32",
+                         backend="torch_reference", prompts=str(prompts), drafter=str(drafter), peers=False,
+                         profile=False, model="tiny", device="cpu", block_size=4,
+                         tree=dict(topk=2, num_steps=3, num_draft_tokens=5))
+    report = e2e.run_e2e(conf, on_row=lambda r: seen.append(len(r["rows"])))
+    rows = report["rows"]
+    assert [(r["algo"], r["bs"]) for r in rows] == [(a, b) for b in (1, 2) for a in e2e.DEFAULT_ALGOS]
+    assert seen == list(range(1, len(rows) + 1))
+    for r in rows:
+        assert r["lossless"] == ("reference" if r["algo"] == "none" else "exact"), r
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / next(
+            x["tokens_per_s"] for x in rows if x["algo"] == "none" and x["bs"] == r["bs"]))
+    assert {r["drafter"] for r in rows if r["algo"].startswith("eagle")} == {str(drafter)}
+    paths = e2e.write_results(report, tmp_path / "out")
+    assert (tmp_path / "out" / "e2e.md").read_text() == e2e.markdown(report)

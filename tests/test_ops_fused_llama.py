@@ -1,0 +1,702 @@
+"""Fused Llama-layer ops (rms_norm_matmul, qkv_rope_store, matmul_residual, rms_norm_swiglu):
+Triton and reference against a float64 computation written here (no shared code), on fresh
+random inputs (the ``seed`` fixture), with poisoned caches and NaN-filled fresh outputs.
+
+Error metric (the precision contract of :mod:`specattn.ops.fused_llama`): the largest
+``(|out - exact| - step * |exact|) / rms(exact row)`` over all elements, where ``exact`` is
+float64 on the same (rounded) inputs and ``step`` bounds the relative error of one
+round-to-nearest to the output dtype (0 for float32, ``2^-8`` for bfloat16, ``2^-11`` for
+float16); SwiGLU outputs use a per-element scale instead of the row rms
+(:func:`swiglu_scale`).  Bounds: Triton 1e-4 (float32) and 2e-2 (16-bit), the reference
+1e-4 and 5e-2.  ``pytest -s`` prints each check and, last, the worst plain errors
+``|out - exact| / scale`` of the run (the numbers the module docstring quotes).
+
+On a CPU-only machine the Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
+set below before triton is imported) on small shapes; its bf16 ``tl.dot`` is wrong and its
+``.to(bfloat16)`` truncates, so there the kernels multiply the 16-bit values in float32 and
+round to bfloat16 on the float32 bits (see ``triton_kernels/fused_llama.py``).  The
+``gpu``-marked tests run SmolLM2-135M's shapes and CUDA-graph capture + replay.
+"""
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before triton / specattn's Triton kernels are imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from specattn.ops import (make_cos_sin_cache, matmul_residual, qkv_rope_store,  # noqa: E402
+                          registry, rms_norm_matmul, rms_norm_swiglu)
+from specattn.ops import fused_llama as fl  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+OPS = ("rms_norm_matmul", "qkv_rope_store", "matmul_residual", "rms_norm_swiglu")
+IMPLS = ("triton", "reference")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+REF_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+STEP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+EPS = 1e-5
+
+# (M, K, N): M across the BLOCK_M variants (16 / 32 / 64), K with and without a K tail
+SHAPES = [(1, 64, 64), (5, 100, 130), (17, 40, 96), (33, 64, 130)]
+# (M, K, H, Hkv, D)
+QKV_SHAPES = [(1, 64, 3, 1, 32), (5, 100, 4, 2, 64), (17, 40, 3, 1, 32), (33, 64, 4, 2, 64)]
+
+
+@pytest.fixture
+def nan_empty():
+    """Fresh outputs (``torch.empty``) come filled with NaN, so an unwritten element shows."""
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(old)
+
+
+# ------------------------------------------------------------------ inputs and float64 truth
+def act(M, K, dt, scale=3.0):
+    """Activations with a spread of row scales (an un-normalized residual stream)."""
+    rows = scale * torch.rand(M, 1, dtype=torch.float64, device=DEV) + 0.1
+    return (torch.randn(M, K, dtype=torch.float64, device=DEV) * rows).to(dt)
+
+
+def lin(N, K, dt):
+    return (torch.randn(N, K, device=DEV) / math.sqrt(K)).to(dt)
+
+
+def gain(K, dt):
+    return (1.0 + 0.3 * torch.randn(K, device=DEV)).to(dt)
+
+
+def exact_norm(x, g, eps=EPS):
+    x = x.double()
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * g.double()
+
+
+def exact_rope(y, positions, cs):
+    """``y [T, H, D]`` float64, rotate-half RoPE with the cache's (float32) cos / sin."""
+    half = y.shape[-1] // 2
+    c = cs.double()[positions.long()]
+    cos, sin = c[:, None, :half], c[:, None, half:]
+    lo, hi = y[..., :half], y[..., half:]
+    return torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1)
+
+
+def _rows(t, exact):
+    return t.double().reshape(exact.shape[0], -1)
+
+
+def row_scale(exact):
+    """rms of each row of ``exact`` (float64), as a ``[rows, 1]`` column."""
+    return _rows(exact, exact).pow(2).mean(-1, keepdim=True).sqrt()
+
+
+def row_err(out, exact, dt, scale=None):
+    """``max(|out - exact| - step*|exact|) / scale`` over all elements (float64); ``scale``
+    (broadcast against ``exact``'s rows) defaults to the rms of the exact row."""
+    out, ex = _rows(out, exact), _rows(exact, exact)
+    assert torch.isfinite(out).all(), "non-finite output (an unwritten or poisoned element?)"
+    dev = ((out - ex).abs() - STEP[dt] * ex.abs()).clamp_min(0)
+    scale = row_scale(exact) if scale is None else _rows(scale, exact)
+    return float((dev / scale.clamp_min(1e-30)).max())
+
+
+def plain_err(out, exact, scale=None):
+    """``max |out - exact| / scale`` (default scale: the rms of the exact row)."""
+    out, ex = _rows(out, exact), _rows(exact, exact)
+    scale = row_scale(exact) if scale is None else _rows(scale, exact)
+    return float(((out - ex).abs() / scale.clamp_min(1e-30)).max())
+
+
+ERRORS = {}  # (name, dtype) -> worst plain error seen (printed by test_zz_error_summary)
+
+
+def _record(name, dt, err):
+    key = (name, str(dt))
+    ERRORS[key] = max(ERRORS.get(key, 0.0), err)
+
+
+def check(name, out, exact, dt, ref_out=None, scale=None):
+    """Assert the contract for ``out`` (bound TOL) and, given ``ref_out``, the looser bound
+    REF_TOL for the reference (the model's unfused sequence rounds more often)."""
+    err = row_err(out, exact, dt, scale)
+    _record(name, dt, plain_err(out, exact, scale))
+    msg = f"{name} {dt}: error {err:.3g}"
+    if ref_out is not None:
+        ref_err = row_err(ref_out, exact, dt, scale)
+        _record(name.replace("triton", "reference"), dt, plain_err(ref_out, exact, scale))
+        msg += f", reference {ref_err:.3g}"
+        print(msg)
+        assert ref_err <= REF_TOL[dt], msg
+    else:
+        print(msg)
+    assert err <= (REF_TOL if "reference" in name else TOL)[dt], msg
+
+
+def swiglu_scale(gate, up):
+    """Per-element scale of ``silu(g) * u``: errors ``e_g``, ``e_u`` of the two GEMMs (each
+    of the order of its row's rms) propagate as ``silu'(g) u e_g + silu(g) e_u``, so the
+    natural scale is ``|u| rms(g) + |silu(g)| rms(u)``."""
+    return up.abs() * row_scale(gate) + (gate * torch.sigmoid(gate)).abs() * row_scale(up)
+
+
+def positions_for(M, max_pos):
+    pos = torch.randint(0, max_pos, (M,), device=DEV)
+    if M > 0:
+        pos[0] = max_pos - 1
+    if M > 1:
+        pos[1] = 0
+    return pos
+
+
+def poisoned_cache(num_slots, Hkv, D, dt):
+    c = torch.full((num_slots, Hkv, D), float("nan"), dtype=dt, device=DEV)
+    c[::3] = 1e30 if dt == torch.float32 else 6e4
+    return c
+
+
+def same_bits(a, b):
+    if a.dtype == torch.float32:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+# ------------------------------------------------------------------ the four ops vs float64
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_rms_norm_matmul(M, K, N, dt, impl, seed, nan_empty):
+    x, g, w = act(M, K, dt), gain(K, dt), lin(N, K, dt)
+    exact = exact_norm(x, g) @ w.double().T
+    ref = rms_norm_matmul(x, g, w, EPS, impl="reference")
+    out = rms_norm_matmul(x, g, w, EPS, impl=impl)
+    assert out.shape == (M, N) and out.dtype == dt
+    check(f"rms_norm_matmul[{impl}]", out, exact, dt, ref)
+    # float32 logits (the LM head): rounded once, from the float32 accumulator
+    out32 = rms_norm_matmul(x, g, w, EPS, out_dtype=torch.float32, impl=impl)
+    assert out32.dtype == torch.float32
+    err = plain_err(out32, exact)
+    assert err <= TOL[dt], f"float32 out: {err}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_matmul_residual(M, K, N, dt, impl, seed):
+    x, w = act(M, K, dt, scale=1.0), lin(N, K, dt)
+    residual = act(M, N, dt)
+    exact = residual.double() + x.double() @ w.double().T
+    ref = matmul_residual(x, w, residual.clone(), impl="reference")
+    ptr = residual.data_ptr()
+    out = matmul_residual(x, w, residual, impl=impl)
+    assert out is residual and out.data_ptr() == ptr
+    check(f"matmul_residual[{impl}]", out, exact, dt, ref)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_rms_norm_swiglu(M, K, N, dt, impl, seed, nan_empty):
+    x, g = act(M, K, dt), gain(K, dt)
+    wg, wu = lin(N, K, dt), lin(N, K, dt)
+    n = exact_norm(x, g)
+    gate, up = n @ wg.double().T, n @ wu.double().T
+    exact = gate * torch.sigmoid(gate) * up
+    ref = rms_norm_swiglu(x, g, wg, wu, EPS, impl="reference")
+    out = rms_norm_swiglu(x, g, wg, wu, EPS, impl=impl)
+    assert out.shape == (M, N) and out.dtype == dt
+    check(f"rms_norm_swiglu[{impl}]", out, exact, dt, ref, swiglu_scale(gate, up))
+
+
+def qkv_inputs(M, K, H, Hkv, D, dt, cache_dt, idx_dt=torch.int64, num_slots=None, max_pos=50):
+    num_slots = num_slots or 2 * M + 3
+    return dict(
+        x=act(M, K, dt), norm_weight=gain(K, dt), w_qkv=lin((H + 2 * Hkv) * D, K, dt), eps=EPS,
+        positions=positions_for(M, max_pos).to(idx_dt),
+        cos_sin_cache=make_cos_sin_cache(max_pos, D, 10000.0, device=DEV),
+        out_cache_loc=torch.randperm(num_slots, device=DEV)[:M].to(idx_dt),
+        k_cache=poisoned_cache(num_slots, Hkv, D, cache_dt),
+        v_cache=poisoned_cache(num_slots, Hkv, D, cache_dt),
+        num_heads=H, num_kv_heads=Hkv, head_dim=D)
+
+
+def qkv_exact(inp):
+    H, Hkv, D = inp["num_heads"], inp["num_kv_heads"], inp["head_dim"]
+    T = inp["x"].shape[0]
+    y = (exact_norm(inp["x"], inp["norm_weight"]) @ inp["w_qkv"].double().T).view(T, -1, D)
+    q = exact_rope(y[:, :H], inp["positions"], inp["cos_sin_cache"])
+    k = exact_rope(y[:, H:H + Hkv], inp["positions"], inp["cos_sin_cache"])
+    return q, k, y[:, H + Hkv:]
+
+
+def run_qkv(inp, impl, **kw):
+    return qkv_rope_store(**inp, impl=impl, **kw)
+
+
+def check_caches(inp, before, k, v, dt, name):
+    """Slots outside out_cache_loc keep their poison bit for bit; written ones are right."""
+    loc = inp["out_cache_loc"].long()
+    untouched = torch.ones(before[0].shape[0], dtype=torch.bool, device=DEV)
+    untouched[loc] = False
+    for cache, old, exact, what in ((inp["k_cache"], before[0], k, "k"),
+                                    (inp["v_cache"], before[1], v, "v")):
+        assert same_bits(cache[untouched], old[untouched]), f"{what}_cache: a foreign slot changed"
+        check(f"{name} {what}_cache", cache[loc], exact, dt)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,H,Hkv,D", QKV_SHAPES)
+def test_qkv_rope_store(M, K, H, Hkv, D, dt, impl, seed, nan_empty):
+    idx_dt = torch.int32 if M % 2 else torch.int64
+    inp = qkv_inputs(M, K, H, Hkv, D, dt, dt, idx_dt)
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    q_exact, k_exact, v_exact = qkv_exact(inp)
+    q = run_qkv(inp, impl)
+    assert q.shape == (M, H, D) and q.dtype == dt and q.is_contiguous()
+    check(f"qkv_rope_store[{impl}] q", q, q_exact, dt)
+    check_caches(inp, before, k_exact, v_exact, dt, f"qkv_rope_store[{impl}]")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt,cache_dt", [(torch.bfloat16, torch.float32),
+                                         (torch.float32, torch.bfloat16),
+                                         (torch.float16, torch.bfloat16)], ids=str)
+def test_qkv_rope_store_cache_dtype(dt, cache_dt, impl, seed):
+    """Caches in another dtype than the activations: cast on store."""
+    inp = qkv_inputs(6, 64, 4, 2, 32, dt, cache_dt, torch.int32, num_slots=40)
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    q_exact, k_exact, v_exact = qkv_exact(inp)
+    q = run_qkv(inp, impl)
+    check(f"qkv_rope_store[{impl}] q", q, q_exact, dt)
+    coarse = dt if STEP[dt] >= STEP[cache_dt] else cache_dt
+    check_caches(inp, before, k_exact, v_exact, coarse, f"qkv_rope_store[{impl}]")
+
+
+def test_qkv_triton_close_to_reference_fp32(seed):
+    """float32: the kernel and the reference evaluate the same function; they differ by
+    float32 rounding only (a few ulp of the row)."""
+    inp = qkv_inputs(9, 64, 4, 2, 64, torch.float32, torch.float32)
+    inp2 = dict(inp, k_cache=inp["k_cache"].clone(), v_cache=inp["v_cache"].clone())
+    q = run_qkv(inp, "triton")
+    q2 = run_qkv(inp2, "reference")
+    assert plain_err(q, q2.double()) < 1e-5
+    loc = inp["out_cache_loc"]
+    assert plain_err(inp["k_cache"][loc], inp2["k_cache"][loc].double()) < 1e-5
+    assert torch.equal(inp["v_cache"].isnan(), inp2["v_cache"].isnan())
+
+
+# ------------------------------------------------------------------ references = the model
+def test_references_are_the_models_sequence(seed):
+    """The references reproduce spec_runtime.model's operations bit for bit (CPU)."""
+    from specattn.spec_runtime import model as mdl
+    dt, T, K, H, Hkv, D = torch.bfloat16, 7, 64, 4, 2, 32
+    x, g = act(T, K, dt).cpu(), gain(K, dt).cpu()
+    assert torch.equal(fl.llama_rms_norm_reference(x, g, EPS), mdl.rms_norm(x, g, EPS))
+    wq, wk, wv = lin(H * D, K, dt).cpu(), lin(Hkv * D, K, dt).cpu(), lin(Hkv * D, K, dt).cpu()
+    pos = torch.randint(0, 100, (T,))
+    n = mdl.rms_norm(x, g, EPS)
+    cos, sin = mdl.rope_cos_sin(pos, D, 10000.0, dt)
+    q_m = mdl.apply_rope((n @ wq.T).view(T, H, D), cos, sin)
+    k_m = mdl.apply_rope((n @ wk.T).view(T, Hkv, D), cos, sin)
+    v_m = (n @ wv.T).view(T, Hkv, D)
+    kc, vc = torch.zeros(20, Hkv, D, dtype=dt), torch.zeros(20, Hkv, D, dtype=dt)
+    loc = torch.randperm(20)[:T]
+    q = fl.qkv_rope_store_reference(x, g, torch.cat([wq, wk, wv]), EPS, pos,
+                                    make_cos_sin_cache(100, D, 10000.0), loc, kc, vc, H, Hkv, D)
+    assert torch.equal(q, q_m) and torch.equal(kc[loc], k_m) and torch.equal(vc[loc], v_m)
+    w = {"mlp.gate_proj.weight": lin(96, K, dt).cpu(), "mlp.up_proj.weight": lin(96, K, dt).cpu(),
+         "mlp.down_proj.weight": torch.eye(96, dtype=dt)}
+    sw = fl.rms_norm_swiglu_reference(x, g, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], EPS)
+    assert torch.equal(sw, mdl.swiglu_mlp(n, w, ""))
+    h, wd = act(T, K, dt).cpu(), lin(K, 96, dt).cpu()
+    assert torch.equal(fl.matmul_residual_reference(sw, wd, h.clone()), h + sw @ wd.T)
+
+
+# ------------------------------------------------------------------ edge cases
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_batch(impl, seed):
+    """M = 0: empty outputs, nothing written, no launch."""
+    dt, K = torch.bfloat16, 64
+    x, g = act(0, K, dt), gain(K, dt)
+    assert rms_norm_matmul(x, g, lin(96, K, dt), EPS, impl=impl).shape == (0, 96)
+    out = rms_norm_matmul(x, g, lin(96, K, dt), EPS, out_dtype=torch.float32, impl=impl)
+    assert out.shape == (0, 96) and out.dtype == torch.float32
+    assert rms_norm_swiglu(x, g, lin(96, K, dt), lin(96, K, dt), EPS, impl=impl).shape == (0, 96)
+    r = torch.empty(0, 96, dtype=dt, device=DEV)
+    assert matmul_residual(x, lin(96, K, dt), r, impl=impl) is r
+    inp = qkv_inputs(0, K, 3, 1, 32, dt, dt, num_slots=8)
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    q = run_qkv(inp, impl)
+    assert q.shape == (0, 3, 32) and q.dtype == dt
+    assert same_bits(inp["k_cache"], before[0]) and same_bits(inp["v_cache"], before[1])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_inputs(impl, seed):
+    """x / norm_weight with a non-unit last-dim stride are copied; row strides > K (x, the
+    weights, the residual) are read in place."""
+    dt, M, K, N = torch.float32, 5, 64, 64
+    big = act(M, 2 * K, dt)
+    g2, w2 = gain(2 * K, dt), lin(N, 2 * K, dt)
+    for x, g, w in ((big[:, ::2], g2[::2], w2[:, :K]), (big[:, K:], g2[:K], w2[:, K:])):
+        exact = exact_norm(x, g) @ w.double().T
+        check("strided", rms_norm_matmul(x, g, w, EPS, impl=impl), exact, dt)
+    r2 = act(M, 2 * N, dt)
+    res = r2[:, :N]
+    exact = res.double() + big[:, K:].double() @ w2[:, K:].double().T
+    check("strided residual", matmul_residual(big[:, K:], w2[:, K:], res, impl=impl), exact, dt)
+
+
+def test_fp16_unnormalized_range(seed):
+    """float16 activations whose ``x * norm_weight`` overflows float16 before the norm:
+    the kernel normalizes first (PRESCALE), so the result stays finite and right."""
+    dt, M, K, N = torch.float16, 3, 64, 64
+    x = (torch.randn(M, K, device=DEV) * 2e4).clamp(-6e4, 6e4).to(dt)
+    g = torch.full((K,), 8.0, dtype=dt, device=DEV)
+    w = lin(N, K, dt)
+    exact = exact_norm(x, g) @ w.double().T
+    check("fp16 range", rms_norm_matmul(x, g, w, EPS, impl="triton"), exact, dt)
+    inp = qkv_inputs(M, K, 3, 1, 32, dt, dt)
+    inp.update(x=x, norm_weight=g)
+    q_exact, _, _ = qkv_exact(inp)
+    check("fp16 range qkv", run_qkv(inp, "triton"), q_exact, dt)
+
+
+def test_qkv_head_dim_fallback(seed):
+    """head_dim not a power of two >= 32: the reference takes it (any even D), triton
+    raises, auto on CUDA resolves to the reference."""
+    inp = qkv_inputs(4, 64, 2, 1, 48, torch.float32, torch.float32)
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    q_exact, k_exact, v_exact = qkv_exact(inp)
+    with pytest.raises(ValueError, match="power of two"):
+        run_qkv(inp, "triton")
+    assert same_bits(inp["k_cache"], before[0])
+    check("qkv D=48", run_qkv(inp, "auto"), q_exact, torch.float32)
+    check_caches(inp, before, k_exact, v_exact, torch.float32, "qkv D=48")
+    cuda = torch.device("cuda")
+    assert fl._qkv_impl("auto", cuda, 48) == "reference"
+    assert fl._qkv_impl("auto", cuda, 16) == "reference"
+    assert fl._qkv_impl("auto", cuda, 64) == "auto"
+    assert fl._qkv_impl("auto", torch.device("cpu"), 48) == "auto"
+    assert fl._qkv_impl("triton", cuda, 48) == "triton"
+
+
+def test_check_values_false_skips_bad_rows_triton(seed):
+    """With the value checks off, the kernel skips rows whose slot or position is out of
+    range (no out-of-bounds access) and writes the others."""
+    inp = qkv_inputs(5, 64, 3, 1, 32, torch.float32, torch.float32, num_slots=12, max_pos=30)
+    inp["out_cache_loc"][1] = 12
+    inp["positions"][3] = 30
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    _, k_exact, v_exact = qkv_exact(dict(inp, positions=inp["positions"].clamp(max=29)))
+    run_qkv(inp, "triton", check_values=False)
+    good = torch.tensor([0, 2, 4], device=DEV)
+    sub = dict(inp, out_cache_loc=inp["out_cache_loc"][good])
+    check_caches(sub, before, k_exact[good], v_exact[good], torch.float32, "check_values=False")
+
+
+def test_registry_and_auto(seed):
+    cpu = torch.device("cpu")
+    for name in OPS:
+        assert name in registry.names()
+        avail = registry.availability(name)
+        assert avail["reference"] is None and avail["triton"] is None
+        assert avail["cuda"] is not None  # no CUDA C++ implementation: auto never picks one
+        assert registry.dispatch(name, "auto", cpu) is fl._REFERENCES[name]
+        assert registry.dispatch(name, "auto", torch.device("cuda")) is not fl._REFERENCES[name]
+        with pytest.raises(RuntimeError, match="unavailable"):
+            registry.dispatch(name, "cuda", cpu)
+    x, g, w = act(2, 64, torch.float32), gain(64, torch.float32), lin(64, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="cuda implementation"):
+        rms_norm_matmul(x, g, w, EPS, impl="cuda")
+    with pytest.raises(ValueError, match="impl"):
+        rms_norm_matmul(x, g, w, EPS, impl="fast")
+
+
+# ------------------------------------------------------------------ errors (before any write)
+def _qkv_err(inp, exc, match, **kw):
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    for impl in IMPLS:
+        with pytest.raises(exc, match=match):
+            qkv_rope_store(**inp, impl=impl, **kw)
+        assert same_bits(inp["k_cache"], before[0]) and same_bits(inp["v_cache"], before[1])
+
+
+def test_qkv_errors(seed):
+    dt = torch.bfloat16
+    mk = lambda: qkv_inputs(4, 64, 3, 1, 32, dt, dt, num_slots=10, max_pos=20)  # noqa: E731
+    inp = mk()
+    inp["out_cache_loc"][2] = 10
+    _qkv_err(inp, IndexError, "out_cache_loc")
+    inp = mk()
+    inp["out_cache_loc"][2] = -1
+    _qkv_err(inp, IndexError, "out_cache_loc")
+    inp = mk()
+    inp["positions"][1] = 20
+    _qkv_err(inp, IndexError, "positions")
+    inp = mk()
+    inp["out_cache_loc"][3] = inp["out_cache_loc"][0]
+    _qkv_err(inp, ValueError, "repeats")
+    cases = [
+        (dict(w_qkv=lin(5 * 32 + 1, 64, dt)), ValueError, "w_qkv"),
+        (dict(w_qkv=lin(5 * 32, 64, torch.float32)), ValueError, "w_qkv"),
+        (dict(w_qkv=lin(64, 5 * 32, dt).T), ValueError, "contiguous last dim"),
+        (dict(norm_weight=gain(63, dt)), ValueError, "norm_weight"),
+        (dict(norm_weight=gain(64, torch.float32)), ValueError, "norm_weight"),
+        (dict(positions=torch.zeros(3, dtype=torch.int64, device=DEV)), ValueError, "positions"),
+        (dict(positions=torch.zeros(4, device=DEV)), ValueError, "positions"),
+        (dict(out_cache_loc=torch.zeros(4, dtype=torch.int16, device=DEV)), ValueError,
+         "out_cache_loc"),
+        (dict(cos_sin_cache=make_cos_sin_cache(20, 16, device=DEV)), ValueError, "cos_sin_cache"),
+        (dict(k_cache=poisoned_cache(10, 2, 32, dt)), ValueError, "k_cache"),
+        (dict(v_cache=poisoned_cache(10, 1, 32, torch.float32)), ValueError, "v_cache"),
+        (dict(v_cache=poisoned_cache(11, 1, 32, dt)), ValueError, "v_cache"),
+        (dict(k_cache=poisoned_cache(10, 1, 64, dt)[:, :, ::2]), ValueError, "contiguous"),
+        (dict(k_cache=torch.zeros(10, 1, 32, dtype=torch.float8_e4m3fn, device=DEV)), ValueError,
+         "k_cache"),
+        (dict(num_heads=0), ValueError, "num_heads"),
+        (dict(num_kv_heads=True), ValueError, "num_kv_heads"),
+        (dict(head_dim=31), ValueError, "head_dim"),
+        (dict(eps=0.0), ValueError, "eps"),
+        (dict(eps=float("nan")), ValueError, "eps"),
+        (dict(x=act(4, 64, dt)[None]), ValueError, "x"),
+        (dict(x=[[1.0]]), TypeError, "x"),
+        (dict(x=torch.zeros(4, 64, dtype=torch.int32, device=DEV)), ValueError, "x"),
+        (dict(w_qkv=lin(160, 64, dt).to("meta")), ValueError, "w_qkv"),
+    ]
+    for change, exc, match in cases:
+        inp = mk()
+        inp.update(change)
+        _qkv_err(inp, exc, match)
+    inp = mk()
+    inp["v_cache"] = inp["k_cache"]
+    _qkv_err(inp, ValueError, "overlap")
+    if DEV == "cpu":  # (on a GPU, torch's own index check is a device-side assert)
+        inp = mk()
+        inp["out_cache_loc"][0] = 10
+        with pytest.raises(IndexError):  # the reference without value checks: torch's error
+            qkv_rope_store(**inp, impl="reference", check_values=False)
+
+
+def test_gemm_op_errors(seed):
+    dt, M, K, N = torch.float32, 3, 64, 32
+    x, g, w = act(M, K, dt), gain(K, dt), lin(N, K, dt)
+    res = act(M, N, dt)
+    bad = [
+        (lambda i: rms_norm_matmul(x, g, lin(N, K + 1, dt), EPS, impl=i), ValueError, "weight"),
+        (lambda i: rms_norm_matmul(x, g[:-1], w, EPS, impl=i), ValueError, "norm_weight"),
+        (lambda i: rms_norm_matmul(x, g, w.bfloat16(), EPS, impl=i), ValueError, "weight"),
+        (lambda i: rms_norm_matmul(x, g, w, -1.0, impl=i), ValueError, "eps"),
+        (lambda i: rms_norm_matmul(x, g, w, EPS, out_dtype=torch.int32, impl=i), ValueError,
+         "out_dtype"),
+        (lambda i: rms_norm_matmul(x[:, :0], g[:0], w[:, :0], EPS, impl=i), ValueError, "K >= 1"),
+        (lambda i: rms_norm_matmul(x, g, lin(K, N, dt).T, EPS, impl=i), ValueError,
+         "contiguous last dim"),
+        (lambda i: rms_norm_matmul(x, g, w.to("meta"), EPS, impl=i), ValueError, "weight"),
+        (lambda i: rms_norm_matmul(x, g, "w", EPS, impl=i), TypeError, "weight"),
+        (lambda i: rms_norm_swiglu(x, g, w, lin(N + 1, K, dt), EPS, impl=i), ValueError, "w_up"),
+        (lambda i: rms_norm_swiglu(x, g, w, w, True, impl=i), ValueError, "eps"),
+        (lambda i: matmul_residual(x, w, act(M, N + 1, dt), impl=i), ValueError, "residual"),
+        (lambda i: matmul_residual(x, w, res.bfloat16(), impl=i), ValueError, "residual"),
+        (lambda i: matmul_residual(x, w, act(N, M, dt).T, impl=i), ValueError, "residual"),
+        (lambda i: matmul_residual(x, w, act(1, N, dt).expand(M, N), impl=i), ValueError,
+         "residual"),
+    ]
+    for impl in IMPLS:
+        for fn, exc, match in bad:
+            with pytest.raises(exc, match=match):
+                fn(impl)
+        # in place over its own input: refused before the kernel reads what it writes
+        h = act(M, K, dt)
+        before = h.clone()
+        with pytest.raises(ValueError, match="overlap"):
+            matmul_residual(h, lin(K, K, dt), h, impl=impl)
+        with pytest.raises(ValueError, match="overlap"):
+            matmul_residual(h[:, :32], lin(K - 32, 32, dt), h[:, 32:], impl=impl)
+        assert torch.equal(h, before)
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_every_tile_config(dt, seed):
+    """Every tile shape tile_config can pick (and the QKV kernel's BLOCK_M / BLOCK_K),
+    forced on small inputs with K and N tails, each epilogue."""
+    from specattn.triton_kernels import fused_llama as tk
+    K, N = 100, 130
+    for cfg in [(16, 64, 64, 4), (32, 64, 32, 4), (64, 64, 64, 4), (16, 32, 128, 4),
+                (32, 32, 64, 4), (16, 16, 32, 2), (64, 16, 32, 4), (16, 128, 64, 4),
+                (64, 128, 64, 4), (1, 16, 64, 2), (2, 64, 64, 2), (8, 16, 32, 2)]:
+        M = min(2 * cfg[0] + 1, 19)  # a row tail, and several row blocks where cheap
+        x, g = act(M, K, dt), gain(K, dt)
+        w, w2, r = lin(N, K, dt), lin(N, K, dt), act(M, N, dt)
+        n = exact_norm(x, g)
+        gate, up = n @ w.double().T, n @ w2.double().T
+        out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.float32)
+        tk._launch_gemm(x, g, w, None, out, EPS, tk._STORE, config=cfg)
+        check(f"config {cfg} store", out, gate, dt)
+        out = torch.full((M, N), float("nan"), device=DEV, dtype=dt)
+        tk._launch_gemm(x, g, w, w2, out, EPS, tk._SWIGLU, config=cfg)
+        check(f"config {cfg} swiglu", out, gate * torch.sigmoid(gate) * up, dt,
+              scale=swiglu_scale(gate, up))
+        res = r.clone()
+        tk._launch_gemm(x, None, w, None, res, 0.0, tk._RESIDUAL, config=cfg)
+        check(f"config {cfg} residual", res, r.double() + x.double() @ w.double().T, dt)
+    for cfg in [(16, 64, 4), (32, 32, 2), (64, 128, 4), (1, 64, 2), (4, 32, 2)]:
+        M = min(2 * cfg[0] + 1, 19)
+        inp = qkv_inputs(M, K, 3, 1, 32, dt, dt)
+        q_exact, _, _ = qkv_exact(inp)
+        q = torch.full((M, 3, 32), float("nan"), device=DEV, dtype=dt)
+        tk._launch_qkv(inp["x"], inp["norm_weight"], inp["w_qkv"], EPS, inp["positions"],
+                       inp["cos_sin_cache"], inp["out_cache_loc"], inp["k_cache"],
+                       inp["v_cache"], q, config=cfg)
+        check(f"qkv config {cfg}", q, q_exact, dt)
+
+
+def test_tile_choice():
+    """The tiles picked at SmolLM2-135M's decode and prefill shapes."""
+    from specattn.triton_kernels.fused_llama import qkv_tile_config, tile_config
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert tile_config(1, 49152, 576, bf16) == (16, 128, 64, 4)     # LM head: 384 programs
+    assert tile_config(1, 49152, 576, fp32) == (1, 64, 64, 2)
+    assert tile_config(16, 49152, 576, fp32) == (16, 64, 32, 2)
+    assert tile_config(1, 1536, 576, bf16, 2) == (16, 32, 64, 4)    # MLP, small grid
+    assert tile_config(1, 576, 1536, bf16) == (16, 32, 128, 4)      # down_proj, small grid
+    assert tile_config(5, 576, 1536, fp32) == (8, 16, 64, 2)
+    assert tile_config(192, 1536, 576, bf16, 2) == (64, 64, 64, 4)  # 72 programs
+    assert tile_config(192, 576, 1536, bf16) == (64, 32, 128, 4)    # 27 programs at BLOCK_N 64
+    assert tile_config(192, 576, 1536, fp32) == (64, 16, 32, 4)
+    assert tile_config(33, 4096, 576, bf16) == (64, 64, 64, 4)
+    assert qkv_tile_config(1, bf16) == (16, 64, 4)
+    assert qkv_tile_config(3, fp32) == (4, 64, 2)
+    assert qkv_tile_config(17, fp32) == (32, 32, 4)
+
+
+def test_triton_impl_needs_interpreter_or_gpu(seed, monkeypatch):
+    """Without TRITON_INTERPRET the Triton launchers refuse CPU tensors with a clear error."""
+    from specattn.triton_kernels import fused_llama as tk
+    monkeypatch.setattr(tk, "_INTERPRET", False)
+    x = act(2, 64, torch.float32).cpu()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        tk.rms_norm_matmul(x, gain(64, torch.float32).cpu(), lin(64, 64, torch.float32).cpu(), EPS)
+
+
+# ------------------------------------------------------------------ GPU: the real model
+gpu = pytest.mark.gpu
+SMOL = dict(K=576, H=9, Hkv=3, D=64, I=1536, V=49152)
+
+
+@gpu
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("M", [1, 16, 192])
+def test_gpu_smollm_shapes(M, dt, seed):
+    K, H, Hkv, D, I, V = (SMOL[k] for k in ("K", "H", "Hkv", "D", "I", "V"))
+    x, g = act(M, K, dt), gain(K, dt)
+    # LM head: float32 logits
+    w = lin(V, K, dt)
+    exact = exact_norm(x, g) @ w.double().T
+    ref = rms_norm_matmul(x, g, w, EPS, out_dtype=torch.float32, impl="reference")
+    out = rms_norm_matmul(x, g, w, EPS, out_dtype=torch.float32, impl="triton")
+    check("smollm lm_head[triton]", out, exact, dt, ref)
+    assert plain_err(out, exact) <= plain_err(ref, exact) * 1.5 + 0.1 * TOL[dt]
+    # QKV + RoPE + store
+    inp = qkv_inputs(M, K, H, Hkv, D, dt, dt, num_slots=4 * M + 8, max_pos=4096)
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    q_exact, k_exact, v_exact = qkv_exact(inp)
+    q = run_qkv(inp, "triton")
+    check("smollm qkv[triton] q", q, q_exact, dt)
+    check_caches(inp, before, k_exact, v_exact, dt, "smollm qkv[triton]")
+    # MLP: norm + gate/up + SwiGLU, then down + residual; o_proj + residual
+    wg, wu, wd, wo = lin(I, K, dt), lin(I, K, dt), lin(K, I, dt), lin(K, H * D, dt)
+    n = exact_norm(x, g)
+    gate, up = n @ wg.double().T, n @ wu.double().T
+    check("smollm swiglu[triton]", rms_norm_swiglu(x, g, wg, wu, EPS, impl="triton"),
+          gate * torch.sigmoid(gate) * up, dt, rms_norm_swiglu(x, g, wg, wu, EPS, impl="reference"),
+          swiglu_scale(gate, up))
+    for a, wt in ((act(M, I, dt, 1.0), wd), (act(M, H * D, dt, 1.0), wo)):
+        r = act(M, K, dt)
+        exact = r.double() + a.double() @ wt.double().T
+        ref = matmul_residual(a, wt, r.clone(), impl="reference")
+        check("smollm residual[triton]", matmul_residual(a, wt, r, impl="triton"), exact, dt,
+              ref)
+
+
+@gpu
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("M", [1, 16])
+def test_gpu_cuda_graph(M, dt, seed):
+    """Each op captured in a CUDA graph (default value checks: skipped while capturing) and
+    replayed on new inputs: identical to the eager call, bit for bit."""
+    K, H, Hkv, D, I = (SMOL[k] for k in ("K", "H", "Hkv", "D", "I"))
+    x, g, x2 = act(M, K, dt), gain(K, dt), act(M, K, dt)
+    w_lm, wg, wu, wd = lin(4096, K, dt), lin(I, K, dt), lin(I, K, dt), lin(K, I, dt)
+    a, a2 = act(M, I, dt, 1.0), act(M, I, dt, 1.0)
+    res0, res2 = act(M, K, dt), act(M, K, dt)
+    inp = qkv_inputs(M, K, H, Hkv, D, dt, dt, num_slots=64, max_pos=1024)
+    inp2 = qkv_inputs(M, K, H, Hkv, D, dt, dt, num_slots=64, max_pos=1024)
+    res = res0.clone()
+
+    def step():
+        return (rms_norm_matmul(x, g, w_lm, EPS, out_dtype=torch.float32),
+                rms_norm_swiglu(x, g, wg, wu, EPS),
+                matmul_residual(a, wd, res),
+                qkv_rope_store(**inp))
+
+    step()  # compile outside the capture
+    res.copy_(res0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    # new inputs into the static buffers, then replay
+    x.copy_(x2)
+    a.copy_(a2)
+    res.copy_(res2)
+    for key in ("x", "positions", "out_cache_loc"):
+        inp[key].copy_(inp2[key])
+    k0, v0 = inp["k_cache"].clone(), inp["v_cache"].clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    kc, vc = inp["k_cache"].clone(), inp["v_cache"].clone()
+    inp["k_cache"].copy_(k0)
+    inp["v_cache"].copy_(v0)
+    res_eager = res2.clone()
+    eager = (rms_norm_matmul(x, g, w_lm, EPS, out_dtype=torch.float32),
+             rms_norm_swiglu(x, g, wg, wu, EPS), matmul_residual(a, wd, res_eager),
+             qkv_rope_store(**inp))
+    for o, e in zip(outs, eager):
+        assert same_bits(o, e)
+    assert same_bits(kc, inp["k_cache"]) and same_bits(vc, inp["v_cache"])
+
+
+@gpu
+def test_gpu_no_host_sync_without_value_checks(seed):
+    """``check_values=False``: no op syncs with the host (CUDA sync-debug mode 'error')."""
+    dt, M, K = torch.bfloat16, 4, SMOL["K"]
+    x, g = act(M, K, dt), gain(K, dt)
+    inp = qkv_inputs(M, K, 9, 3, 64, dt, dt, num_slots=32)
+    w, w_o, r = lin(256, K, dt), lin(K, 256, dt), act(M, K, dt)
+    a = act(M, 256, dt)
+
+    def step():
+        qkv_rope_store(**inp, check_values=False)
+        rms_norm_matmul(x, g, w, EPS, out_dtype=torch.float32)
+        matmul_residual(a, w_o, r)
+        rms_norm_swiglu(x, g, w, w, EPS)
+
+    step()  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_zz_error_summary():
+    """Prints the worst errors of this run (``pytest -s``): the numbers of the contract."""
+    for (name, dt), err in sorted(ERRORS.items()):
+        print(f"{name:45s} {dt:15s} {err:.3g}")

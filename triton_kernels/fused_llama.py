@@ -1,0 +1,398 @@
+"""Triton implementations of the fused Llama-layer ops of :mod:`specattn.ops.fused_llama`
+(registered as ``impl="triton"`` there; each launcher has exactly the signature of the
+op's ``*_reference`` function).
+
+Two kernels, one GEMM shape: ``out[M, N] = epilogue(prologue(x[M, K]) @ W[N, K]^T)`` with a
+grid of ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))`` programs, each looping over ``K`` in
+``BLOCK_K`` chunks with a float32 accumulator.
+
+- ``_gemm_kernel``: the RMSNorm prologue (optional), then one of three epilogues: store
+  (``rms_norm_matmul``; any output dtype), add the residual tile in float32 and store it back
+  in place (``matmul_residual``), or SwiGLU over two accumulators fed by the gate and up
+  weights (``rms_norm_swiglu``: ``silu(g) * u`` in float32).
+- ``_qkv_rope_kernel``: the RMSNorm prologue, one head (``head_dim`` columns of the fused
+  QKV weight) per N-program, kept as two accumulators (the first and the second half of
+  the head's columns) so the rotate-half pairs ``(i, i + D/2)`` of neox RoPE meet in
+  registers; Q and K heads are rotated, V heads are not; Q goes to the returned tensor, K
+  and V to ``k_cache[out_cache_loc[m]]`` / ``v_cache[out_cache_loc[m]]``.
+
+RMSNorm prologue (bf16 / float32 activations): while each ``x`` tile is loaded, its
+per-row ``sum(x^2)`` accumulates in float32 and the tile is multiplied by ``norm_weight``
+(float32) and rounded to the activation dtype for the dot; after the K loop the
+accumulator rows are scaled by ``1 / sqrt(sum / K + eps)``.  So ``x`` is read once and the
+normalized activations never exist in memory.  float16 activations take a second pass
+instead (``PRESCALE``): the row scale is computed first and applied before the rounding,
+since ``x * norm_weight`` un-normalized can overflow float16's range where the normalized
+value does not.
+
+Tiles (:func:`tile_config`, :func:`qkv_tile_config`; chosen from ``M``, ``N`` and the
+dtype, so each op compiles a handful of variants): ``BLOCK_M`` 16 / 32 / 64 for ``M`` <= 16 /
+<= 32 / more (float32 with ``M <= 16``: ``next_pow2(M)``, since its dots run on FMA units);
+``BLOCK_N`` 64 by default, 128 for the LM head (16-bit, ``N >= 16384``), 32 (float32: 16)
+where the grid would have fewer than ``SMALL_GRID`` programs (o_proj, down_proj, the MLP at
+decode sizes); ``BLOCK_K`` 64 (128 for a single weight on a small grid; float32: 32, or 64
+with ``BLOCK_M <= 8``); 4 warps (float32 with ``M <= 16``: 2); 3 pipeline stages (fewer
+only where a GPU lacks the shared memory: ``_util.launch_fitting``).  float32 dots use
+``input_precision="ieee"`` (no TF32); 16-bit dots run on tensor cores with float32
+accumulation.
+
+No host sync and no allocation but the outputs, so every launcher can be captured in a
+CUDA graph (after one eager call per tile variant, which compiles it).  The kernels trust
+the wrapper's validation; out-of-range ``out_cache_loc`` or ``positions`` values (possible
+when the wrapper's value checks are skipped) make the QKV kernel skip those rows' cache
+stores and never dereference them.
+
+CPU interpreter (``TRITON_INTERPRET=1``): its bf16 ``tl.dot`` is wrong and its
+``.to(bfloat16)`` truncates, so the launchers pass ``INTERP=True`` there and the kernels
+multiply 16-bit values in float32 (exact products, float32 accumulation: what the tensor
+cores do) and round to bfloat16 on the float32 bits (round to nearest even, as the GPU's
+conversion).  The GPU code never takes these branches.
+
+Semantics, argument docs and the precision contract: :mod:`specattn.ops.fused_llama`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import is_pow2, launch_fitting, on_tensor_device
+
+__all__ = ["rms_norm_matmul", "qkv_rope_store", "matmul_residual", "rms_norm_swiglu",
+           "tile_config", "qkv_tile_config", "qkv_head_dim_supported", "NUM_WARPS", "NUM_STAGES"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+SMALL_GRID = 64  # programs; see tile_config
+NUM_WARPS = 4
+NUM_STAGES = 3
+QKV_MIN_HEAD_DIM = 32  # D/2 >= 16: the smallest N of a tl.dot
+
+# epilogues of _gemm_kernel
+_STORE, _RESIDUAL, _SWIGLU = 0, 1, 2
+
+
+def _block_m(M: int, dtype: torch.dtype) -> int:
+    if dtype == torch.float32 and M <= 16:
+        return triton.next_power_of_2(max(M, 1))  # FMA dot: its work scales with BLOCK_M
+    return 16 if M <= 16 else 32 if M <= 32 else 64
+
+
+def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
+                num_weights: int = 1) -> Tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` of the GEMM kernel for ``x [M, K]`` of
+    ``dtype``, ``N`` output columns and ``num_weights`` weight matrices (2 for SwiGLU's gate
+    and up).
+
+    - ``BLOCK_M``: 16 / 32 / 64 for ``M`` <= 16 / <= 32 / more; float32 with ``M <= 16``:
+      ``next_pow2(M)`` (its dots run on FMA units, whose work scales with ``BLOCK_M``;
+      16-bit dots run on tensor cores, which pad small tiles to 16 rows anyway);
+    - default: ``BLOCK_N`` 64, ``BLOCK_K`` 64 (32 for float32, whose tiles weigh double);
+    - small grids (fewer than ``SMALL_GRID`` programs at ``BLOCK_N`` 64: o_proj, down_proj
+      and the MLP at decode sizes), so more SMs stream the weight: ``BLOCK_N`` 32 with
+      ``BLOCK_K`` 128 for one weight, 64 for two (16-bit); float32: ``BLOCK_N`` 16;
+    - wide outputs (``N >= 16384``: the LM head), 16-bit: ``BLOCK_N`` 128;
+    - float32 with ``BLOCK_M <= 8``: ``BLOCK_K`` 64 (small tiles); ``num_warps`` 2 for
+      float32 with ``M <= 16``, else 4.
+    """
+    block_m = _block_m(M, dtype)
+    if dtype == torch.float32:
+        warps = 2 if M <= 16 else NUM_WARPS
+        block_k = 64 if block_m <= 8 else 32
+        block_n = 16 if triton.cdiv(M, block_m) * triton.cdiv(N, 64) < SMALL_GRID else 64
+        return block_m, block_n, block_k, warps
+    if triton.cdiv(M, block_m) * triton.cdiv(N, 64) < SMALL_GRID:
+        return block_m, 32, 128 if num_weights == 1 else 64, NUM_WARPS
+    if N >= 16384:
+        return block_m, 128, 64, NUM_WARPS
+    return block_m, 64, 64, NUM_WARPS
+
+
+def qkv_tile_config(M: int, dtype: torch.dtype) -> Tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_K, num_warps)`` of the QKV kernel (its BLOCK_N is one head):
+    BLOCK_M as :func:`tile_config`, ``BLOCK_K`` 64 (float32 with ``BLOCK_M > 8``: 32),
+    ``num_warps`` 2 for float32 with ``M <= 16``, else 4."""
+    block_m = _block_m(M, dtype)
+    if dtype == torch.float32:
+        return block_m, 64 if block_m <= 8 else 32, 2 if M <= 16 else NUM_WARPS
+    return block_m, 64, NUM_WARPS
+
+
+def qkv_head_dim_supported(head_dim: int) -> bool:
+    """Whether the QKV kernel takes ``head_dim``: a power of two >= 32."""
+    return is_pow2(head_dim) and head_dim >= QKV_MIN_HEAD_DIM
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    if INTERP:  # the CPU interpreter's bf16 tl.dot is wrong: multiply the 16-bit values in fp32
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _cast(x, ty: tl.constexpr, INTERP: tl.constexpr):
+    """float32 ``x`` rounded to nearest even in ``ty``.  The CPU interpreter's
+    ``.to(bfloat16)`` truncates, so there the rounding is done on the float32 bits first
+    (the conversion of the rounded value is then exact); the GPU converts directly."""
+    if INTERP:
+        if ty == tl.bfloat16:
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            x = b.to(tl.float32, bitcast=True)
+    return x.to(ty)
+
+
+@triton.jit
+def _inv_rms(x_rows, rmask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``1 / sqrt(mean(x^2) + eps)`` of ``BLOCK_M`` rows (``x_rows``: [BLOCK_M, 1] row
+    pointers), float32, summed over K in the same chunks as the GEMM loop."""
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :],
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return tl.div_rn(1.0, tl.sqrt_rn(ss / K + eps))
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N, K, eps,
+                 HAS_NORM: tl.constexpr, PRESCALE: tl.constexpr, EPILOGUE: tl.constexpr,
+                 IEEE: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * ldx
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * ldw
+    w2_cols = w2_ptr + cols.to(tl.int64)[None, :] * ldw2
+
+    inv = tl.full([BLOCK_M], 1.0, tl.float32)
+    if HAS_NORM:
+        if PRESCALE:
+            inv = _inv_rms(x_rows, rmask, K, eps, BLOCK_M, BLOCK_K)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        if HAS_NORM:
+            xf = x.to(tl.float32)
+            g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            if PRESCALE:
+                xf = xf * inv[:, None]
+            else:
+                ss += tl.sum(xf * xf, axis=1)
+            a = _cast(xf * g[None, :], x.dtype, INTERP)
+        else:
+            a = x
+        wm = km[:, None] & cmask[None, :]
+        w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)
+        acc = _dot(a, w, acc, IEEE, INTERP)
+        if EPILOGUE == 2:
+            w2 = tl.load(w2_cols + kk[:, None], mask=wm, other=0.0)
+            acc2 = _dot(a, w2, acc2, IEEE, INTERP)
+
+    if HAS_NORM:
+        if not PRESCALE:
+            inv = tl.div_rn(1.0, tl.sqrt_rn(ss / K + eps))
+            acc = acc * inv[:, None]
+            acc2 = acc2 * inv[:, None]
+    omask = rmask[:, None] & cmask[None, :]
+    optrs = out_ptr + rows.to(tl.int64)[:, None] * ldo + cols[None, :]
+    if EPILOGUE == 1:
+        acc += tl.load(optrs, mask=omask, other=0.0).to(tl.float32)
+    if EPILOGUE == 2:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc2
+    tl.store(optrs, _cast(acc, out_ptr.dtype.element_ty, INTERP), mask=omask)
+
+
+@triton.jit
+def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s0, cs_s1,
+                     loc_ptr, loc_s, q_ptr, ldq, k_ptr, v_ptr, M, K, num_heads, num_kv_heads,
+                     num_slots, max_pos, eps, PRESCALE: tl.constexpr, IEEE: tl.constexpr,
+                     INTERP: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = tl.program_id(1)  # head of the fused QKV output: Q heads, then K, then V
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
+    j = tl.arange(0, HALF)
+    x_rows = x_ptr + rows64[:, None] * ldx
+    w_lo = w_ptr + (h.to(tl.int64) * (2 * HALF) + j)[None, :] * ldw  # first half's columns
+    w_hi = w_lo + HALF * ldw
+
+    inv = tl.full([BLOCK_M], 1.0, tl.float32)
+    if PRESCALE:
+        inv = _inv_rms(x_rows, rmask, K, eps, BLOCK_M, BLOCK_K)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        if PRESCALE:
+            xf = xf * inv[:, None]
+        else:
+            ss += tl.sum(xf * xf, axis=1)
+        a = _cast(xf * g[None, :], x.dtype, INTERP)
+        wl = tl.load(w_lo + kk[:, None], mask=km[:, None], other=0.0)
+        wh = tl.load(w_hi + kk[:, None], mask=km[:, None], other=0.0)
+        acc_lo = _dot(a, wl, acc_lo, IEEE, INTERP)
+        acc_hi = _dot(a, wh, acc_hi, IEEE, INTERP)
+    if not PRESCALE:
+        inv = tl.div_rn(1.0, tl.sqrt_rn(ss / K + eps))
+        acc_lo = acc_lo * inv[:, None]
+        acc_hi = acc_hi * inv[:, None]
+
+    pos = tl.load(pos_ptr + rows64 * pos_s, mask=rmask, other=0).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < max_pos)
+    if h < num_heads + num_kv_heads:  # Q and K heads: neox RoPE, rotate-half pairs in registers
+        cs_row = cs_ptr + tl.where(pos_ok, pos, 0)[:, None] * cs_s0
+        cm = (rmask & pos_ok)[:, None]
+        cos = tl.load(cs_row + j[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
+        sin = tl.load(cs_row + (HALF + j)[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
+        lo = acc_lo * cos - acc_hi * sin
+        hi = acc_hi * cos + acc_lo * sin
+    else:
+        lo = acc_lo
+        hi = acc_hi
+
+    # (each branch names its own pointer: q and the caches may differ in dtype)
+    if h < num_heads:
+        q_dst = q_ptr + rows64[:, None] * ldq + h * (2 * HALF) + j[None, :]
+        qm = rmask[:, None]
+        tl.store(q_dst, _cast(lo, q_ptr.dtype.element_ty, INTERP), mask=qm)
+        tl.store(q_dst + HALF, _cast(hi, q_ptr.dtype.element_ty, INTERP), mask=qm)
+    else:
+        slot = tl.load(loc_ptr + rows64 * loc_s, mask=rmask, other=-1).to(tl.int64)
+        # the wrapper validates indices; out-of-range ones are skipped, never dereferenced
+        ok = rmask & pos_ok & (slot >= 0) & (slot < num_slots)
+        sm = ok[:, None]
+        kv_h = h - num_heads  # K heads 0..Hkv-1, V heads Hkv..2*Hkv-1
+        if kv_h < num_kv_heads:
+            k_dst = k_ptr + (slot * num_kv_heads + kv_h)[:, None] * (2 * HALF) + j[None, :]
+            tl.store(k_dst, _cast(lo, k_ptr.dtype.element_ty, INTERP), mask=sm)
+            tl.store(k_dst + HALF, _cast(hi, k_ptr.dtype.element_ty, INTERP), mask=sm)
+        else:
+            v_row = slot * num_kv_heads + (kv_h - num_kv_heads)
+            v_dst = v_ptr + v_row[:, None] * (2 * HALF) + j[None, :]
+            tl.store(v_dst, _cast(lo, v_ptr.dtype.element_ty, INTERP), mask=sm)
+            tl.store(v_dst + HALF, _cast(hi, v_ptr.dtype.element_ty, INTERP), mask=sm)
+
+
+# ----------------------------------------------------------------------------- host side
+def _require_device(t: torch.Tensor, op: str) -> None:
+    if t.device.type != "cuda" and not _INTERPRET:
+        raise RuntimeError(f"triton implementation of {op} unavailable for tensors on "
+                           f"{t.device} (set TRITON_INTERPRET=1 to run it on the CPU)")
+
+
+def _interp(x: torch.Tensor) -> bool:
+    """Whether this launch runs in the CPU interpreter (fp32 dots, bit-exact bf16 rounding)."""
+    return _INTERPRET and x.device.type != "cuda"
+
+
+def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
+                 weight2: Optional[torch.Tensor], out: torch.Tensor, eps: float,
+                 epilogue: int, config: Optional[Tuple[int, ...]] = None) -> None:
+    M, K = x.shape
+    N = weight.shape[0]
+    if M == 0 or N == 0:
+        return
+    block_m, block_n, block_k, warps = config or tile_config(M, N, K, x.dtype,
+                                                             1 if weight2 is None else 2)
+    has_norm = norm_weight is not None
+    w2 = weight if weight2 is None else weight2
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    args = (x, x.stride(0), weight if norm_weight is None else norm_weight, weight,
+            weight.stride(0), w2, w2.stride(0), out, out.stride(0), M, N, K, float(eps))
+    kwargs = dict(HAS_NORM=has_norm, PRESCALE=has_norm and x.dtype == torch.float16,
+                  EPILOGUE=epilogue, IEEE=x.dtype == torch.float32, INTERP=_interp(x),
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    launch_fitting(_gemm_kernel, grid, args, kwargs, NUM_STAGES)
+
+
+@on_tensor_device
+def rms_norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                    eps: float, *, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Triton :func:`specattn.ops.rms_norm_matmul` (one launch)."""
+    _require_device(x, "rms_norm_matmul")
+    out = torch.empty(x.shape[0], weight.shape[0], device=x.device,
+                      dtype=x.dtype if out_dtype is None else out_dtype)
+    _launch_gemm(x, norm_weight, weight, None, out, eps, _STORE)
+    return out
+
+
+@on_tensor_device
+def matmul_residual(x: torch.Tensor, weight: torch.Tensor,
+                    residual: torch.Tensor) -> torch.Tensor:
+    """Triton :func:`specattn.ops.matmul_residual` (one launch, in place)."""
+    _require_device(x, "matmul_residual")
+    _launch_gemm(x, None, weight, None, residual, 0.0, _RESIDUAL)
+    return residual
+
+
+@on_tensor_device
+def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor,
+                    w_up: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton :func:`specattn.ops.rms_norm_swiglu` (one launch)."""
+    _require_device(x, "rms_norm_swiglu")
+    out = torch.empty(x.shape[0], w_gate.shape[0], device=x.device, dtype=x.dtype)
+    _launch_gemm(x, norm_weight, w_gate, w_up, out, eps, _SWIGLU)
+    return out
+
+
+@on_tensor_device
+def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tensor, eps: float,
+                   positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Triton :func:`specattn.ops.qkv_rope_store` (one launch).
+
+    Raises:
+        ValueError: ``head_dim`` not a power of two >= 32 (the two half-head accumulators
+            are ``tl.dot`` outputs of ``head_dim / 2 >= 16`` columns).
+    """
+    _require_device(x, "qkv_rope_store")
+    if not qkv_head_dim_supported(head_dim):
+        raise ValueError(f"triton qkv_rope_store needs head_dim a power of two >= "
+                         f"{QKV_MIN_HEAD_DIM}, got {head_dim}; use impl='reference'")
+    q = torch.empty(x.shape[0], num_heads, head_dim, device=x.device, dtype=x.dtype)
+    _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
+                v_cache, q)
+    return q
+
+
+def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
+                v_cache, q, config: Optional[Tuple[int, ...]] = None) -> None:
+    M, K = x.shape
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if M == 0:
+        return
+    block_m, block_k, warps = config or qkv_tile_config(M, x.dtype)
+    grid = (triton.cdiv(M, block_m), num_heads + 2 * num_kv_heads)
+    args = (x, x.stride(0), norm_weight, w_qkv, w_qkv.stride(0), positions, positions.stride(0),
+            cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1), out_cache_loc,
+            out_cache_loc.stride(0), q, num_heads * head_dim, k_cache, v_cache, M, K, num_heads,
+            num_kv_heads, k_cache.shape[0], cos_sin_cache.shape[0], float(eps))
+    kwargs = dict(PRESCALE=x.dtype == torch.float16, IEEE=x.dtype == torch.float32,
+                  INTERP=_interp(x), HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k,
+                  num_warps=warps)
+    launch_fitting(_qkv_rope_kernel, grid, args, kwargs, NUM_STAGES)
