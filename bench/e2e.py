@@ -2,8 +2,9 @@
 
 For every algorithm x batch size (default: target-only decoding, EAGLE chain, EAGLE tree and
 DFlash at batch 1, 4, 16, 64) the suite builds the runtime's engine on one GPU, in one
-process (CUDA graphs on, the ``triton`` backend, bf16 by default), runs one untimed warm-up
-generation, then times generations of the committed eval prompts
+process (CUDA graphs on, the ``triton`` backend, bf16 by default), runs every generation once
+untimed (warm-up: a new prompt length can trigger a Triton compile), then times generations
+of the committed eval prompts
 (``spec_runtime/data/eval_prompts.txt``, never used for training).  Batch size ``b`` runs
 ``max(1, min_requests // b)`` consecutive batches of ``b`` prompts (so batch 1 averages over
 several prompts) with ``max_new_tokens`` each.
@@ -20,6 +21,8 @@ One row per pair (the JSON's ``rows``):
   replays included; memcpy/memset are not kernels);
 - ``gpu_busy``: ``kernel_ms_per_step / step_ms`` (kernel time per step of the profiled run
   over the wall time per step of the unprofiled one);
+- ``host_wait_ms_per_step``: how long per step the host loop sat waiting for a round's
+  results (near ``step_ms``: the GPU is the bottleneck; near 0: the host is);
 - ``speedup``: ``tokens_per_s`` over target-only decoding's at the same batch size;
 - ``lossless``: ``"reference"`` for target-only decoding; ``"exact"`` when every output equals
   target-only decoding's in the same run; in bf16 / fp16 otherwise ``"near-greedy"`` when every
@@ -138,18 +141,20 @@ class _Timed:
     seconds: float
     rounds: int
     accept: float
+    wait: float
 
 
 def _run_batches(eng, batches, params, limits_fn) -> _Timed:
-    outs, tokens, seconds, rounds, acc = [], 0, 0.0, 0, []
+    outs, tokens, seconds, rounds, acc, wait = [], 0, 0.0, 0, [], 0.0
     for b in batches:
         res = eng.generate(b, params, max_new_tokens=limits_fn(b))
         outs += res.tokens
         tokens += res.num_tokens
         seconds += res.seconds
         rounds += res.num_rounds
+        wait += res.wait_seconds
         acc += [a for per in res.accept_lengths for a in per]
-    return _Timed(outs, tokens, seconds, rounds, 1.0 + sum(acc) / len(acc) if acc else 1.0)
+    return _Timed(outs, tokens, seconds, rounds, 1.0 + sum(acc) / len(acc) if acc else 1.0, wait)
 
 
 def measure_engine(eng, batches: List[List[List[int]]], max_new_tokens: int, profile: bool):
@@ -160,14 +165,17 @@ def measure_engine(eng, batches: List[List[List[int]]], max_new_tokens: int, pro
     params = SamplingParams(max_new_tokens=max_new_tokens)
     full = lambda b: [max_new_tokens] * len(b)          # noqa: E731
     one = lambda b: [1] * len(b)                        # noqa: E731  prefill only
-    _run_batches(eng, batches[:1], params, full)        # warm-up: JIT compiles, lazy init
-    _run_batches(eng, batches[:1], params, one)
+    # warm-up over EVERY batch: Triton specializes kernels on sizes (e.g. a prompt length
+    # divisible by 16), so a prompt length not yet seen compiles inside a timed run
+    _run_batches(eng, batches, params, full)
+    _run_batches(eng, batches, params, one)
     timed = _run_batches(eng, batches, params, full)
     pre = _run_batches(eng, batches, params, one)
     rounds = max(timed.rounds - pre.rounds, 1)
     step_ms = (timed.seconds - pre.seconds) * 1e3 / rounds
     row = dict(tokens=timed.tokens, seconds=timed.seconds, tokens_per_s=timed.tokens / timed.seconds,
                accept_length=timed.accept, rounds=timed.rounds, step_ms=step_ms,
+               host_wait_ms_per_step=(timed.wait - pre.wait) * 1e3 / rounds,
                kernels_per_step=None, kernel_ms_per_step=None, gpu_busy=None)
     if profile:
         k_full, ms_full = _profile_kernels(lambda: _run_batches(eng, batches, params, full))
@@ -195,7 +203,8 @@ def _hf_static(model_path: str, dtype: torch.dtype, batches, max_new_tokens: int
         torch.cuda.synchronize()
         return (out.shape[1] - width) * len(batch), time.perf_counter() - t0
 
-    run(batches[0])  # warm-up
+    for b in batches:  # warm-up over every batch, as for the engine
+        run(b)
     tokens, seconds = 0, 0.0
     for b in batches:
         n, s = run(b)
@@ -284,7 +293,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
             say(f"{algo} bs={bs}: warm-up, timing" + (", profiling" if cfg.profile else ""))
             row, outs = measure_engine(eng, batches, cfg.max_new_tokens, cfg.profile)
             row.update(algo=algo, backend=cfg.backend, dtype=cfg.dtype, bs=bs, config=fields,
-                       drafter=(str(drafter_path) if draft is not None else
+                       drafter=(Path(drafter_path).name if draft is not None else
                                 ("self-speculative" if spec.algo == "eagle" else
                                  ("random-init" if spec.algo == "dflash" else None))),
                        whole_round_graphs=eng.whole_round_graphs)

@@ -63,13 +63,15 @@ def is_eagle3_dir(path) -> bool:
 
 def default_drafter(cfg) -> Optional[Path]:
     """The shipped EAGLE-3 drafter when ``cfg`` (a :class:`~.loader.LlamaConfig`) is the
-    model it was trained for (same sizes, as its config records them), else None."""
+    model it was trained for (the sizes its config records: hidden, vocabulary, heads and
+    the target's layer count), else None."""
     if not is_eagle3_dir(DEFAULT_EAGLE3):
         return None
     d = json.loads((DEFAULT_EAGLE3 / "config.json").read_text())
-    target = (d.get("specattn") or {}).get("target_config") or {}
-    keys = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-    if not target or any(target.get(k) != getattr(cfg, k) for k in keys):
+    keys = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
+    if any(d.get(k) != getattr(cfg, k, None) for k in keys):
+        return None
+    if (d.get("specattn") or {}).get("target_num_layers") != getattr(cfg, "num_hidden_layers", None):
         return None
     return DEFAULT_EAGLE3
 

@@ -83,6 +83,7 @@ class GenerateResult:
     seconds: float
     num_forward_target: int
     num_rounds: int = 0
+    wait_seconds: float = 0.0         # host time blocked waiting for rounds' results
 
     @property
     def num_tokens(self) -> int:
@@ -405,8 +406,8 @@ class Engine:
         return params.greedy or hasattr(torch.cuda.CUDAGraph, "register_generator_state")
 
     def _reset_dummy(self) -> None:
-        self.prefix_lens[self.dummy_row] = 0
-        self.roots[self.dummy_row] = 0
+        self.prefix_lens[self.dummy_row].zero_()   # (a kernel: no host scalar copy in a capture)
+        self.roots[self.dummy_row].zero_()
         self.strategy.reset_row(self, self.dummy_row)
 
     # ------------------------------------------------------------------ public ops for strategies
@@ -592,7 +593,7 @@ class Engine:
         host = [torch.zeros(self.max_batch, 1 + self.strategy.emit_width, dtype=torch.int64).pin_memory()
                 for _ in range(3)] if self.device.type == "cuda" else None
         pending: deque = deque()
-        n_rounds, k = 0, 0
+        n_rounds, k, waited = 0, 0, 0.0
         running = [r for r in reqs if not r.finished]
         while running or pending:
             if progress is not None:
@@ -606,7 +607,9 @@ class Engine:
                     continue
             snap, (emitted, ev) = pending.popleft()
             if ev is not None:
+                tw = time.perf_counter()
                 ev.synchronize()
+                waited += time.perf_counter() - tw
             for r, (c, *t) in zip(snap, emitted[:len(snap)].tolist()):   # the round's one read
                 if r.finished:
                     continue
@@ -618,4 +621,5 @@ class Engine:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         return GenerateResult([r.output for r in reqs], [r.finish_reason for r in reqs],
-                              [r.accept_lengths for r in reqs], seconds, self.num_forward_target, n_rounds)
+                              [r.accept_lengths for r in reqs], seconds, self.num_forward_target, n_rounds,
+                              waited)

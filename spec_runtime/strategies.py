@@ -243,10 +243,10 @@ class EagleStrategy(Strategy):
             if self.eagle3 else None
 
     def reset_row(self, eng: "Engine", row: int) -> None:
-        self.top_scores[row] = 0
-        self.top_tokens[row] = 0
+        self.top_scores[row].zero_()
+        self.top_tokens[row].zero_()
         if self.hidden is not None:
-            self.hidden[row] = 0
+            self.hidden[row].zero_()
 
     def _keep_top(self, rows: torch.Tensor, logits: torch.Tensor, hidden: Optional[torch.Tensor]) -> None:
         self.top_scores[rows], self.top_tokens[rows] = torch.log_softmax(logits.float(), -1).topk(self.K, dim=-1)

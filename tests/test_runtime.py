@@ -117,3 +117,22 @@ def test_eagle_with_a_separate_draft_checkpoint(tmp_path, backend_name):
                          tmp_path / "b", LlamaConfig(num_hidden_layers=1, **{**kw, "vocab_size": 97})))[1].items()})
     with pytest.raises(ValueError):
         make_engine(backend_name, cfg, dict(w), spec=SpecConfig("eagle", 2, 3, 6), max_context=128, draft_model=bad)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("eagle", topk=1, num_steps=5, num_draft_tokens=6),
+                                  SpecConfig("eagle", topk=4, num_steps=5, num_draft_tokens=16)],
+                         ids=["chain", "tree"])
+def test_shipped_eagle3_drafter_lossless(gguf_loaded, chat_ids, target_greedy, spec, backend_name):
+    """The EAGLE-3 drafter shipped for this model (trained by ``specattn drafter train``):
+    float32 output == target-only greedy, and it accepts drafts."""
+    from specattn.spec_runtime.cli import default_drafter
+    from specattn.spec_runtime.eagle3 import Eagle3Drafter
+    cfg, w = gguf_loaded
+    path = default_drafter(cfg)
+    if path is None:
+        pytest.skip("no EAGLE-3 drafter is shipped for this model")
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=256,
+                      draft_model=lambda target: Eagle3Drafter.load(path, target))
+    res = eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW))
+    assert res.tokens == target_greedy
+    assert res.mean_accept_length > 1.5, res.mean_accept_length

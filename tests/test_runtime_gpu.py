@@ -86,3 +86,18 @@ def test_real_model_dflash_graph_lossless(gguf_loaded, chat_ids, gpu_target, bac
     assert "draft:TARGET_VERIFY" in eng.graph_modes or "draft:TARGET_VERIFY" in eng.eager_routed
     res = _graphed(eng, spec).generate(chat_ids, SamplingParams(max_new_tokens=32))
     assert res.tokens == gpu_target
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("eagle", 1, 5, 6), SpecConfig("eagle", 4, 5, 16)], ids=["chain", "tree"])
+def test_real_model_shipped_eagle3_graph_lossless(gguf_loaded, chat_ids, gpu_target, spec, backend_name):
+    """The shipped EAGLE-3 drafter with whole-round CUDA graphs: == target-only greedy."""
+    from specattn.spec_runtime.cli import default_drafter
+    from specattn.spec_runtime.eagle3 import Eagle3Drafter
+    cfg, w = gguf_loaded
+    path = default_drafter(cfg)
+    if path is None:
+        pytest.skip("no EAGLE-3 drafter is shipped for this model")
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, device="cuda", cuda_graph=True, max_context=256,
+                      max_batch=3, draft_model=lambda target: Eagle3Drafter.load(path, target))
+    res = _graphed(eng, spec).generate(chat_ids, SamplingParams(max_new_tokens=32))
+    assert res.tokens == gpu_target
