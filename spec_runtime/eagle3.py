@@ -478,8 +478,15 @@ class Eagle3Drafter:
         cos, sin = rope_cos_sin(batch.positions, c.head_dim, c.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = backend.forward(q, k.contiguous(), v.contiguous(), self.layer, batch)
-        prenorm = self._finish(h, o.reshape(T, -1))
-        return prenorm, self.logits(prenorm)
+        # the layer's tail in three fused ops (their references on the CPU: the same math as
+        # _finish): h += o @ Wo^T; act = SwiGLU(norm(h)); h += act @ Wd^T
+        p, w = "midlayer.", self.w
+        res = h.clone() if h.data_ptr() == hidden_in.data_ptr() else h
+        ops.matmul_residual(o.reshape(T, -1), w[p + "self_attn.o_proj.weight"], res)
+        act = ops.rms_norm_swiglu(res, w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_proj.weight"],
+                                  w[p + "mlp.up_proj.weight"], c.rms_norm_eps)
+        ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], res)
+        return res, self.logits(res)
 
     # ------------------------------------------------------------------ training (dense)
     def dense_forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,

@@ -72,6 +72,15 @@ class SpecConfig:
             raise ValueError(f"dflash needs block_size >= 2, got {self.block_size}")
 
 
+def top_log_probs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest log-probabilities of ``logits [N, V]`` and their tokens (float32
+    ``[N, k]``, int64 ``[N, k]``): ``topk(logits) - logsumexp(logits)``, without writing the
+    ``[N, V]`` log-softmax."""
+    x = logits.float()
+    top = x.topk(k, dim=-1)
+    return top.values - torch.logsumexp(x, -1, keepdim=True), top.indices
+
+
 class Strategy(ABC):
     """One decoding algorithm (see the module docstring).
 
@@ -249,7 +258,7 @@ class EagleStrategy(Strategy):
             self.hidden[row].zero_()
 
     def _keep_top(self, rows: torch.Tensor, logits: torch.Tensor, hidden: Optional[torch.Tensor]) -> None:
-        self.top_scores[rows], self.top_tokens[rows] = torch.log_softmax(logits.float(), -1).topk(self.K, dim=-1)
+        self.top_scores[rows], self.top_tokens[rows] = top_log_probs(logits, self.K)
         if self.hidden is not None:
             self.hidden[rows] = hidden.to(self.hidden.dtype)
 
@@ -329,9 +338,9 @@ class EagleStrategy(Strategy):
                               host_prefix_lens=rb.host(s - sh, repeat=K))
             o = eng.forward("draft", beam_tokens.flatten(), batch,
                             hidden_in=src_hidden.reshape(bs * K, -1) if self.eagle3 else None)
-            lp = torch.log_softmax(o.logits.float(), -1).view(bs, K, -1)
-            child_scores, child_tokens = lp.topk(K, dim=-1)                  # [bs, K, K]
-            child_scores = beam_scores[..., None] + child_scores
+            child_scores, child_tokens = top_log_probs(o.logits, K)          # [bs*K, K]
+            child_scores = beam_scores[..., None] + child_scores.view(bs, K, K)
+            child_tokens = child_tokens.view(bs, K, K)
             cand_scores.append(child_scores.flatten(1))
             cand_tokens.append(child_tokens.flatten(1))
             if s < S - 1:
