@@ -67,11 +67,11 @@ def train_cmd(
     gen_batch: int = typer.Option(64, help="Prompts per generation batch."),
     max_new_tokens: int = typer.Option(384, help="Response length limit (also capped by --seq-len)."),
     greedy: bool = typer.Option(True, "--greedy/--no-greedy", help="One greedy response per prompt."),
-    samples_per_prompt: int = typer.Option(1, help="Sampled responses per prompt."),
+    samples_per_prompt: int = typer.Option(3, help="Sampled responses per prompt."),
     temperature: float = typer.Option(0.8, help="Sampling temperature of the sampled responses."),
     top_p: float = typer.Option(0.95, help="Top-p of the sampled responses."),
     top_k: int = typer.Option(0, help="Top-k of the sampled responses (0 = off)."),
-    num_seeds: int = typer.Option(256, help="Raw-text seeds (first words of prompts, common openers) continued "
+    num_seeds: int = typer.Option(768, help="Raw-text seeds (first words of prompts, common openers) continued "
                                             "by sampling."),
     seed_max_new_tokens: int = typer.Option(256, help="Length limit of the seed continuations."),
     seed_temperature: float = typer.Option(0.9, help="Temperature of the seed continuations."),
