@@ -1,7 +1,8 @@
 """The backend contract and the backends.
 
 - :class:`ForwardMode`, :class:`ForwardBatch` (one meaning of ``seq_lens`` in every mode),
-  :class:`AttentionLayer` / :class:`AttentionKind`, the tree-mask encoding;
+  :class:`AttentionLayer` / :class:`AttentionKind`, the tree-mask encoding (defined in
+  :mod:`specattn.ops.tree_mask`, re-exported here);
 - :class:`AttentionBackend`, the ABC every backend implements;
 - pools (:class:`ReqToTokenPool`, :class:`MHATokenToKVPool`, :class:`MLATokenToKVPool`,
   :class:`KVAllocator`) and :class:`GraphInputBuffers` for CUDA graphs;
@@ -16,6 +17,8 @@
 import importlib
 from typing import Dict, Optional
 
+from specattn.ops.tree_mask import num_mask_words, pack_tree_mask, tree_mask_to_flashinfer, unpack_tree_mask
+
 from .base import AttentionBackend, UnsupportedConfigError, UnsupportedError
 from .cuda_graph import GraphInputBuffers
 from .forward_batch import ForwardBatch
@@ -24,7 +27,6 @@ from .layer import AttentionKind, AttentionLayer
 from .pools import KVAllocator, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from .routing import RoutedBackend
 from .torch_reference import TorchReferenceBackend
-from .tree_mask import num_mask_words, pack_tree_mask, tree_mask_to_flashinfer, unpack_tree_mask
 
 # name -> (module, class, what is missing when the module is absent)
 _BACKENDS = {

@@ -122,7 +122,7 @@ class AttentionBackend(ABC):
             raise ValueError(f"q must be [{T}, {layer.num_heads}, {layer.head_dim}], got {list(q.shape)}")
         if q.device != batch.device:
             raise ValueError(f"q is on {q.device}, batch on {batch.device}")
-        if mode == ForwardMode.IDLE:
+        if mode.is_idle():
             return q.new_empty(0, layer.num_heads, layer.v_head_dim)
         if save_kv_cache:
             if k is None or k.shape != (T, layer.num_kv_heads, layer.head_dim):

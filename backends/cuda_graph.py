@@ -24,17 +24,10 @@ from typing import Optional
 
 import torch
 
+from specattn.ops.tree_mask import num_mask_words, pack_tree_mask
+
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
-from .tree_mask import num_mask_words, pack_tree_mask
-
-
-def capturing() -> bool:
-    """True inside a CUDA-graph capture on the current stream (False on CPU-only torch)."""
-    try:
-        return bool(torch.cuda.is_current_stream_capturing())
-    except RuntimeError:  # CPU-only builds define a dummy that raises
-        return False
 
 
 def _host_lens(batch: ForwardBatch, padded_bs: int, pad_n: int) -> dict:
@@ -75,7 +68,7 @@ class GraphInputBuffers:
             return self._fill_extend(batch, padded_bs, padded_tokens)
         if padded_tokens is not None:
             raise ValueError("padded_tokens is for EXTEND batches only")
-        if not mode.is_cuda_graph() or mode == ForwardMode.IDLE:
+        if not mode.is_cuda_graph() or mode.is_idle():
             raise ValueError(f"{mode.name} has no static input buffers")
         D = batch.num_tokens_per_req if mode.has_fixed_tokens_per_req() else 1
         if not bs <= padded_bs <= self.max_bs or D > self.max_tokens_per_req:
@@ -92,7 +85,7 @@ class GraphInputBuffers:
         self.positions[:T].copy_(batch.positions)
         self.positions[T:PT].zero_()
         tree_mask = None
-        if mode == ForwardMode.TARGET_VERIFY:
+        if mode.is_target_verify():
             tm = self.tree_mask[:padded_bs, :D, :num_mask_words(D)]
             tm[:bs].copy_(batch.tree_mask)
             tm[bs:].copy_(pack_tree_mask(torch.eye(D, dtype=torch.bool, device=tm.device))

@@ -62,7 +62,8 @@ does -- with the one host read of ``seq_lens`` above.
 FlashInfer 0.7.2's ``plan(packed_custom_mask=...)`` stores a ``mask_indptr`` in *bits*
 (``cumsum(qo_len * kv_len)``) while its kernel reads it as a *byte* offset
 (flashinfer-ai/flashinfer PR #2201); after each plan the backend writes the byte offsets into
-the wrapper's mask-indptr buffer (a no-op if FlashInfer already wrote the same).
+the wrapper's mask-indptr buffer (:func:`install_mask_indptr`; a no-op if FlashInfer already
+wrote the same).
 """
 from __future__ import annotations
 
@@ -73,15 +74,16 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from specattn.ops.checks import capturing
+from specattn.ops.tree_mask import chain_tree_mask, flashinfer_mask_bytes, unpack_tree_mask
+
 from .base import AttentionBackend, UnsupportedConfigError, UnsupportedError
-from .cuda_graph import capturing
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
-from .tree_mask import pack_tree_mask, unpack_tree_mask
 
 __all__ = ["FlashInferBackend", "PagedKVLayout", "paged_kv_layout", "paged_kv_indices",
-           "flashinfer_packed_mask", "flashinfer_mask_num_bytes", "chain_tree_mask"]
+           "flashinfer_packed_mask", "install_mask_indptr"]
 
 INSTALL_HINT = 'pip install "specattn[flashinfer]"'
 WORKSPACE_BYTES = 128 * 2**20
@@ -173,13 +175,6 @@ def paged_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     return out[:num_pages]
 
 
-def flashinfer_mask_num_bytes(seq_lens: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
-    """Bytes of each request's packed-mask segment, ``ceil(D * (P + D) / 8)``: int64 ``[bs]``
-    on ``seq_lens``' device (the same as :func:`specattn.ops.flashinfer_mask_bytes`)."""
-    D = int(num_draft_tokens)
-    return (D * (seq_lens.long() + D) + 7) // 8
-
-
 def flashinfer_packed_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor, num_bytes: int,
                            out_words: Optional[torch.Tensor] = None
                            ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +184,7 @@ def flashinfer_packed_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor, num_
     bool mask (``P_i`` ones -- the prefix is always visible -- then row ``j`` of the tree mask)
     is packed little-endian into bytes (bit ``t`` of byte ``b`` = element ``8b + t``), each
     request padded to a whole byte with zero bits, segments back to back.  This is what
-    :func:`specattn.backends.tree_mask.tree_mask_to_flashinfer` computes with a loop; here it
+    :func:`specattn.ops.tree_mask.tree_mask_to_flashinfer` computes with a loop; here it
     is a handful of device ops: start from all ones, clear the tree's zero bits and the
     padding bits with one ``index_add_`` into 32-bit words, no host sync.
 
@@ -197,7 +192,7 @@ def flashinfer_packed_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor, num_
         tree_mask: int32 ``[bs, D, ceil(D/32)]``.
         seq_lens: int ``[bs]`` (``P``), on ``tree_mask``'s device.
         num_bytes: ``sum(ceil(D * (P_i + D) / 8))`` as a host int (the caller has ``P`` on the
-            host for the plan anyway; see :func:`flashinfer_mask_num_bytes`).
+            host for the plan anyway; see :func:`specattn.ops.tree_mask.flashinfer_mask_bytes`).
         out_words: optional int32 buffer of at least ``ceil(num_bytes / 4)`` words to write
             into (the CUDA-graph static buffer); its uint8 view is the mask.
     Returns:
@@ -218,7 +213,7 @@ def flashinfer_packed_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor, num_
         raise ValueError(f"out_words must be a contiguous int32 [>= {nwords}] buffer")
     P = seq_lens.to(dev).long()
     indptr = torch.zeros(bs + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(flashinfer_mask_num_bytes(P, D), 0, out=indptr[1:])
+    torch.cumsum(flashinfer_mask_bytes(P, D), 0, out=indptr[1:])
     clear = torch.zeros(max(nwords, 1), dtype=torch.int64, device=dev)  # bits to clear, per word
     if bs and D:
         dense = unpack_tree_mask(tree_mask, D)                              # [bs, D, D] bool
@@ -241,12 +236,26 @@ def flashinfer_packed_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor, num_
     return out_words[:nwords].view(torch.uint8)[:num_bytes], indptr.to(torch.int32)
 
 
-def chain_tree_mask(num_draft_tokens: int, device=None) -> torch.Tensor:
-    """The packed tree mask ``[D, ceil(D/32)]`` of a chain 0 -> 1 -> ... -> D-1 (each token
-    sees itself and every earlier one: lower-triangular).  Chains (``topk=1``) are what the
-    causal MLA kernels can verify."""
-    D = num_draft_tokens
-    return pack_tree_mask(torch.ones(D, D, dtype=torch.bool, device=device).tril())
+def install_mask_indptr(wrapper, mask_indptr: torch.Tensor) -> None:
+    """After ``wrapper.plan(..., packed_custom_mask=...)``: write the BYTE offsets of each
+    request's mask segment (``mask_indptr`` int32 ``[bs + 1]``, from
+    :func:`flashinfer_packed_mask`) into the wrapper's mask indptr buffer.
+
+    FlashInfer 0.7.2's plan stores that indptr in *bits* (``cumsum(qo_len * kv_len)``) while
+    its kernel adds it to a byte pointer (flashinfer-ai/flashinfer PR #2201: requests after
+    the first read the wrong bits); a no-op where FlashInfer already wrote the same.  Device
+    copy only, no host sync.
+
+    Raises:
+        RuntimeError: the wrapper has no ``_mask_indptr_buf`` of ``mask_indptr``'s shape (a
+            FlashInfer whose internals moved: check that PR).
+    """
+    buf = getattr(wrapper, "_mask_indptr_buf", None)
+    if not isinstance(buf, torch.Tensor) or buf.shape != mask_indptr.shape:
+        raise RuntimeError(f"this FlashInfer wrapper has no _mask_indptr_buf of shape "
+                           f"{tuple(mask_indptr.shape)}; the packed-mask offset fix (flashinfer "
+                           f"PR #2201) is written for flashinfer-python 0.7.2")
+    buf.copy_(mask_indptr)
 
 
 # ------------------------------------------------------------------ the backend
@@ -374,14 +383,14 @@ class FlashInferBackend(AttentionBackend):
         belongs to the Triton backend."""
         if graph and not mode.is_cuda_graph():
             return False
-        if kind == AttentionKind.MLA and mode == ForwardMode.TARGET_VERIFY:
+        if kind == AttentionKind.MLA and mode.is_target_verify():
             return topk == 1
         return True
 
     def _require(self, mode: ForwardMode, graph: bool) -> None:
         if not self.supports(mode, graph=graph, kind=self.kind):
             what = "tree TARGET_VERIFY (build with topk=1 for chains; trees: the triton backend)" \
-                if mode == ForwardMode.TARGET_VERIFY else mode.name
+                if mode.is_target_verify() else mode.name
             raise UnsupportedError(f"{self.name} does not run {what} for {self.kind.name}"
                                    f"{' in a CUDA graph' if graph else ''}")
 
@@ -394,7 +403,7 @@ class FlashInferBackend(AttentionBackend):
     def _family(self, mode: ForwardMode) -> str:
         if self.kind == AttentionKind.MLA:
             return "mla"
-        return "decode" if mode == ForwardMode.DECODE else "prefill"
+        return "decode" if mode.is_decode() else "prefill"
 
     def _new_wrapper(self, mode: ForwardMode, g: Optional[_GraphBuffers] = None, bs: int = 0):
         fi, fam = self._fi, self._family(mode)
@@ -421,7 +430,7 @@ class FlashInferBackend(AttentionBackend):
             kw = dict(qo_indptr_buf=g.qo_indptr[:bs + 1], paged_kv_indptr_buf=g.kv_indptr[:bs + 1],
                       paged_kv_indices_buf=g.kv_indices,
                       paged_kv_last_page_len_buf=g.kv_last_page_len[:bs])
-            if mode == ForwardMode.TARGET_VERIFY:
+            if mode.is_target_verify():
                 kw.update(custom_mask_buf=g.mask_words.view(torch.uint8),
                           mask_indptr_buf=g.mask_indptr[:bs + 1])
         return fi.BatchPrefillWithPagedKVCacheWrapper(self._ws(), "NHD", use_cuda_graph=graph,
@@ -440,8 +449,8 @@ class FlashInferBackend(AttentionBackend):
         P = batch.seq_lens_cpu
         if P is None or P.shape != (bs,):
             P = batch.seq_lens.cpu()
-        if mode.has_fixed_tokens_per_req() or mode == ForwardMode.DECODE:
-            n = torch.full((bs,), 1 if mode == ForwardMode.DECODE else batch.num_tokens_per_req,
+        if mode.has_fixed_tokens_per_req() or mode.is_decode():
+            n = torch.full((bs,), 1 if mode.is_decode() else batch.num_tokens_per_req,
                            dtype=torch.int32)
         else:
             n = batch.extend_lens_cpu
@@ -455,8 +464,8 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError(f"a request needs {int(layout.kv_lens.max())} KV positions, "
                              f"req_to_token has {W}")
         mask_bytes = 0
-        if mode == ForwardMode.TARGET_VERIFY and self.kind == AttentionKind.MHA:
-            mask_bytes = int(flashinfer_mask_num_bytes(P, batch.num_tokens_per_req).sum())
+        if mode.is_target_verify() and self.kind == AttentionKind.MHA:
+            mask_bytes = int(flashinfer_mask_bytes(P, batch.num_tokens_per_req).sum())
         return _Host(layout, layout.num_pages, mask_bytes)
 
     def _build(self, batch: ForwardBatch, host: _Host, md: FlashInferMetadata,
@@ -477,7 +486,7 @@ class FlashInferBackend(AttentionBackend):
         md.kv_indices = paged_kv_indices(rtt, batch.req_pool_indices, layout.kv_indptr,
                                          self.page_size, host.num_pages,
                                          out=None if g is None else g.kv_indices)
-        if md.mode == ForwardMode.TARGET_VERIFY and self.kind == AttentionKind.MHA:
+        if md.mode.is_target_verify() and self.kind == AttentionKind.MHA:
             md.mask, indptr = flashinfer_packed_mask(
                 batch.tree_mask, batch.seq_lens, host.mask_bytes,
                 out_words=None if g is None else g.mask_words)
@@ -497,10 +506,10 @@ class FlashInferBackend(AttentionBackend):
         self._require(mode, graph=False)
         md = FlashInferMetadata(mode, batch.batch_size, batch.num_tokens_per_req)
         self.forward_metadata = md
-        if mode == ForwardMode.IDLE or batch.batch_size == 0:
+        if mode.is_idle() or batch.batch_size == 0:
             md.batch_size = 0
             return
-        if mode == ForwardMode.TARGET_VERIFY and self.kind == AttentionKind.MLA:
+        if mode.is_target_verify() and self.kind == AttentionKind.MLA:
             chain = chain_tree_mask(batch.num_tokens_per_req, batch.device)
             if not torch.equal(batch.tree_mask, chain.expand_as(batch.tree_mask)):
                 raise ValueError("topk=1 promised chains, but the TARGET_VERIFY tree mask is not one")
@@ -527,7 +536,7 @@ class FlashInferBackend(AttentionBackend):
     def _graph_metadata(self, batch: ForwardBatch, capture: bool) -> FlashInferMetadata:
         mode, bs = batch.forward_mode, batch.batch_size
         md = FlashInferMetadata(mode, bs, batch.num_tokens_per_req)
-        if mode == ForwardMode.IDLE or bs == 0:
+        if mode.is_idle() or bs == 0:
             md.batch_size = 0
             return md
         g = self._g
@@ -541,7 +550,7 @@ class FlashInferBackend(AttentionBackend):
         if state is None:
             if not capture:
                 raise RuntimeError(f"{mode.name} with {bs} requests was never captured")
-            if mode == ForwardMode.TARGET_VERIFY and self.kind == AttentionKind.MHA \
+            if mode.is_target_verify() and self.kind == AttentionKind.MHA \
                     and g.mask_words is None:
                 W = self.req_to_token_pool.max_context_len
                 nbytes = (g.max_num_tokens * W + 7) // 8 + g.max_bs
@@ -596,24 +605,20 @@ class FlashInferBackend(AttentionBackend):
                                              md.kv_indices, h.kv_lens),
                 num_heads=key[0], head_dim_ckv=pool.kv_lora_rank,
                 head_dim_kpe=pool.qk_rope_head_dim, page_size=ps,
-                causal=mode != ForwardMode.DECODE, sm_scale=key[1], q_data_type=dt,
+                causal=not mode.is_decode(), sm_scale=key[1], q_data_type=dt,
                 kv_data_type=dt)
-        elif mode == ForwardMode.DECODE:
+        elif mode.is_decode():
             md.wrapper.plan(h.kv_indptr, md.kv_indices, h.kv_last_page_len, key[0], pool.head_num,
                             pool.head_dim, ps, q_data_type=dt, kv_data_type=dt, sm_scale=1.0)
         else:
-            tv = mode == ForwardMode.TARGET_VERIFY
+            tv = mode.is_target_verify()
             md.wrapper.plan(h.qo_indptr, h.kv_indptr, md.kv_indices, h.kv_last_page_len, key[0],
                             pool.head_num, pool.head_dim, ps, head_dim_vo=pool.v_head_dim,
                             packed_custom_mask=md.mask if tv else None, causal=not tv,
                             q_data_type=dt, kv_data_type=dt, sm_scale=1.0,
                             uniform_q_len=D if mode.has_fixed_tokens_per_req() else None)
             if tv:  # byte offsets (flashinfer PR #2201: 0.7.2 stores bit offsets here)
-                buf = getattr(md.wrapper, "_mask_indptr_buf", None)
-                if not isinstance(buf, torch.Tensor) or buf.shape != md.mask_indptr.shape:
-                    raise RuntimeError("this flashinfer version keeps no _mask_indptr_buf; the "
-                                       "packed-mask offset fix needs flashinfer-python 0.7.2")
-                buf.copy_(md.mask_indptr)
+                install_mask_indptr(md.wrapper, md.mask_indptr)
         md.planned_key = key
         if md.graph_state is not None:
             md.graph_state.key = key

@@ -9,14 +9,15 @@ mode                kernel
 DECODE              ``flash_mla_with_kvcache`` (``s_q = 1``), page_size 64, SM90 legacy kernels
                     (``use_legacy=True``: upstream kept dense decode only on that side)
 TARGET_VERIFY       chain drafts (``topk=1``): ``flash_mla_with_kvcache`` with ``s_q = D``,
-                    ``causal=True`` (query ``j`` sees ``P + j + 1`` keys: bottom-right causal);
-                    trees: an inner :class:`~specattn.backends.triton_backend.TritonBackend`
-EXTEND,             the inner ``TritonBackend`` (as SGLang routes its FlashMLA backend's extend /
-DRAFT_EXTEND_V2     draft extend to a prefill path)
+                    ``causal=True`` (query ``j`` sees ``P + j + 1`` keys: bottom-right causal)
+IDLE                nothing
 ==================  ===========================================================================
 
-``supports(mode, graph, kind)`` answers for the kernel that actually runs: for the routed
-modes it is ``TritonBackend.supports`` (False where triton is missing or has no MLA yet).
+``supports(mode, graph, kind)`` says exactly that (eager and CUDA graph alike): tree
+TARGET_VERIFY, EXTEND and DRAFT_EXTEND_V2 are not FlashMLA's.  A runtime routes them to
+another backend over the same pools with :class:`~specattn.backends.routing.RoutedBackend`
+(the engine sends them to ``triton``; SGLang likewise routes its FlashMLA backend's extend /
+draft extend to a prefill path).
 
 Metadata for FlashMLA (device ops only, no host sync, the same builder in eager, capture and
 replay; see :func:`flashmla_block_table`):
@@ -28,7 +29,7 @@ replay; see :func:`flashmla_block_table`):
   [num_sm_parts, 8]``, ``num_splits [bs + 1]``), computed on the GPU from ``cache_seqlens``;
   it depends on the layer's head count, so it is computed at the first forward of a batch.
 
-CUDA graphs (DECODE, chain TARGET_VERIFY; the routed modes as Triton allows them): static
+CUDA graphs (DECODE, chain TARGET_VERIFY): static
 ``block_table [max_bs, ceil(W / 64)]`` and ``cache_seqlens [max_bs]``; the scheduler metadata
 of a captured ``(mode, bs)`` lives in fixed buffers allocated by the warm-up forward before
 the capture, and each replay recomputes it into them (``get_mla_decoding_metadata`` + copy).
@@ -49,9 +50,10 @@ from typing import Dict, Optional
 
 import torch
 
+from specattn.ops.checks import capturing
+from specattn.ops.tree_mask import chain_tree_mask
+
 from .base import AttentionBackend, UnsupportedConfigError, UnsupportedError
-from .cuda_graph import capturing
-from .flashinfer_backend import chain_tree_mask  # pure torch: imports no flashinfer
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
@@ -102,14 +104,6 @@ def _import_flash_mla():
         raise ImportError(f"sgl-flash-mla does not load here ({type(e).__name__}: {e})") from e
 
 
-def _triton_supports(mode: ForwardMode, graph: bool) -> bool:
-    try:
-        from .triton_backend import TritonBackend
-    except ImportError:
-        return False
-    return TritonBackend.supports(mode, graph=graph, kind=AttentionKind.MLA)
-
-
 @dataclass
 class _Sched:
     """Tile-scheduler metadata for one batch shape and head count."""
@@ -121,12 +115,11 @@ class _Sched:
 
 @dataclass
 class FlashMLAMetadata:
-    """One forward's metadata.  ``routed`` when the inner Triton backend runs the batch."""
+    """One forward's metadata."""
 
     mode: ForwardMode
     batch_size: int
     s_q: int = 1
-    routed: bool = False
     block_table: Optional[torch.Tensor] = None
     cache_seqlens: Optional[torch.Tensor] = None
     sched: Optional[_Sched] = None
@@ -149,9 +142,9 @@ class FlashMLABackend(AttentionBackend):
         req_to_token_pool, kv_pool: an :class:`~specattn.backends.pools.MLATokenToKVPool` with
             ``page_size = 64``, ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, bf16/fp16,
             on an SM90 GPU (FlashMLA's dense decode exists only in its legacy SM90 kernels).
-        topk: the drafter's top-k when known; ``topk=1`` (chains) runs TARGET_VERIFY in
-            FlashMLA, anything else routes it to the inner Triton backend.
-        triton_kwargs: passed to the inner ``TritonBackend``.
+        topk: the drafter's top-k when known; ``topk=1`` (chains) lets this instance run
+            TARGET_VERIFY (its ``supports`` says so), anything else leaves tree verify to
+            another backend (:class:`~specattn.backends.routing.RoutedBackend`).
     Raises:
         ValueError: an MHA pool, another page size / latent width, float32, a CPU pool.
         ImportError: sgl-flash-mla missing (names the extra) or without its SM90 kernels.
@@ -159,16 +152,13 @@ class FlashMLABackend(AttentionBackend):
 
     name = "flashmla"
 
-    def __init__(self, req_to_token_pool, kv_pool, *, topk: Optional[int] = None,
-                 triton_kwargs: Optional[dict] = None):
+    def __init__(self, req_to_token_pool, kv_pool, *, topk: Optional[int] = None):
         super().__init__(req_to_token_pool, kv_pool, topk=topk)
         _check_pools(req_to_token_pool, kv_pool, self.kind)
         self._fm = _import_flash_mla()
         if not self._fm.has_legacy():
             raise ImportError("this sgl-flash-mla build has no legacy (SM90 dense) kernels")
         self.supports = functools.partial(type(self).supports, topk=topk)
-        self._triton_kwargs = dict(triton_kwargs or {})
-        self._inner_backend = None
         self._g: Optional[_GraphBuffers] = None
 
     # --------------------------------------------------------------- capability
@@ -191,37 +181,26 @@ class FlashMLABackend(AttentionBackend):
             return "this sgl-flash-mla build has no legacy (SM90 dense) kernels"
         return None
 
-    @staticmethod
-    def _routed(mode: ForwardMode, topk: Optional[int]) -> bool:
-        return mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND_V2) or \
-            (mode == ForwardMode.TARGET_VERIFY and topk != 1)
-
     @classmethod
     def supports(cls, mode: ForwardMode, *, graph: bool, kind: AttentionKind,
                  topk: Optional[int] = None) -> bool:
-        """MLA only.  DECODE and IDLE (and chain TARGET_VERIFY when ``topk == 1``) in FlashMLA,
-        eager and graph; EXTEND, DRAFT_EXTEND_V2 and tree TARGET_VERIFY exactly as the inner
-        ``TritonBackend`` supports them for MLA (graphs included).  An instance answers for
-        its own ``topk``."""
+        """MLA only: DECODE and IDLE, and TARGET_VERIFY when ``topk == 1`` (chains), eager and
+        in CUDA graphs alike (``graph`` changes nothing).  EXTEND, DRAFT_EXTEND_V2 and tree
+        TARGET_VERIFY: False (route them to another backend).  An instance answers for its
+        own ``topk``."""
         if kind != AttentionKind.MLA:
             return False
-        if cls._routed(mode, topk):
-            return _triton_supports(mode, graph)
-        return (not graph) or mode.is_cuda_graph()
-
-    @property
-    def _inner(self):
-        if self._inner_backend is None:
-            from .triton_backend import TritonBackend
-            self._inner_backend = TritonBackend(self.req_to_token_pool, self.kv_pool,
-                                                **self._triton_kwargs)
-        return self._inner_backend
+        if mode.is_target_verify():
+            return topk == 1
+        return mode.is_decode() or mode.is_idle()
 
     def _require(self, mode: ForwardMode, graph: bool) -> None:
         if not self.supports(mode, graph=graph, kind=self.kind):
-            raise UnsupportedError(f"{self.name} cannot run {mode.name}"
-                                   f"{' in a CUDA graph' if graph else ''} here (routed to the "
-                                   f"triton backend, which does not support it for MLA)")
+            what = "tree TARGET_VERIFY (build with topk=1 for chains)" \
+                if mode.is_target_verify() else mode.name
+            raise UnsupportedError(f"{self.name} does not run {what}; route it to another "
+                                   f"backend over the same pools (RoutedBackend, as the engine "
+                                   f"does with triton)")
 
     # --------------------------------------------------------------- metadata
     def _fill(self, batch: ForwardBatch, md: FlashMLAMetadata, g: Optional[_GraphBuffers]) -> None:
@@ -240,7 +219,7 @@ class FlashMLABackend(AttentionBackend):
         """Eager metadata (device ops; the scheduler metadata follows at the first forward).
 
         Raises:
-            UnsupportedError: a routed mode the inner Triton backend cannot run.
+            UnsupportedError: a mode FlashMLA does not run (see :meth:`supports`).
             ValueError: ``topk=1`` but the TARGET_VERIFY mask is not a chain (checked with one
             host read, eager only).
         """
@@ -248,47 +227,34 @@ class FlashMLABackend(AttentionBackend):
         self._require(mode, graph=False)
         md = FlashMLAMetadata(mode, batch.batch_size)
         self.forward_metadata = md
-        if mode == ForwardMode.IDLE or batch.batch_size == 0:
+        if mode.is_idle() or batch.batch_size == 0:
             md.batch_size = 0
             return
-        if self._routed(mode, self.topk):
-            md.routed = True
-            self._inner.init_forward_metadata(batch)
-            return
-        md.s_q = batch.num_tokens_per_req if mode == ForwardMode.TARGET_VERIFY else 1
-        if mode == ForwardMode.TARGET_VERIFY and not torch.equal(
+        md.s_q = batch.num_tokens_per_req if mode.is_target_verify() else 1
+        if mode.is_target_verify() and not torch.equal(
                 batch.tree_mask, chain_tree_mask(md.s_q, batch.device).expand_as(batch.tree_mask)):
             raise ValueError("topk=1 promised chains, but the TARGET_VERIFY tree mask is not one")
         self._fill(batch, md, None)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Static ``block_table`` / ``cache_seqlens`` (and the inner Triton backend's state
-        when triton is installed)."""
+        """Static ``block_table [max_bs, ceil(max_context_len / 64)]`` / ``cache_seqlens
+        [max_bs]`` (int32); the scheduler buffers come with each captured batch's warm-up."""
         W = self.req_to_token_pool.max_context_len
         dev = self.req_to_token_pool.device
         self._g = _GraphBuffers(max_bs, max_num_tokens,
                                 torch.zeros(max_bs, -(-W // PAGE_SIZE), dtype=torch.int32, device=dev),
                                 torch.zeros(max_bs, dtype=torch.int32, device=dev))
-        if any(self._routed(m, self.topk) and _triton_supports(m, True) for m in ForwardMode):
-            self._inner.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def _graph_metadata(self, batch: ForwardBatch, capture: bool) -> FlashMLAMetadata:
         mode, bs = batch.forward_mode, batch.batch_size
         md = FlashMLAMetadata(mode, bs)
-        if mode == ForwardMode.IDLE or bs == 0:
+        if mode.is_idle() or bs == 0:
             md.batch_size = 0
-            return md
-        if self._routed(mode, self.topk):
-            md.routed = True
-            if capture:
-                self._inner.init_forward_metadata_capture_cuda_graph(batch)
-            else:
-                self._inner.init_forward_metadata_replay_cuda_graph(batch)
             return md
         g = self._g
         if g is None:
             raise RuntimeError("init_cuda_graph_state was not called")
-        md.s_q = batch.num_tokens_per_req if mode == ForwardMode.TARGET_VERIFY else 1
+        md.s_q = batch.num_tokens_per_req if mode.is_target_verify() else 1
         if bs > g.max_bs or bs * md.s_q > g.max_num_tokens:
             raise ValueError(f"graph batch ({bs} requests x {md.s_q}) exceeds "
                              f"init_cuda_graph_state({g.max_bs}, {g.max_num_tokens})")
@@ -334,8 +300,6 @@ class FlashMLABackend(AttentionBackend):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         if md.batch_size == 0:
             return q.new_empty(0, layer.num_heads, layer.v_head_dim)
-        if md.routed:
-            return self._inner._forward(q, layer, batch)
         if layer.kv_lora_rank != KV_LORA_RANK or layer.qk_rope_head_dim != QK_ROPE_HEAD_DIM:
             raise ValueError(f"FlashMLA needs kv_lora_rank {KV_LORA_RANK} + qk_rope_head_dim "
                              f"{QK_ROPE_HEAD_DIM}, the layer has {layer.kv_lora_rank} + "

@@ -75,8 +75,9 @@ from typing import Optional
 
 import torch
 
+from specattn.ops.tree_mask import check_tree_mask
+
 from .forward_mode import ForwardMode
-from .tree_mask import check_tree_mask
 
 __all__ = ["ForwardBatch"]
 
@@ -189,7 +190,7 @@ class ForwardBatch:
         host = _host_i32(seq_lens)
         seq_lens = _i32(seq_lens, dev)
         bs, D = seq_lens.shape[0], num_tokens_per_req
-        if mode == ForwardMode.TARGET_VERIFY and (tree_mask is None or positions is None):
+        if mode.is_target_verify() and (tree_mask is None or positions is None):
             raise ValueError("TARGET_VERIFY needs tree_mask and positions (P + depth)")
         if positions is None:
             positions = (seq_lens.long()[:, None] + torch.arange(D, device=dev)).flatten()
@@ -224,7 +225,7 @@ class ForwardBatch:
             if t.dtype != dt or t.shape != (n,) or t.device != self.device:
                 raise ValueError(f"{name} must be {dt} [{n}] on {self.device}, got {t.dtype} "
                                  f"{list(t.shape)} on {t.device}")
-        if mode == ForwardMode.IDLE:
+        if mode.is_idle():
             if bs or T:
                 raise ValueError("IDLE batch must be empty")
             return
@@ -233,13 +234,13 @@ class ForwardBatch:
             raise ValueError(f"sum(extend_lens) = {int(ext.sum())} but out_cache_loc has {T} tokens")
         if bool((self.seq_lens < 0).any()):
             raise ValueError("seq_lens must be >= 0")
-        if mode == ForwardMode.DECODE and bool((ext != 1).any()):
+        if mode.is_decode() and bool((ext != 1).any()):
             raise ValueError("DECODE needs extend_lens == 1")
         if mode.has_fixed_tokens_per_req():
             D = self.num_tokens_per_req
             if D is None or bool((ext != D).any()):
                 raise ValueError(f"{mode.name} needs num_tokens_per_req and extend_lens == it")
-        if mode == ForwardMode.TARGET_VERIFY:
+        if mode.is_target_verify():
             if self.tree_mask is None:
                 raise ValueError("TARGET_VERIFY needs tree_mask")
             check_tree_mask(self.tree_mask, bs, self.num_tokens_per_req)

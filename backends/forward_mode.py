@@ -23,23 +23,16 @@ class ForwardMode(enum.IntEnum):
     DRAFT_EXTEND_V2 = 3
     IDLE = 4
 
-    def is_extend(self) -> bool:
-        """True for modes that run several query tokens per request through an extend
-        (prefill-style) kernel: EXTEND, TARGET_VERIFY, DRAFT_EXTEND_V2 (as SGLang)."""
-        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
-
     def is_decode(self) -> bool:
+        """True for DECODE."""
         return self == ForwardMode.DECODE
 
     def is_target_verify(self) -> bool:
+        """True for TARGET_VERIFY (the only mode with a tree mask)."""
         return self == ForwardMode.TARGET_VERIFY
 
-    def is_draft_extend(self, include_v2: bool = False) -> bool:
-        """True for draft-extend modes.  Only the fixed-shape v2 exists here, so this is
-        ``include_v2 and self == DRAFT_EXTEND_V2`` (kept for SGLang-compatible call sites)."""
-        return include_v2 and self == ForwardMode.DRAFT_EXTEND_V2
-
     def is_idle(self) -> bool:
+        """True for IDLE (no tokens, no kernel)."""
         return self == ForwardMode.IDLE
 
     def is_cuda_graph(self) -> bool:

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from specattn.ops import move_kv_cache
-from specattn.ops._checks import INDEX_DTYPES, check_index_range, check_tensor
+from specattn.ops.checks import INDEX_DTYPES, check_index_range, check_tensor
 
 __all__ = ["ReqToTokenPool", "MHATokenToKVPool", "MLATokenToKVPool", "KVAllocator"]
 

@@ -48,7 +48,7 @@ class RoutedBackend(AttentionBackend):
         for mode, b in routes.items():
             if b.req_to_token_pool is not primary.req_to_token_pool or b.kv_pool is not primary.kv_pool:
                 raise ValueError(f"the backend for {mode.name} ({b.name}) must share the primary's pools")
-            if mode == ForwardMode.IDLE:
+            if mode.is_idle():
                 raise ValueError("IDLE is not routed (it runs no kernel)")
         self.primary, self.routes = primary, dict(routes)
         others = sorted({b.name for b in self.routes.values()} - {primary.name})

@@ -21,11 +21,12 @@ from typing import Optional
 
 import torch
 
+from specattn.ops.tree_mask import unpack_tree_mask
+
 from .base import AttentionBackend
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
-from .tree_mask import unpack_tree_mask
 
 
 @dataclass
@@ -48,7 +49,7 @@ def build_reference_metadata(req_to_token: torch.Tensor, batch: ForwardBatch, ma
     kv_slots = req_to_token[batch.req_pool_indices][:, :max_kv].long()  # [bs, max_kv]
     rel = p[None, None, :] - P[:, None, None]                           # [bs, 1, max_kv]
     visible = rel < 0                                                   # the prefix
-    if batch.forward_mode == ForwardMode.TARGET_VERIFY:
+    if batch.forward_mode.is_target_verify():
         D = batch.num_tokens_per_req
         tree = unpack_tree_mask(batch.tree_mask, D)                     # [bs, D, D]
         tree = torch.nn.functional.pad(tree, (0, 0, 0, max_q - D))      # rows up to max_q
@@ -94,7 +95,7 @@ class TorchReferenceBackend(AttentionBackend):
         return (not graph) or mode.is_cuda_graph()
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.forward_mode == ForwardMode.IDLE:
+        if batch.forward_mode.is_idle():
             self.forward_metadata = None
             return
         P = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
@@ -116,7 +117,7 @@ class TorchReferenceBackend(AttentionBackend):
         self._g_max = (max_bs, max_num_tokens)
 
     def _graph_metadata(self, batch: ForwardBatch) -> RefMetadata:
-        if batch.forward_mode == ForwardMode.IDLE:
+        if batch.forward_mode.is_idle():
             return None
         bs, W = batch.batch_size, self.req_to_token_pool.max_context_len
         max_q = batch.num_tokens_per_req if batch.forward_mode.has_fixed_tokens_per_req() else 1

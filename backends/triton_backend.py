@@ -84,11 +84,12 @@ from typing import Optional
 import torch
 import triton  # noqa: F401  (a missing triton makes create_backend("triton") say so)
 
+from specattn.ops.tree_mask import check_tree_mask, num_mask_words
+
 from .base import AttentionBackend
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
-from .tree_mask import check_tree_mask, num_mask_words
 
 __all__ = ["TritonBackend", "TritonMetadata", "fill_triton_metadata"]
 
@@ -133,7 +134,7 @@ def _max_q_static(batch: ForwardBatch, width: int) -> int:
     mode = batch.forward_mode
     if mode.has_fixed_tokens_per_req():
         return int(batch.num_tokens_per_req)
-    if mode == ForwardMode.DECODE:
+    if mode.is_decode():
         return 1
     if mode == ForwardMode.EXTEND:
         return min(batch.num_tokens, width)
@@ -224,7 +225,7 @@ class TritonBackend(AttentionBackend):
         row is out of range, or a TARGET_VERIFY ``tree_mask`` is missing or not int32
         ``[bs, D, ceil(D/32)]``."""
         mode = batch.forward_mode
-        if mode == ForwardMode.IDLE:
+        if mode.is_idle():
             self.forward_metadata = None
             return
         bs, dev = batch.batch_size, batch.device
@@ -243,7 +244,7 @@ class TritonBackend(AttentionBackend):
                 raise ValueError(f"req_pool_indices must be in [0, "
                                  f"{self.req_to_token_pool.req_to_token.shape[0]}), got [{lo}, {hi}]")
         tm = None
-        if mode == ForwardMode.TARGET_VERIFY:
+        if mode.is_target_verify():
             D = batch.num_tokens_per_req
             if batch.tree_mask is None:
                 raise ValueError("TARGET_VERIFY needs batch.tree_mask")
@@ -269,7 +270,7 @@ class TritonBackend(AttentionBackend):
 
     def _graph_metadata(self, batch: ForwardBatch) -> Optional[TritonMetadata]:
         mode = batch.forward_mode
-        if mode == ForwardMode.IDLE:
+        if mode.is_idle():
             return None
         if self._g is None:
             raise RuntimeError("init_cuda_graph_state was not called")
@@ -280,7 +281,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"graph batch ({bs} requests, {tokens} tokens) exceeds "
                              f"init_cuda_graph_state({g['max_bs']}, {g['max_num_tokens']})")
         tm = None
-        if mode == ForwardMode.TARGET_VERIFY:
+        if mode.is_target_verify():
             W = num_mask_words(max_q)
             tm = g["tree_mask"][:bs * max_q * W].view(bs, max_q, W)
         md = TritonMetadata(mode, g["qo_indptr"][:bs + 1], g["seq_lens"][:bs],
@@ -353,6 +354,6 @@ class TritonBackend(AttentionBackend):
         """The kernel config for ``mode``: MHA's ``"sm90"`` and ``"pingpong"`` name the Gluon
         TARGET_VERIFY kernel and are dropped for the other modes (MLA's Gluon kernel serves
         every mode)."""
-        if self.kind == AttentionKind.MLA or mode == ForwardMode.TARGET_VERIFY:
+        if self.kind == AttentionKind.MLA or mode.is_target_verify():
             return self.kernel_config
         return {k: v for k, v in self.kernel_config.items() if k not in ("sm90", "pingpong")}

@@ -1,9 +1,9 @@
-"""Issue 6's attention benchmark in one process: every point of the issue for every impl,
+"""The attention benchmark in one process: every tracked point for every impl,
 side by side, with % of roofline and speedups against the library rows.
 
 ``python -m specattn.bench.attention_report OUTDIR [--iters N] [--only CASE ...]
 [--no-check] [--page-size N]`` (what ``bench/scripts/gpu_attention.sh`` runs) measures the
-harness ceilings once, runs every ``(case, params)`` of :data:`ISSUE_POINTS` (FlashInfer's
+harness ceilings once, runs every ``(case, params)`` of :data:`TRACKED_POINTS` (FlashInfer's
 tree-verify split twice: with ``fi_backend="fa2"`` and with FlashInfer's default,
 :data:`SPLIT_EXTRA_BACKENDS`; with ``--page-size``, the tree-verify points on pages of ``N``
 slots: :func:`with_page_size`) through :func:`specattn.bench.runner.run_case` (a failing
@@ -14,7 +14,7 @@ point is recorded with its error and the rest still run), and writes into ``OUTD
 - ``attention_summary.md`` (rewritten after every point, so a run cut short still has
   one): one markdown table (case, point, impl, median us, GB/s, TFLOP/s, % copy BW,
   % matmul, % roofline = the larger of the two, speedup against each FlashInfer / FlashMLA
-  row of the same point, timing mode), the issue's bars, errors, and the correctness
+  row of the same point, timing mode), the tracked targets, errors, and the correctness
   cross-check (:func:`cross_check`, run first: every impl of one small tree-verify input and
   one MLA decode input against the torch reference backend and against each other, max abs
   differences; it also pays the FlashInfer JIT compiles).
@@ -44,8 +44,8 @@ TREE_POINTS = ((1, 4096), (16, 2048), (64, 4096), (16, 16384))
 SPLIT_EXTRA_BACKENDS = ("auto",)
 """FlashInfer backends the tree-verify split is also timed with, after the case's default
 (``fi_backend="fa2"``, what SGLang passes): ``"auto"`` is FlashInfer's own default (fa3 for
-the prefix part on Hopper).  Issue 6's split anchors match it at its two large points
-(``bench/results/2026-11-23-h200-session12``); fa2 is faster at page 1.  Such a row is
+the prefix part on Hopper).  Published split figures for these points match it at the two
+large points; fa2 is faster at page 1.  Such a row is
 labelled ``flashinfer_split[auto]`` (:func:`impl_label`)."""
 
 
@@ -72,12 +72,12 @@ def _points() -> List[Point]:
     return pts
 
 
-ISSUE_POINTS: List[Point] = _points()
-"""Every (case, overrides) the issue asks for, library impls included."""
+TRACKED_POINTS: List[Point] = _points()
+"""Every tracked (case, overrides), library impls included."""
 
 
 def with_page_size(points: Sequence[Point], page_size: Optional[int]) -> List[Point]:
-    """``points`` with ``page_size`` set on the tree-verify ones (None: unchanged; the issue's
+    """``points`` with ``page_size`` set on the tree-verify ones (None: unchanged; the tracked
     points use the case default, page 1).  Their label then names the page size.  Raises
     ValueError for a page size < 1 or one that does not divide every tree-verify prefix
     (FlashInfer's split needs whole pages of prefix)."""
@@ -106,7 +106,7 @@ def impl_label(name: str, params: Dict[str, Any]) -> str:
     return impl
 
 
-def _point_label(name: str, params: Dict[str, Any]) -> str:
+def point_label(name: str, params: Dict[str, Any]) -> str:
     keys = {"tree_verify": ("bs", "prefix", "page_size"), "mla_tree_verify": ("bs", "prefix"),
             "mla_decode": ("bs", "seq_len"), "decode": ("bs", "seq_len"),
             "extend": ("bs", "prefix", "new_tokens")}.get(name, ())
@@ -138,7 +138,7 @@ def summary_rows(results: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
                 oi = o["params"].get("impl")
                 if oi in LIBRARIES and o["median_us"] > 0:
                     speed[impl_label(o["name"], o["params"])] = o["median_us"] / r["median_us"]
-        rows.append(dict(case=r["name"], point=_point_label(r["name"], r["params"]),
+        rows.append(dict(case=r["name"], point=point_label(r["name"], r["params"]),
                          params={k: v for k, v in r["params"].items() if k != "impl"},
                          impl=impl_label(r["name"], r["params"]),
                          median_us=r["median_us"], gbps=r.get("gbps"), tflops=r.get("tflops"),
@@ -178,7 +178,7 @@ def render_markdown(rows: Sequence[Dict[str, Any]], title: str = "") -> str:
 
 
 def bar_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
-    """The issue's bars, one line each, for the rows present: Triton tree verify <= 40 us at
+    """The tracked targets, one line each, for the rows present: Triton tree verify <= 40 us at
     bs=1 / >= 3x faster than the FlashInfer custom mask and >= 1.5x faster than the split at
     the larger points (one line per split row: ``flashinfer_split`` with fa2, and each of
     :data:`SPLIT_EXTRA_BACKENDS`); Triton MLA decode (each variant) within 1.5x of
@@ -308,7 +308,7 @@ def write_summary(reports: Dict[str, Dict[str, Any]], path: str,
     rows = summary_rows(results)
     head = next(iter(reports.values()), {})
     dev, ceil = head.get("device", {}), head.get("ceilings", {})
-    title = (f"# issue 6 attention benchmark\n\n{dev.get('name', '?')}; ceilings: copy "
+    title = (f"# attention benchmark\n\n{dev.get('name', '?')}; ceilings: copy "
              f"{ceil.get('copy_gbps', 0):.0f} GB/s, bf16 matmul "
              f"{ceil.get('matmul_tflops', 0):.0f} TFLOP/s; versions "
              f"{head.get('versions', {})}; {head.get('timestamp', '')}")
@@ -337,10 +337,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="cases to run (default: all)")
     ap.add_argument("--no-check", action="store_true", help="skip the cross-check")
     ap.add_argument("--page-size", type=int, default=None,
-                    help="run the tree-verify points on pages of N slots (default: 1, the issue's)")
+                    help="run the tree-verify points on pages of N slots (default: 1)")
     args = ap.parse_args(argv)
     try:
-        points = with_page_size(ISSUE_POINTS, args.page_size)
+        points = with_page_size(TRACKED_POINTS, args.page_size)
     except ValueError as e:
         ap.error(str(e))
     os.makedirs(args.outdir, exist_ok=True)

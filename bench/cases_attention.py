@@ -1,9 +1,9 @@
-"""Attention bench cases of issue 6: the Triton backend next to FlashInfer / FlashMLA.
+"""Attention bench cases: the Triton backend next to FlashInfer / FlashMLA.
 
 Cases (``-p impl=...`` picks the implementation; every other parameter is shared, so the
 rows of one point are timed on identical inputs)::
 
-    case             impl                                            issue points (-p ...)
+    case             impl                                            target points (-p ...)
     tree_verify      triton | triton_generic | triton_sm90_sync |    bs/prefix 1/4096 16/2048
                      flashinfer_mask | flashinfer_split              64/4096 16/16384
     mla_tree_verify  triton | triton_generic | triton_sm90_split |   bs 1 | 16, prefix 4096
@@ -30,13 +30,16 @@ rows of one point are timed on identical inputs)::
   (``kernel_config={"sm90": True, "pingpong": False}``), the default before the
   warp-specialized ping-pong one.
 - ``flashinfer_mask``: one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` over the
-  ``P + D`` keys with FlashInfer's packed custom mask (built on the device from our bit-packed
-  rows by :func:`~specattn.backends.tree_mask.tree_mask_to_flashinfer`); ``plan()`` at setup,
-  ``run()`` timed.  FlashInfer 0.7.2's ``plan(packed_custom_mask=...)`` derives the per-request
-  mask offsets in *bits* (``q_len * kv_len``) where its kernel reads *bytes* (flashinfer PR
-  #2201, open), so the byte offsets are installed after ``plan()``
-  (:func:`install_mask_indptr`); bs = 1 is unaffected.
-- ``flashinfer_split``: the anchor of issue 6: a non-causal paged prefill over the ``P``
+  ``P + D`` keys with FlashInfer's packed custom mask, planned with the metadata the
+  FlashInfer backend builds (:func:`~specattn.backends.flashinfer_backend.paged_kv_layout`,
+  :func:`~specattn.backends.flashinfer_backend.paged_kv_indices`,
+  :func:`~specattn.backends.flashinfer_backend.flashinfer_packed_mask`: on the device from
+  our bit-packed rows); ``plan()`` at setup, ``run()`` timed.  FlashInfer 0.7.2's
+  ``plan(packed_custom_mask=...)`` derives the per-request mask offsets in *bits* (``q_len *
+  kv_len``) where its kernel reads *bytes* (flashinfer PR #2201, open), so the byte offsets
+  are installed after ``plan()`` (the backend's :func:`install_mask_indptr`); bs = 1 is
+  unaffected.
+- ``flashinfer_split``: the reference anchor: a non-causal paged prefill over the ``P``
   prefix keys and a custom-mask prefill over the ``D`` draft keys, both with ``return_lse``,
   merged by ``flashinfer.merge_state``.  Timed: both runs + the merge.  Needs
   ``prefix % page_size == 0`` (the draft keys must start a page).
@@ -55,9 +58,8 @@ fa2 batch-prefill module for bf16, head_dim 128, int32 indices) serves the mask,
 parts, tensor-core decode and extend; ``merge_state`` adds the small ``cascade`` module.
 ``-p fi_backend=auto`` lets FlashInfer pick fa3 on Hopper for the mask-free prefills (split
 prefix part, extend): one more JIT module.  At page 1 that split measured 1.25-1.7x slower
-than with fa2 on an H100 and an H200 (``bench/results/2026-11-23-h100-session12``, section
-6), so fa2 stays the anchor; :mod:`.attention_report` times the split under both (issue
-6's split anchors match ``"auto"``).  FlashInfer and FlashMLA are imported only inside
+than with fa2 on an H100 and an H200, so fa2 stays the anchor; :mod:`.attention_report` times
+the split under both (the reference split anchors match ``"auto"``).  FlashInfer and FlashMLA are imported only inside
 the impls that need them: a missing one raises ImportError naming the extra
 (``pip install specattn[flashinfer]`` / ``specattn[flashmla]``).
 
@@ -94,20 +96,21 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from specattn.backends.forward_batch import ForwardBatch
-from specattn.backends.forward_mode import ForwardMode
-from specattn.backends.layer import AttentionLayer
-from specattn.backends.pools import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
-from specattn.backends.tree_mask import tree_mask_to_flashinfer, unpack_tree_mask
+from specattn.backends import (AttentionLayer, ForwardBatch, ForwardMode, MHATokenToKVPool,
+                               MLATokenToKVPool, ReqToTokenPool)
+from specattn.backends.flashinfer_backend import (flashinfer_packed_mask, install_mask_indptr,
+                                                  paged_kv_indices, paged_kv_layout)
 from specattn.ops import build_tree, num_tree_candidates
+from specattn.ops.tree_mask import flashinfer_mask_bytes, unpack_tree_mask
 
 from .cases import Workload, case
-from .cases_tree import random_eagle_batch
+from . import cases_tree  # a module reference: cases_tree may be mid-import (it imports .cases)
 
 __all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_impl",
            "require_library", "attention_bytes", "attention_flops", "auto_input_sets",
-           "make_paged_inputs", "random_tree_masks", "flashinfer_page_metadata",
-           "flashinfer_verify_metadata", "install_mask_indptr", "paged_view",
+           "make_paged_inputs", "random_tree_masks", "flashinfer_kv_metadata",
+           "flashinfer_page_metadata", "flashinfer_verify_metadata", "install_mask_indptr",
+           "paged_view",
            "FI_WORKSPACE_BYTES", "MLA_SCALING"]
 
 IMPLS: Dict[str, Tuple[str, ...]] = {
@@ -340,7 +343,7 @@ def random_tree_masks(rng: random.Random, bs: int, num_draft_tokens: int, topk: 
     if D - 1 > num_tree_candidates(topk, num_steps):
         raise ValueError(f"num_draft_tokens={D} needs {D - 1} candidates; topk={topk}, "
                          f"num_steps={num_steps} draft {num_tree_candidates(topk, num_steps)}")
-    pl, sel, _, _ = random_eagle_batch(rng, bs, topk, num_steps, D)
+    pl, sel, _, _ = cases_tree.random_eagle_batch(rng, bs, topk, num_steps, D)
     vsl = torch.tensor(list(seq_lens), dtype=torch.int64)
     info = build_tree(pl, sel, vsl, topk, num_steps, D, impl="reference")
     return info.tree_mask, info.positions
@@ -352,10 +355,31 @@ def paged_view(buf: torch.Tensor, page_size: int) -> torch.Tensor:
     return buf.view(buf.shape[0] // page_size, page_size, *buf.shape[1:])
 
 
+def flashinfer_kv_metadata(req_to_token: torch.Tensor, pset: PagedSet, page_size: int):
+    """FlashInfer's paged-KV description of keys ``[0, P + n)`` of each request of ``pset``,
+    built by the FlashInfer backend's own builders (:func:`paged_kv_layout`,
+    :func:`paged_kv_indices`) over ``req_to_token`` (:attr:`PagedInputs.req_pool`).
+
+    Returns:
+        ``(kv_indptr int32 [bs + 1], kv_indices int32 [kv_indptr[-1]], kv_last_page_len
+        int32 [bs])`` on ``req_to_token``'s device.
+    """
+    dev = req_to_token.device
+    layout = paged_kv_layout(torch.tensor(pset.seq_lens, dtype=torch.int32, device=dev),
+                             torch.tensor(pset.extend_lens, dtype=torch.int32, device=dev),
+                             page_size)
+    num_pages = sum(-(-kv // page_size) for kv in pset.kv_lens)
+    indices = paged_kv_indices(req_to_token, pset.req_pool_indices, layout.kv_indptr, page_size,
+                               num_pages)
+    return layout.kv_indptr, indices, layout.kv_last_page_len
+
+
 def flashinfer_page_metadata(page_table: torch.Tensor, kv_lens: Sequence[int], page_size: int,
                              first_key: int = 0):
     """FlashInfer's paged-KV description of keys ``[first_key, first_key + kv_lens[i])`` of
-    each request.
+    each request, from the page table (the split anchor's two parts; keys from 0 of a whole
+    batch: :func:`flashinfer_kv_metadata`).  The indptr and last-page lengths are the
+    backend's :func:`paged_kv_layout` of ``kv_lens`` keys per request.
 
     Args:
         page_table: int32 ``[bs, pages]`` (:attr:`PagedSet.page_table`).
@@ -377,21 +401,22 @@ def flashinfer_page_metadata(page_table: torch.Tensor, kv_lens: Sequence[int], p
     if p0 + max(npages, default=0) > page_table.shape[1]:
         raise ValueError(f"keys up to {first_key + max(kv_lens)} need more than the "
                          f"{page_table.shape[1]} pages of the table")
-    indptr = torch.tensor([0] + npages, dtype=torch.int64).cumsum(0).to(dev, torch.int32)
+    lens = torch.tensor(list(kv_lens), dtype=torch.int32, device=dev)
+    layout = paged_kv_layout(torch.zeros_like(lens), lens, ps)
     indices = torch.cat([page_table[i, p0:p0 + k] for i, k in enumerate(npages)])
-    last = torch.tensor([n - (k - 1) * ps for n, k in zip(kv_lens, npages)], dtype=torch.int32,
-                        device=dev)
-    return indptr, indices.to(torch.int32).contiguous(), last
+    return layout.kv_indptr, indices.to(torch.int32).contiguous(), layout.kv_last_page_len
 
 
-def flashinfer_verify_metadata(pset: PagedSet, tree_mask: torch.Tensor, page_size: int,
+def flashinfer_verify_metadata(req_to_token: torch.Tensor, pset: PagedSet,
+                               tree_mask: torch.Tensor, page_size: int,
                                split: bool) -> Dict[str, Any]:
     """Everything FlashInfer's plan() gets for a TARGET_VERIFY batch (``D`` tokens per
-    request).
+    request; ``tree_mask`` int32 ``[bs, D, ceil(D/32)]`` on ``req_to_token``'s device).
 
-    ``split=False`` (custom mask): ``{"qo_indptr", "kv": (indptr, indices, last),
-    "packed_mask", "mask_indptr"}`` over the ``P + D`` keys; the mask is FlashInfer's packed
-    ``[D, P + D]`` rows (prefix columns set) with BYTE offsets ``mask_indptr``.
+    ``split=False`` (custom mask, what the FlashInfer backend builds): ``{"qo_indptr", "kv":
+    (indptr, indices, last), "packed_mask", "mask_indptr"}`` over the ``P + D`` keys
+    (:func:`flashinfer_kv_metadata`); the mask is FlashInfer's packed ``[D, P + D]`` rows
+    (prefix columns set) with BYTE offsets ``mask_indptr`` (:func:`flashinfer_packed_mask`).
     ``split=True``: ``{"qo_indptr", "prefix_kv", "draft_kv", "packed_mask", "mask_indptr"}``,
     the prefix part over keys ``[0, P)`` (no mask) and the draft part over ``[P, P + D)`` with
     the ``[D, D]`` tree rows.
@@ -404,14 +429,17 @@ def flashinfer_verify_metadata(pset: PagedSet, tree_mask: torch.Tensor, page_siz
     qo = torch.arange(len(pset.rows) + 1, dtype=torch.int32, device=dev) * D
     P_cpu = torch.tensor(pset.seq_lens, dtype=torch.int64)
     if not split:
-        packed, mask_indptr = tree_mask_to_flashinfer(tree_mask, P_cpu)
-        kv = flashinfer_page_metadata(pset.page_table, pset.kv_lens, page_size)
+        packed, mask_indptr = flashinfer_packed_mask(
+            tree_mask, P_cpu.to(tree_mask.device), int(flashinfer_mask_bytes(P_cpu, D).sum()))
+        kv = flashinfer_kv_metadata(req_to_token, pset, page_size)
         return dict(qo_indptr=qo, kv=kv, packed_mask=packed, mask_indptr=mask_indptr)
     for p in pset.seq_lens:
         if p < 1 or p % page_size:
             raise ValueError(f"flashinfer_split needs a prefix >= 1 that is a multiple of "
                              f"page_size ({page_size}), got {p}")
-    packed, mask_indptr = tree_mask_to_flashinfer(tree_mask, torch.zeros_like(P_cpu))
+    zero = torch.zeros_like(P_cpu)
+    packed, mask_indptr = flashinfer_packed_mask(
+        tree_mask, zero.to(tree_mask.device), int(flashinfer_mask_bytes(zero, D).sum()))
     pre = flashinfer_page_metadata(pset.page_table, pset.seq_lens, page_size)
     # the draft keys start a page (P % page_size == 0): one table per request, shifted
     drafts = [flashinfer_page_metadata(pset.page_table[i:i + 1], [D], page_size, p)
@@ -421,22 +449,6 @@ def flashinfer_verify_metadata(pset: PagedSet, tree_mask: torch.Tensor, page_siz
              torch.cat([d[2] for d in drafts]))
     return dict(qo_indptr=qo, prefix_kv=pre, draft_kv=draft, packed_mask=packed,
                 mask_indptr=mask_indptr)
-
-
-def install_mask_indptr(wrapper, mask_indptr: torch.Tensor) -> None:
-    """After ``wrapper.plan(..., packed_custom_mask=...)``: write the BYTE offsets of each
-    request's mask segment into the wrapper's mask indptr.
-
-    FlashInfer 0.7.2 computes that indptr as ``cumsum(q_len * kv_len)`` (bits) when given a
-    packed mask, while its kernel adds it to a uint8 pointer (flashinfer PR #2201: requests
-    after the first read the wrong bits).  Raises RuntimeError if the wrapper has no such
-    buffer of the expected shape (a FlashInfer whose internals moved: check that PR)."""
-    buf = getattr(wrapper, "_mask_indptr_buf", None)
-    if not torch.is_tensor(buf) or buf.shape != mask_indptr.shape:
-        raise RuntimeError("FlashInfer wrapper has no _mask_indptr_buf of shape "
-                           f"{tuple(mask_indptr.shape)}; the packed-mask indptr fix "
-                           "(flashinfer PR #2201) needs updating for this version")
-    buf.copy_(mask_indptr.to(buf.device, buf.dtype))
 
 
 def _random_q(shape: AttnShape, tokens: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -494,7 +506,8 @@ def _fi_verify_workload(impl, inputs: PagedInputs, masks, qs, fi_backend, nbytes
     H, Dv, f32 = shape.num_heads, shape.v_head_dim, torch.float32
     sets = []
     for pset, tm, q in zip(inputs.sets, masks, qs):
-        md = flashinfer_verify_metadata(pset, tm.to(dev), ps, split=impl == "flashinfer_split")
+        md = flashinfer_verify_metadata(inputs.req_pool.req_to_token, pset, tm.to(dev), ps,
+                                        split=impl == "flashinfer_split")
         T = q.shape[0]
         if impl == "flashinfer_mask":
             w = _fi_plan_prefill(fi, workspace, fi_backend, shape, md["qo_indptr"], md["kv"],
@@ -605,7 +618,7 @@ def _decode_setup(case_name, device, shape: AttnShape, *, bs, seq_len, page_size
         w = lib.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
                                                    use_tensor_cores=fi_use_tensor_cores,
                                                    backend=fi_backend)
-        w.plan(*flashinfer_page_metadata(pset.page_table, pset.kv_lens, ps), H,
+        w.plan(*flashinfer_kv_metadata(inputs.req_pool.req_to_token, pset, ps), H,
                shape.num_kv_heads, shape.head_dim, ps, sm_scale=shape.scaling,
                q_data_type=shape.dtype, kv_data_type=shape.dtype)
         sets.append((w, q, torch.empty(bs, H, Dv, dtype=shape.dtype, device=device)))
@@ -623,7 +636,7 @@ _VERIFY_DOC = ("bytes = KV of P+D keys read once + q + o; flops = 2*H*(Dqk+Dv)*v
 
 @case("tree_verify",
       "TARGET_VERIFY, Llama-3-8B GQA 32 q / 8 kv heads x 128, bf16, page 1, random 64-token "
-      "EAGLE trees over a P-token prefix (issue points bs/prefix 1/4096 16/2048 64/4096 "
+      "EAGLE trees over a P-token prefix (target points bs/prefix 1/4096 16/2048 64/4096 "
       "16/16384); impl=triton|triton_generic|triton_sm90_sync|flashinfer_mask|flashinfer_split; " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=32, num_kv_heads=8, head_dim=128,
       dtype="bfloat16", page_size=1, topk=8, num_steps=5, input_sets=None, seed=0,
@@ -642,7 +655,7 @@ def _tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, num_kv_head
 
 @case("mla_tree_verify",
       "TARGET_VERIFY, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, random "
-      "64-token EAGLE trees over a 4096 prefix (issue points bs 1 | 16); impl=triton|triton_generic|triton_sm90_split|triton_tma "
+      "64-token EAGLE trees over a 4096 prefix (target points bs 1 | 16); impl=triton|triton_generic|triton_sm90_split|triton_tma "
       "(no public library has MLA tree verify with a custom mask); " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=128, kv_lora_rank=512,
       qk_rope_head_dim=64, dtype="bfloat16", page_size=64, topk=8, num_steps=5,
@@ -660,7 +673,7 @@ def _mla_tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, kv_lora
 
 @case("mla_decode",
       "DECODE, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, s_q=1, bs=128 x "
-      "seq_len 8192 keys (issue bar: within 1.5x of FlashMLA's 538 us on an H200); "
+      "seq_len 8192 keys (target: within 1.5x of FlashMLA's 538 us on an H200); "
       "impl=triton|triton_generic|triton_sm90_split|triton_tma|flashmla; bytes = latent of every key once + q + o",
       bs=128, seq_len=8192, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
       dtype="bfloat16", page_size=64, input_sets=None, seed=0, impl="triton",
@@ -677,7 +690,7 @@ def _mla_decode(device, *, bs, seq_len, num_heads, kv_lora_rank, qk_rope_head_di
 
 @case("decode",
       "DECODE, Llama-3-8B GQA 32 q / 8 kv heads x 128, bf16, page 16, seq_len keys per "
-      "request (issue points bs 1|32|128 x seq_len 1024|8192); impl=triton|flashinfer "
+      "request (target points bs 1|32|128 x seq_len 1024|8192); impl=triton|flashinfer "
       "(BatchDecodeWithPagedKVCacheWrapper, tensor cores); bytes = KV once + q + o",
       bs=32, seq_len=8192, num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
       page_size=16, input_sets=None, seed=0, impl="triton", num_kv_splits=None,
@@ -694,7 +707,7 @@ def _decode(device, *, bs, seq_len, num_heads, num_kv_heads, head_dim, dtype, pa
 
 @case("extend",
       "EXTEND (causal prefill over a paged prefix), Llama-3-8B GQA 32 q / 8 kv heads x 128, "
-      "bf16, page 16, bs=1 x 2048 new tokens (issue points prefix 0 | 4096); "
+      "bf16, page 16, bs=1 x 2048 new tokens (target points prefix 0 | 4096); "
       "impl=triton|flashinfer (BatchPrefillWithPagedKVCacheWrapper, causal); bytes = KV of "
       "P+n keys once + q + o; flops over the causal pairs",
       bs=1, prefix=0, new_tokens=2048, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -726,7 +739,7 @@ def _extend(device, *, bs, prefix, new_tokens, num_heads, num_kv_heads, head_dim
     for pset, q in zip(inputs.sets, qs):
         qo = torch.arange(bs + 1, dtype=torch.int32, device=device) * n
         w = _fi_plan_prefill(fi, workspace, fi_backend, shape, qo,
-                             flashinfer_page_metadata(pset.page_table, pset.kv_lens, page_size),
+                             flashinfer_kv_metadata(inputs.req_pool.req_to_token, pset, page_size),
                              page_size, causal=True)
         sets.append((w, q, torch.empty(bs * n, shape.num_heads, shape.v_head_dim,
                                        dtype=shape.dtype, device=device)))

@@ -1,4 +1,4 @@
-"""Bench case of the fused KV materialization for DFlash drafters (issue 5).
+"""Bench case of the fused KV materialization for DFlash drafters .
 
 ``kv_materialize``: context hidden states -> K/V of every draft layer, written into the
 draft KV cache, at the size of a Qwen3-8B drafter (hidden 4096, 8 KV heads x 128, 5 draft
@@ -23,7 +23,7 @@ float32 cos/sin cache, bf16 cache (``-p cache_dtype=float8_e4m3fn`` for fp8).  `
 ``bytes`` = hidden + ``w_kv`` read once + the cache rows written (the minimum traffic of the
 op; the GEMM output round trip of the two-launch design is not counted), ``flops`` =
 ``2 * tokens * hidden * rows`` with ``rows = layers * 2 * kv_heads * head_dim``.  Bars
-(issue 5): fused >= 2x faster than ``unfused`` and within 1.25x of ``gemm``.
+targets: fused >= 2x faster than ``unfused`` and within 1.25x of ``gemm``.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bench cases of the EAGLE tree ops (issue 4), each timed per implementation side by side.
+"""Bench cases of the EAGLE tree ops, each timed per implementation side by side.
 
 Every case takes ``impl`` = ``auto`` | ``reference`` | ``triton`` | ``cuda`` | ``torch``:
 the first four call the PUBLIC wrapper (``specattn.ops.build_tree(..., impl=impl)`` and so
@@ -25,10 +25,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from specattn.backends.tree_mask import num_mask_words
+from specattn.ops.tree_mask import num_mask_words
 from specattn.ops import (build_tree, compact_accepted_path, num_tree_candidates, registry,
                           tree_speculative_sampling, verify_tree_greedy)
-from specattn.ops._checks import capturing
+from specattn.ops.checks import capturing
 
 from .cases import Workload, case
 from .torch_anchors import (build_tree_torch, compact_accepted_path_torch,
@@ -191,7 +191,7 @@ def _dtype(name: str) -> torch.dtype:
 
 # ----------------------------------------------------------------------------- cases
 @case("tree_build",
-      "build_tree (issue 4 bar: <= 10 us): bs=64 EAGLE trees, topk=8, num_steps=5, 64 draft "
+      "build_tree (target: <= 10 us): bs=64 EAGLE trees, topk=8, num_steps=5, 64 draft "
       "tokens; bytes = parent_list + selected_index + verified_seq_len read, mask + positions "
       "+ 3 link arrays written; impl=auto|reference|triton|cuda|torch",
       bs=64, topk=8, num_steps=5, num_draft_tokens=64, index_dtype="int64", input_sets=8,

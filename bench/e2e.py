@@ -53,7 +53,9 @@ import torch
 
 SUITE = "e2e"
 DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
-DEFAULT_ALGOS = ("none", "eagle_chain", "eagle_tree", "dflash")
+DEFAULT_ALGOS = ("none", "eagle_chain", "eagle_tree", "dflash", "ddtree", "ngram")
+ALGOS = DEFAULT_ALGOS
+DEFAULT_REPETITIVE_ALGOS = ("none", "ngram")
 
 
 @dataclass
@@ -69,8 +71,12 @@ class E2EConfig:
     chain: Dict[str, int] = field(default_factory=lambda: dict(topk=1, num_steps=5, num_draft_tokens=6))
     tree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=5, num_draft_tokens=16))
     block_size: int = 16
+    ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_draft_tokens=16))
+    ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))
     drafter: Optional[str] = None           # EAGLE drafter folder (default: the shipped one)
-    prompts: Optional[str] = None           # prompt file (default: the eval set)
+    prompts: Optional[str] = None           # prompt file (default: the chat eval set)
+    repetitive_prompts: Optional[str] = None  # the copy-heavy set (default: the packaged one)
+    repetitive_algos: Sequence[str] = DEFAULT_REPETITIVE_ALGOS  # run on that set (empty: skip it)
     peers: bool = True
     profile: bool = True
     check: bool = True
@@ -88,7 +94,11 @@ def spec_fields(algo: str, cfg: E2EConfig) -> dict:
         return dict(algo="eagle", **cfg.tree)
     if algo == "dflash":
         return dict(algo="dflash", block_size=cfg.block_size)
-    raise ValueError(f"unknown algo {algo!r}; known: none, eagle_chain, eagle_tree, dflash")
+    if algo == "ddtree":
+        return dict(algo="dflash", block_size=cfg.block_size, **cfg.ddtree)
+    if algo == "ngram":
+        return dict(algo="ngram", **cfg.ngram)
+    raise ValueError(f"unknown algo {algo!r}; known: {', '.join(ALGOS)}")
 
 
 def git_commit() -> Optional[str]:
@@ -228,7 +238,8 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
     from specattn.bench.runner import device_summary
     from specattn.info import module_version
     from specattn.spec_runtime import loader
-    from specattn.spec_runtime.cli import DTYPES, default_drafter, eval_prompts_path, load_model
+    from specattn.spec_runtime.cli import (DTYPES, default_drafter, eval_prompts_path,
+                                           eval_repetitive_prompts_path, load_model)
     from specattn.spec_runtime.engine import Engine, SpecConfig
     from specattn.spec_runtime.model import LlamaModel
     import specattn
@@ -238,12 +249,21 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
     say = progress or (lambda msg: None)
     for a in cfg.algos:
         spec_fields(a, cfg)
+    for a in cfg.repetitive_algos:
+        spec_fields(a, cfg)
     dtype = DTYPES[cfg.dtype]
-    texts = [l for l in Path(cfg.prompts or eval_prompts_path()).read_text().splitlines() if l.strip()]
-    if not texts:
-        raise ValueError("the prompt file is empty")
+
+    def read(path) -> List[str]:
+        texts = [l for l in Path(path).read_text().splitlines() if l.strip()]
+        if not texts:
+            raise ValueError(f"the prompt file {path} is empty")
+        return texts
+
+    sets = {"chat": (read(cfg.prompts or eval_prompts_path()), list(cfg.algos))}
+    if cfg.repetitive_algos:
+        sets["repetitive"] = (read(cfg.repetitive_prompts or eval_repetitive_prompts_path()),
+                              list(cfg.repetitive_algos))
     cfg_model, weights, tok = load_model(cfg.model, dtype)
-    ids_all = [loader.apply_chat_template(tok, t) for t in texts]
     target = LlamaModel(cfg_model, weights, cfg.device, dtype)
     drafter_path = cfg.drafter or default_drafter(cfg_model)
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -261,7 +281,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
         "settings": {k: v for k, v in asdict(cfg).items()},
         "ceilings": asdict(ceilings) if ceilings is not None else None,
         "model": "SmolLM2-135M-Instruct" if cfg.model is None else str(cfg.model),
-        "num_prompts": len(ids_all),
+        "num_prompts": {name: len(texts) for name, (texts, _) in sets.items()},
         "rows": rows,
     }
 
@@ -270,58 +290,65 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
         if on_row is not None:
             on_row(report)
 
-    base_out: Dict[int, List[List[int]]] = {}
-    base_tps: Dict[int, float] = {}
-    for bs in cfg.batch_sizes:
-        n_batches = max(1, cfg.min_requests // bs)
-        if bs * n_batches > len(ids_all):
-            raise ValueError(f"batch size {bs} needs {bs * n_batches} prompts, the file has {len(ids_all)}")
-        batches = [ids_all[i * bs:(i + 1) * bs] for i in range(n_batches)]
-        longest = max(len(p) for b in batches for p in b)
-        for algo in cfg.algos:
-            fields = spec_fields(algo, cfg)
-            spec = SpecConfig(**fields)
-            per_round = spec.block_size if spec.algo == "dflash" else spec.num_draft_tokens
-            ctx = -(-(longest + cfg.max_new_tokens + 2 * per_round + 8) // 64) * 64
-            draft = None
-            if spec.algo == "eagle" and drafter_path is not None:
-                from specattn.spec_runtime.eagle3 import Eagle3Drafter
-                draft = Eagle3Drafter.load(drafter_path, target)
-            say(f"{algo} bs={bs}: building the engine (CUDA graphs)")
-            eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
-                         eos_token_ids=(), cuda_graph=cfg.device.startswith("cuda"), draft_model=draft)
-            say(f"{algo} bs={bs}: warm-up, timing" + (", profiling" if cfg.profile else ""))
-            row, outs = measure_engine(eng, batches, cfg.max_new_tokens, cfg.profile)
-            row.update(algo=algo, backend=cfg.backend, dtype=cfg.dtype, bs=bs, config=fields,
-                       drafter=(Path(drafter_path).name if draft is not None else
-                                ("self-speculative" if spec.algo == "eagle" else
-                                 ("random-init" if spec.algo == "dflash" else None))),
-                       whole_round_graphs=eng.whole_round_graphs)
-            if algo == "none":
-                base_out[bs], base_tps[bs] = outs, row["tokens_per_s"]
-                row["lossless"] = "reference"
-            elif cfg.check and bs in base_out:
-                row["lossless"] = _lossless(outs, base_out[bs], [p for b in batches for p in b],
-                                            cfg_model, weights, dtype, cfg.device)
-            else:
-                row["lossless"] = None
-            row["speedup"] = row["tokens_per_s"] / base_tps[bs] if bs in base_tps else None
-            add(row)
-            say(f"{algo} bs={bs}: {row['tokens_per_s']:.1f} tokens/s, accept {row['accept_length']:.2f}")
-            del eng, draft
-            gc.collect()
-            torch.cuda.empty_cache()
-        if cfg.peers and bs in (1, 16) and cfg.model is None:
-            say(f"hf_static bs={bs}")
-            try:
-                from specattn.spec_runtime.model_fetch import fetch_model
-                hf = _hf_static(str(fetch_model()), dtype, batches, cfg.max_new_tokens)
-                hf.update(algo="hf_static", backend="transformers", dtype=cfg.dtype, bs=bs, config={},
-                          lossless=None, speedup=hf["tokens_per_s"] / base_tps[bs] if bs in base_tps else None)
-                add(hf)
-            except Exception as e:  # a peer that cannot run is reported, not fatal
-                add(dict(algo="hf_static", backend="transformers", dtype=cfg.dtype, bs=bs,
-                         error=f"{type(e).__name__}: {e}"))
+    for set_name, (texts, algos) in sets.items():
+        ids_all = [loader.apply_chat_template(tok, t) for t in texts]
+        base_out: Dict[int, List[List[int]]] = {}
+        base_tps: Dict[int, float] = {}
+        for bs in cfg.batch_sizes:
+            n_batches = max(1, cfg.min_requests // bs)
+            if bs * n_batches > len(ids_all):
+                say(f"{set_name}: batch size {bs} needs {bs * n_batches} prompts, the set has "
+                    f"{len(ids_all)}: skipped")
+                continue
+            batches = [ids_all[i * bs:(i + 1) * bs] for i in range(n_batches)]
+            longest = max(len(p) for b in batches for p in b)
+            for algo in algos:
+                fields = spec_fields(algo, cfg)
+                spec = SpecConfig(**fields)
+                ctx = -(-(longest + cfg.max_new_tokens + 2 * spec.tokens_per_round() + 8) // 64) * 64
+                draft = None
+                if spec.algo == "eagle" and drafter_path is not None:
+                    from specattn.spec_runtime.eagle3 import Eagle3Drafter
+                    draft = Eagle3Drafter.load(drafter_path, target)
+                tag = f"{set_name} {algo} bs={bs}"
+                say(f"{tag}: building the engine (CUDA graphs)")
+                eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
+                             eos_token_ids=(), cuda_graph=cfg.device.startswith("cuda"), draft_model=draft)
+                say(f"{tag}: warm-up, timing" + (", profiling" if cfg.profile else ""))
+                row, outs = measure_engine(eng, batches, cfg.max_new_tokens, cfg.profile)
+                row.update(algo=algo, prompt_set=set_name, backend=cfg.backend, dtype=cfg.dtype, bs=bs,
+                           config=fields,
+                           drafter=(Path(drafter_path).name if draft is not None else
+                                    ("self-speculative" if spec.algo == "eagle" else
+                                     ("random-init" if spec.algo == "dflash" else None))),
+                           whole_round_graphs=eng.whole_round_graphs)
+                if algo == "none":
+                    base_out[bs], base_tps[bs] = outs, row["tokens_per_s"]
+                    row["lossless"] = "reference"
+                elif cfg.check and bs in base_out:
+                    row["lossless"] = _lossless(outs, base_out[bs], [p for b in batches for p in b],
+                                                cfg_model, weights, dtype, cfg.device)
+                else:
+                    row["lossless"] = None
+                row["speedup"] = row["tokens_per_s"] / base_tps[bs] if bs in base_tps else None
+                add(row)
+                say(f"{tag}: {row['tokens_per_s']:.1f} tokens/s, accept {row['accept_length']:.2f}")
+                del eng, draft
+                gc.collect()
+                if cfg.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            if cfg.peers and set_name == "chat" and bs in (1, 16) and cfg.model is None:
+                say(f"hf_static bs={bs}")
+                try:
+                    from specattn.spec_runtime.model_fetch import fetch_model
+                    hf = _hf_static(str(fetch_model()), dtype, batches, cfg.max_new_tokens)
+                    hf.update(algo="hf_static", prompt_set=set_name, backend="transformers", dtype=cfg.dtype,
+                              bs=bs, config={}, lossless=None,
+                              speedup=hf["tokens_per_s"] / base_tps[bs] if bs in base_tps else None)
+                    add(hf)
+                except Exception as e:  # a peer that cannot run is reported, not fatal
+                    add(dict(algo="hf_static", prompt_set=set_name, backend="transformers", dtype=cfg.dtype,
+                             bs=bs, error=f"{type(e).__name__}: {e}"))
     return report
 
 
@@ -342,6 +369,13 @@ def _lossless(outs, base, prompts, cfg_model, weights, dtype, device) -> str:
 
 
 # ---------------------------------------------------------------------- output
+def _prompt_counts(report: dict) -> str:
+    n = report["num_prompts"]
+    if isinstance(n, int):
+        return f"{n} eval prompts"
+    return ", ".join(f"{v} {k} prompts" for k, v in n.items())
+
+
 def _cell(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -354,17 +388,18 @@ def markdown(report: dict) -> str:
              f"{report['timestamp']}, commit `{(report.get('commit') or 'unknown')[:12]}`, "
              f"torch {report['versions']['torch']}, triton {report['versions']['triton']}; "
              f"{report['settings']['max_new_tokens']} new tokens per request, "
-             f"{report['num_prompts']} eval prompts, CUDA graphs, greedy.",
+             f"{_prompt_counts(report)}, CUDA graphs, greedy.",
              "",
-             "| algo | bs | dtype | backend | tokens/s | speedup | accept length | step ms | "
+             "| prompts | algo | bs | dtype | backend | tokens/s | speedup | accept length | step ms | "
              "kernels/step | kernel ms/step | gpu_busy | lossless |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
+        prompts = r.get("prompt_set", "chat")
         if "error" in r:
-            lines.append(f"| {r['algo']} | {r['bs']} | {r['dtype']} | {r['backend']} | error: "
+            lines.append(f"| {prompts} | {r['algo']} | {r['bs']} | {r['dtype']} | {r['backend']} | error: "
                          f"{r['error'][:80]} | | | | | | | |")
             continue
-        lines.append(f"| {r['algo']} | {r['bs']} | {r['dtype']} | {r['backend']} | "
+        lines.append(f"| {prompts} | {r['algo']} | {r['bs']} | {r['dtype']} | {r['backend']} | "
                      f"{r['tokens_per_s']:.1f} | {_cell(r.get('speedup'), '.2f')} | "
                      f"{r['accept_length']:.2f} | {_cell(r.get('step_ms'), '.3f')} | "
                      f"{_cell(r.get('kernels_per_step'), '.0f')} | {_cell(r.get('kernel_ms_per_step'), '.3f')} | "

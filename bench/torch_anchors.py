@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from specattn.backends.tree_mask import pack_tree_mask
+from specattn.ops.tree_mask import pack_tree_mask
 from specattn.ops.compaction import CompactedPath
 from specattn.ops.tree import TreeInfo
 from specattn.ops.verify import VerifyResult

@@ -55,7 +55,7 @@
 // call); the kernels never read or write out of bounds.  No host sync, no allocation, T == 0
 // launches nothing.
 //
-// PERFORMANCE NOTES (issue 5; "predicted -> why"; no GPU here, reasoned from bytes, the
+// PERFORMANCE NOTES ("predicted -> why"; no GPU here, reasoned from bytes, the
 // ptxas report and the SASS).  Qwen3-8B drafter: hidden 4096, 5 layers x 8 KV heads x 128,
 // bf16.  The epilogue must move kv (T x 10240 x 2 B) once and write the same bytes of bf16
 // cache (half for fp8): 4096 tokens -> 83.9 + 83.9 MB = 168 MB, 55.6 us at the measured 3017
@@ -98,7 +98,7 @@
 //      block lifetime (~1-2 us): predicted epilogue ~8-9 us, the op ~73-74 us (GEMM 65.2 us);
 //      why: with 1.2 waves the second wave runs latency-bound; the data is partly L2-resident
 //      at this size (kv just written by the GEMM: 10.5 MB; caches 22 MB) which helps.
-//   MEASURED (H100, 2026-11-22, bench/results/2026-11-22-h100-kv-ops/, epilogue alone on a
+//   MEASURED (H100, bench/results/h100/kv_ops.json, epilogue alone on a
 //   precomputed GEMM output): 76.6 us at 4096 tokens (2.19 TB/s, 72.5 % of copy bandwidth;
 //   predicted ~58), 14.2 us at 512 (predicted 8-9, L2 flushed between iterations); whole op
 //   498.0 / 72.3 us.  Triton's epilogue took 65.7 / 14.3 us in the same run, so at 4096 tokens

@@ -1,5 +1,5 @@
 // EAGLE tree ops on CUDA: torch.ops.specattn.build_tree, verify_tree_greedy and
-// compact_accepted_path (issue 4).
+// compact_accepted_path.
 //
 // Semantics: the reference functions build_tree_reference (specattn/ops/tree.py),
 // verify_tree_greedy_reference (specattn/ops/verify.py) and compact_accepted_path_reference

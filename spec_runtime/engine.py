@@ -156,11 +156,12 @@ class Engine:
         page_size: KV page size of every pool (``max_context`` a multiple of it); e.g. 64
             for FlashMLA.
         eos_token_ids: generation stops after emitting one of these.
-        draft_model: EAGLE only: a separate drafter: a Llama over the target's vocabulary
-            (run like the target), or an EAGLE-3 drafter
-            (:class:`~specattn.spec_runtime.eagle3.Eagle3Drafter`, fed the target's hidden
-            states); or a callable ``target -> drafter`` that builds one over the engine's
-            target.  Default: the target's first ``draft_layers`` layers.
+        draft_model: the drafter, or a callable ``target -> drafter`` that builds one over
+            the engine's target.  EAGLE: a Llama over the target's vocabulary (run like the
+            target) or an EAGLE-3 drafter (:class:`~specattn.spec_runtime.eagle3.Eagle3Drafter`,
+            fed the target's hidden states); default: the target's first ``draft_layers``
+            layers.  DFlash: a trained :class:`~specattn.spec_runtime.dflash.DFlashDrafter`;
+            default: a random-init one.
         cuda_graph: CUDA graphs (GPU only, captured at construction for greedy decoding and
             at first use for a sampling configuration): whole rounds when every backend
             builds its graph metadata on the device, else per-mode graphs of the plain

@@ -35,7 +35,7 @@ def empty_batch(mode: ForwardMode, tokens_per_req: int, device) -> ForwardBatch:
     return ForwardBatch(mode, e64, e32, e32.clone(), e64.clone(), e64.clone(),
                         num_tokens_per_req=D if mode.has_fixed_tokens_per_req() else None,
                         tree_mask=torch.zeros(0, D, num_mask_words(D), dtype=torch.int32, device=device)
-                        if mode == ForwardMode.TARGET_VERIFY else None,
+                        if mode.is_target_verify() else None,
                         seq_lens_cpu=torch.zeros(0, dtype=torch.int32),
                         extend_lens_cpu=torch.zeros(0, dtype=torch.int32))
 

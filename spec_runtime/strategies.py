@@ -41,13 +41,16 @@ ModeList = List[Tuple[Role, ForwardMode]]
 
 @dataclass
 class SpecConfig:
-    """``algo``: ``none`` | ``eagle`` | ``dflash``.  EAGLE drafts ``num_steps`` levels with
-    ``topk`` beams and verifies ``num_draft_tokens`` tokens (root included); ``topk = 1`` is a
-    chain.  The self-speculative EAGLE drafter is the target's first ``draft_layers`` layers +
-    final norm + LM head (``None``: three quarters of the target's layers); a trained EAGLE-3
-    drafter is passed to the engine as ``draft_model``.  DFlash drafts ``block_size - 1``
-    tokens per round in one non-causal block forward of a ``draft_layers``-layer drafter
-    (``None``: 2) and verifies them as a chain."""
+    """``algo``: ``none`` | ``eagle`` | ``dflash`` | ``ngram``.  EAGLE drafts ``num_steps``
+    levels with ``topk`` beams and verifies ``num_draft_tokens`` tokens (root included);
+    ``topk = 1`` is a chain.  The self-speculative EAGLE drafter is the target's first
+    ``draft_layers`` layers + final norm + LM head (``None``: three quarters of the target's
+    layers); a trained EAGLE-3 drafter is passed to the engine as ``draft_model``.  DFlash
+    drafts ``block_size - 1`` tokens per round in one non-causal block forward of a
+    ``draft_layers``-layer drafter (``None``: 2) and verifies them as a chain, or with
+    ``topk > 1`` as a DDTree of ``num_draft_tokens`` nodes.  N-gram drafting copies ``topk``
+    chains of ``num_steps`` tokens from the request's own history, matching suffixes of up
+    to ``ngram_size`` tokens (:mod:`.ngram`)."""
 
     algo: str = "none"
     topk: int = 1
@@ -55,11 +58,31 @@ class SpecConfig:
     num_draft_tokens: int = 4
     draft_layers: Optional[int] = None
     block_size: int = 16
+    ngram_size: int = 4
+
+    def tokens_per_round(self) -> int:
+        """Most token positions past ``P`` one round writes (what a request's context must
+        leave room for): the verified tokens, or the DFlash block when larger."""
+        if self.algo == "dflash":
+            return max(self.block_size, self.num_draft_tokens if self.topk > 1 else 0)
+        if self.algo == "ngram":
+            return 1 + self.topk * self.num_steps
+        if self.algo == "eagle":
+            return max(self.num_draft_tokens, self.num_steps + 1)
+        return 1
 
     def validate(self) -> None:
         """Raises ValueError on an unknown algo or bounds that no tree can meet."""
-        if self.algo not in ("none", "eagle", "dflash"):
-            raise ValueError(f"unknown algo {self.algo!r} (none | eagle | dflash)")
+        if self.algo not in ("none", "eagle", "dflash", "ngram"):
+            raise ValueError(f"unknown algo {self.algo!r} (none | eagle | dflash | ngram)")
+        if self.algo == "ngram" and (self.topk < 1 or self.num_steps < 1 or self.ngram_size < 1):
+            raise ValueError(f"ngram needs topk >= 1 (chains), num_steps >= 1 (drafts per chain) and "
+                             f"ngram_size >= 1, got {self.topk}, {self.num_steps}, {self.ngram_size}")
+        if self.algo == "dflash" and self.topk > 1:
+            n_cand = ops.num_tree_candidates(self.topk, self.block_size - 1)
+            if not 2 <= self.num_draft_tokens <= n_cand + 1:
+                raise ValueError(f"dflash trees (DDTree) with topk={self.topk}, block_size={self.block_size} "
+                                 f"need 2 <= num_draft_tokens <= {n_cand + 1}, got {self.num_draft_tokens}")
         if self.algo == "eagle":
             if self.topk < 1 or self.num_steps < 1:
                 raise ValueError(f"eagle needs topk >= 1 and num_steps >= 1, got topk={self.topk}, "
@@ -398,5 +421,8 @@ def make_strategy(spec: SpecConfig, target, draft_model=None, max_context: int =
         return PlainDecoding()
     if spec.algo == "eagle":
         return EagleStrategy(spec, target, draft_model)
+    if spec.algo == "ngram":
+        from .ngram import NgramStrategy
+        return NgramStrategy(spec)
     from .dflash import DFlashStrategy
-    return DFlashStrategy(spec, target, max_context)
+    return DFlashStrategy(spec, target, max_context, draft_model)

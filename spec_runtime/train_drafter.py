@@ -1,4 +1,5 @@
-"""Train an EAGLE-3 drafter (:mod:`.eagle3`) by self-distillation from its target.
+"""Train an EAGLE-3 (:mod:`.eagle3`, ``kind="eagle3"``, the default) or a DFlash
+(:mod:`.dflash`, ``kind="dflash"``) drafter by self-distillation from its target.
 
 Pipeline (``specattn drafter train``; every piece is also a function here)
 ------------------------------------------------------------------------
@@ -13,9 +14,9 @@ Pipeline (``specattn drafter train``; every piece is also a function here)
 2. **Teacher** (:func:`target_features`): a dense batched forward of the target over packed
    rows (``F.scaled_dot_product_attention``, block-diagonal causal mask across packed
    sequences, ``is_causal=True`` when a row holds one sequence), returning the aux features
-   ``[B, T, 3H]`` and the final normed hidden ``[B, T, H]``; the target's logits are
+   ``[B, T, taps * H]`` and the final normed hidden ``[B, T, H]``; the target's logits are
    recomputed from that hidden chunk-wise inside the loss, never stored.
-3. **Training-time test** (EAGLE-3 paper, section 3; SpecForge's unroll): ``ttt_steps``
+3. EAGLE-3: **training-time test** (EAGLE-3 paper, section 3; SpecForge's unroll): ``ttt_steps``
    steps of :meth:`~specattn.spec_runtime.eagle3.Eagle3Drafter.dense_forward`; step ``k``
    row ``t`` is distilled towards the target's distribution at position ``t + 1 + k`` with
    the soft cross-entropy ``-sum_v p_target(v) log q_draft(v)`` averaged over valid rows
@@ -23,6 +24,22 @@ Pipeline (``specattn drafter train``; every piece is also a function here)
    ``sum_k 0.8^k loss_k``.  "Acceptance" of step ``k`` = top-1 agreement (draft argmax ==
    target argmax); the implied accept length of a ``K``-draft chain is
    ``1 + sum_k prod_{j<=k} acc_j`` (tokens per target verify, bonus included).
+3'. DFlash: **anchored blocks** (DFlash paper; the block-mask and anchor sampling of
+   SpecForge's ``specforge/core/dflash.py``; sources in ``docs/drafters.md``): per packed row
+   ``num_anchors`` anchors drawn at random (seeded) among the trained positions
+   (:func:`sample_anchors`: the root of a block is a generated token), one block
+   ``[x_a, MASK x (B-1)]`` per anchor through
+   :meth:`~specattn.spec_runtime.dflash.DFlashDrafter.dense_forward` (context strictly before
+   the anchor, non-causal inside the block, blocks isolated).  Block position ``k`` drafts
+   the token at ``a + k``: its teacher is the target's distribution at position
+   ``a + k - 1`` (soft labels, where every position ``a .. a + k - 1`` is in the sequence and
+   in the loss mask: :func:`block_valid`); loss = the token mean of the soft cross-entropy
+   weighted by ``exp(-(k - 1) / gamma)`` (``gamma = 7`` for ``B = 16``, the public recipes'
+   value), which puts the weight on the early positions a chain accepts first.  Metrics per
+   block position ``k``: top-1 agreement ``acc_k``, implied chain accept length
+   ``1 + sum_k prod_{j<=k} acc_j``, and on held-out greedy sequences the measured accept
+   length of the full block (the block does not depend on its own drafts, so on greedy data
+   the teacher-forced block IS the block the runtime drafts).
 4. **Export** (:func:`export`): ``config.json`` + ``model.safetensors`` (bf16) +
    ``README.md`` (model card) + ``train_log.json``.
 
@@ -64,6 +81,27 @@ defaults ``batch_size=16 x seq_len=512`` = 8192 token rows per step, ``ttt_steps
   per prompt the drafter saw its 0.49 M positions ~18 times in 170 s of training and its
   held-out agreement (0.47 at the first step) stayed well under its training agreement
   (0.63): more distinct contexts, not more passes, is what it needs.
+
+DFlash cost on the real model, defaults ``batch_size=16 x seq_len=512``, ``block_size=16``,
+``num_anchors=128`` blocks per row (32,768 block tokens per step), 2 draft layers of MLP width
+896 (the widest multiple of 128 whose bf16 checkpoint fits 12 MiB: 5.87 M parameters,
+11.19 MiB), 3 taps
+--------------------------------------------------------------------------------------------
+- Target forward (teacher, no grad): ~2.0 TFLOP per batch, as above.
+- Drafter forward: 4.87 M layer parameters x 2 x 32,768 block tokens = 0.32 TFLOP; context
+  ``fc`` + K/V of 8192 tokens 0.02 TFLOP; dense block attention (every query against all 512
+  context keys + its 16 block keys, 9 heads of 64) 2 x 2 x 32,768 x 528 x 576 = 0.04 TFLOP
+  per layer; with backward ~3x: ~1.3 TFLOP.
+- LM head over at most 16 x 128 x 15 = 30,720 trained block positions: draft logits,
+  teacher logits and gradient 3 x 2 x 30,720 x 49,152 x 576 = 5.2 TFLOP, plus ~10 float32
+  passes over ``rows x V`` (6 GB each at 30,720 rows, in chunks).
+- Total ~8.5 TFLOP and ~65 GB of memory traffic per step: ~70-90 ms on one H100, ~3300-4300
+  steps in 5 minutes -- the same ``steps=3000`` and time budget as EAGLE-3.
+- Memory: float32 attention scores ``[16, 9, 2048, 528]`` = 0.62 GB per tensor, ~1.3 GB kept
+  per layer for backward (~2.6 GB for 2 layers); block activations (32,768 x 576/896 float32,
+  ~0.1 GB each) < 2 GB; loss chunks 1.2 GB: under ~8 GB.
+- Data: the same cache as EAGLE-3 (``--data``); each step sees 2048 of the ~5-6 k trainable
+  anchors of its rows, so 3000 steps draw ~6 M blocks from ~1 M anchor positions.
 """
 from __future__ import annotations
 
@@ -73,26 +111,30 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from . import dflash as _dflash
+from .dflash import DFlashConfig, DFlashDrafter
 from .eagle3 import Eagle3Drafter, checkpoint_nbytes
 from .loader import LlamaConfig
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
 
 __all__ = ["DATA_DIR", "DEFAULT_TRAIN_PROMPTS", "DEFAULT_EVAL_PROMPTS", "KINDS", "read_prompts",
            "SequenceData", "GenConfig", "generate_data", "seed_texts", "pack_sequences", "collate",
-           "target_features", "step_valid", "soft_ce", "TrainConfig", "TrainResult", "train",
-           "evaluate", "implied_accept_length", "export", "model_card"]
+           "target_features", "step_valid", "soft_ce", "DRAFTER_KINDS", "sample_anchors", "block_valid",
+           "dflash_config_for", "TrainConfig", "TrainResult", "train", "evaluate", "implied_accept_length",
+           "export", "model_card"]
 
 DATA_DIR = Path(__file__).parent / "data"
 DEFAULT_TRAIN_PROMPTS = DATA_DIR / "train_prompts.txt"
 DEFAULT_EVAL_PROMPTS = DATA_DIR / "eval_prompts.txt"
 KINDS = ("greedy", "sampled", "seed")          # SequenceData.kind codes 0, 1, 2
+DRAFTER_KINDS = ("eagle3", "dflash")
 TTT_DECAY = 0.8                                 # weight of TTT step k's loss: 0.8 ** k (SpecForge)
 _DATA_FORMAT = "specattn-eagle3-data-v1"
 
@@ -483,18 +525,19 @@ def target_features(config: LlamaConfig, weights: Dict[str, torch.Tensor], token
 # ----------------------------------------------------------------------------- loss
 
 class _ChunkedSoftCE(torch.autograd.Function):
-    """Mean over rows of ``-sum_v softmax(t W^T)_v log_softmax(h W^T)_v`` and, per row,
-    whether both argmaxes agree, computed ``chunk`` rows at a time; the gradient w.r.t.
-    ``h`` (``(q - p) W / M``) is formed in the same pass, so no ``[M, V]`` tensor outlives a
-    chunk.  ``W`` (the frozen LM head) and ``t`` get no gradient."""
+    """``sum_r w_r CE_r`` over rows (``w_r = 1/M`` without weights), ``CE_r = -sum_v
+    softmax(t_r W^T)_v log_softmax(h_r W^T)_v``, per row whether both argmaxes agree, and
+    ``CE_r`` itself, computed ``chunk`` rows at a time; the gradient w.r.t. ``h``
+    (``w_r (q_r - p_r) W``) is formed in the same pass, so no ``[M, V]`` tensor outlives a
+    chunk.  ``W`` (the frozen LM head), ``t`` and the weights get no gradient."""
 
     @staticmethod
-    def forward(ctx, h, t, W, chunk):
+    def forward(ctx, h, t, W, chunk, weights):
         M = h.shape[0]
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(h) if need_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
         agree = torch.zeros(M, dtype=torch.bool, device=h.device)
+        rows = torch.zeros(M, dtype=torch.float32, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, M, chunk):   # few full passes over [chunk, V]; in place where possible
                 zt = (t[s:s + chunk].to(W.dtype) @ W.T).float()
@@ -505,29 +548,47 @@ class _ChunkedSoftCE(torch.autograd.Function):
                 agree[s:s + chunk] = z.argmax(-1) == top_t
                 logq = torch.log_softmax(z, dim=-1)
                 del z
-                total -= torch.dot(p.view(-1), logq.view(-1))
+                rows[s:s + chunk] = -(p.unsqueeze(1) @ logq.unsqueeze(2)).view(-1)
                 if need_grad:
-                    g = logq.exp_().sub_(p).mul_(1.0 / M)          # (q - p) / M
+                    g = logq.exp_().sub_(p)                         # q - p
+                    g.mul_(weights[s:s + chunk, None] if weights is not None else 1.0 / M)
                     grad[s:s + chunk] = (g.to(W.dtype) @ W).to(grad.dtype)
-        ctx.mark_non_differentiable(agree)
+        total = (rows * weights).sum() if weights is not None else rows.sum() / max(M, 1)
+        ctx.mark_non_differentiable(agree, rows)
         if need_grad:
             ctx.save_for_backward(grad)
-        return total / max(M, 1), agree
+        return total, agree, rows
 
     @staticmethod
-    def backward(ctx, g_loss, g_agree):
+    def backward(ctx, g_loss, g_agree, g_rows):
         (grad,) = ctx.saved_tensors
-        return g_loss * grad, None, None, None
+        return g_loss * grad, None, None, None, None
 
 
-def soft_ce(h: torch.Tensor, teacher: torch.Tensor, lm_head: torch.Tensor, chunk: int = 2048
-            ) -> Tuple[torch.Tensor, torch.Tensor]:
+def soft_ce(h: torch.Tensor, teacher: torch.Tensor, lm_head: torch.Tensor, chunk: int = 2048,
+            weights: Optional[torch.Tensor] = None, per_row: bool = False):
     """Distillation loss of ``M`` rows: draft normed hidden ``h [M, H]`` against the target's
-    normed hidden ``teacher [M, H]`` through the shared ``lm_head [V, H]``.  Returns
-    ``(mean soft cross-entropy, differentiable in h; bool [M]: draft argmax == target argmax)``."""
+    normed hidden ``teacher [M, H]`` through the shared ``lm_head [V, H]``.
+
+    Args:
+        weights: float32 ``[M]`` row weights (the loss is ``sum_r weights_r CE_r``; pass
+            weights summing to 1 for a weighted mean).  None: the plain mean.
+        per_row: also return the per-row cross-entropies.
+
+    Returns:
+        ``(loss, differentiable in h; bool [M]: draft argmax == target argmax)`` and, with
+        ``per_row``, float32 ``[M]`` cross-entropies (no gradient).
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
     if h.shape != teacher.shape or h.dim() != 2:
         raise ValueError(f"h and teacher must both be [M, H], got {tuple(h.shape)} and {tuple(teacher.shape)}")
-    return _ChunkedSoftCE.apply(h, teacher, lm_head, int(chunk))
+    if weights is not None and weights.shape != (h.shape[0],):
+        raise ValueError(f"weights must be [M] = [{h.shape[0]}], got {tuple(weights.shape)}")
+    loss, agree, rows = _ChunkedSoftCE.apply(h, teacher, lm_head, int(chunk),
+                                             None if weights is None else weights.float())
+    return (loss, agree, rows) if per_row else (loss, agree)
 
 
 def implied_accept_length(acc: Sequence[float]) -> float:
@@ -540,18 +601,119 @@ def implied_accept_length(acc: Sequence[float]) -> float:
     return out
 
 
+# ----------------------------------------------------------------------------- DFlash blocks
+
+def sample_anchors(segments: torch.Tensor, loss_mask: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Block roots for DFlash training: per row up to ``num_anchors`` distinct row indices
+    drawn uniformly without replacement among the trained positions (``segments >= 0`` and
+    ``loss_mask``: a generated token is the root, as at inference), sorted.
+
+    Args:
+        segments, loss_mask: ``[B, T]`` (:func:`collate`).
+        num_anchors: the most anchors per row (>= 1).
+        generator: a CPU generator (the draw is made on the CPU, so it is the same on every
+            device for the same seed).
+
+    Returns:
+        ``(anchors int64 [B, N], keep bool [B, N])`` on ``segments``' device, ``N = min(
+        num_anchors, most trained positions of a row)``; rows with fewer positions pad with
+        index 0 and ``keep = False``.
+    """
+    valid = ((segments >= 0) & loss_mask.bool()).cpu()
+    B, T = valid.shape
+    counts = valid.sum(1)
+    N = min(int(num_anchors), int(counts.max()) if B else 0)
+    r = torch.rand(B, T, generator=generator).masked_fill(~valid, 2.0)
+    idx = r.argsort(dim=1)[:, :N]                                   # trained positions first
+    keep = torch.arange(N)[None, :] < counts.clamp(max=N)[:, None]
+    anchors = torch.where(keep, idx, T).sort(dim=1).values          # padding last, then 0
+    anchors = torch.where(keep, anchors, 0)
+    return anchors.to(segments.device), keep.to(segments.device)
+
+
+def block_valid(segments: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
+                block_size: int) -> torch.Tensor:
+    """bool ``[B, N, S]``: block position ``k`` of the block at anchor ``a`` has a teacher --
+    ``k >= 1``, the block is kept, and every row index ``a .. a + k - 1`` lies in ``a``'s
+    sequence and in the loss mask (the teacher is the target's distribution at ``a + k - 1``,
+    which predicts the token at ``a + k``).  Position 0 (the root) never."""
+    B, T = segments.shape
+    N, S = anchors.shape[1], int(block_size)
+    idx = anchors[:, :, None] + torch.arange(S - 1, device=anchors.device)          # a + k - 1, k = 1 .. S-1
+    inside = idx < T
+    flat = idx.clamp(max=T - 1).reshape(B, -1)
+    seg_a = segments.gather(1, anchors)
+    ok = inside & (segments.gather(1, flat).view(B, N, S - 1) == seg_a[:, :, None]) \
+        & loss_mask.bool().gather(1, flat).view(B, N, S - 1) & (keep & (seg_a >= 0))[:, :, None]
+    ok = ok.int().cumprod(-1).bool()
+    return torch.cat([torch.zeros(B, N, 1, dtype=torch.bool, device=ok.device), ok], -1)
+
+
+def dflash_config_for(target: LlamaConfig, num_target_layers: int, tc: "TrainConfig",
+                      target_model: Optional[str] = None) -> DFlashConfig:
+    """The DFlash drafter :func:`train` builds for ``target`` under ``tc``: ``draft_layers``
+    layers, ``num_context_layers`` taps, block ``block_size``, mask token ``mask_token_id``
+    (default :func:`~specattn.spec_runtime.dflash.default_mask_token_id`), MLP width
+    ``draft_intermediate_size`` or, when 0, the widest multiple of 128 up to the target's whose
+    bf16 checkpoint fits ``max_checkpoint_mib`` (:func:`~specattn.spec_runtime.dflash.
+    fit_intermediate_size`).
+
+    Raises:
+        ValueError: more taps than target layers, a mask token outside the vocabulary, or a
+            drafter over the size budget (the message gives its size).
+    """
+    if tc.num_context_layers > num_target_layers:
+        raise ValueError(f"num_context_layers={tc.num_context_layers} exceeds the target's {num_target_layers} layers")
+    cfg = DFlashConfig.from_target(target, tc.draft_layers, tc.num_context_layers,
+                                   intermediate_size=tc.draft_intermediate_size or None, block_size=tc.block_size,
+                                   mask_token_id=tc.mask_token_id, num_target_layers=num_target_layers,
+                                   target_model=target_model)
+    if not tc.max_checkpoint_mib:
+        return cfg
+    budget = int(tc.max_checkpoint_mib * 2**20)
+    if tc.draft_intermediate_size:
+        size = _dflash.checkpoint_nbytes(cfg)
+        if size + _dflash.HEADER_ALLOWANCE > budget:
+            raise ValueError(f"the DFlash drafter ({cfg.num_hidden_layers} layers, MLP width {cfg.intermediate_size}, "
+                             f"{cfg.num_context_features} taps) takes {size / 2**20:.2f} MiB in bf16, over the "
+                             f"{tc.max_checkpoint_mib:g} MiB budget (--max-checkpoint-mib)")
+        return cfg
+    inter = _dflash.fit_intermediate_size(cfg, budget)
+    if inter is None:
+        raise ValueError(f"{cfg.num_hidden_layers} DFlash layers with {cfg.num_context_features} taps do not fit "
+                         f"{tc.max_checkpoint_mib:g} MiB in bf16 even with an MLP width of 128 (--max-checkpoint-mib)")
+    return replace(cfg, intermediate_size=inter)
+
+
 # ----------------------------------------------------------------------------- training
 
 @dataclass
 class TrainConfig:
     """Training hyper-parameters (defaults: the real model on one H100; see the module
-    docstring for the cost estimate).  ``time_budget_s`` (0 = none) bounds the training loop
-    (periodic evaluations included); ``eval_every`` 0 = only the final evaluation."""
+    docstring for the cost estimates).  ``kind``: ``"eagle3"`` or ``"dflash"``.
+    ``time_budget_s`` (0 = none) bounds the training loop (periodic evaluations included);
+    ``eval_every`` 0 = only the final evaluation.
 
+    EAGLE-3 only: ``ttt_steps``.  DFlash only: ``block_size``, ``draft_layers``,
+    ``num_context_layers`` (taps), ``draft_intermediate_size`` (0 = fit
+    ``max_checkpoint_mib``; ``max_checkpoint_mib`` 0 = no size limit), ``num_anchors`` per
+    row, ``loss_decay_gamma`` (0 = uniform position weights), ``mask_token_id`` (None = the
+    default for the target's vocabulary)."""
+
+    kind: str = "eagle3"
     seq_len: int = 512
     batch_size: int = 16
     steps: int = 3000
     ttt_steps: int = 7
+    block_size: int = 16
+    draft_layers: int = 2
+    num_context_layers: int = 3
+    draft_intermediate_size: int = 0
+    num_anchors: int = 128
+    loss_decay_gamma: float = 7.0
+    mask_token_id: Optional[int] = None
+    max_checkpoint_mib: float = 12.0
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
@@ -567,25 +729,54 @@ class TrainConfig:
     amp: bool = True
 
     def validate(self) -> None:
-        for k in ("seq_len", "batch_size", "steps", "ttt_steps", "loss_chunk", "log_every", "eval_batches"):
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(DRAFTER_KINDS)}, got {self.kind!r}")
+        for k in ("seq_len", "batch_size", "steps", "ttt_steps", "loss_chunk", "log_every", "eval_batches",
+                  "draft_layers", "num_context_layers", "num_anchors"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.seq_len < 3:
             raise ValueError("seq_len must be >= 3")
+        if not 2 <= self.block_size <= self.seq_len:
+            raise ValueError(f"block_size must be in [2, seq_len={self.seq_len}], got {self.block_size}")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("lr must be > 0 and min_lr_ratio in [0, 1]")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0 or self.eval_every < 0:
             raise ValueError("warmup_steps, weight_decay, grad_clip and eval_every must be >= 0")
+        if self.draft_intermediate_size < 0 or self.loss_decay_gamma < 0 or self.max_checkpoint_mib < 0:
+            raise ValueError("draft_intermediate_size, loss_decay_gamma and max_checkpoint_mib must be >= 0")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
         if not 0 <= self.eval_frac < 1:
             raise ValueError(f"eval_frac must be in [0, 1), got {self.eval_frac}")
         if self.time_budget_s < 0:
             raise ValueError("time_budget_s must be >= 0")
 
+    @property
+    def num_metrics(self) -> int:
+        """Entries of the per-step metrics: TTT steps (EAGLE-3) or drafted block positions
+        ``1 .. block_size - 1`` (DFlash)."""
+        return self.ttt_steps if self.kind == "eagle3" else self.block_size - 1
+
 
 @dataclass
 class TrainResult:
-    drafter: Eagle3Drafter
+    drafter: object           # Eagle3Drafter or DFlashDrafter
     log: dict
+
+
+@dataclass
+class _StepOut:
+    """One batch's forward: the total loss; per metric entry ``k`` (TTT step / block
+    position ``k + 1``) the mean loss, the agreement flags (bool) and the indices of the
+    entries it covers (``None`` where none is valid); ``entry_seg``: the sequence of every
+    entry (token rows for EAGLE-3, anchors for DFlash; ``-1`` = none)."""
+
+    total: torch.Tensor
+    losses: list
+    agrees: list
+    valids: list
+    entry_seg: torch.Tensor
 
 
 def _lr_at(step: int, total: int, tc: TrainConfig) -> float:
@@ -618,9 +809,9 @@ def _autocast(device: torch.device, amp: bool):
 
 
 def _step_losses(drafter: Eagle3Drafter, target: LlamaModel, batch: Dict[str, torch.Tensor], tc: TrainConfig):
-    """Forward of one batch: ``(total loss, [loss_k], [agree_k], [rows_k])``: per TTT step the
-    loss tensor, the per-row agreement flags (bool) and the flat indices of its valid rows
-    (one host read per step, for the valid-row selection); ``None`` where no row is valid."""
+    """EAGLE-3 forward of one batch: ``(total loss, [loss_k], [agree_k], [rows_k])``: per TTT
+    step the loss tensor, the per-row agreement flags (bool) and the flat indices of its valid
+    rows (one host read per step, for the valid-row selection); ``None`` where no row is valid."""
     c = target.config
     feats, th = target_features(c, target.w, batch["tokens"], batch["positions"], batch["segments"],
                                 drafter.aux_layer_ids, target.num_layers)
@@ -643,6 +834,57 @@ def _step_losses(drafter: Eagle3Drafter, target: LlamaModel, batch: Dict[str, to
     return total, losses, agrees, valids
 
 
+def _dflash_step_losses(drafter: DFlashDrafter, target: LlamaModel, batch: Dict[str, torch.Tensor],
+                        tc: TrainConfig, generator: torch.Generator) -> _StepOut:
+    """DFlash forward of one batch: anchors (:func:`sample_anchors` from ``generator``), the
+    target's features and normed hidden, the blocks (:meth:`DFlashDrafter.dense_forward`),
+    and ONE chunked soft cross-entropy over every valid block position, row ``(b, n, k)``
+    weighted ``exp(-(k-1)/gamma) / sum`` (a weighted token mean); per block position the
+    mean cross-entropy, agreement flags and anchor entries ``b * N + n``."""
+    c = target.config
+    S, K = tc.block_size, tc.block_size - 1
+    seg, lm = batch["segments"], batch["loss_mask"]
+    anchors, keep = sample_anchors(seg, lm, tc.num_anchors, generator)
+    B, N = anchors.shape
+    entry_seg = torch.where(keep, seg.gather(1, anchors), -1).flatten() if N else seg.new_zeros(0)
+    none = [None] * K
+    zero = torch.zeros((), dtype=torch.float32, device=target.device)
+    if N == 0:
+        return _StepOut(zero, none, list(none), list(none), entry_seg)
+    feats, th = target_features(c, target.w, batch["tokens"], batch["positions"], seg, drafter.context_layers,
+                                target.num_layers)
+    valid = block_valid(seg, lm, anchors, keep, S)                                 # [B, N, S]
+    sel = valid.nonzero()                                                           # (b, n, k), one host read
+    if sel.shape[0] == 0:
+        return _StepOut(zero, none, list(none), list(none), entry_seg)
+    with _autocast(target.device, tc.amp):
+        hid = drafter.dense_forward(batch["tokens"], feats, batch["positions"], anchors, seg, keep, S)
+    b, n, k = sel.unbind(1)
+    teacher = th[b, anchors[b, n] + k - 1]
+    pos_w = (torch.exp(-(k - 1).float() / tc.loss_decay_gamma) if tc.loss_decay_gamma > 0
+             else torch.ones(k.shape[0], device=k.device))
+    total, agree, ce = soft_ce(hid[b, n, k], teacher, drafter.lm_head, tc.loss_chunk,
+                               weights=pos_w / pos_w.sum(), per_row=True)
+    entry = b * N + n
+    counts = torch.bincount(k, minlength=S).tolist()
+    losses, agrees, valids = [], [], []
+    for j in range(1, S):                      # the rows of block position j
+        if not counts[j]:
+            losses.append(None), agrees.append(None), valids.append(None)
+            continue
+        m = k == j
+        losses.append(ce[m].mean()), agrees.append(agree[m]), valids.append(entry[m])
+    return _StepOut(total, losses, agrees, valids, entry_seg)
+
+
+def _run_step(drafter, target: LlamaModel, batch: Dict[str, torch.Tensor], tc: TrainConfig,
+              generator: Optional[torch.Generator]) -> _StepOut:
+    if tc.kind == "dflash":
+        return _dflash_step_losses(drafter, target, batch, tc, generator)
+    total, losses, agrees, valids = _step_losses(drafter, target, batch, tc)
+    return _StepOut(total, losses, agrees, valids, batch["segments"].flatten())
+
+
 def _batch_stream(n_rows: int, batch_size: int, seed: int):
     """Endless row-index batches: successive seeded permutations, ``batch_size`` at a time."""
     g = torch.Generator().manual_seed(seed)
@@ -655,37 +897,42 @@ def _batch_stream(n_rows: int, batch_size: int, seed: int):
 
 
 @torch.no_grad()
-def evaluate(drafter: Eagle3Drafter, target: LlamaModel, data: SequenceData, rows: Sequence[Sequence[int]],
+def evaluate(drafter, target: LlamaModel, data: SequenceData, rows: Sequence[Sequence[int]],
              tc: TrainConfig, max_batches: Optional[int] = None) -> dict:
     """Held-out metrics over ``rows`` (packed sequences).
 
-    Returns a dict: ``acc`` (per TTT step top-1 agreement), ``loss`` (per step mean soft
-    cross-entropy), ``valid_rows``, ``accept_length`` (:func:`implied_accept_length` of
-    ``acc``), and, on greedy sequences, ``greedy_chain_accept_length[j]``: the measured mean
-    tokens per verify of a greedy chain of ``j + 1`` drafts started at every position with
-    all ``ttt_steps`` teacher positions available -- ``1 + min(j + 1, leading agreements)``;
-    there the true next tokens ARE the target's argmaxes, so the teacher-forced chain is the
-    chain a greedy EAGLE-3 round drafts (None without greedy rows), ``greedy_chain_rows``.
+    Returns a dict: ``acc`` (per metric entry ``k`` -- TTT step / block position ``k + 1`` --
+    top-1 agreement), ``loss`` (per entry mean soft cross-entropy), ``valid_rows``,
+    ``accept_length`` (:func:`implied_accept_length` of ``acc``), and, on greedy sequences,
+    ``greedy_chain_accept_length[j]``: the measured mean tokens per verify of a greedy chain
+    of ``j + 1`` drafts, ``1 + min(j + 1, leading agreements)``, over every entry whose
+    ``K`` teacher positions all exist (EAGLE-3: a chain started at every position; DFlash:
+    the block of every evaluated anchor); there the true next tokens ARE the target's
+    argmaxes, so the teacher-forced chain / block is the one a greedy round drafts (None
+    without greedy rows), ``greedy_chain_rows``.  DFlash anchors come from a generator seeded
+    by ``tc.seed`` afresh on every call, so periodic evaluations see the same blocks.
     """
-    K = tc.ttt_steps
+    K = tc.num_metrics
     agree, valid, loss_sum = [0] * K, [0] * K, [0.0] * K
     kind = data.kind.to(target.device)
+    gen = torch.Generator().manual_seed(tc.seed + 3) if tc.kind == "dflash" else None
     leads = []
     batches = [rows[i:i + tc.batch_size] for i in range(0, len(rows), tc.batch_size)]
     for b in batches[:max_batches]:
         batch = collate(data, b, tc.seq_len, target.device)
-        _, losses, agrees, valids = _step_losses(drafter, target, batch, tc)
-        seg = batch["segments"].flatten()
-        N = seg.numel()
-        ok = torch.zeros(K, N, dtype=torch.bool, device=seg.device)
-        val = torch.zeros(K, N, dtype=torch.bool, device=seg.device)
+        out = _run_step(drafter, target, batch, tc, gen)
+        seg = out.entry_seg
+        E = seg.numel()
+        ok = torch.zeros(K, E, dtype=torch.bool, device=target.device)
+        val = torch.zeros(K, E, dtype=torch.bool, device=target.device)
         for k in range(K):
-            if valids[k] is not None:
-                agree[k] += int(agrees[k].sum())
-                valid[k] += valids[k].numel()
-                loss_sum[k] += float(losses[k]) * valids[k].numel()
-                ok[k, valids[k]] = agrees[k]
-                val[k, valids[k]] = True
+            if out.valids[k] is not None:
+                agree[k] += int(out.agrees[k].sum())
+                valid[k] += out.valids[k].numel()
+                loss_sum[k] += float(out.losses[k]) * out.valids[k].numel()
+                ok[k, out.valids[k]] = out.agrees[k]
+                val[k, out.valids[k]] = True
+        seg = seg.to(target.device)
         full = val.all(0) & (seg >= 0) & (kind[seg.clamp(min=0)] == 0)
         leads.append(torch.cumprod(ok.int(), 0).sum(0)[full].cpu())
     acc = [a / v if v else 0.0 for a, v in zip(agree, valid)]
@@ -696,23 +943,39 @@ def evaluate(drafter: Eagle3Drafter, target: LlamaModel, data: SequenceData, row
             "greedy_chain_rows": int(lead.numel()), "batches": len(batches[:max_batches])}
 
 
+def _new_drafter(target: LlamaModel, tc: TrainConfig, target_model: Optional[str]):
+    """A fresh float32 drafter of ``tc.kind`` for ``target`` (init seeded by ``tc.seed``)."""
+    if tc.kind == "dflash":
+        cfg = dflash_config_for(target.config, target.num_layers, tc, target_model)
+        return DFlashDrafter(target, max_positions=max(cfg.max_position_embeddings, 4096), seed=tc.seed, config=cfg,
+                             dtype=torch.float32)
+    return Eagle3Drafter.from_target(target, seed=tc.seed, dtype=torch.float32, target_model=target_model)
+
+
+def _bar_info(loss: float, acc: Sequence[Optional[float]]) -> str:
+    shown = [a for a in acc if a is not None]
+    text = f"loss {loss:.3f}  acc " + " ".join(f"{a:.2f}" for a in shown[:7]) + (" ..." if len(shown) > 7 else "")
+    return text + (f"  tau {implied_accept_length(shown):.2f}" if len(shown) > 7 else "")
+
+
 def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_model: Optional[str] = None,
           progress: bool = True, console=None) -> TrainResult:
-    """Train a fresh EAGLE-3 drafter on ``data`` by self-distillation from ``target``.
+    """Train a fresh drafter of ``tc.kind`` on ``data`` by self-distillation from ``target``.
 
     Args:
         target: the target model (its device runs everything; its weights stay frozen).
         data: :class:`SequenceData` (split by group into train / held-out).
         tc: :class:`TrainConfig`.
         target_model: name recorded in the drafter's config.
-        progress: show a progress bar with loss and per-step acceptance.
+        progress: show a progress bar with loss and per-step / per-position acceptance.
 
     Returns:
         :class:`TrainResult`: the drafter (float32 master weights on the target's device)
         and a JSON-able log (curves, final held-out evaluation, timings, why it stopped).
 
     Raises:
-        ValueError: bad ``tc`` or no trainable sequence.
+        ValueError: bad ``tc``, a DFlash drafter that does not fit the target or the size
+            budget, or no trainable sequence.
     """
     tc.validate()
     dev = target.device
@@ -723,14 +986,22 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
     eval_rows = [[eval_idx[i] for i in r] for r in pack_sequences([lens[i] for i in eval_idx], tc.seq_len)]
     if not train_rows:
         raise ValueError("no training sequence (need sequences of >= 3 tokens)")
-    drafter = Eagle3Drafter.from_target(target, seed=tc.seed, dtype=torch.float32, target_model=target_model)
+    drafter = _new_drafter(target, tc, target_model)
     params = drafter.trainable_parameters()
-    groups = [{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": tc.weight_decay},
-              {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}]
+    decay = [p for n, p in params.items() if p.dim() >= 2 and "norm" not in n]
+    groups = [{"params": decay, "weight_decay": tc.weight_decay},
+              {"params": [p for n, p in params.items() if not (p.dim() >= 2 and "norm" not in n)],
+               "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
     stream = _batch_stream(len(train_rows), min(tc.batch_size, len(train_rows)), tc.seed)
+    anchor_gen = torch.Generator().manual_seed(tc.seed + 2)
     planned = tc.steps
-    log = {"train": [], "eval": [], "planned_steps": [planned], "stop_reason": "steps"}
+    log = {"kind": tc.kind, "train": [], "eval": [], "planned_steps": [planned], "stop_reason": "steps"}
+    if tc.kind == "dflash":
+        n_mask = int((data.tokens == drafter.mask_token_id).sum())
+        log["mask_token_id"], log["mask_token_in_data"] = drafter.mask_token_id, n_mask
+        if n_mask and console is not None:
+            console.print(f"warning: the mask token {drafter.mask_token_id} occurs {n_mask} times in the data")
     t0 = time.perf_counter()
     calib_from, calib_t = 5, None
     step = 0
@@ -744,20 +1015,20 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
             for gr in opt.param_groups:
                 gr["lr"] = lr
             batch = collate(data, [train_rows[i] for i in next(stream)], tc.seq_len, dev)
-            total, losses, agrees, valids = _step_losses(drafter, target, batch, tc)
+            out = _run_step(drafter, target, batch, tc, anchor_gen)
             opt.zero_grad(set_to_none=True)
-            if total.requires_grad:
-                total.backward()
+            if out.total.requires_grad:
+                out.total.backward()
             gn = torch.nn.utils.clip_grad_norm_(list(params.values()), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
             opt.step()
             step += 1
             if step % tc.log_every == 0 or step == 1 or step == planned:
-                acc = [None if a is None else int(a.sum()) / a.numel() for a in agrees]
-                log["train"].append({"step": step, "loss": float(total.detach()), "lr": lr, "grad_norm": float(gn),
-                                     "step_loss": [None if l is None else float(l.detach()) for l in losses], "acc": acc,
-                                     "seconds": time.perf_counter() - t0})
-                bar.update(task, info=f"loss {float(total.detach()):.3f}  acc " +
-                           " ".join(f"{a:.2f}" for a in acc if a is not None))
+                acc = [None if a is None else int(a.sum()) / max(a.numel(), 1) for a in out.agrees]
+                loss = float(out.total.detach())
+                log["train"].append({"step": step, "loss": loss, "lr": lr, "grad_norm": float(gn),
+                                     "step_loss": [None if l is None else float(l.detach()) for l in out.losses],
+                                     "acc": acc, "seconds": time.perf_counter() - t0})
+                bar.update(task, info=_bar_info(loss, acc))
             bar.update(task, completed=step)
             if tc.eval_every and step % tc.eval_every == 0 and eval_rows and step < planned:
                 ev = evaluate(drafter, target, data, eval_rows, tc, tc.eval_batches)
@@ -792,16 +1063,22 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
 
 # ----------------------------------------------------------------------------- export
 
-def export(drafter: Eagle3Drafter, out_dir, log: dict, *, command: str, data_stats: dict,
-           data_meta: dict) -> Dict[str, Path]:
+def export(drafter, out_dir, log: dict, *, command: str, data_stats: dict, data_meta: dict) -> Dict[str, Path]:
     """Write ``config.json``, ``model.safetensors`` (bf16), ``README.md`` and
     ``train_log.json`` into ``out_dir``; returns their paths.  The training summary goes into
     ``config.json`` under ``specattn.training``."""
     out = Path(out_dir)
     fe = log.get("final_eval") or {}
+    tc = log["config"]
+    if isinstance(drafter, DFlashDrafter):
+        head = {"method": "DFlash anchored blocks, self-distillation (soft cross-entropy, position weights "
+                          "exp(-(k-1)/gamma))", "block_size": tc["block_size"], "num_anchors": tc["num_anchors"],
+                "loss_decay_gamma": tc["loss_decay_gamma"]}
+    else:
+        head = {"method": "EAGLE-3 training-time test, self-distillation (soft cross-entropy)",
+                "ttt_steps": tc["ttt_steps"]}
     drafter.config.training = {
-        "method": "EAGLE-3 training-time test, self-distillation (soft cross-entropy)",
-        "ttt_steps": log["config"]["ttt_steps"], "steps": log["steps_done"], "seed": log["config"]["seed"],
+        **head, "steps": log["steps_done"], "seed": tc["seed"],
         "heldout_acc": fe.get("acc"), "heldout_accept_length": fe.get("accept_length"),
         "heldout_greedy_chain_accept_length": fe.get("greedy_chain_accept_length"),
         "data_sequences": data_stats.get("sequences"), "data_tokens": data_stats.get("tokens"),
@@ -813,11 +1090,62 @@ def export(drafter: Eagle3Drafter, out_dir, log: dict, *, command: str, data_sta
     return {n: out / n for n in ("config.json", "model.safetensors", "README.md", "train_log.json")}
 
 
-def model_card(drafter: Eagle3Drafter, full_log: dict) -> str:
-    """The ``README.md`` of a trained drafter, from its config and the training log."""
-    c, tc = drafter.config, full_log["config"]
-    st, meta = full_log["data"]["stats"], full_log["data"]["meta"]
+def _data_lines(full_log: dict) -> List[str]:
+    """The model card's Data section (shared by both kinds)."""
+    tc, st, meta = full_log["config"], full_log["data"]["stats"], full_log["data"]["meta"]
     gen = meta.get("generation") or {}
+    return [
+        "## Data",
+        "",
+        f"- prompts: {meta.get('prompts', '?')} training prompts (`{meta.get('prompt_file', '?')}`), chat template "
+        f"applied; {meta.get('seeds', 0)} raw-text continuation seeds",
+        f"- greedy responses: {st.get('greedy_sequences', 0)} sequences, {st.get('greedy_tokens', 0):,} tokens",
+        f"- sampled responses (temperature {gen.get('temperature')}, top-p {gen.get('top_p')}, top-k "
+        f"{gen.get('top_k')}): {st.get('sampled_sequences', 0)} sequences, {st.get('sampled_tokens', 0):,} tokens",
+        f"- seed continuations (temperature {gen.get('seed_temperature')}): {st.get('seed_sequences', 0)} "
+        f"sequences, {st.get('seed_tokens', 0):,} tokens",
+        f"- total {st.get('sequences', 0)} sequences, {st.get('tokens', 0):,} tokens, "
+        f"{st.get('loss_tokens', 0):,} trained positions (generated tokens)",
+        f"- generated with the project's runtime (target only, {gen.get('backend')} backend, "
+        f"{gen.get('dtype')} on {gen.get('device')}, max {gen.get('max_new_tokens')} new tokens) in "
+        f"{_fmt_s(meta.get('generation_seconds'))}"
+        + ("; the data time budget cut generation short" if meta.get("truncated_by_time_budget") else ""),
+        f"- held out: {full_log.get('heldout_sequences', 0)} sequences (all samples of "
+        f"{int(round(tc['eval_frac'] * 100))} % of the prompts / seeds, unseen in training)",
+        "",
+    ]
+
+
+def _run_lines(full_log: dict) -> List[str]:
+    """The model card's schedule, optimizer, hardware and command lines (shared)."""
+    tc = full_log["config"]
+    return [
+        f"- {full_log['steps_done']} steps (planned {tc['steps']}"
+        + (f", time budget {tc['time_budget_s']:.0f} s" if tc["time_budget_s"] else "")
+        + f"; stopped by: {full_log['stop_reason']}), batch {tc['batch_size']} rows x {tc['seq_len']} tokens "
+        "(sequences packed, attention never crosses them)",
+        f"- AdamW lr {tc['lr']:g} (warm-up {tc['warmup_steps']}, cosine to {tc['min_lr_ratio']:g}x), weight decay "
+        f"{tc['weight_decay']:g}, gradient clip {tc['grad_clip']:g}, seed {tc['seed']}",
+        f"- {_fmt_s(full_log.get('train_seconds'))} on {full_log.get('device_name')} ({full_log.get('device')}), "
+        f"target in {full_log.get('target_dtype')}" + (", bf16 autocast" if tc["amp"] and
+                                                       str(full_log.get("device", "")).startswith("cuda") else ""),
+        "",
+        "Command:",
+        "",
+        "```bash",
+        full_log["command"],
+        "```",
+        "",
+        "## Held-out acceptance",
+        "",
+    ]
+
+
+def model_card(drafter, full_log: dict) -> str:
+    """The ``README.md`` of a trained drafter, from its config and the training log."""
+    if isinstance(drafter, DFlashDrafter):
+        return _dflash_card(drafter, full_log)
+    c, tc = drafter.config, full_log["config"]
     fe = full_log.get("final_eval")
     n_params = sum(math.prod(s) for s in c.param_shapes().values())
     size = checkpoint_nbytes(c)
@@ -845,46 +1173,12 @@ def model_card(drafter: Eagle3Drafter, full_log: dict) -> str:
         f"{size / 2**20:.2f} MiB in bf16. `config.json` says `LlamaForCausalLMEagle3`, `num_hidden_layers: 1`, "
         "no `draft_vocab_size` (SGLang then loads the embedding and LM head from the target; vLLM shares them).",
         "",
-        "## Data",
-        "",
-        f"- prompts: {meta.get('prompts', '?')} training prompts (`{meta.get('prompt_file', '?')}`), chat template "
-        f"applied; {meta.get('seeds', 0)} raw-text continuation seeds",
-        f"- greedy responses: {st.get('greedy_sequences', 0)} sequences, {st.get('greedy_tokens', 0):,} tokens",
-        f"- sampled responses (temperature {gen.get('temperature')}, top-p {gen.get('top_p')}, top-k "
-        f"{gen.get('top_k')}): {st.get('sampled_sequences', 0)} sequences, {st.get('sampled_tokens', 0):,} tokens",
-        f"- seed continuations (temperature {gen.get('seed_temperature')}): {st.get('seed_sequences', 0)} "
-        f"sequences, {st.get('seed_tokens', 0):,} tokens",
-        f"- total {st.get('sequences', 0)} sequences, {st.get('tokens', 0):,} tokens, "
-        f"{st.get('loss_tokens', 0):,} trained positions (generated tokens)",
-        f"- generated with the project's runtime (target only, {gen.get('backend')} backend, "
-        f"{gen.get('dtype')} on {gen.get('device')}, max {gen.get('max_new_tokens')} new tokens) in "
-        f"{_fmt_s(meta.get('generation_seconds'))}"
-        + ("; the data time budget cut generation short" if meta.get("truncated_by_time_budget") else ""),
-        f"- held out: {full_log.get('heldout_sequences', 0)} sequences (all samples of "
-        f"{int(round(tc['eval_frac'] * 100))} % of the prompts / seeds, unseen in training)",
-        "",
+        *_data_lines(full_log),
         "## Training",
         "",
         f"- training-time test over {tc['ttt_steps']} steps, loss `sum_k 0.8^k` soft cross-entropy to the "
         "target's full distribution",
-        f"- {full_log['steps_done']} steps (planned {tc['steps']}"
-        + (f", time budget {tc['time_budget_s']:.0f} s" if tc["time_budget_s"] else "")
-        + f"; stopped by: {full_log['stop_reason']}), batch {tc['batch_size']} rows x {tc['seq_len']} tokens "
-        "(sequences packed, attention never crosses them)",
-        f"- AdamW lr {tc['lr']:g} (warm-up {tc['warmup_steps']}, cosine to {tc['min_lr_ratio']:g}x), weight decay "
-        f"{tc['weight_decay']:g}, gradient clip {tc['grad_clip']:g}, seed {tc['seed']}",
-        f"- {_fmt_s(full_log.get('train_seconds'))} on {full_log.get('device_name')} ({full_log.get('device')}), "
-        f"target in {full_log.get('target_dtype')}" + (", bf16 autocast" if tc["amp"] and
-                                                       str(full_log.get("device", "")).startswith("cuda") else ""),
-        "",
-        "Command:",
-        "",
-        "```bash",
-        full_log["command"],
-        "```",
-        "",
-        "## Held-out acceptance",
-        "",
+        *_run_lines(full_log),
     ]
     if fe:
         chain = fe.get("greedy_chain_accept_length")
@@ -914,6 +1208,87 @@ def model_card(drafter: Eagle3Drafter, full_log: dict) -> str:
     return "\n".join(lines)
 
 
+def _dflash_card(drafter: DFlashDrafter, full_log: dict) -> str:
+    """The model card of a DFlash drafter."""
+    c, tc = drafter.config, full_log["config"]
+    fe = full_log.get("final_eval")
+    n_params = sum(math.prod(s) for s in c.param_shapes().values())
+    size = _dflash.checkpoint_nbytes(c)
+    B = c.block_size
+    gamma = tc["loss_decay_gamma"]
+    lines = [
+        f"# DFlash drafter for {c.target_model or 'its Llama target'}",
+        "",
+        f"A {c.num_hidden_layers}-layer DFlash block drafter (Chen, Liang and Liu, arXiv 2602.06036) trained by "
+        "self-distillation: every training token and every teacher distribution comes from the target model "
+        f"itself. One non-causal forward over a block `[root, MASK x {B - 1}]` drafts {B - 1} tokens from the "
+        "target's hidden states at a few layers (injected as the K/V of every draft layer); it uses the target's "
+        "own (frozen) embedding and LM head, so the checkpoint holds neither.",
+        "",
+        "## Target",
+        "",
+        f"- model: `{c.target_model}`",
+        f"- layers {c.num_target_layers}, hidden {c.hidden_size}, vocabulary {c.vocab_size}",
+        f"- context features: residual stream at the output of layers {c.target_layer_ids} (0-based, "
+        "`dflash_config.target_layer_ids`)",
+        f"- mask token: id {c.mask_token_id} of the target's vocabulary (`dflash_config.mask_token_id`), embedded "
+        "by the target's table"
+        + (f"; it occurs {full_log.get('mask_token_in_data')} times in the training data"
+           if full_log.get("mask_token_in_data") else "; it never occurs in the training data"),
+        "",
+        "## Architecture",
+        "",
+        f"`fc` {c.num_context_features * c.hidden_size} -> {c.hidden_size} and `hidden_norm` on the concatenated "
+        f"target states; {c.num_hidden_layers} Qwen3-style layers ({c.num_attention_heads} query / "
+        f"{c.num_key_value_heads} KV heads of {c.head_dim} with per-head Q/K RMSNorm, RoPE theta "
+        f"{c.rope_theta:g}, SwiGLU MLP {c.intermediate_size}, no biases) whose K/V cover the context tokens "
+        f"and the block; final `norm`; logits through the target's LM head. {n_params:,} parameters, "
+        f"{size / 2**20:.2f} MiB in bf16. `config.json` follows z-lab's DFlash layout: "
+        "`architectures: [\"DFlashDraftModel\"]`, `model_type: \"qwen3\"`, `layer_types` all `full_attention`, "
+        f"`block_size: {B}`, `num_target_layers: {c.num_target_layers}`, `dflash_config: {{block_size, "
+        "mask_token_id, target_layer_ids}`; tensor names `fc`, `hidden_norm`, `layers.{i}.self_attn.{q,k,v,o}_proj`, "
+        "`q_norm`, `k_norm`, `input_layernorm`, `post_attention_layernorm`, `mlp.{gate,up,down}_proj`, `norm`.",
+        "",
+        *_data_lines(full_log),
+        "## Training",
+        "",
+        f"- {tc['num_anchors']} random anchors per row (a generated token as the root), one block of {B} per "
+        "anchor; a block sees the context strictly before its anchor and itself (non-causal), never another block",
+        f"- block position `k` is distilled towards the target's full distribution of the token at `anchor + k` "
+        "(soft cross-entropy), weighted "
+        + (f"`exp(-(k-1)/{gamma:g})`" if gamma else "uniformly") + " (a weighted token mean)",
+        *_run_lines(full_log),
+    ]
+    if fe:
+        chain = fe.get("greedy_chain_accept_length")
+        lines += ["Per block position `k`: top-1 agreement of the draft with the target on held-out sequences; "
+                  "the implied tokens per verify of a chain cut after position `k`, `1 + sum_k prod_{j<=k} acc_j`; "
+                  "and, measured on the held-out greedy sequences (where the teacher-forced block is exactly the "
+                  f"block a greedy round drafts; {fe.get('greedy_chain_rows', 0)} anchors with a full block), the "
+                  "mean tokens per verify, `1 + min(k, leading agreements)`:",
+                  "", "| position | top-1 agreement | rows | implied accept length | measured greedy accept length |",
+                  "|---|---|---|---|---|"]
+        for k, a in enumerate(fe["acc"]):
+            m = f"{chain[k]:.2f}" if chain else "-"
+            lines.append(f"| {k + 1} | {a:.3f} | {fe['valid_rows'][k]} | "
+                         f"{implied_accept_length(fe['acc'][:k + 1]):.2f} | {m} |")
+        lines += ["", f"Implied accept length of the {len(fe['acc'])}-draft block: **{fe['accept_length']:.2f}**"
+                  + (f"; measured on greedy sequences: **{chain[-1]:.2f}**." if chain else ".")]
+    else:
+        lines.append("No held-out data (eval fraction 0).")
+    lines += ["", "End-to-end speed-ups and measured accept lengths with the runtime are in the project's e2e "
+              "results.", "",
+              "## Use", "",
+              "The project's runtime: `DFlashDrafter.load(<this folder>, target)` as the engine's DFlash drafter "
+              f"(`SpecConfig(\"dflash\", block_size={B})`). SGLang: `--speculative-algorithm DFLASH "
+              f"--speculative-draft-model-path <this folder> --speculative-num-draft-tokens {B}` (its DFlash "
+              "loader reads this layout; not tested here). Transformers: z-lab's `DFlashDraftModel` remote code "
+              "reads the same config and tensors. It was trained against the target weights named above (as the "
+              "project's runtime loads them); next to a differently quantized copy of the target, the features it "
+              "reads shift slightly and acceptance may drop a little.", ""]
+    return "\n".join(lines)
+
+
 def _fmt_s(s) -> str:
     return "?" if s is None else f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
 
@@ -936,7 +1311,6 @@ def _progress(enabled: bool, console=None):
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console, transient=False) as bar:
         yield bar
-
 
 # ----------------------------------------------------------------------------- the command
 
@@ -993,8 +1367,14 @@ def run_training(opts: RunOptions, console=None) -> dict:
     say = console.print if console is not None else (lambda *a, **k: None)
     t0 = time.perf_counter()
     cfg, w, path, name = load_target(opts.model, opts.dtype)
+    # a drafter that cannot be built fails now, before any output and before the data
+    dc = dflash_config_for(cfg, cfg.num_hidden_layers, opts.train, name) if opts.train.kind == "dflash" else None
     say(f"target {name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "
         f"({time.perf_counter() - t0:.1f} s to load)")
+    if dc is not None:
+        say(f"DFlash drafter: {dc.num_hidden_layers} layers (MLP {dc.intermediate_size}), taps "
+            f"{dc.target_layer_ids}, block {dc.block_size}, mask token {dc.mask_token_id}: "
+            f"{_dflash.checkpoint_nbytes(dc) / 2**20:.2f} MiB in bf16")
     if opts.data is not None and Path(opts.data).is_file():
         data = SequenceData.load(opts.data, cfg.vocab_size)
         say(f"data: loaded {opts.data} ({data.num_sequences} sequences, {data.tokens.numel()} tokens); "
@@ -1020,7 +1400,8 @@ def run_training(opts: RunOptions, console=None) -> dict:
     fe = res.log["final_eval"]
     if fe:
         chain = fe["greedy_chain_accept_length"]
-        say("held-out top-1 agreement per TTT step: " + " ".join(f"{a:.3f}" for a in fe["acc"]) +
+        what = "TTT step" if opts.train.kind == "eagle3" else "block position"
+        say(f"held-out top-1 agreement per {what}: " + " ".join(f"{a:.3f}" for a in fe["acc"]) +
             f"; implied chain accept length {fe['accept_length']:.2f}" +
             (f", measured on greedy sequences {chain[-1]:.2f}" if chain else ""))
     say(f"wrote {', '.join(str(p) for p in files.values())} ({time.perf_counter() - t0:.0f} s in all)")

@@ -2,22 +2,116 @@
 ``specattn bench e2e``: the runtime end to end), ``specattn generate``, ``specattn model``,
 ``specattn drafter``.
 
-Exit codes: 0 success; 2 bad usage, an unknown case or parameter, or no CUDA GPU for
-``specattn bench`` (``specattn bench --list`` and ``specattn bench plot`` work anywhere).
+Errors are one line on stderr: a mistake on the command line is ``specattn <command>: error:
+...`` (exit status 2), anything else that goes wrong is ``specattn: error: <message>``
+(exit status 1); ``specattn --debug <command>`` (or ``SPECATTN_DEBUG=1``) shows the full
+traceback instead.
+
+Exit codes: 0 success; 1 the command failed; 2 bad usage, an unknown case or parameter, or
+no CUDA GPU for ``specattn bench`` (``specattn bench --list`` and ``specattn bench plot``
+work anywhere).
+
+Importing this module imports neither ``specattn.bench`` nor the runtime's engine: the bench
+commands import what they run.
 """
 from __future__ import annotations
 
 import ast
+import errno
 import json
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 from typer.core import TyperGroup
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+PROG = "specattn"
+
+# the click typer runs on: recent typer vendors its own copy (typer._click), older typer uses click
+_click = getattr(typer.core, "_click", None) or typer.core.click
+ClickException = _click.exceptions.ClickException
+UsageError = _click.exceptions.UsageError
+BadParameter = _click.exceptions.BadParameter
+NoSuchOption = _click.exceptions.NoSuchOption
+Exit = typer.Exit
+Abort = typer.Abort
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line (runs of whitespace, newlines included, become one space)."""
+    return " ".join(str(text).split())
+
+
+def usage_error_line(err: ClickException) -> str:
+    """The one line a click usage error prints: ``specattn <command>: error: <message>``,
+    with a pointer to ``--help`` for errors that are not about one value."""
+    words, ctx = [], getattr(err, "ctx", None)
+    while ctx is not None and ctx.parent is not None:  # the subcommands' names, not the program's
+        words.insert(0, ctx.info_name)
+        ctx = ctx.parent
+    where = " ".join([PROG, *words])
+    msg = one_line(err.format_message())
+    if isinstance(err, NoSuchOption) and getattr(err, "option_name", None) == "--debug" and words:
+        msg += f" (--debug goes before the command: {PROG} --debug {' '.join(words)} ...)"
+    elif isinstance(err, UsageError) and not isinstance(err, BadParameter):
+        msg += f" (see `{where} --help`)"
+    return f"{where}: error: {msg}"
+
+
+def unexpected_error_line(err: BaseException) -> str:
+    """The one line an unexpected exception prints: ``specattn: error: <message> (<type>)``."""
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    return f"{PROG}: error: {text + ' ' if text else ''}({type(err).__name__}; {PROG} --debug shows the traceback)"
+
+
+class SpecattnGroup(TyperGroup):
+    """The top-level command group: click's usage errors print one line (exit status 2)
+    instead of a panel, and an exception a command did not handle prints one line (exit
+    status 1) unless ``--debug`` is given."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (ClickException, Exit, Abort):
+            raise
+        except Exception as e:
+            if ctx.params.get("debug") or (isinstance(e, OSError) and e.errno == errno.EPIPE):
+                raise
+            typer.echo(unexpected_error_line(e), err=True)
+            raise Exit(1) from e
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                standalone_mode=False, **extra)
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # a bare group: its help (typer may have shown it)
+                if e.format_message().strip():
+                    typer.echo(e.format_message(), err=True)
+            else:
+                typer.echo(usage_error_line(e), err=True)
+            sys.exit(e.exit_code)
+        except Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+
+
+app = typer.Typer(cls=SpecattnGroup, add_completion=False, no_args_is_help=True,
+                  pretty_exceptions_enable=False,
                   help="specattn: attention kernels and backends for speculative decoding.")
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", envvar="SPECATTN_DEBUG",
+                                     help="Show the full traceback of an error (also SPECATTN_DEBUG=1).")):
+    """specattn: attention kernels and backends for speculative decoding."""
 
 
 class _CasesByDefault(TyperGroup):
@@ -126,7 +220,10 @@ def bench(
 @bench_app.command("e2e")
 def bench_e2e(
     out: Optional[Path] = typer.Option(None, help="Results folder (default bench/results/<gpu>/)."),
-    algos: str = typer.Option("none,eagle_chain,eagle_tree,dflash", help="Comma-separated algorithms."),
+    algos: str = typer.Option("none,eagle_chain,eagle_tree,dflash,ddtree,ngram",
+                              help="Comma-separated algorithms on the chat prompts."),
+    repetitive_algos: str = typer.Option("none,ngram", help="Comma-separated algorithms on the copy-heavy "
+                                                           "prompt set ('' skips it)."),
     batch_sizes: str = typer.Option("1,4,16,64", "--bs", help="Comma-separated batch sizes."),
     backend: str = typer.Option("triton", help="Attention backend."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
@@ -135,6 +232,8 @@ def bench_e2e(
     chain: str = typer.Option("1,5,6", help="EAGLE chain: topk,num_steps,num_draft_tokens."),
     tree: str = typer.Option("4,5,16", help="EAGLE tree: topk,num_steps,num_draft_tokens."),
     block_size: int = typer.Option(16, min=2, help="DFlash block."),
+    ddtree: str = typer.Option("4,16", help="DDTree: topk,num_draft_tokens (DFlash drafts verified as a tree)."),
+    ngram: str = typer.Option("4,4,4", help="N-gram: topk (chains),num_steps,ngram_size."),
     drafter: Optional[Path] = typer.Option(None, help="EAGLE-3 drafter folder (default: the shipped one)."),
     prompts: Optional[Path] = typer.Option(None, help="Prompt file (default: the eval set)."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also time HF transformers' static-cache generate."),
@@ -145,26 +244,36 @@ def bench_e2e(
     e2e.json, e2e.md (and e2e.png where matplotlib is installed)."""
     from specattn.bench import e2e
 
-    def triple(text: str, name: str) -> dict:
+    def ints(text: str, name: str, fields) -> dict:
         try:
-            k, s_, d = (int(x) for x in text.split(","))
+            vals = [int(x) for x in text.split(",")]
         except ValueError:
-            raise typer.BadParameter(f"expected topk,num_steps,num_draft_tokens, got {text!r}", param_hint=name)
-        return dict(topk=k, num_steps=s_, num_draft_tokens=d)
+            vals = []
+        if len(vals) != len(fields):
+            raise typer.BadParameter(f"expected {','.join(fields)}, got {text!r}", param_hint=name)
+        return dict(zip(fields, vals))
+
+    def triple(text: str, name: str) -> dict:
+        return ints(text, name, ("topk", "num_steps", "num_draft_tokens"))
 
     try:
         sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
     except ValueError:
         raise typer.BadParameter(f"expected comma-separated integers, got {batch_sizes!r}", param_hint="--bs")
     names = [a.strip() for a in algos.split(",") if a.strip()]
+    rep_names = [a.strip() for a in repetitive_algos.split(",") if a.strip()]
     cfg = e2e.E2EConfig(algos=names, batch_sizes=sizes, backend=backend, dtype=dtype,
                         max_new_tokens=max_new_tokens, min_requests=min_requests,
                         chain=triple(chain, "--chain"), tree=triple(tree, "--tree"), block_size=block_size,
+                        ddtree=ints(ddtree, "--ddtree", ("topk", "num_draft_tokens")),
+                        ngram=ints(ngram, "--ngram", ("topk", "num_steps", "ngram_size")),
+                        repetitive_algos=rep_names,
                         drafter=str(drafter) if drafter else None, prompts=str(prompts) if prompts else None,
                         peers=peers, profile=profile, check=check)
-    for a in names:
+    for a in names + rep_names:
         try:
-            e2e.spec_fields(a, cfg)
+            from specattn.spec_runtime.engine import SpecConfig
+            SpecConfig(**e2e.spec_fields(a, cfg)).validate()
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--algos")
     if min(sizes, default=0) < 1:
@@ -201,6 +310,43 @@ def bench_plot(results: Path = typer.Argument(..., help="A suite's JSON (e.g. be
         typer.echo("matplotlib is not installed: pip install matplotlib", err=True)
         raise typer.Exit(code=1)
     typer.echo(f"wrote {png}")
+
+
+@bench_app.command("suite")
+def bench_suite(
+    name: str = typer.Argument(..., help="attention | spec_ops | kv_ops | e2e"),
+    out: Optional[Path] = typer.Option(None, help="Results folder (default bench/results/<gpu>/)."),
+    from_: Optional[Path] = typer.Option(
+        None, "--from", help="Build the files from an earlier run instead of running: the folder of "
+                             "its raw reports (attention_*.json of `python -m specattn.bench."
+                             "attention_report`, `specattn bench ... --json` files), or a suite JSON."),
+    commit: Optional[str] = typer.Option(None, help="With --from: the commit the run measured."),
+    commit_note: Optional[str] = typer.Option(None, help="With --from: where that commit comes from."),
+    iters: int = typer.Option(100, min=50, help="Timed iterations per point (median taken)."),
+):
+    """Run a benchmark suite (or rebuild it from an earlier run with --from) and write
+    <suite>.json, <suite>.md and <suite>.png (matplotlib) into bench/results/<gpu>/."""
+    from specattn.bench import suites
+
+    if name not in suites.SUITES:
+        raise typer.BadParameter(f"unknown suite {name!r}; known: {', '.join(suites.SUITES)}",
+                                 param_hint="NAME")
+    console = Console(stderr=True)
+    if from_ is not None:
+        try:
+            report = suites.from_run(name, from_, commit=commit, commit_note=commit_note)
+        except (FileNotFoundError, ValueError) as err:
+            raise typer.BadParameter(str(err), param_hint="--from")
+    else:
+        import torch
+        if not torch.cuda.is_available():
+            typer.echo(NO_GPU_MESSAGE, err=True)
+            raise typer.Exit(code=2)
+        report = suites.run_suite(name, iters=iters, log=lambda msg: console.print(
+            msg, style="dim", markup=False, highlight=False))
+    for path in suites.write_results(report, out or suites.default_out(report)):
+        console.print(f"wrote {path}")
+    typer.echo(suites.markdown(report))
 
 
 def _register_runtime() -> None:

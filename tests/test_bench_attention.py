@@ -1,4 +1,4 @@
-"""Issue 6's attention bench cases (``bench/cases_attention.py``) and their report
+"""The attention bench cases (``bench/cases_attention.py``) and their report
 (``bench/attention_report.py``).
 
 CPU: the input builders (pools, page tables, trees, batches), the byte / flop accounting,
@@ -21,7 +21,7 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 
 from specattn.backends import TorchReferenceBackend  # noqa: E402
-from specattn.backends.tree_mask import unpack_tree_mask  # noqa: E402
+from specattn.ops.tree_mask import unpack_tree_mask  # noqa: E402
 from specattn.bench import attention_report as rep  # noqa: E402
 from specattn.bench import cases_attention as ca  # noqa: E402
 from specattn.bench.cases import CASES, get_case  # noqa: E402
@@ -72,7 +72,7 @@ def test_cases_registered_with_issue_defaults():
 
 
 def test_issue_points_cover_the_issue_and_are_valid():
-    pts = rep.ISSUE_POINTS
+    pts = rep.TRACKED_POINTS
     for name, params in pts:
         assert set(params) <= set(CASES[name].params), (name, params)
         assert params["impl"] in ca.IMPLS[name]
@@ -98,17 +98,17 @@ def test_issue_points_cover_the_issue_and_are_valid():
 
 
 def test_with_page_size_sets_only_tree_verify_and_labels_it():
-    pts = rep.with_page_size(rep.ISSUE_POINTS, 64)
-    assert len(pts) == len(rep.ISSUE_POINTS)
-    for (n, p), (n0, p0) in zip(pts, rep.ISSUE_POINTS):
+    pts = rep.with_page_size(rep.TRACKED_POINTS, 64)
+    assert len(pts) == len(rep.TRACKED_POINTS)
+    for (n, p), (n0, p0) in zip(pts, rep.TRACKED_POINTS):
         assert n == n0 and p == (dict(p0, page_size=64) if n == "tree_verify" else p0)
-    assert rep.ISSUE_POINTS[0][1].get("page_size") is None  # the issue's points are untouched
-    assert rep.with_page_size(rep.ISSUE_POINTS, None) == rep.ISSUE_POINTS
-    assert rep._point_label("tree_verify", pts[0][1]) == "bs=1 prefix=4096 page_size=64"
-    assert rep._point_label("tree_verify", rep.ISSUE_POINTS[0][1]) == "bs=1 prefix=4096"
+    assert rep.TRACKED_POINTS[0][1].get("page_size") is None  # the issue's points are untouched
+    assert rep.with_page_size(rep.TRACKED_POINTS, None) == rep.TRACKED_POINTS
+    assert rep.point_label("tree_verify", pts[0][1]) == "bs=1 prefix=4096 page_size=64"
+    assert rep.point_label("tree_verify", rep.TRACKED_POINTS[0][1]) == "bs=1 prefix=4096"
     for bad in (0, 3, 4097):  # 3 and 4097 leave part of a prefix page
         with pytest.raises(ValueError, match="divide every tree-verify prefix"):
-            rep.with_page_size(rep.ISSUE_POINTS, bad)
+            rep.with_page_size(rep.TRACKED_POINTS, bad)
 
 
 def test_bench_list_shows_the_attention_cases(monkeypatch):
@@ -233,7 +233,7 @@ def test_flashinfer_mask_metadata_decodes_to_what_triton_reads(page_size, seed):
     rtt = inputs.req_pool.req_to_token
     for pset, tm in zip(inputs.sets, wl.state["tree_masks"]):
         D, bs = pset.extend_lens[0], len(pset.rows)
-        md = ca.flashinfer_verify_metadata(pset, tm, page_size, split=False)
+        md = ca.flashinfer_verify_metadata(rtt, pset, tm, page_size, split=False)
         assert md["qo_indptr"].tolist() == [i * D for i in range(bs + 1)]
         indptr, indices, last = md["kv"]
         dense = unpack_tree_mask(tm, D)
@@ -253,6 +253,19 @@ def test_flashinfer_mask_metadata_decodes_to_what_triton_reads(page_size, seed):
             assert torch.equal(bits.bool(), want)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_backend_kv_metadata_equals_the_page_tables(page_size, seed):
+    """The FlashInfer backend's builders (what the bench plans with) over ``req_to_token`` give
+    the page tables' own description of each request's keys."""
+    wl = get_case("decode").build("cpu", **small("decode", bs=3, page_size=page_size,
+                                                 seed=seed % 1000))
+    inputs = wl.state["inputs"]
+    for pset in inputs.sets:
+        got = ca.flashinfer_kv_metadata(inputs.req_pool.req_to_token, pset, page_size)
+        want = ca.flashinfer_page_metadata(pset.page_table, pset.kv_lens, page_size)
+        assert all(g.dtype == torch.int32 and torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_flashinfer_split_metadata_and_alignment():
     ps = 4
     wl = get_case("tree_verify").build("cpu", **small("tree_verify", bs=2, prefix=12, page_size=ps))
@@ -260,7 +273,7 @@ def test_flashinfer_split_metadata_and_alignment():
     rtt = inputs.req_pool.req_to_token
     pset, tm = inputs.sets[0], wl.state["tree_masks"][0]
     D = pset.extend_lens[0]
-    md = ca.flashinfer_verify_metadata(pset, tm, ps, split=True)
+    md = ca.flashinfer_verify_metadata(rtt, pset, tm, ps, split=True)
     for part, lo, n in (("prefix_kv", 0, 12), ("draft_kv", 12, D)):
         indptr, indices, last = md[part]
         for i, r in enumerate(pset.rows):
@@ -277,7 +290,8 @@ def test_flashinfer_split_metadata_and_alignment():
     # a prefix that does not start the draft keys on a page boundary is refused
     bad = get_case("tree_verify").build("cpu", **small("tree_verify", prefix=13, page_size=ps))
     with pytest.raises(ValueError, match="multiple of page_size"):
-        ca.flashinfer_verify_metadata(bad.state["inputs"].sets[0], bad.state["tree_masks"][0],
+        ca.flashinfer_verify_metadata(bad.state["inputs"].req_pool.req_to_token,
+                                      bad.state["inputs"].sets[0], bad.state["tree_masks"][0],
                                       ps, split=True)
     with pytest.raises(ValueError, match="multiple of"):
         ca.flashinfer_page_metadata(pset.page_table, [3, 3], ps, first_key=2)

@@ -66,7 +66,7 @@ def test_writers(tmp_path):
     names = {p.name for p in paths}
     assert {"e2e.json", "e2e.md"} <= names
     md = (tmp_path / "h100" / "e2e.md").read_text()
-    assert "| eagle_chain | 1 | bfloat16 | triton | 2500.0 | 2.50 | 3.20 |" in md and "error: RuntimeError" in md
+    assert "| chat | eagle_chain | 1 | bfloat16 | triton | 2500.0 | 2.50 | 3.20 |" in md and "error: RuntimeError" in md
     assert json.loads((tmp_path / "h100" / "e2e.json").read_text())["rows"][1]["accept_length"] == 3.2
 
 
@@ -76,6 +76,8 @@ def test_cli_errors():
     assert res.exit_code == 2 and "unknown algo" in res.output
     res = runner.invoke(cli.app, ["bench", "e2e", "--chain", "1,2"])
     assert res.exit_code == 2 and "topk,num_steps,num_draft_tokens" in res.output
+    res = runner.invoke(cli.app, ["bench", "e2e", "--ddtree", "4,500"])
+    assert res.exit_code == 2 and "num_draft_tokens" in res.output
     res = runner.invoke(cli.app, ["bench", "plot", "nope.json"])
     assert res.exit_code == 2 and "no such file" in res.output
 
@@ -117,15 +119,20 @@ def test_run_e2e_dry_run_on_cpu(tmp_path, seed, monkeypatch):
     conf = e2e.E2EConfig(batch_sizes=(1, 2), max_new_tokens=6, min_requests=2, dtype="float32",
                          backend="torch_reference", prompts=str(prompts), drafter=str(drafter), peers=False,
                          profile=False, model="tiny", device="cpu", block_size=4,
-                         tree=dict(topk=2, num_steps=3, num_draft_tokens=5))
+                         tree=dict(topk=2, num_steps=3, num_draft_tokens=5),
+                         ddtree=dict(topk=2, num_draft_tokens=6), ngram=dict(topk=2, num_steps=3, ngram_size=2))
     report = e2e.run_e2e(conf, on_row=lambda r: seen.append(len(r["rows"])))
     rows = report["rows"]
-    assert [(r["algo"], r["bs"]) for r in rows] == [(a, b) for b in (1, 2) for a in e2e.DEFAULT_ALGOS]
+    chat = [(r["algo"], r["bs"]) for r in rows if r["prompt_set"] == "chat"]
+    rep = [(r["algo"], r["bs"]) for r in rows if r["prompt_set"] == "repetitive"]
+    assert chat == [(a, b) for b in (1, 2) for a in e2e.DEFAULT_ALGOS]
+    assert rep == [(a, b) for b in (1, 2) for a in e2e.DEFAULT_REPETITIVE_ALGOS]
     assert seen == list(range(1, len(rows) + 1))
     for r in rows:
         assert r["lossless"] == ("reference" if r["algo"] == "none" else "exact"), r
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / next(
-            x["tokens_per_s"] for x in rows if x["algo"] == "none" and x["bs"] == r["bs"]))
+            x["tokens_per_s"] for x in rows if x["algo"] == "none" and x["bs"] == r["bs"]
+            and x["prompt_set"] == r["prompt_set"]))
     assert {r["drafter"] for r in rows if r["algo"].startswith("eagle")} == {drafter.name}
     paths = e2e.write_results(report, tmp_path / "out")
     assert (tmp_path / "out" / "e2e.md").read_text() == e2e.markdown(report)

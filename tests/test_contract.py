@@ -13,12 +13,11 @@ from specattn.backends.torch_reference import build_reference_metadata
 
 def test_forward_mode_predicates():
     M = ForwardMode
-    assert [m for m in M if m.is_extend()] == [M.EXTEND, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2]
     assert [m for m in M if m.is_decode()] == [M.DECODE]
     assert [m for m in M if m.is_target_verify()] == [M.TARGET_VERIFY]
-    assert [m for m in M if m.is_draft_extend()] == []
-    assert [m for m in M if m.is_draft_extend(include_v2=True)] == [M.DRAFT_EXTEND_V2]
+    assert [m for m in M if m.is_idle()] == [M.IDLE]
     assert [m for m in M if m.is_cuda_graph()] == [M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2, M.IDLE]
+    assert [m for m in M if m.has_fixed_tokens_per_req()] == [M.TARGET_VERIFY, M.DRAFT_EXTEND_V2]
 
 
 def _example_pool():

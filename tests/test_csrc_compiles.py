@@ -59,6 +59,7 @@ def test_there_are_sources():
     assert {"ops.cpp", "kv_move.cu"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("src", SOURCES, ids=[os.path.basename(s) for s in SOURCES])
 def test_compiles(src, tmp_path):
     out = str(tmp_path / (os.path.basename(src) + ".o"))

@@ -1,4 +1,4 @@
-"""FlashInferBackend (issue 7).
+"""FlashInferBackend.
 
 CPU: lazy imports, the missing-package / no-GPU messages (``create_backend``,
 ``available_backends``, ``specattn info``), ``supports``, constructor validation, the
@@ -30,9 +30,9 @@ from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers,
                                TorchReferenceBackend, UnsupportedError, available_backends,
                                create_backend, pack_tree_mask, tree_mask_to_flashinfer)
 import specattn.backends.flashinfer_backend as fb
-from specattn.backends.flashinfer_backend import (FlashInferBackend, flashinfer_mask_num_bytes,
-                                                  flashinfer_packed_mask, paged_kv_indices,
-                                                  paged_kv_layout)
+from specattn.backends.flashinfer_backend import (FlashInferBackend, flashinfer_packed_mask,
+                                                  paged_kv_indices, paged_kv_layout)
+from specattn.ops.tree_mask import chain_tree_mask, flashinfer_mask_bytes
 
 MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
 GRAPH_MODES = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
@@ -40,7 +40,7 @@ GRAPH_MODES = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_
 
 def chain(D, bs, device):
     """A batch of chain masks (what ``topk=1`` drafts verify)."""
-    return fb.chain_tree_mask(D, device).expand(bs, D, -1).contiguous()
+    return chain_tree_mask(D, device).expand(bs, D, -1).contiguous()
 
 
 def rel_err(out, ref):
@@ -168,7 +168,7 @@ def test_worked_example():
     assert paged_kv_indices(pool.req_to_token, torch.tensor([3, 0]), lay.kv_indptr, 1, 19).tolist() == \
         [10, 11, 12, 13, 20, 21, 22, 23, 24, 25, 26, 7, 8, 30, 31, 32, 33, 34, 35]
     tm = torch.tensor([[[1], [3], [7]], [[1], [3], [5]]], dtype=torch.int32)
-    m, ip = flashinfer_packed_mask(tm, P, int(flashinfer_mask_num_bytes(P, 3).sum()))
+    m, ip = flashinfer_packed_mask(tm, P, int(flashinfer_mask_bytes(P, 3).sum()))
     assert ip.tolist() == [0, 5, 8] and m.tolist() == [255, 249, 223, 255, 1, 63, 127, 191]
 
 
@@ -188,7 +188,7 @@ def test_packed_mask_matches_tree_mask_to_flashinfer(seed):
         else:
             dense = torch.rand(bs, D, D, generator=gen) < 0.5
         tm = pack_tree_mask(dense)
-        nbytes = int(flashinfer_mask_num_bytes(P, D).sum())
+        nbytes = int(flashinfer_mask_bytes(P, D).sum())
         want, want_ip = tree_mask_to_flashinfer(tm, P)
         words = None
         if trial % 2:

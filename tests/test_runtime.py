@@ -34,6 +34,7 @@ def target_greedy(gguf_loaded, chat_ids, backend_name):
     return eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW)).tokens
 
 
+@pytest.mark.slow
 def test_target_greedy_matches_hf(hf_oracle, chat_ids, target_greedy):
     assert len({len(c) for c in chat_ids}) == len(chat_ids)  # mixed lengths in one batch
     for ids, ours in zip(chat_ids, target_greedy):
@@ -45,6 +46,7 @@ EAGLE = [SpecConfig("eagle", topk=1, num_steps=3, num_draft_tokens=4, draft_laye
          SpecConfig("eagle", topk=4, num_steps=4, num_draft_tokens=12, draft_layers=24)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", EAGLE, ids=lambda s: f"topk{s.topk}-steps{s.num_steps}-d{s.num_draft_tokens}")
 def test_eagle_lossless(gguf_loaded, chat_ids, target_greedy, spec, backend_name):
     cfg, w = gguf_loaded
@@ -119,6 +121,7 @@ def test_eagle_with_a_separate_draft_checkpoint(tmp_path, backend_name):
         make_engine(backend_name, cfg, dict(w), spec=SpecConfig("eagle", 2, 3, 6), max_context=128, draft_model=bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [SpecConfig("eagle", topk=1, num_steps=5, num_draft_tokens=6),
                                   SpecConfig("eagle", topk=4, num_steps=5, num_draft_tokens=16)],
                          ids=["chain", "tree"])

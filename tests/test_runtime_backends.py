@@ -242,3 +242,19 @@ def test_capture_batch_carries_host_lengths(mode):
     padded = GraphInputBuffers(4, D, "cpu").fill(empty_batch(mode, D, "cpu"), 3)
     assert padded.seq_lens_cpu.tolist() == padded.seq_lens.tolist() == [0, 0, 0]
     assert padded.extend_lens_cpu.tolist() == padded.extend_lens.tolist() == [D] * 3
+
+
+def test_generate_command_ngram_and_ddtree(tiny, monkeypatch):
+    """``--algo ngram`` (chains copied from the history) and DFlash trees (``--topk`` > 1)
+    run end to end from the command line; n-gram options under another algo are refused."""
+    res = _cli(monkeypatch, tiny, "--algo", "ngram", "--topk", "2", "--num-steps", "3", "--ngram-size", "2",
+               "--json")
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["algo"] == "ngram" and r["tokens"] == 5 and r["drafter"] is None
+    res = _cli(monkeypatch, tiny, "--algo", "dflash", "--topk", "3", "--num-draft-tokens", "8", "--block-size", "4",
+               "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["drafter"] == "dflash-random-init"
+    res = _cli(monkeypatch, tiny, "--algo", "eagle", "--ngram-size", "3")
+    assert res.exit_code == 2 and "--ngram-size" in res.output

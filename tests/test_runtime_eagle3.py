@@ -71,6 +71,7 @@ def test_eagle3_graphs_lossless(tmp_path, seed, spec, backend_name):
     check_rows_restored(eng)
 
 
+@pytest.mark.slow
 def test_shipped_drafter_generate_equals_none(gguf_path, backend_name, monkeypatch):
     """``specattn generate --algo eagle`` picks the shipped EAGLE-3 drafter for the default
     model and emits exactly ``--algo none``'s tokens (float32, CPU)."""

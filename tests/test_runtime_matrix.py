@@ -24,6 +24,7 @@ def test_near_greedy_cell():
     assert cell(dict(max_ratio=0.5, vocab_share=0.3)).startswith("**no**")  # no teeth: not a pass
 
 
+@pytest.mark.slow
 def test_bf16_rows_carry_the_near_greedy_measure(gguf_path, tmp_path, monkeypatch):
     """bf16 reference-backend rows on the real model (4 prompts x 4 tokens): each has a
     near-greedy measure over every emitted token, and it passes; float32 rows have none."""

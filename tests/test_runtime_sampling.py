@@ -1,6 +1,7 @@
 """Speculative sampling is lossless at the runtime level: on a tiny vocabulary, the joint law
-of the first three generated tokens under EAGLE (tree, temperature 1.5) matches the target's
-exact law, computed by enumeration with HF transformers on the same checkpoint.
+of the first three generated tokens under EAGLE (tree and chain), DDTree (DFlash drafts
+verified as a tree) and n-gram trees (temperature 1.5) matches the target's exact law,
+computed by enumeration with HF transformers on the same checkpoint.
 
 False-alarm rate: the chi-square test rejects at p < 1e-4, so a correct runtime fails with
 probability 1e-4 per fresh seed (the seed is fixed here, so the test is deterministic).
@@ -39,7 +40,10 @@ def exact_law(hf, params):
     return law
 
 
-@pytest.mark.parametrize("spec", [SpecConfig("eagle", 2, 3, 5, 2), SpecConfig("eagle", 1, 2, 3, 1)], ids=str)
+@pytest.mark.parametrize("spec", [SpecConfig("eagle", 2, 3, 5, 2), SpecConfig("eagle", 1, 2, 3, 1),
+                                  SpecConfig("dflash", topk=2, num_draft_tokens=5, block_size=4),
+                                  SpecConfig("ngram", topk=2, num_steps=2, ngram_size=2)],
+                         ids=["eagle-tree", "eagle-chain", "ddtree", "ngram"])
 def test_speculative_sampling_matches_target_law(tmp_path, spec, backend_name):
     skip_if_interpreted(backend_name, f"a batch of {N} requests runs one interpreted program per "
                                       f"request and head, for every layer and step (hours)")

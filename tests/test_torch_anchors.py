@@ -15,7 +15,7 @@ from specattn.bench.cases import get_case
 from specattn.bench.torch_anchors import (build_tree_torch, compact_accepted_path_torch,
                                           tree_parents, tree_speculative_sampling_torch,
                                           verify_tree_greedy_torch)
-from specattn.backends.tree_mask import num_mask_words
+from specattn.ops.tree_mask import num_mask_words
 from specattn.ops import (build_tree, compact_accepted_path, num_tree_candidates,
                           tree_speculative_sampling, verify_tree_greedy)
 from test_triton_tree_ops import random_batch as _random_batch  # tests' random EAGLE trees

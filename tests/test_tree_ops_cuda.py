@@ -28,7 +28,7 @@ from test_triton_tree_ops import (FI_POISON, POISON, assert_all_same, assert_sam
                                   check_verify, fi_buffers, random_batch, run_both, t,
                                   tree_outputs)
 
-from specattn.backends.tree_mask import tree_mask_to_flashinfer  # noqa: E402
+from specattn.ops.tree_mask import tree_mask_to_flashinfer  # noqa: E402
 from specattn.ops import (build_tree, compact_accepted_path, num_tree_candidates,  # noqa: E402
                           registry, verify_tree_greedy)
 

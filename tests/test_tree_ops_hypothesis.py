@@ -19,7 +19,7 @@ pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from specattn.backends.tree_mask import unpack_tree_mask  # noqa: E402
+from specattn.ops.tree_mask import unpack_tree_mask  # noqa: E402
 from specattn.bench.torch_anchors import (build_tree_torch,  # noqa: E402
                                           compact_accepted_path_torch,
                                           tree_speculative_sampling_torch,

@@ -471,6 +471,7 @@ def _engine_tokens(cfg, w, prompts, new, backend, spec=None, **kw):
     return eng.generate(prompts, SamplingParams(max_new_tokens=new)).tokens
 
 
+@pytest.mark.slow
 def test_engine_eagle_tree_lossless_with_triton(tmp_path, seed):
     """Greedy EAGLE tree decoding through the Triton backend equals target-only greedy
     through the reference backend (random 2-layer model, CPU eager)."""

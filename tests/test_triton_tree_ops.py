@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from specattn.backends.tree_mask import num_mask_words, tree_mask_to_flashinfer  # noqa: E402
+from specattn.ops.tree_mask import num_mask_words, tree_mask_to_flashinfer  # noqa: E402
 from specattn.ops import (build_tree, compact_accepted_path, num_tree_candidates,  # noqa: E402
                           registry, verify_tree_greedy)
 from specattn.ops.tree import flashinfer_mask_bytes  # noqa: E402

@@ -42,7 +42,7 @@ programs): split ``s`` of a request covers prefix positions ``[s * c, min((s + 1
 with ``c = cdiv(cdiv(P, S), BLOCK_N) * BLOCK_N`` computed in-kernel from ``P`` (no host
 value), the last split also covers phase 2.  Each split writes its normalised partial output
 (float32 ``[S, T, H, Dv]``) and its log2-sum-exp (float32 ``[S, T, H]``, ``-inf`` when it saw
-no key); :func:`_merge_kernel` (grid ``(T, H)``) combines them:
+no key); :func:`.attention_common.merge_kernel` (grid ``(T, H)``) combines them:
 ``o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)``.  The workspace comes from
 PyTorch's caching allocator per call (inside a CUDA graph capture: the graph's private pool,
 so it is static for the graph's life).
@@ -57,14 +57,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (check_paged_metadata, choose_gluon, is_pow2, launch_fitting, next_pow2,
-                    on_tensor_device)
+from ._util import check_paged_metadata, choose_gluon, launch_fitting, next_pow2, on_tensor_device
+from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
+                               draft_visibility, full_update, masked_update, merge_partials,
+                               prefix_range, program_request, split_partials, store_rows,
+                               tile_rows, tree_mask_arg)
 from .attention_sm90 import SM90_BLOCK_M, sm90_tree_verify, sm90_tree_verify_supported
 
 __all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_config",
            "MHA_CONFIG_KEYS"]
-
-MASK_CAUSAL, MASK_TREE = 0, 1
 
 
 @triton.jit
@@ -78,26 +79,7 @@ def _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE: tl.constexpr, UPC
         s = tl.dot(q, kT, input_precision="ieee")
     else:
         s = tl.dot(q, kT)
-    return _masked_update(acc, m_i, l_i, s, vis, qk_scale, v, IEEE)
-
-
-@triton.jit
-def _masked_update(acc, m_i, l_i, s, vis, qk_scale, v, IEEE: tl.constexpr):
-    """The online-softmax update of ``(acc, m_i, l_i)`` by raw scores ``s`` (scaled here,
-    ``-inf`` where not ``vis``; a row that has seen no key keeps ``m = -inf``) and values ``v``
-    (``[BLOCK_N, DV]``); shared with the MLA kernel."""
-    s = tl.where(vis, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if IEEE:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, m_new, l_i
+    return masked_update(acc, m_i, l_i, s, vis, qk_scale, v, IEEE)
 
 
 @triton.jit
@@ -110,113 +92,7 @@ def _online_step_full(acc, m_i, l_i, q, kT, v, qk_scale, IEEE: tl.constexpr, UPC
         s = tl.dot(q, kT, input_precision="ieee")
     else:
         s = tl.dot(q, kT)
-    return _full_update(acc, m_i, l_i, s, qk_scale, v, IEEE)
-
-
-@triton.jit
-def _full_update(acc, m_i, l_i, s, qk_scale, v, IEEE: tl.constexpr):
-    """:func:`_masked_update` for scores every row sees (no mask, all finite): the running
-    max never stays ``-inf``, so no guard; shared with the MLA kernel's TMA tiles."""
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if IEEE:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, m_new, l_i
-
-
-# ---- pieces shared by this kernel and the MLA kernel (attention_mla.py); inlined by Triton
-@triton.jit
-def _program_request(qo_indptr, NUM_SPLITS: tl.constexpr):
-    """This program's request (axis 2 = request x split), split, first token row and new-token
-    count ``n``."""
-    pid2 = tl.program_id(2)
-    req = pid2 // NUM_SPLITS
-    split = pid2 % NUM_SPLITS
-    q_start = tl.load(qo_indptr + req)
-    n = tl.load(qo_indptr + req + 1) - q_start
-    return req, split, q_start, n
-
-
-@triton.jit
-def _tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt, req, q_start, m0,
-               BLOCK_M: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr):
-    """The tile's packed rows ``m0 + [0, BLOCK_M)`` (row = token ``j`` x head ``h`` of
-    ``ROWS_PER_TOKEN``): ``P``, the request's ``req_to_token`` row, ``j``, ``h``, row
-    validity (``j < n`` is the caller's: passed back as ``j``) and the int64 token rows."""
-    P = tl.load(seq_lens + req)
-    r = tl.load(req_pool_indices + req).to(tl.int64)
-    rtt_row = req_to_token + r * stride_rtt
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    j = offs_m // ROWS_PER_TOKEN
-    h = offs_m % ROWS_PER_TOKEN
-    tok = (q_start + j).to(tl.int64)
-    return P, rtt_row, j, h, tok
-
-
-@triton.jit
-def _prefix_range(P, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``[lo, hi)``: this split's share of the prefix, in whole ``BLOCK_N`` tiles."""
-    if NUM_SPLITS == 1:
-        lo = 0
-        hi = P
-    else:
-        chunk = tl.cdiv(tl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = tl.minimum(split * chunk, P)
-        hi = tl.minimum(lo + chunk, P)
-    return lo, hi
-
-
-@triton.jit
-def _draft_key_count(n, m0, split, ROWS_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                     MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """How many of this forward's keys the tile reads: all ``n`` (tree), up to the tile's
-    last token (causal); none but in the last split."""
-    if MASK_MODE == 1:
-        kv_hi = n
-    else:  # causal: no row of this tile sees past its last token
-        kv_hi = tl.minimum(n, (m0 + BLOCK_M - 1) // ROWS_PER_TOKEN + 1)
-    if NUM_SPLITS > 1:
-        kv_hi = tl.where(split == NUM_SPLITS - 1, kv_hi, 0)
-    return kv_hi
-
-
-@triton.jit
-def _draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, k_ok,
-                      MASK_MODE: tl.constexpr):
-    """``[BLOCK_M, BLOCK_N]``: row (token ``j``) sees draft key ``offs_k``: its tree bit
-    (``MASK_MODE == 1``) or ``offs_k <= j`` (causal)."""
-    if MASK_MODE == 1:
-        wmask = row_ok[:, None] & k_ok[None, :]
-        words = tl.load(tree_mask + req.to(tl.int64) * stride_tmb + j[:, None] * stride_tmj
-                        + (offs_k // 32)[None, :], mask=wmask, other=0)
-        vis = (((words >> (offs_k % 32)[None, :]) & 1) != 0) & wmask
-    else:
-        vis = (offs_k[None, :] <= j[:, None]) & k_ok[None, :]
-    return vis
-
-
-@triton.jit
-def _store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_v, st_mask, lse_mask, split,
-                stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                NUM_SPLITS: tl.constexpr):
-    """Normalise and store: the output (one split), or the split's partial output and its
-    base-2 log-sum-exp for the merge.  Rows that saw no key get zeros (LSE -inf)."""
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = tl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
-    if NUM_SPLITS == 1:
-        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_v[None, :],
-                 out.to(O.dtype.element_ty), mask=st_mask)
-    else:
-        sp = split.to(tl.int64)
-        tl.store(O_PART + sp * stride_ps + tok[:, None] * stride_pt + head[:, None] * stride_ph
-                 + offs_v[None, :], out, mask=st_mask)
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse, mask=lse_mask)
+    return full_update(acc, m_i, l_i, s, qk_scale, v, IEEE)
 
 
 @triton.jit
@@ -232,12 +108,12 @@ def _attn_fwd_kernel(
         BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr, SLOT_T: tl.constexpr):
     hk = tl.program_id(1)
-    req, split, q_start, n = _program_request(qo_indptr, NUM_SPLITS)
+    req, split, q_start, n = program_request(qo_indptr, NUM_SPLITS)
     m0 = tl.program_id(0) * BLOCK_M
     if m0 >= n * GROUP:
         return
-    P, rtt_row, j, g, tok = _tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt, req,
-                                       q_start, m0, BLOCK_M, GROUP)
+    P, rtt_row, j, g, tok = tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt, req,
+                                      q_start, m0, BLOCK_M, GROUP)
     head = hk * GROUP + g
     row_ok = j < n
     offs_d = tl.arange(0, BLOCK_D)
@@ -257,7 +133,7 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     # ---------------- phase 1: the committed prefix, no visibility mask
-    lo, hi = _prefix_range(P, split, NUM_SPLITS, BLOCK_N)
+    lo, hi = prefix_range(P, split, NUM_SPLITS, BLOCK_N)
     # full tiles without bound checks, then at most one partial tile
     hi_full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
     for start in range(lo, hi_full, BLOCK_N):
@@ -279,7 +155,7 @@ def _attn_fwd_kernel(
         acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, n_ok[None, :], qk_scale, IEEE, UPCAST)
 
     # ---------------- phase 2: this forward's tokens P + [0, n), masked (last split only)
-    kv_hi = _draft_key_count(n, m0, split, GROUP, BLOCK_M, MASK_MODE, NUM_SPLITS)
+    kv_hi = draft_key_count(n, m0, split, GROUP, BLOCK_M, MASK_MODE, NUM_SPLITS)
     for start in range(0, kv_hi, BLOCK_N):
         offs_k = start + tl.arange(0, BLOCK_N)
         k_ok = offs_k < kv_hi
@@ -288,75 +164,13 @@ def _attn_fwd_kernel(
                      mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_dv[None, :],
                     mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
-        vis = _draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, k_ok,
-                                MASK_MODE)
+        vis = draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, k_ok,
+                               MASK_MODE)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE, UPCAST)
 
-    _store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_dv,
-                row_ok[:, None] & dv_ok[None, :], row_ok, split, stride_ot, stride_oh,
-                stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS)
-
-
-@triton.jit
-def _merge_kernel(O_PART, LSE_PART, O, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                  stride_ot, stride_oh, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr):
-    """Grid ``(T, H)``: combine the ``NUM_SPLITS`` partial outputs of one (token, head).
-    The split offsets advance the (64-bit) pointers by one stride per split: no 32-bit
-    ``split * stride`` product that could overflow on a large ``T``."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_DV)
-    ok = offs < V_DIM
-    lse_max = float("-inf")
-    lse_ptr = LSE_PART + t * stride_lt + h
-    for s in tl.static_range(NUM_SPLITS):
-        lse_max = tl.maximum(lse_max, tl.load(lse_ptr))
-        lse_ptr += stride_ls
-    base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    acc = tl.zeros([BLOCK_DV], tl.float32)
-    wsum = 0.0
-    lse_ptr = LSE_PART + t * stride_lt + h
-    o_ptr = O_PART + t * stride_pt + h * stride_ph + offs
-    for s in tl.static_range(NUM_SPLITS):
-        w = tl.math.exp2(tl.load(lse_ptr) - base)
-        o = tl.load(o_ptr, mask=ok, other=0.0)
-        acc += w * o
-        wsum += w
-        lse_ptr += stride_ls
-        o_ptr += stride_ps
-    out = tl.where(wsum > 0.0, acc / tl.where(wsum > 0.0, wsum, 1.0), 0.0)
-    tl.store(O + t * stride_ot + h * stride_oh + offs, out.to(O.dtype.element_ty), mask=ok)
-
-
-def _split_partials(num_splits: int, T: int, H: int, v_dim: int, out: torch.Tensor,
-                    placeholder: torch.Tensor):
-    """Host side of split-KV, shared with the MLA launcher: ``(o_part, lse, o_part strides,
-    lse strides)``, float32 ``[splits, T, H, v_dim]`` / ``[splits, T, H]`` partials; with one
-    split, unused placeholders and zero strides."""
-    if num_splits == 1:
-        return out, placeholder, (0, 0, 0, 0), (0, 0, 0)
-    o_part = torch.empty(num_splits, T, H, v_dim, dtype=torch.float32, device=out.device)
-    lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=out.device)
-    return o_part, lse, o_part.stride(), lse.stride()
-
-
-def _tree_mask_arg(tree_mask: Optional[torch.Tensor], placeholder: torch.Tensor):
-    """``(tensor, (stride_b, stride_j))`` for the kernels' tree-mask argument (a placeholder
-    and zero strides when there is no tree)."""
-    if tree_mask is None:
-        return placeholder, (0, 0)
-    return tree_mask, (tree_mask.stride(0), tree_mask.stride(1))
-
-
-def _merge_partials(o_part, lse, out, num_splits: int, v_dim: int, block_dv: int,
-                    num_warps: int) -> None:
-    """Merge the split partials of :func:`_split_partials` into ``out`` (one launch)."""
-    ps, ls = o_part.stride(), lse.stride()
-    T, H = out.shape[0], out.shape[1]
-    _merge_kernel[(T, H)](o_part, lse, out, ps[0], ps[1], ps[2], ls[0], ls[1],
-                          out.stride(0), out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv,
-                          NUM_SPLITS=num_splits, num_warps=num_warps)
+    store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_dv,
+               row_ok[:, None] & dv_ok[None, :], row_ok, split, stride_ot, stride_oh,
+               stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS)
 
 
 def choose_block_m(max_rows: int) -> int:
@@ -367,32 +181,11 @@ def choose_block_m(max_rows: int) -> int:
 MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "sm90", "pingpong")
 
 
-def check_kernel_config(config: dict, allowed) -> None:
-    """Raise ValueError unless every key of ``config`` is in ``allowed`` and every non-None
-    value is an int: ``block_*`` powers of two >= 16, ``num_warps`` a power of two,
-    ``num_stages`` >= 1; ``tma``/``seesaw`` (MLA), ``pingpong`` (MHA) and ``sm90`` bools.
-    (Shared by the MHA and MLA kernels and ``TritonBackend``.)"""
-    bad = sorted(set(config) - set(allowed))
-    if bad:
-        raise ValueError(f"unknown kernel config keys {bad}; allowed: {list(allowed)}")
-    for key, val in config.items():
-        if val is None:
-            continue
-        if key == "num_stages":
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"num_stages must be an int >= 1, got {val!r}")
-        elif key in ("tma", "sm90", "seesaw", "pingpong"):
-            if not isinstance(val, bool):
-                raise ValueError(f"{key} must be a bool, got {val!r}")
-        elif not is_pow2(val) or (key.startswith("block") and val < 16):
-            raise ValueError(f"{key} must be a power of two (>= 16 for blocks), got {val!r}")
-
-
 def default_config(max_rows: int, block_d: int, ieee: bool, num_splits: int = 1) -> dict:
     """Kernel config for ``max_rows = max_q * G`` packed rows per (request, KV head), the
     padded head width ``block_d``, fp32 (``ieee``) inputs and the split-KV factor:
     ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` (from the H100 sweep of
-    ``bench/scripts/attention_sweep.py``, 2026-11-22, Triton 3.6).  The launch lowers
+    ``bench/scripts/attention_sweep.py``, Triton 3.6).  The launch lowers
     ``num_stages`` where a Triton version's pipelining of a config outgrows shared memory
     (:func:`~specattn.triton_kernels._util.launch_fitting`; offline, Triton 3.9 sizes the
     128 x 128 four-stage tile at 288 KB, over the H100's 227 KB)."""
@@ -507,12 +300,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                else f"a tree mask and >= {SM90_BLOCK_M} packed rows per request")
     use_sm90 = choose_gluon(sm90, why, conflicts, "pingpong", pingpong)
     if use_sm90:
-        o_part, lse, _, _ = _split_partials(num_splits, T, H, Dv, out, seq_lens)
+        o_part, lse, _, _ = split_partials(num_splits, T, H, Dv, out, seq_lens)
         sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                          qo_indptr, tree_mask, max_q, sm_scale, out, o_part, lse, num_splits,
                          block_n, pingpong=pingpong is not False, page_size=page_size)
         if num_splits > 1:
-            _merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)
+            merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)
         return out
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     BLOCK_M, BLOCK_N = cfg["block_m"], cfg["block_n"]
@@ -520,8 +313,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fits = all(c.shape[0] * c.stride(0) + c.shape[1] * c.stride(1) < 2**31 for c in (k_cache, v_cache))
     off32 = fits if off32 is None else (bool(off32) and fits)
     grid = (triton.cdiv(max_q * G, BLOCK_M), Hkv, bs * num_splits)
-    o_part, lse, ps, ls = _split_partials(num_splits, T, H, Dv, out, seq_lens)
-    tm, tm_strides = _tree_mask_arg(tree_mask, seq_lens)
+    o_part, lse, ps, ls = split_partials(num_splits, T, H, Dv, out, seq_lens)
+    tm, tm_strides = tree_mask_arg(tree_mask, seq_lens)
     launch_fitting(_attn_fwd_kernel, grid, (
         q, k_cache, v_cache, out, o_part, lse,
         req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
@@ -536,5 +329,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_SPLITS=num_splits, IEEE=ieee, UPCAST=upcast, SLOT_T=tl.int32 if off32 else tl.int64,
         num_warps=cfg["num_warps"]), cfg["num_stages"])
     if num_splits > 1:
-        _merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)
+        merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)
     return out

@@ -61,8 +61,9 @@ Kernel layout
 Split-KV (``num_splits = S > 1``): split ``s`` covers prefix positions
 ``[s * c, min((s + 1) * c, P))`` with ``c = cdiv(cdiv(P, S), BLOCK_N) * BLOCK_N`` computed in
 the kernel; the last split also covers phase 2.  Partial outputs (float32 ``[S, T, H, r]``)
-and log2-sum-exps (float32 ``[S, T, H]``) are combined by ``attention._merge_kernel``
-(grid ``(T, H)``), which then writes every one of the ``T`` rows.
+and log2-sum-exps (float32 ``[S, T, H]``) are combined by
+:func:`.attention_common.merge_kernel` (grid ``(T, H)``), which then writes every one of the
+``T`` rows.
 
 Worked shape example (DeepSeek-V3 decode, bf16): ``bs = 128``, ``H = 128``, ``r = 512``,
 ``d_r = 64``, ``P = 8192`` per request, page 64.  ``q [128, 128, 576]``, cache
@@ -71,41 +72,29 @@ Worked shape example (DeepSeek-V3 decode, bf16): ``bs = 128``, ``H = 128``, ``r 
 1 stage: grid ``(1, 2, 128)`` = 256 programs (one per 128-head tile and value half); each
 streams its request's 8192 latents (9.4 MB; the two halves share them through L2), so the
 kernel reads ~1.2 GB from HBM and does ``2 * 128 * 128 * 8192 * (576 + 512) = 292`` GFLOP of
-useful work (1.53x that in tensor-core instructions, the scores being computed per half).  A TARGET_VERIFY with
-64 draft tokens runs ``64 * 128 / 128 = 64`` row tiles x 2 halves per request, each over the
-same ``P + 64`` latents: compute-bound.  Measured on an H100 (2026-11-22,
-``bench/results/2026-11-22-h100-attention/``): decode 1179 us (FlashMLA 513 us), tree verify
-bs 1 / 16 at P 4096: 310 / 4624 us.
+useful work (1.53x that in tensor-core instructions, the scores being computed per half).
+A TARGET_VERIFY with 64 draft tokens runs ``64 * 128 / 128 = 64`` row tiles x 2 halves per
+request, each over the same ``P + 64`` latents: compute-bound.  Measured times (against
+FlashMLA) and the layouts tried: ``docs/attention.md``.
 
 Code generation on sm_90 (Triton 3.6, ``bench/scripts/kernel_ptx.py``): with 2+ stages the
 latent tile goes to shared memory by async copies; the default's single stage loads it
 through registers (16-byte loads), its whole-tile loop without spills.  Both score dots and
-the value dot are wgmma.  Because the score dot feeds another
-dot, Triton puts all warps along its M axis, so with ``BLOCK_M = 64`` on 8 warps both
+the value dot are wgmma.  Because the score dot feeds another dot, Triton puts all warps
+along its M axis, so with ``BLOCK_M = 64`` on 8 warps both
 warpgroups would compute the same ``64 x BLOCK_N`` scores (wgmma work ``(2 * 576 + 512) /
 (576 + 512) = 1.53x`` the useful work) and a ``64 x 512`` fp32 accumulator spills; 128-row
 tiles with half the value width (the default at 128 heads) recompute the scores in the other
-half's program instead (the same 1.53x, no spill), which the H100 sweep found fastest.
+half's program instead (the same 1.53x, no spill), the fastest layout of the H100 sweep.
 Deeper pipelines do not fit in shared memory (a 2-stage ``BLOCK_N = 64`` latent pipeline
 needs 294 KB).  FlashMLA avoids the recomputation by splitting the value width across two
 warpgroups that share one score tile; Triton's code generation cannot express that, Gluon
 can: on an sm_90 GPU bf16/fp16 attention with a multiple of 64 heads runs the kernel of
-:mod:`.attention_mla_sm90` by default, every mode, with FlashMLA's seesaw schedule (H100,
-decode b128 L8192: 687 us vs 1164 us here and 509 us for FlashMLA; H200: 674 vs 455 us,
-``bench/results/2026-11-22-h*-session7``), see ``sm90`` and ``seesaw`` below.
-
-Tried and dropped (H100, Triton 3.6, 2026-11-22, ``bench/results/2026-11-22-h100-session5``):
-key-major tiles, ``s^T [BLOCK_N, BLOCK_M] = [c | k_pe] @ q^T`` and ``acc^T [r, BLOCK_M] +=
-c^T @ p^T``.  Triton then splits the rows (not the keys) across the two warpgroups of the
-score dot and the value width across them in the value dot, so no score is computed twice
-and each program owns the whole value width (FlashMLA's split, through Triton's layout
-choice); its whole-tile loop compiled without spills (64 x 64 tiles, 8 warps, 2 stages,
-224 KB of shared memory).  It ran slower all the same: MLA decode 1532 us (32-key tiles
-1676 us) vs 1171 us for the default, tree verify 451 / 6868 us vs 310 / 4617 us -- the
-softmax then reduces across the warps of a warpgroup (through shared memory) and ``p``
-goes through shared memory as the value dot's B operand, every tile.  Reaching FlashMLA
-(508 us) needs what Triton does not expose: warpgroups that exchange one score tile under
-explicit barriers -- :mod:`.attention_mla_sm90` (Gluon).
+:mod:`.attention_mla_sm90` by default, every mode, with FlashMLA's seesaw schedule; see
+``sm90`` and ``seesaw`` below.  (Key-major tiles, which make Triton split the rows rather
+than the keys across the warpgroups, compute no score twice but measured slower: the
+softmax then reduces through shared memory and ``p`` goes through shared memory every tile;
+``docs/attention.md``.)
 
 Sources: DeepSeek-V2 (arXiv:2405.04434) for absorbed MLA; FlashMLA (deepseek-ai/FlashMLA:
 64-head tiles, 8 warps, K and V sharing one shared-memory tile, split-KV plus a combine
@@ -124,13 +113,13 @@ import triton.language as tl
 
 from ._util import check_paged_metadata, choose_gluon, is_pow2, launch_fitting, on_tensor_device
 from .attention_mla_sm90 import sm90_mla_attention, sm90_mla_supported
-from .attention import (_draft_key_count, _draft_visibility, _full_update, _masked_update,
-                        _merge_partials, _prefix_range, _program_request, _split_partials,
-                        _store_rows, _tile_rows, _tree_mask_arg, check_kernel_config)
+from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
+                               draft_visibility, full_update, masked_update, merge_partials,
+                               prefix_range, program_request, split_partials, store_rows,
+                               tile_rows, tree_mask_arg)
 
 __all__ = ["mla_paged_attention", "default_mla_config", "MLA_CONFIG_KEYS", "check_mla_config"]
 
-MASK_CAUSAL, MASK_TREE = 0, 1
 MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages", "tma", "sm90",
                    "seesaw")
 
@@ -161,7 +150,7 @@ def _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, kv_row, ok, vis, offs_own, offs
             s = tl.dot(q_oth, c2, s, input_precision="ieee")
         else:
             s = tl.dot(q_oth, c2, s)
-    return _masked_update(acc, m_i, l_i, s, vis, qk_scale, c, IEEE)
+    return masked_update(acc, m_i, l_i, s, vis, qk_scale, c, IEEE)
 
 
 @triton.jit
@@ -190,7 +179,7 @@ def _mla_tile_tma(acc, m_i, l_i, q_own, q_oth, q_pe, desc_v, desc_pe, row, own_c
             s = tl.dot(q_oth, tl.trans(c2), s, input_precision="ieee")
         else:
             s = tl.dot(q_oth, tl.trans(c2), s)
-    return _full_update(acc, m_i, l_i, s, qk_scale, c, IEEE)
+    return full_update(acc, m_i, l_i, s, qk_scale, c, IEEE)
 
 
 @triton.jit
@@ -206,12 +195,12 @@ def _mla_fwd_kernel(
         NUM_DV: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
         CONTIG: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     dvi = tl.program_id(1)
-    req, split, q_start, n = _program_request(qo_indptr, NUM_SPLITS)
+    req, split, q_start, n = program_request(qo_indptr, NUM_SPLITS)
     m0 = tl.program_id(0) * BLOCK_M
     if m0 >= n * NUM_HEADS:
         return
-    P, rtt_row, j, head, tok = _tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt,
-                                          req, q_start, m0, BLOCK_M, NUM_HEADS)
+    P, rtt_row, j, head, tok = tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt,
+                                         req, q_start, m0, BLOCK_M, NUM_HEADS)
     row_ok = j < n
     if NUM_DV == 1:
         offs_own = tl.arange(0, BLOCK_DV)
@@ -238,7 +227,7 @@ def _mla_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     # ---------------- phase 1: the committed prefix, no visibility mask
-    lo, hi = _prefix_range(P, split, NUM_SPLITS, BLOCK_N)
+    lo, hi = prefix_range(P, split, NUM_SPLITS, BLOCK_N)
     if TMA:  # full tiles by TMA (each lies in one page: CONTIG), then at most one partial tile
         hi_full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
         own_col = dvi * BLOCK_DV
@@ -260,20 +249,20 @@ def _mla_fwd_kernel(
                                   NUM_DV, IEEE, UPCAST)
 
     # ---------------- phase 2: this forward's tokens P + [0, n), masked (last split only)
-    kv_hi = _draft_key_count(n, m0, split, NUM_HEADS, BLOCK_M, MASK_MODE, NUM_SPLITS)
+    kv_hi = draft_key_count(n, m0, split, NUM_HEADS, BLOCK_M, MASK_MODE, NUM_SPLITS)
     for start in range(0, kv_hi, BLOCK_N):
         offs_k = start + tl.arange(0, BLOCK_N)
         k_ok = offs_k < kv_hi
         slot = tl.load(rtt_row + P + offs_k, mask=k_ok, other=0).to(tl.int64)
-        vis = _draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, k_ok,
-                                MASK_MODE)
+        vis = draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, k_ok,
+                               MASK_MODE)
         acc, m_i, l_i = _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, KV + slot * stride_kvt, k_ok,
                                   vis, offs_own, offs_oth, offs_r, qk_scale, NUM_DV, IEEE, UPCAST)
 
-    _store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_own, row_ok[:, None],
-                row_ok & ((head * 0 + dvi) == 0),  # one LSE writer per row
-                split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                NUM_SPLITS)
+    store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_own, row_ok[:, None],
+               row_ok & ((head * 0 + dvi) == 0),  # one LSE writer per row
+               split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+               NUM_SPLITS)
 
 
 def default_mla_config(max_rows: int, kv_lora_rank: int, ieee: bool) -> dict:
@@ -282,14 +271,14 @@ def default_mla_config(max_rows: int, kv_lora_rank: int, ieee: bool) -> dict:
     ``block_dv``, ``num_warps``, ``num_stages``.  With >= 128 rows and rank >= 256 (MLA decode
     at 128 heads, tree verify): 128-row tiles, half the value width per program, 64 keys,
     one stage -- the best of the H100 sweep of ``bench/scripts/attention_sweep.py`` for both
-    (2026-11-22).  Otherwise 64-row tiles with the whole value width on 8 warps (FlashMLA's
+    (Triton 3.6).  Otherwise 64-row tiles with the whole value width on 8 warps (FlashMLA's
     tile), 32 keys per tile (a bf16 latent tile of 32 x 576 is 36 KB of shared memory)."""
     big = kv_lora_rank >= 256
     block_m = min(64, max(16, triton.next_power_of_2(max(max_rows, 1))))
     if ieee:
         return dict(block_m=min(block_m, 32) if big else block_m, block_n=16 if big else 32,
                     block_dv=kv_lora_rank, num_warps=8 if big else 4, num_stages=1)
-    if big and max_rows >= 128:  # H100 sweep (bench/scripts/attention_sweep.py), 2026-11-22
+    if big and max_rows >= 128:  # the H100 sweep's best (bench/scripts/attention_sweep.py)
         return dict(block_m=128, block_n=64, block_dv=kv_lora_rank // 2, num_warps=8, num_stages=1)
     return dict(block_m=block_m, block_n=32 if big else 64, block_dv=kv_lora_rank,
                 num_warps=8 if big else 4, num_stages=2)
@@ -297,7 +286,7 @@ def default_mla_config(max_rows: int, kv_lora_rank: int, ieee: bool) -> dict:
 
 def check_mla_config(config: dict, kv_lora_rank: Optional[int] = None) -> None:
     """Raise ValueError unless ``config``'s keys are among :data:`MLA_CONFIG_KEYS` with the
-    value rules of :func:`~specattn.triton_kernels.attention.check_kernel_config`, and
+    value rules of :func:`~specattn.triton_kernels.attention_common.check_kernel_config`, and
     ``block_dv`` is ``kv_lora_rank`` or half of it (when the rank is given).  None values
     mean "default"."""
     check_kernel_config(config, MLA_CONFIG_KEYS)
@@ -370,7 +359,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             of per-thread loads; needs tiles inside one page (``block_n`` divides
             ``page_size``), ``block_dv`` and ``qk_rope_head_dim`` <= 256 (TMA box limit) and a
             16-byte aligned cache and row stride.  None = False: measured slower on an H100
-            (MLA decode b128 L8192: 1262 vs 1165 us; tree verify within 3 %, 2026-11-22).
+            (MLA decode b128 L8192: 1262 vs 1165 us; tree verify within 3 %).
         sm90: run on the Gluon kernel of :mod:`.attention_mla_sm90` (one token x 64 heads per
             CTA, two warpgroups share one score tile, FlashMLA's split; every mode; ``block_n``
             32 or 64, the other config keys do not apply).  True raises ValueError where
@@ -440,12 +429,12 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     if use_sm90:
         if bs == 0 or T == 0 or max_q == 0:
             return out
-        o_part, lse, _, _ = _split_partials(num_splits, T, H, rank, out, seq_lens)
+        o_part, lse, _, _ = split_partials(num_splits, T, H, rank, out, seq_lens)
         sm90_mla_attention(q, kv_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
                            tree_mask, max_q, sm_scale, out, o_part, lse, num_splits, block_n or 64,
                            seesaw=seesaw is not False and block_n != 32, page_size=page_size)
         if num_splits > 1:
-            _merge_partials(o_part, lse, out, num_splits, rank, rank, 4)
+            merge_partials(o_part, lse, out, num_splits, rank, rank, 4)
         return out
     cfg.update({k: v for k, v in over.items() if v is not None and k != "seesaw"})
     BLOCK_M, BLOCK_N, BLOCK_DV = cfg["block_m"], cfg["block_n"], cfg["block_dv"]
@@ -456,8 +445,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         return out
     num_dv = rank // BLOCK_DV
     grid = (triton.cdiv(max_q * H, BLOCK_M), num_dv, bs * num_splits)
-    o_part, lse, ps, ls = _split_partials(num_splits, T, H, rank, out, seq_lens)
-    tm, tm_strides = _tree_mask_arg(tree_mask, seq_lens)
+    o_part, lse, ps, ls = split_partials(num_splits, T, H, rank, out, seq_lens)
+    tm, tm_strides = tree_mask_arg(tree_mask, seq_lens)
     launch_fitting(_mla_fwd_kernel, grid, (
         q, kv_cache, out, o_part, lse,
         req_to_token, req_pool_indices, seq_lens, qo_indptr, tm, desc_v, desc_pe,
@@ -471,5 +460,5 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         NUM_SPLITS=num_splits, CONTIG=page_size % BLOCK_N == 0, IEEE=ieee, UPCAST=upcast,
         TMA=desc_v is not None, num_warps=cfg["num_warps"]), cfg["num_stages"])
     if num_splits > 1:
-        _merge_partials(o_part, lse, out, num_splits, rank, rank, 4 if rank >= 256 else 1)
+        merge_partials(o_part, lse, out, num_splits, rank, rank, 4 if rank >= 256 else 1)
     return out

@@ -4,9 +4,9 @@ Why a second kernel: the Triton kernel of :mod:`.attention_mla` lets the compile
 warps, and for a score dot that feeds another dot Triton puts all of them along the rows, so
 with 64 heads per program both warpgroups compute the same scores, or (the default) two
 programs each own half of the value width and both compute every score: 1.53x the useful
-tensor-core work, and MLA at 128 heads is compute-bound (decode: 2.3x FlashMLA's time on an
-H100).  Gluon (Triton's explicit-layout dialect, ``triton.experimental.gluon``) lets the
-kernel place every warp.  Two schedules share the grid, the modes and the epilogue:
+tensor-core work, and MLA at 128 heads is compute-bound.  Gluon (Triton's explicit-layout
+dialect, ``triton.experimental.gluon``) lets the kernel place every warp.  Two schedules share
+the grid, the modes and the epilogue:
 
 Common to both:
 
@@ -23,7 +23,7 @@ Common to both:
 - Split-KV as :mod:`.attention_mla`: split ``s`` covers prefix keys ``[s * c, min((s + 1) *
   c, P))`` with ``c = cdiv(cdiv(P, S), BLOCK_N) * BLOCK_N``, the last split also this
   forward's keys; partial outputs and base-2 log-sum-exps go to the same workspace as the
-  Triton kernel's and :func:`.attention._merge_kernel` combines them.  No host sync.
+  Triton kernel's and :func:`.attention_common.merge_kernel` combines them.  No host sync.
 
 **Seesaw** (:func:`_mla_seesaw_kernel`, the default): FlashMLA's schedule
 (deepseek-ai/FlashMLA, ``docs/20250422-new-kernel-deep-dive.md``; no code copied), 64-key
@@ -57,14 +57,9 @@ tile, ``P`` goes to shared memory and each warpgroup multiplies it into its valu
 Tiles are gathered by ``cp.async`` and double-buffered.  Shared memory at ``BLOCK_N = 64``:
 ``q`` 72 KB + 2 x 72 KB stages + 8 KB ``P`` = 224 KB.
 
-Measured on an H100, MLA decode bs 128, L 8192, page 64 (FlashMLA 509-516 us in the same
-runs): key split 736-860 us; seesaw with ``cp.async`` 780-800 us, with TMA 660-720 us
-(1.29-1.40x FlashMLA; 687.0 us = 1.35x in the bench run); on H200s 627-674 us vs FlashMLA's
-450-455 (1.39-1.49x over three runs; key split 746-749); ``bench/results/2026-11-22-h*-session7``.  With the loads skipped (a diagnostic, wrong output) the seesaw runs in
-500-575 us, so the rest is the latency of refilling a stage: only two fit.  Prefetching the
-tile after next into L2 (per line, or bulk) was slower (840-1640 us) and was dropped, and so
-were releasing the rope block right after the score GEMM and making warpgroup 1 wait for
-its ``P0 V0`` GEMM before its softmax (no gain, 670-734 us).
+What limits the seesaw kernel is the latency of refilling a stage (only two 72 KB stages
+fit); measured times against FlashMLA and the variants that did not help:
+``docs/attention.md``.
 
 Scope (:func:`sm90_mla_supported`): bf16/fp16 ``q`` and cache of the same dtype,
 ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, heads a multiple of 64, an sm_90 GPU.
@@ -75,9 +70,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
-try:  # Gluon ships with Triton >= 3.4; its Hopper ops are only compiled on an sm_90 device
+from .gluon_common import HAVE_GLUON, sm90_device_needs
+
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -85,25 +81,12 @@ try:  # Gluon ships with Triton >= 3.4; its Hopper ops are only compiled on an s
                                                                    tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    HAVE_GLUON = False
+    from .gluon_common import SW128, load_slots, store_out
 
-__all__ = ["sm90_mla_attention", "sm90_mla_supported", "HAVE_GLUON", "BLOCK_H"]
+__all__ = ["sm90_mla_attention", "sm90_mla_supported", "BLOCK_H"]
 
 BLOCK_H = 64       # heads per CTA (one wgmma M tile)
 KV_LORA, ROPE = 512, 64
-
-
-def sm90_device_needs(t: torch.Tensor) -> list:
-    """What the Gluon sm_90 kernels need and ``t``'s device or Triton lacks: a Triton with
-    Gluon and an sm_90 GPU (list of strings, empty when both are there)."""
-    why = []
-    if not HAVE_GLUON:
-        why.append("this Triton has no Gluon")
-    if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device) != (9, 0):
-        why.append(f"an sm_90 GPU (got {t.device})")
-    return why
 
 
 def sm90_mla_supported(q: torch.Tensor, kv_cache: torch.Tensor,
@@ -123,12 +106,6 @@ def sm90_mla_supported(q: torch.Tensor, kv_cache: torch.Tensor,
 if HAVE_GLUON:
 
     @gluon.jit
-    def _slots(rtt_row, start, hi, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
-        """int32 slots of keys ``start + [0, BLOCK_N)`` (0 past ``hi``), in ``LAYOUT``'s rows."""
-        rows = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
-        return gl.load(rtt_row + rows, mask=rows < hi, other=0)
-
-    @gluon.jit
     def _copy_tile(kc_buf, kr_buf, KV, slot_c, slot_r, start, hi, stride_kvt,
                    BLOCK_N: gl.constexpr, LD_C: gl.constexpr, LD_R: gl.constexpr):
         """cp.async the latent rows of keys ``start + [0, BLOCK_N)`` into one stage (rows past
@@ -144,29 +121,6 @@ if HAVE_GLUON:
             kr_buf, KV + slot_r.to(gl.int64)[:, None] * stride_kvt + cols_r[None, :],
             mask=(rows_r < hi)[:, None])
         async_copy.commit_group()
-
-    @gluon.jit
-    def _store_out(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, cols, ok, split,
-                   stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                   NUM_SPLITS: gl.constexpr):
-        """Epilogue of both sm_90 kernels (``.attention._store_rows``'s contract): normalise
-        the ``[rows, width]`` float32 accumulator by the row sums ``l_i`` and store it to
-        ``O[tok, head, cols]`` in ``O``'s dtype, or with split-KV the float32 partial to
-        ``O_PART[split, tok, head, cols]`` and the base-2 log-sum-exp to
-        ``LSE_PART[split, tok, head]``.  ``m_i``/``l_i``/``tok`` (int64)/``head``/``ok`` are
-        in the accumulator's row layout; a row with ``l_i == 0`` gets zeros (LSE ``-inf``);
-        rows where ``ok`` is False are not written."""
-        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        out = gl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
-        if NUM_SPLITS == 1:
-            gl.store(O + (tok * stride_ot + head * stride_oh)[:, None] + cols[None, :],
-                     out.to(O.dtype.element_ty), mask=ok[:, None])
-        else:
-            sp = split.to(gl.int64)
-            gl.store(O_PART + sp * stride_ps + (tok * stride_pt + head * stride_ph)[:, None]
-                     + cols[None, :], out, mask=ok[:, None])
-            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
-            gl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse, mask=ok)
 
     @gluon.jit
     def _visible(keys, P, hi, tree_row, TREE: gl.constexpr):
@@ -281,10 +235,10 @@ if HAVE_GLUON:
 
             # prologue: tile 0 in flight, tile 1's slots loaded
             _copy_tile(kc_smem.index(0), kr_smem.index(0), KV,
-                       _slots(rtt_row, lo, hi, BLOCK_N, LD_C), _slots(rtt_row, lo, hi, BLOCK_N, LD_R),
+                       load_slots(rtt_row, lo, hi, BLOCK_N, LD_C), load_slots(rtt_row, lo, hi, BLOCK_N, LD_R),
                        lo, hi, stride_kvt, BLOCK_N, LD_C, LD_R)
-            sc = _slots(rtt_row, lo + BLOCK_N, hi, BLOCK_N, LD_C)
-            sr = _slots(rtt_row, lo + BLOCK_N, hi, BLOCK_N, LD_R)
+            sc = load_slots(rtt_row, lo + BLOCK_N, hi, BLOCK_N, LD_C)
+            sr = load_slots(rtt_row, lo + BLOCK_N, hi, BLOCK_N, LD_R)
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             for i in range(n_tiles):
                 start = lo + i * BLOCK_N
@@ -293,8 +247,8 @@ if HAVE_GLUON:
                 nxt = (i + 1) % 2
                 _copy_tile(kc_smem.index(nxt), kr_smem.index(nxt), KV, sc, sr, start + BLOCK_N, hi,
                            stride_kvt, BLOCK_N, LD_C, LD_R)
-                sc = _slots(rtt_row, start + 2 * BLOCK_N, hi, BLOCK_N, LD_C)
-                sr = _slots(rtt_row, start + 2 * BLOCK_N, hi, BLOCK_N, LD_R)
+                sc = load_slots(rtt_row, start + 2 * BLOCK_N, hi, BLOCK_N, LD_C)
+                sr = load_slots(rtt_row, start + 2 * BLOCK_N, hi, BLOCK_N, LD_R)
                 async_copy.wait_group(1)  # tile i has landed (this thread's copies)
                 fence_async_shared()
                 gl.thread_barrier()       # ... and every thread's
@@ -327,11 +281,11 @@ if HAVE_GLUON:
 
             # epilogue: normalise; store the output or this split's partial + log2-sum-exp
             heads_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
-            _store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
-                       gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, O_L)),
-                       tok + heads_o * 0, heads_o, gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_L)),
-                       heads_o >= 0, split, stride_ot, stride_oh, stride_ps, stride_pt,
-                       stride_ph, stride_ls, stride_lt, NUM_SPLITS)
+            store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                      gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, O_L)),
+                      tok + heads_o * 0, heads_o, gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_L)),
+                      heads_o >= 0, split, stride_ot, stride_oh, stride_ps, stride_pt,
+                      stride_ph, stride_ls, stride_lt, NUM_SPLITS)
 
 
     # ---- seesaw schedule (module docstring) ----
@@ -347,10 +301,6 @@ if HAVE_GLUON:
     _P1_FREE = gl.constexpr(26)
     _FIN = gl.constexpr(27)      # row sums exchanged (count 2)
     _NB = gl.constexpr(28)
-    # the 128-byte swizzle of every [rows, 64k] bf16/fp16 tile; the host TMA descriptor's
-    # boxes must land in the same layout
-    _SW128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                               rank=2))
     # one warpgroup's layouts: the [64, 64] score tile, the [64, 256] output half, and P as
     # the register A operand of the PV GEMM
     _SS_S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -514,11 +464,11 @@ if HAVE_GLUON:
         mbarrier.wait(bars.index(_FIN), 0)
         l_tot = l_i + x_smem.index(3 - WG).load(l_i.type.layout)
         heads = head0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
-        _store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
-                   gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), tok + heads * 0, heads,
-                   WG * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L)), heads >= 0, split,
-                   stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                   NUM_SPLITS)
+        store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                  gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), tok + heads * 0, heads,
+                  WG * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L)), heads >= 0, split,
+                  stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  NUM_SPLITS)
 
     @gluon.jit
     def _ss_wg0(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
@@ -643,7 +593,7 @@ if HAVE_GLUON:
                 stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             head0 = pid_h * 64
-            SW: gl.constexpr = _SW128
+            SW: gl.constexpr = SW128
             XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             q_smem = gl.allocate_shared_memory(dtype, [64, 512], SW)
             kc_smem = gl.allocate_shared_memory(dtype, [2, 64, 512], SW)
@@ -716,6 +666,6 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     desc = None
     if (page_size % 64 == 0 and kv2d.data_ptr() % 16 == 0
             and (kv2d.stride(0) * kv2d.element_size()) % 16 == 0):
-        desc = TensorDescriptor.from_tensor(kv2d, [64, 64], _SW128.value)
+        desc = TensorDescriptor.from_tensor(kv2d, [64, 64], SW128.value)
     _mla_seesaw_kernel[grid](*args, desc, **modes, TMA=desc is not None, num_warps=4,
                              maxnreg=168)

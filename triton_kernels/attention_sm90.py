@@ -1,9 +1,10 @@
 """Hopper (sm_90) GQA tree verify in Gluon: two schedules of one CTA layout.
 
-The Triton kernel of :mod:`.attention` (one program per 128 packed rows, ``tl.dot`` on wgmma)
-runs tree verify at 44-50 % of the H100's measured matmul rate, on par with FlashInfer's fa2
-prefill.  The exponentials of a score tile take about half the time of its two GEMMs on the
-SFU, so a kernel that waits for each GEMM before its softmax idles the tensor cores.
+Why a second kernel: the Triton kernel of :mod:`.attention` issues each tile's GEMMs and then
+waits for them before its softmax, and the exponentials of a score tile take about half the
+time of its two GEMMs on the SFU, so the tensor cores idle during every softmax.  Gluon
+(Triton's explicit-layout dialect) lets the kernel overlap them.  Measurements, what limits
+the kernel and the variants that did not help: ``docs/attention.md``.
 
 Common layout (same semantics as :mod:`.attention`, ``forward_batch`` convention):
 
@@ -12,17 +13,21 @@ Common layout (same semantics as :mod:`.attention`, ``forward_batch`` convention
   the row softmax stays inside a warp.  Grid ``(cdiv(max_q * G, 128), Hkv, bs *
   num_splits)``; CTAs past ``n * G`` exit.
 - ``q`` in shared memory (the ping-pong warpgroups then load theirs into registers, the score
-  GEMM's A operand); keys ``[lo, hi)`` in ``BLOCK_N`` tiles, K and V gathered per token
-  through ``req_to_token`` by ``cp.async`` (rows past ``hi`` zero-filled).  The ping-pong
-  kernel with ``page_size`` a multiple of 16 copies a whole 64-key tile that starts at a page
-  boundary by TMA instead: for each run of ``R`` consecutive slots (``R`` = 64, 32 or 16,
-  the largest dividing the page size), ``[R, 64]`` boxes from the slot of its first key
-  (``req_to_token``) over the cache viewed ``[num_slots, Hkv * D]``; a partial tile and the
-  tiles of a last split starting off a page boundary stay on ``cp.async``.  Whole prefix
-  tiles take no mask; the tile holding ``P`` and after test the bound and the bit-packed tree
-  rows (``tree_mask[i, j]``, bit ``k % 32`` of word ``k // 32``).
+  GEMM's A operand, so the GEMM reads only K from shared memory); keys ``[lo, hi)`` in
+  ``BLOCK_N`` tiles, K and V gathered per token through ``req_to_token`` by ``cp.async``
+  (rows past ``hi`` zero-filled).  The ping-pong kernel with ``page_size`` a multiple of 16
+  copies a whole 64-key tile that starts at a page boundary by TMA instead: for each run of
+  ``R`` consecutive slots (``R`` = 64, 32 or 16, the largest dividing the page size),
+  ``[R, 64]`` boxes from the slot of its first key (``req_to_token``) over the cache viewed
+  ``[num_slots, Hkv * D]``; a partial tile and the tiles of a last split starting off a page
+  boundary stay on ``cp.async``.  Whole prefix tiles take no mask; the tile holding ``P``
+  and after test the bound and the bit-packed tree rows (``tree_mask[i, j]``, bit ``k % 32``
+  of word ``k // 32``).
+- Online softmax in float32, log2 domain, the scale folded into the exponent's argument
+  (one FFMA per score, :func:`_softmax_step`).
 - Split-KV as :mod:`.attention` (split ``s`` covers prefix ``[s c, min((s + 1) c, P))``, the
-  last split also the ``n`` draft keys); partials merged by :func:`.attention._merge_kernel`.
+  last split also the ``n`` draft keys); partials merged by
+  :func:`.attention_common.merge_kernel`.
 
 **Ping-pong** (:func:`_tree_verify_ws_kernel`, the default), FlashAttention-3's schedule
 (Shah et al., arXiv:2407.08608, sections 3.1-3.2; no code copied), warp-specialized into two
@@ -32,19 +37,18 @@ the stage's full barrier when it lands, so the loader never waits for its own co
 stage is refilled once both warpgroups released it); the two compute warpgroups take turns
 on the tensor cores (a turn barrier each): on its turn a warpgroup issues the score GEMM of
 tile ``j`` and the PV GEMM of tile ``j - 1``, hands the turn over, and runs the softmax of
-tile ``j`` under the other warpgroup's pair (ptxas waits for the warpgroup's own PV GEMM
-first, which measured faster than overlapping it; session 12 below). With TMA tiles (pages
-of a multiple of 16) both partitions take a CTA's tiles holding ``P`` or draft keys first,
-then its whole prefix tiles, so that the compute's main loop has no mask code
-(:func:`_tile_order`; 2.6-5.6 % faster at page 64 on an H100 and an H200, session 12); the
-per-key gather keeps tile order, as the same change was up to 1.5 % slower at page 1. The
-loader has 8 warps for the per-key gather (32 registers a thread, the compute 224,
-``maxnreg=128`` at launch) and loads each tile's slots just before its copies (none carried,
-no spill): 1.2-4.5 % faster at page 1 than 4 warps, and 0.8-3.7 % more without the carried
-slots, timed interleaved (``bench/results/2026-11-23-h100-session11``, sections 10-11); with
-TMA tiles (pages of a multiple of 16) 4 warps (40 registers, the compute 232,
-``maxnreg=168``), as 8 are 2-10 % slower there. 128-key tiles spill and are slower (818 vs
-674 us at bs 64 / P 4096 in one run).
+tile ``j`` under the other warpgroup's pair.  ptxas places the wait for the warpgroup's own
+PV GEMM at the start of the softmax (later places measured slower), so the softmax does not
+run under its own PV GEMM.
+
+- Tile order: with TMA tiles (pages of a multiple of 16) both partitions take a CTA's tiles
+  holding ``P`` or draft keys first, then its whole prefix tiles, so that the compute's main
+  loop has no mask code (:func:`_tile_order`, ``masked_first``); the per-key gather keeps
+  tile order (there the reordering measured slower).
+- Loader: 8 warps for the per-key gather (32 registers a thread, the compute 224, launched
+  with ``maxnreg=128``), loading each tile's slots just before its copies (none carried
+  between tiles, no spill); 4 warps with TMA tiles (40 registers, the compute 232,
+  ``maxnreg=168``).  64-key tiles: 128-key tiles (opt-in, three stages) spill.
 
 **Synchronous** (:func:`_tree_verify_sm90_kernel`, ``pingpong=False``), 8 warps, each
 iteration ordered as FlashAttention-3's intra-warpgroup overlap::
@@ -55,107 +59,14 @@ iteration ordered as FlashAttention-3's intra-warpgroup overlap::
 
 with a 3-stage ring (tile ``j + 1`` streams while ``j`` computes) refilled behind CTA-wide
 barriers, so both warpgroups run in lockstep: their score GEMMs run together and nothing
-hides them.  That is the PTX's order; in the SASS (64-key tiles, checked offline in session
-12) ptxas moves the wait for the PV GEMM up to the start of the softmax, as in the ping-pong
-kernel, so the softmax does not in fact run under it.
+hides them.  That is the PTX's order; in the SASS (64-key tiles) ptxas moves the wait for the
+PV GEMM up to the start of the softmax, as in the ping-pong kernel, so the softmax does not
+in fact run under it.
 
 Scope (:func:`sm90_tree_verify_supported`): TARGET_VERIFY, bf16/fp16 ``q`` and caches of
 one dtype, ``head_dim == v_head_dim`` in (64, 128), an sm_90 GPU; the rest uses
 :mod:`.attention`.  :func:`.attention.paged_attention` takes this module by default where it
 can run and a request has >= 128 packed rows (``max_q * G``).  No host sync.
-
-Measured on an H100 (2026-11-22, GQA 32/8, head_dim 128, bf16, page 1, 64-token trees,
-``bench/results/2026-11-22-h100-session8``), bs / P = 1 / 4096, 16 / 2048, 64 / 4096,
-16 / 16384: ping-pong 26.5 / 98.5 / 668.6 / 633.6 us, synchronous 26.6 / 109.8 / 730.3 /
-678.2, FlashInfer's prefix + tree split 50.0 / 134.6 / 904.8 / 799.3 and its custom mask
-62.6 / 308.4 / 2288.7 / 2247.6 in the same run.  With whole tiles by TMA on pages of 64
-slots and the scale in the exponent's FFMA (``bench/results/2026-11-23-h100-session10``,
-sections 4-5): 24.5 / 83.8 / 575.6 / 530.3 us against the split's 49.8 / 133.9 / 871.4 /
-794.6 at page 64, and 27.4 / 98.1 / 667.6 / 628.3 against 49.7 / 135.0 / 896.2 / 851.8 at
-page 1 (the gather); on an H200 23.6 / 81.6 / 588.8 / 542.6 against 48.6 / 130.9 / 889.9
-/ 849.0 at page 64 (``-h200-session10``).  Page 16 (runs of 16 slots, section 6): 25.0 /
-89.1 / 592.1 / 545.4 against 49.9 / 134.0 / 875.3 / 786.0.
-What bounds it (the same session's diagnostics): with the in-loop loads skipped (wrong
-output) the synchronous kernel runs 647 / 564 us at the two large points, the ping-pong one
-637 / 562: the loads cost 40-120 us, the rest is compute at 55-60 % of the measured matmul
-rate.  Tried and dropped there: 256-row CTAs (each K/V tile gathered once per request and KV
-head, not twice; 16 warps at 128 registers or 8 warps with 128-row warpgroups, 32/64-key
-tiles): 790-906 us at bs 64 / P 4096; a deeper prefetch in the synchronous kernel (up to
-four 64-key tiles in flight, or K and V in separate rings so K runs one tile further ahead):
-735-823 us; ``q`` as the register operand of the ping-pong score GEMM: 702 / 657 us; ``P``
-carried in bf16, the scale fused into the exponent and the whole prefix tiles in a loop of
-their own: no gain (688 / 654 us), and it let 128-key tiles fit the compute registers but
-not the loader's (754-798 us); a loader gathering 32-row pieces to fit 128-key tiles
-(722-845 us), or loading the slots 2-3 tiles ahead (655-699 us vs 676 in the same run; 943
-when that spills the loader's 40 registers); two 64-key tiles per turn (one softmax update
-and half the barrier traffic per 128 keys): 757-763 vs 675-700 us.
-Nsight Compute on the ping-pong kernel (bs 16 / P 2048): tensor pipe 40 %, DRAM 39 %, issue
-slots 38 %; no eligible warp in 59 % of cycles (3 warps per scheduler), stalls mostly long
-scoreboard, fixed-latency waits and the warpgroup ``bar.sync`` Triton puts around each
-mbarrier wait and arrive: latency-bound, not pipe-bound.
-A ``%clock64`` trace (``bench/results/2026-11-22-h100-session9``, bs 64 / P 4096) puts a
-64-key iteration at ~2220 cycles per warpgroup (the tile's GEMMs of both warpgroups are
-1024 at peak): turn -> S done 480, softmax 1020, stage release + next K/V + fence 380,
-turn wait 170; the warpgroups run ~370 cycles apart and the loader takes ~1890 cycles per
-tile, nearly the period.  Loads alone (the compute only frees the stages) take 586 / 543
-us at bs 64 / P 4096 and bs 16 / P 16384 (530 / 485 with 8 loader warps), the compute alone
-571 / 556 (the loader fills the ring once, then only arrives; the no-load variant above
-read 637 / 562; 557 / 514 with the scale folded into the exponent's FFMA), the kernel
-677 / 645:
-the two halves cost ~15 % more together than the slower one alone, so faster halves did
-not make a faster kernel.  Tried there, none better than noise at bs 64 / P 4096:
-FlashAttention-4's lazy rescale and software exp2, the turn handed over after the row max
-(warpgroups half a period apart), the score GEMM one tile ahead (left in flight over the
-loop's back edge, it makes ptxas serialize every wgmma), 8 loader warps, slots 2-3 tiles
-ahead with 56 loader registers, no turn barriers.
-Session 10 (``bench/results/2026-11-23-h100-session10``): a per-thread TMA gather of
-``[1, 64]`` boxes (inline PTX; Gluon 3.6 cannot express a one-row swizzled destination) is
-correct but moves 1.5 TB/s where ``cp.async`` moves 2.4 (the TMA unit takes ~19 cycles per
-128-byte box); halving each CTA's gather (what a 2-CTA cluster sharing tiles could give at
-best) leaves bs 64 / P 4096 at 662 us (630 with the FFMA scale); mbarrier waits and arrivals
-without the warpgroup ``bar.sync`` Gluon puts before each (inline PTX) run 8 % slower.
-Session 11 (``bench/results/2026-11-23-h100-session11``, page 1): a CTA spends 5.6-7.6 us
-outside its key loop (start 2.5-4.3, epilogue 2.2-2.8, relaunch 0.5), but a persistent form
-(one CTA per SM, the ring and turns running on across work items, one or two ``q`` buffers)
-gained nothing: the hand-over still took ~2 us and the loop slowed.  Nsight Compute puts
-13.8 % of all stall samples on the loader waiting for a tile's slots, yet prefetching them
-into L1 stays under 1 %: the slot load queues behind the loader's own gathers.  L2
-prefetches of the K/V rows (per line, per row, or whole 8-head slot rows by one CTA per
-head) were 2-39 % slower; loading a TMA tile's run slots a tile ahead spills the loader at
-page 16; the tree mask loaded per row instead of per score element was slower (the mask
-costs at most 1.4-2.2 %); the scalars loaded before the CTA's branch, the next page-64 TMA
-tile's slot loaded ahead and the L1 prefetch together: within 1 %.  What did help is the
-8-warp loader for the gather that session 9 had measured as noise (one variant timed after
-another): timed interleaved it is 1.2-4.5 % faster at page 1 (section 10; 0-1.6 % on an
-H200), and with no slots carried between tiles 0.8-3.7 % more (section 11).  The bench then
-read 25.7 / 92.8 / 621.3 / 573.2 us against the split's 49.9 / 135.7 / 893.1 / 798.2 (1.94
-/ 1.46 / 1.44 / 1.39x, ``attention_page1_jit``); on an H200 24.1 / 88.7 / 640.4 / 571.0
-against 48.6 / 132.1 / 883.1 / 802.4 (2.01 / 1.49 / 1.38 / 1.41x,
-``bench/results/2026-11-23-h200-session11``).
-Session 12 (``bench/results/2026-11-23-h100-session12``, interleaved): 128-key tiles with
-the gather in 64-key pieces, 10 % slower (the compute still spills at 224 registers).
-ptxas hoists the wait for the PV GEMM of tile ``j - 1`` from after the softmax of ``j``
-(where the PTX has it) to just after its first ``FMNMX``; a basic-block boundary keeps it
-later, and every later place (after the row max, the exponentials or the whole softmax) was
-7-13 % slower, so the softmax deliberately does not run under its own PV GEMM.  Whole
-prefix tiles in a loop without mask code: with the masked tiles after them, 2-7 % faster on
-CTAs of >= 65 tiles but 1-5 % slower on CTAs of <= 33 (a CUDA graph cannot tell them
-apart); with the masked tiles first (folding the first tile's peeled code into that loop,
-so the code is no larger), 2.6-5.6 % faster at page 64 on an H100 and an H200, but
-up to 1.5 % slower at page 1 (section 7): kept for TMA tiles only.  The row reductions
-as trees (ptxas re-chains them) and int32 gather offsets shared by K and V were noise.
-Session 13 (``bench/results/2026-11-23-h100-session13``): ``q`` as the register operand of
-the ping-pong kernel's score GEMM.  With both operands in shared memory, the 64-key score GEMM
-(``m64n64k16``) reads 4 KiB per 32 tensor-core cycles at peak, the SM's whole shared-memory
-bandwidth, while the loader's copies land there too; from registers it reads only K.  Timed
-interleaved against cd5a8c4's kernel at the three larger points: 0.3-1.4 % faster at page 1
-(one round 3.5 %) and 1.9-3.5 % at page 64 on an H100, 0.3-0.6 % and 1.7-3.2 % on an H200
-(bs 1 within noise), the output bit for bit the same; ptxas fits it without spills (224 / 232
-registers).  Session 8 had measured this form slower (702 / 657 us, on the kernel of then).
-Earlier sessions' tries: a first warp-specialized form whose loader waited for its own
-copies before arriving (0.96-1.10x of the split), a deeper synchronous schedule issuing the
-score GEMM of tile ``j + 1`` before the softmax of ``j`` (839-881 us), two CTAs per SM
-(980 / 952 us) (``bench/results/2026-11-22-h100-session6``, ``-session7``).
 """
 from __future__ import annotations
 
@@ -163,11 +74,10 @@ from typing import Optional
 
 import torch
 
-from .attention_mla_sm90 import HAVE_GLUON, sm90_device_needs
+from .gluon_common import HAVE_GLUON, sm90_device_needs
 
 if HAVE_GLUON:
     from triton.experimental import gluon
-    from .attention_mla_sm90 import _SW128, _slots, _store_out
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import tma
@@ -175,6 +85,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared,
                                                                    mbarrier, warpgroup_mma,
                                                                    warpgroup_mma_wait)
+    from .gluon_common import SW128, load_slots, store_out
 
 __all__ = ["sm90_tree_verify", "sm90_tree_verify_supported", "SM90_BLOCK_M"]
 
@@ -241,7 +152,7 @@ if HAVE_GLUON:
         both partitions visit the masked tiles first, then the whole ones: iteration ``i``
         takes tile ``n_whole + i`` for ``i < n_masked``, else ``i - n_masked`` (written out in
         the loader and the compute rather than shared: a helper changed the TMA loader's
-        compiled code, session 12)."""
+        compiled code)."""
         n_whole = (gl.minimum(P, hi) - lo) // BLOCK_N
         return n_whole, gl.cdiv(hi - lo, BLOCK_N) - n_whole
 
@@ -268,8 +179,7 @@ if HAVE_GLUON:
     def _softmax_step(x, m_i, l_i, qk_scale):
         """Online-softmax update for one tile of unscaled scores ``x`` (``qk_scale`` > 0 takes
         them to log2 units): ``(p, m, l, alpha)``.  The scale is folded into the exponent's
-        argument, one FFMA per score (``x * qk_scale - m``): 2-3 % faster for the ping-pong
-        kernel on pages of 64 (``bench/results/2026-11-23-h100-session10``, section 5)."""
+        argument, one FFMA per score (``x * qk_scale - m``)."""
         m_new = gl.maximum(m_i, gl.max(x, axis=1) * qk_scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         alpha = gl.exp2(m_i - m_use)
@@ -294,7 +204,7 @@ if HAVE_GLUON:
                                                       instr_shape=[16, HEAD_DIM, 16])
         P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [8, 1], [1, 0])
-        SW: gl.constexpr = _SW128  # the TMA descriptors' layout too
+        SW: gl.constexpr = SW128  # the TMA descriptors' layout too
 
         hk = gl.program_id(1)
         pid2 = gl.program_id(2)
@@ -335,12 +245,12 @@ if HAVE_GLUON:
 
             # prologue: tiles 0 and 1 in flight, tile 2's slots loaded; scores of tile 0
             _kv_copy(k_smem.index(0), v_smem.index(0), k_base, v_base,
-                     _slots(rtt_row, lo, hi, BLOCK_N, LD), lo, hi, stride_kt, stride_vt,
+                     load_slots(rtt_row, lo, hi, BLOCK_N, LD), lo, hi, stride_kt, stride_vt,
                      BLOCK_N, HEAD_DIM, LD)
             _kv_copy(k_smem.index(1), v_smem.index(1), k_base, v_base,
-                     _slots(rtt_row, lo + BLOCK_N, hi, BLOCK_N, LD), lo + BLOCK_N, hi,
+                     load_slots(rtt_row, lo + BLOCK_N, hi, BLOCK_N, LD), lo + BLOCK_N, hi,
                      stride_kt, stride_vt, BLOCK_N, HEAD_DIM, LD)
-            sl = _slots(rtt_row, lo + 2 * BLOCK_N, hi, BLOCK_N, LD)
+            sl = load_slots(rtt_row, lo + 2 * BLOCK_N, hi, BLOCK_N, LD)
             if n_tiles > 0:
                 async_copy.wait_group(1)
                 fence_async_shared()
@@ -355,7 +265,7 @@ if HAVE_GLUON:
                 _kv_copy(k_smem.index((j + 1) % STAGES), v_smem.index((j + 1) % STAGES),
                          k_base, v_base, sl, start + BLOCK_N, hi, stride_kt, stride_vt,
                          BLOCK_N, HEAD_DIM, LD)
-                sl = _slots(rtt_row, start + 2 * BLOCK_N, hi, BLOCK_N, LD)
+                sl = load_slots(rtt_row, start + 2 * BLOCK_N, hi, BLOCK_N, LD)
                 async_copy.wait_group(1)  # tile j has landed
                 fence_async_shared()
                 gl.thread_barrier()
@@ -377,12 +287,12 @@ if HAVE_GLUON:
 
             # epilogue: normalise, store the output rows or this split's partial + LSE
             rows_o = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
-            _store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
-                       gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
-                       (q_start + rows_o // GROUP).to(gl.int64), hk * GROUP + rows_o % GROUP,
-                       gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L)), rows_o < n * GROUP,
-                       split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls,
-                       stride_lt, NUM_SPLITS)
+            store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                      gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
+                      (q_start + rows_o // GROUP).to(gl.int64), hk * GROUP + rows_o % GROUP,
+                      gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L)), rows_o < n * GROUP,
+                      split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls,
+                      stride_lt, NUM_SPLITS)
 
 
     # ---- warp-specialized ping-pong schedule ----
@@ -448,10 +358,10 @@ if HAVE_GLUON:
             n_whole, n_masked = _tile_order(P, lo, hi, BLOCK_N)
         if TMA_ROWS > 0:
             if MASKED_FIRST:
-                sl = _slots(rtt_row, lo + gl.where(n_masked > 0, n_whole, 0) * BLOCK_N, hi,
-                            BLOCK_N, LD)
+                sl = load_slots(rtt_row, lo + gl.where(n_masked > 0, n_whole, 0) * BLOCK_N, hi,
+                                BLOCK_N, LD)
             else:
-                sl = _slots(rtt_row, lo, hi, BLOCK_N, LD)
+                sl = load_slots(rtt_row, lo, hi, BLOCK_N, LD)
         for t in range(n_tiles):
             st = t % STAGES
             mbarrier.wait(bars.index(STAGES + st), ((t // STAGES) & 1) ^ 1)
@@ -470,10 +380,10 @@ if HAVE_GLUON:
                     nxt = gl.where(t + 1 < n_masked, n_whole + t + 1, t + 1 - n_masked)
                 else:
                     nxt = t + 1
-                sl = _slots(rtt_row, lo + nxt * BLOCK_N, hi, BLOCK_N, LD)  # the next tile's
+                sl = load_slots(rtt_row, lo + nxt * BLOCK_N, hi, BLOCK_N, LD)  # the next tile's
             else:  # the gather: the tile's slots loaded just before its copies, none carried
                 _cp_tile(k_smem.index(st), v_smem.index(st), bars.index(st), K, V,
-                         _slots(rtt_row, start, hi, BLOCK_N, LD), start, hi, stride_kt,
+                         load_slots(rtt_row, start, hi, BLOCK_N, LD), start, hi, stride_kt,
                          stride_vt, BLOCK_N, HEAD_DIM, LD)
         async_copy.commit_group()  # nothing in flight at exit (q when there is no tile)
         async_copy.wait_group(0)
@@ -528,7 +438,7 @@ if HAVE_GLUON:
         warpgroup's GEMMs: FlashAttention-3's ping-pong (Shah et al., arXiv:2407.08608,
         section 3.1).  The PTX waits for the PV GEMM after the softmax, as FlashAttention-3's
         intra-warpgroup overlap (section 3.2) does, but ptxas moves that wait up to the start
-        of the row max; keeping it later was 7-13 % slower (module docstring, session 12).
+        of the row max; keeping it later measured slower (``docs/attention.md``).
         ``MASKED_FIRST`` (the default with TMA tiles): tiles in ``_tile_order``'s order, the
         ones holding ``P`` or draft keys first, then the whole prefix tiles in a loop without
         mask code (the online softmax does not depend on the order); else tile 0 peeled,
@@ -550,8 +460,7 @@ if HAVE_GLUON:
         p = s_zero
         if n_tiles > 0:
             # q, which lands with the first tile, as the score GEMM's register operand: the
-            # GEMM then reads only K from shared memory (0.3-1.4 % faster at page 1, 1.7-3.5 %
-            # at page 64; session 13)
+            # GEMM then reads only K from shared memory
             mbarrier.wait(bars.index(0), 0)
             q_op = q_wg.load(gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2))
             if MASKED_FIRST:
@@ -591,12 +500,12 @@ if HAVE_GLUON:
             mbarrier.arrive(bars.index(2 * STAGES + 1 - WG), count=1)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
         rows_o = m0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
-        _store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
-                   gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
-                   (q_start + rows_o // GROUP).to(gl.int64), hk * GROUP + rows_o % GROUP,
-                   gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L)), rows_o < n * GROUP,
-                   split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls,
-                   stride_lt, NUM_SPLITS)
+        store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                  gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
+                  (q_start + rows_o // GROUP).to(gl.int64), hk * GROUP + rows_o % GROUP,
+                  gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L)), rows_o < n * GROUP,
+                  split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls,
+                  stride_lt, NUM_SPLITS)
 
     @gluon.jit
     def _tv_wg0(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
@@ -638,7 +547,7 @@ if HAVE_GLUON:
         """Warp-specialized ping-pong tree verify: 4 warps here (warpgroup 0), warpgroup 1
         and the loader (``LW`` warps) as workers, on mbarriers."""
         dtype: gl.constexpr = K.dtype.element_ty
-        SW: gl.constexpr = _SW128  # the TMA descriptors' layout too
+        SW: gl.constexpr = SW128  # the TMA descriptors' layout too
         hk = gl.program_id(1)
         pid2 = gl.program_id(2)
         req = pid2 // NUM_SPLITS
@@ -739,10 +648,10 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         descs = (None, None)
         if rows:
             descs = tuple(TensorDescriptor(c, [c.shape[0], Hkv * D], [c.stride(0), 1], [rows, 64],
-                                           _SW128.value) for c in (k_cache, v_cache))
-        # the per-key gather of 64-key tiles gets an 8-warp loader: 1.2-4.5 % faster at page
-        # 1, slower with TMA tiles (bench/results/2026-11-23-h100-session11, section 10); the
-        # opt-in 128-key tiles keep 4 warps (both gathers load each tile's slots just in time)
+                                           SW128.value) for c in (k_cache, v_cache))
+        # the per-key gather of 64-key tiles gets an 8-warp loader (faster than 4 at page 1,
+        # slower with TMA tiles); the opt-in 128-key tiles keep 4 warps (both gathers load
+        # each tile's slots just in time)
         lw = 8 if rows == 0 and block_n == 64 else 4
         # launched with maxnreg=168 (4 loader warps: the warpgroups get 232 registers and the
         # loader 40) or 128 (8 loader warps: 224 and 32)

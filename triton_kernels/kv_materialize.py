@@ -220,8 +220,7 @@ def offset_table(k_buffers: Sequence[torch.Tensor],
     hit = _TABLES.get(key)
     if hit is not None:
         return hit
-    from specattn.ops._checks import capturing
-    if base.device.type == "cuda" and capturing():
+    if base.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("triton materialize_kv: this k_buffers/v_buffers list has no pointer "
                            "table yet and a CUDA graph is being captured; run one eager call "
                            "with the same buffers before capture")

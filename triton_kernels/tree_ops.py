@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._util import next_pow2, on_tensor_device
+from .tree_common import gather_lane, tree_rows
 
 __all__ = ["build_tree", "verify_tree_greedy", "compact_accepted_path"]
 
@@ -154,61 +155,37 @@ def build_tree(parent_list, selected_index, verified_seq_len, tree_mask, positio
 
 # ----------------------------------------------------------------------------- verify
 @triton.jit
-def _gather(vec, idx, jj):
-    """``vec[idx]`` for a register vector ``vec`` and a scalar ``idx`` (0 if out of range)."""
-    return tl.sum(tl.where(jj == idx, vec, 0), axis=0)
-
-
-@triton.jit
-def _tree_rows(cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0, nx_s1, sb_ptr, sb_s0,
-               sb_s1, b, D, BLOCK_D: tl.constexpr):
-    """Request ``b``'s tree as register vectors over ``jj = [0, BLOCK_D)`` (valid ``< D``):
-    ``(jj, cand int64, retrive_index int64, next_token int32, next_sibling int32)``.  Links
-    outside ``[0, D)`` become -1 (end of chain): the wrapper's range checks are skipped while a
-    CUDA graph is captured, so a bad link must never become an address."""
-    jj = tl.arange(0, BLOCK_D)
-    vm = jj < D
-    cand = tl.load(cand_ptr + b * c_s0 + jj * c_s1, mask=vm, other=0).to(tl.int64)
-    ridx = tl.load(ri_ptr + b * ri_s0 + jj * ri_s1, mask=vm, other=0).to(tl.int64)
-    nxt = tl.load(nx_ptr + b * nx_s0 + jj * nx_s1, mask=vm, other=-1).to(tl.int32)
-    sib = tl.load(sb_ptr + b * sb_s0 + jj * sb_s1, mask=vm, other=-1).to(tl.int32)
-    nxt = tl.where((nxt >= 0) & (nxt < D), nxt, -1)
-    sib = tl.where((sib >= 0) & (sib < D), sib, -1)
-    return jj, cand, ridx, nxt, sib
-
-
-@triton.jit
 def _verify_greedy_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al_s0,
                           cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0, nx_s1,
                           sb_ptr, sb_s0, sb_s1, tg_ptr, tg_s0, tg_s1, D, S,
                           BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    jj, cand, ridx, nxt, sib = _tree_rows(cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0,
-                                          nx_s1, sb_ptr, sb_s0, sb_s1, b, D, BLOCK_D)
+    jj, cand, ridx, nxt, sib = tree_rows(cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0,
+                                         nx_s1, sb_ptr, sb_s0, sb_s1, b, D, BLOCK_D)
     vm = jj < D
     # never an address outside the request: rows outside the block fall back to the token's own
     ridx = tl.where((ridx >= b * D) & (ridx < b * D + D), ridx, b * D + jj)
     ks = tl.arange(0, BLOCK_S)
 
-    last = _gather(ridx, 0, jj)  # flat row of the last accepted token
+    last = gather_lane(ridx, 0, jj)  # flat row of the last accepted token
     accv = tl.where(ks == 0, last, -1)
-    node = _gather(nxt, 0, jj) * 0  # draft index of the last accepted token (int32 0)
+    node = gather_lane(nxt, 0, jj) * 0  # draft index of the last accepted token (int32 0)
     n = node
     go = (node + S > 1).to(tl.int32)
     while go != 0:
         t_last = tl.load(tg_ptr + (last // D) * tg_s0 + (last % D) * tg_s1).to(tl.int64)
-        c = _gather(nxt, node, jj)
+        c = gather_lane(nxt, node, jj)
         hit = node * 0 - 1
         guard = node * 0
         while (c != -1) & (hit == -1) & (guard <= D):  # siblings in chain order
-            tok = _gather(cand, c, jj)
+            tok = gather_lane(cand, c, jj)
             hit = tl.where(tok == t_last, c, hit)
-            c = _gather(sib, c, jj)
+            c = gather_lane(sib, c, jj)
             guard += 1
         ok = hit != -1
         n = tl.where(ok, n + 1, n)
         node = tl.where(ok, hit, node)
-        last = tl.where(ok, _gather(ridx, hit, jj), last)
+        last = tl.where(ok, gather_lane(ridx, hit, jj), last)
         accv = tl.where((ks == n) & ok, last, accv)
         go = (ok & (n < S - 1)).to(tl.int32)
 

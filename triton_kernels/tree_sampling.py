@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ._util import next_pow2, on_tensor_device
-from .tree_ops import _gather, _tree_rows
+from .tree_common import gather_lane, tree_rows
 
 __all__ = ["tree_speculative_sampling"]
 
@@ -81,16 +81,16 @@ def _tree_sampling_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al
                           HAS_DRAFT: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    jj, cand, ridx, nxt, sib = _tree_rows(cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0,
-                                          nx_s1, sb_ptr, sb_s0, sb_s1, b, D, BLOCK_D)
+    jj, cand, ridx, nxt, sib = tree_rows(cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0,
+                                         nx_s1, sb_ptr, sb_s0, sb_s1, b, D, BLOCK_D)
     vm = jj < D
     ks = tl.arange(0, BLOCK_S)
 
     # ---- walk: children in sibling order, float32 running sum (bit-exact with the reference)
-    last = _gather(ridx, 0, jj)                  # flat row of the last accepted token
+    last = gather_lane(ridx, 0, jj)                  # flat row of the last accepted token
     accv = tl.where(ks == 0, last, -1)           # accept_index row
     predv = tl.zeros([BLOCK_S], dtype=tl.int64)  # token emitted after path token k
-    node = _gather(nxt, 0, jj) * 0               # draft index of the last accepted token
+    node = gather_lane(nxt, 0, jj) * 0               # draft index of the last accepted token
     n = node
     rej = jj < 0                                 # children of `node` rejected (draft mask)
     go = (node + S > 1).to(tl.int32)
@@ -98,24 +98,24 @@ def _tree_sampling_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al
         q_row = tp_ptr + b * tp_s0 + node.to(tl.int64) * tp_s1
         coin = tl.load(us_ptr + b * us_s0 + node.to(tl.int64) * us_s1)
         prob_acc = coin * 0.0
-        c = _gather(nxt, node, jj)
+        c = gather_lane(nxt, node, jj)
         hit = node * 0 - 1
         guard = node * 0
         rej = jj < 0
         while (c != -1) & (hit == -1) & (guard <= D):
-            tok = _gather(cand, c, jj)
+            tok = gather_lane(cand, c, jj)
             q = tl.load(q_row + tok, mask=(tok >= 0) & (tok < V), other=0.0)
             prob_acc = prob_acc + q
             ok = (coin <= tl.math.div_rn(prob_acc, th_acc)) | (q >= th_single)
             hit = tl.where(ok, c, hit)
             rej = rej | ((jj == c) & (ok == 0))
-            c = _gather(sib, c, jj)
+            c = gather_lane(sib, c, jj)
             guard += 1
         ok = hit != -1
-        predv = tl.where((ks == n) & ok, _gather(cand, hit, jj), predv)
+        predv = tl.where((ks == n) & ok, gather_lane(cand, hit, jj), predv)
         n = tl.where(ok, n + 1, n)
         node = tl.where(ok, hit, node)
-        last = tl.where(ok, _gather(ridx, hit, jj), last)
+        last = tl.where(ok, gather_lane(ridx, hit, jj), last)
         accv = tl.where((ks == n) & ok, last, accv)
         rej = rej & (ok == 0)                    # nothing rejected yet at the new node
         go = (ok & (n < S - 1)).to(tl.int32)

@@ -3,7 +3,7 @@
     python3 bench/scripts/attention_sweep.py [--only tree_verify,decode,extend,mla_decode,mla_tree_verify]
         [--json OUT.json] [--points bs/P/n,..] [--match KEY]
 
-For each workload point (the issue-6 bench points: GQA 32 q / 8 kv heads, head_dim 128, bf16,
+For each workload point (the attention suite's points: GQA 32 q / 8 kv heads, head_dim 128, bf16,
 page 1; MLA 128 heads, 512 + 64, page 64) it times every kernel config of a small grid with
 ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs, median) and prints, per
 point, the default config's time, the best config and its time.  Inputs are random (fresh per
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.testing
 
-from specattn.backends.tree_mask import pack_tree_mask
+from specattn.backends import pack_tree_mask
 
 
 def random_tree_mask(bs: int, D: int, device) -> torch.Tensor:

@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repo root, after `source .device/setup.sh` (FlashInfer and
-# sgl-flash-mla on PYTHONPATH, FLASHINFER_CUDA_ARCH_LIST=9.0a) and a build of the package:
-#   bash bench/scripts/gpu_attention.sh $OUT
-# Issue 6's attention benchmark, side by side in one process
-# (python -m specattn.bench.attention_report): first the correctness cross-check (every impl
-# of one small tree-verify input and one MLA decode input vs the torch reference and vs each
-# other, max abs diff), then every issue point for every impl:
-#   tree_verify     bs/prefix 1/4096 16/2048 64/4096 16/16384  triton|flashinfer_mask|flashinfer_split
-#                   (the split twice: fi_backend fa2, and FlashInfer's default "auto", fa3 on Hopper)
-#   mla_decode      bs 128, seq_len 8192                        triton|flashmla
-#   mla_tree_verify bs 1|16, prefix 4096                        triton
-#   decode          bs 1|32|128 x seq_len 1024|8192             triton|flashinfer
-#   extend          bs 1, 2048 new tokens, prefix 0|4096        triton|flashinfer
-# FlashInfer JIT-compiles 3 modules on a cold cache (~40 s each): the fa2 batch-prefill module
-# (bf16, head_dim 128, int32 indices; custom mask, split, tensor-core decode, extend),
-# `cascade` (merge_state) and, on Hopper, the fa3 one (the split's prefix part under "auto").
-# FlashMLA is prebuilt.
-# Writes 7 files into $1: attention_<case>.json x 5 (runner's report layout + errors),
-# attention_summary.md (table, bars, errors, cross-check; rewritten after every point) and
-# attention.log.  The whole run is capped at GPU_ATTENTION_BUDGET_S (default 345 s).
+# The attention suite on a GPU machine, from the repo root, with FlashInfer and sgl-flash-mla
+# importable (FLASHINFER_CUDA_ARCH_LIST=9.0a) and the package installed:
+#   bash bench/scripts/gpu_attention.sh OUT
+# 1. python -m specattn.bench.attention_report OUT: the cross-check (every impl of one small
+#    tree-verify input and one MLA decode input against the torch reference and each other,
+#    max abs diff), then every point for every impl, raw reports written after each point:
+#      tree_verify     bs/prefix 1/4096 16/2048 64/4096 16/16384  triton|triton_generic|triton_sm90_sync|
+#                      flashinfer_mask|flashinfer_split (the split twice: fi_backend fa2, and
+#                      FlashInfer's default "auto", fa3 for the prefix part on Hopper)
+#      mla_decode      bs 128, seq_len 8192                        triton variants|flashmla
+#      mla_tree_verify bs 1|16, prefix 4096                        triton variants
+#      decode          bs 1|32|128 x seq_len 1024|8192             triton|flashinfer
+#      extend          bs 1, 2048 new tokens, prefix 0|4096        triton|flashinfer
+# 2. specattn bench suite attention --from OUT: the curated files attention.{json,md,png} in
+#    SUITE_OUT (default bench/results/<gpu>/), and a copy of attention.json in OUT (from another
+#    machine, `specattn bench suite attention --from OUT/attention.json` redraws the three files).
+# FlashInfer JIT-compiles 3 modules on a cold cache (~40 s each); FlashMLA is prebuilt.
+# Files in OUT: attention_<case>.json x 5 (raw reports), attention_summary.md, attention.log,
+# attention.json.  The measurement is capped at GPU_ATTENTION_BUDGET_S (default 345 s).
 # Optional: GPU_ATTENTION_ONLY="tree_verify mla_decode" runs a subset of the cases;
-# GPU_ATTENTION_PAGE_SIZE=64 runs the tree-verify points on pages of 64 slots.
+# GPU_ATTENTION_PAGE_SIZE=64 runs the tree-verify points on pages of 64 slots (then keep the
+# curated files out of bench/results: set SUITE_OUT).
 set -u
 out=${1:?output dir}
 mkdir -p "$out"
@@ -28,10 +28,11 @@ export PYTHONUNBUFFERED=1
 budget=${GPU_ATTENTION_BUDGET_S:-345}
 log="$out/attention.log"
 start=$(date +%s)
+commit=${SPECATTN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 {
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-  git rev-parse HEAD 2>/dev/null || true
+  echo "commit $commit"
   python3 - <<'PY'
 import torch, triton
 from specattn.info import module_version
@@ -53,8 +54,12 @@ timeout -k 10 "$budget" python3 -m specattn.bench.attention_report "$out" "${onl
 rc=${PIPESTATUS[0]}
 case $rc in
   0) echo "== all points and the cross-check ran" | tee -a "$log" ;;
-  124|137) echo "== STOPPED at the ${budget}s budget: $out/attention_summary.md has the points done so far" | tee -a "$log" ;;
+  124|137) echo "== STOPPED at the ${budget}s budget: the points done so far are in $out" | tee -a "$log" ;;
   *) echo "== exit $rc: some point or the cross-check failed (see 'errors' / 'cross-check' in $out/attention_summary.md)" | tee -a "$log" ;;
 esac
+
+suite_out=${SUITE_OUT:-bench/results/$(python3 -c "import torch; from specattn.bench.e2e import gpu_slug; print(gpu_slug(torch.cuda.get_device_name()))")}
+python3 -m specattn bench suite attention --from "$out" --out "$suite_out" --commit "$commit" > /dev/null 2>> "$log" \
+  && cp "$suite_out/attention.json" "$out/" && echo "== suite files in $suite_out" | tee -a "$log"
 echo "== done in $(( $(date +%s) - start )) s; files: $(ls "$out" | tr '\n' ' ')" | tee -a "$log"
 exit $rc

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repo root:  bash bench/scripts/gpu_kv_ops.sh $OUT
-# Issue 5: builds specattn._C, runs the KV-move and KV-materialization tests (GPU and CPU
-# ones), compute-sanitizer memcheck/racecheck on their sanitizer smoke tests, then the bench
-# cases side by side: KV move (per-layer reference, CUDA staged, CUDA direct, Triton direct)
-# at 256 and 4096 tokens, fused KV materialization (cuda, triton, unfused, gemm) at 512 and
-# 4096 tokens, bf16 and fp8 caches.  Logs land in $1 (at most 8 files).
+# The KV-ops suite on a GPU machine, from the repo root:  bash bench/scripts/gpu_kv_ops.sh OUT
+# Builds specattn._C, runs the KV-move and KV-materialization tests (GPU and CPU ones),
+# compute-sanitizer memcheck/racecheck on their sanitizer smoke tests, then `specattn bench
+# suite kv_ops` into SUITE_OUT (default bench/results/<gpu>/): KV move (per-layer reference,
+# CUDA staged, CUDA direct, Triton direct) at 256 and 4096 tokens, fused KV materialization
+# (cuda, triton, their epilogues alone, unfused, gemm) at 512 and 4096 tokens, bf16 and fp8
+# caches.  Files in OUT: device.txt, kv_tests.log, kv_sanitizer_{memcheck,racecheck}.log,
+# kv_sanitizer_summary.txt, kv_bench.log, kv_ops.json (a copy of the suite's; from another
+# machine `specattn bench suite kv_ops --from OUT/kv_ops.json` redraws the three files).
 set -u
 out=${1:?output dir}
 mkdir -p "$out"
@@ -23,25 +26,9 @@ for tool in memcheck racecheck; do
     > "$out/kv_sanitizer_$tool.log" 2>&1
   echo "compute-sanitizer --tool $tool: exit $? ($(grep -c -E 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$out/kv_sanitizer_$tool.log") clean summaries; $(tail -1 "$out/kv_sanitizer_$tool.log"))" | tee -a "$out/kv_sanitizer_summary.txt"
 done
-b() { timeout 120 python3 -m specattn bench "$@" 2>&1 | grep -v '^wrote' | tail -8; }
-{
-  echo "## KV move, 256 tokens"
-  b kv_move_reference kv_move_reference_mha --json /tmp/j1.json
-  b kv_move_reference kv_move_reference_mha -p impl=cuda --json /tmp/j2.json
-  b kv_move_mla kv_move_mha -p impl=cuda --json /tmp/j3.json
-  b kv_move_mla kv_move_mha -p impl=triton --json /tmp/j4.json
-  echo "## KV move, 4096 tokens"
-  b kv_move_reference kv_move_reference_mha -p impl=cuda -p tokens=4096 --json /tmp/j5.json
-  b kv_move_mla kv_move_mha -p impl=cuda -p tokens=4096 --json /tmp/j6.json
-  b kv_move_mla kv_move_mha -p impl=triton -p tokens=4096 --json /tmp/j7.json
-  for t in 512 4096; do
-    echo "## KV materialization, $t tokens (bf16 cache)"
-    for i in gemm cuda triton unfused cuda_epilogue triton_epilogue; do b kv_materialize -p impl=$i -p tokens=$t --json /tmp/m_${i}_$t.json; done
-    echo "## KV materialization, $t tokens (fp8 cache)"
-    for i in cuda triton; do b kv_materialize -p impl=$i -p tokens=$t -p cache_dtype=float8_e4m3fn --json /tmp/m8_${i}_$t.json; done
-  done
-} 2>&1 | tee "$out/kv_bench.log"
-python3 - "$out/bench_kv_ops.json" /tmp/j?.json /tmp/m*_*.json <<'PY'
-import json, sys
-json.dump({p: json.load(open(p)) for p in sys.argv[2:]}, open(sys.argv[1], "w"), indent=1)
-PY
+export SPECATTN_COMMIT=${SPECATTN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}  # the JSON's commit
+suite_out=${SUITE_OUT:-bench/results/$(python3 -c "import torch; from specattn.bench.e2e import gpu_slug; print(gpu_slug(torch.cuda.get_device_name()))")}
+timeout 300 python3 -m specattn bench suite kv_ops --out "$suite_out" > "$out/kv_bench.log" 2>&1
+echo "suite exit $?" | tee -a "$out/kv_bench.log"
+tail -45 "$out/kv_bench.log"
+cp "$suite_out/kv_ops.json" "$out/" 2>/dev/null

@@ -32,7 +32,7 @@
 # The kernel tests, benches and compute-sanitizer runs are in gpu_tree_ops.sh / gpu_kv_ops.sh.
 set -u
 out=${1:?output dir}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1 SPECATTN_MODEL_PATH=${SPECATTN_MODEL_PATH:-/tmp/specattn-model/SmolLM2-135M-Instruct.Q4_1.gguf}
+export PYTHONUNBUFFERED=1 SPECATTN_MODEL_PATH=${SPECATTN_MODEL_PATH:?set SPECATTN_MODEL_PATH to the GGUF (the machine has no network)}
 export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ SPECATTN_BUILD_EXT=1 SPECATTN_REQUIRE_MODEL=1
 if ! python3 -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
@@ -52,7 +52,7 @@ phase build
 
 # 1. lossless GPU tests, one run per backend (the reference's own tests only once), in
 # RT_XDIST pytest-xdist workers (default 4; 0 = one process): on a fresh machine the Triton
-# run JIT-compiles its kernels, which took past its 220 s in one process (session 13)
+# run JIT-compiles its kernels, which took past its 220 s in one process
 xdist=""
 if [ "${RT_XDIST:-4}" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then xdist="-n ${RT_XDIST:-4}"; fi
 files="tests/test_runtime_gpu.py tests/test_runtime_dflash.py tests/test_runtime_mla.py tests/test_runtime_lowp.py tests/test_runtime_paging.py"

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import registry
-from ._checks import INDEX_DTYPES, capturing, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_tensor
 
 __all__ = ["CompactedPath", "compact_accepted_path", "compact_accepted_path_reference"]
 

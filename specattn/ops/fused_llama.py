@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 
 from . import registry
-from ._checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -77,7 +77,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import registry
-from ._checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import registry
-from ._checks import INDEX_DTYPES, capturing, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_tensor
 
 
 def move_kv_cache_reference(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor,

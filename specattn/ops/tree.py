@@ -44,10 +44,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from specattn.backends.tree_mask import num_mask_words, pack_tree_mask, tree_mask_to_flashinfer
-
 from . import registry
-from ._checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .tree_mask import flashinfer_mask_bytes, num_mask_words, pack_tree_mask, tree_mask_to_flashinfer
 
 __all__ = ["TreeInfo", "build_tree", "build_tree_reference", "num_tree_candidates",
            "flashinfer_mask_bytes", "CUDA_MAX_DRAFT_TOKENS"]
@@ -84,16 +83,6 @@ def _parents(parent_list: list, selected: list, topk: int, num_draft_tokens: int
     return parent
 
 
-def flashinfer_mask_bytes(verified_seq_len: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
-    """Bytes of each request's FlashInfer packed-mask segment: int64 ``[bs]``,
-    ``ceil(D * (P_b + D) / 8)`` with ``P_b = verified_seq_len[b]`` and ``D =
-    num_draft_tokens`` (on ``verified_seq_len``'s device, no host sync).  The
-    ``flashinfer_mask_indptr`` that :func:`build_tree` expects is ``[0, cumsum(this)]`` as
-    int32."""
-    D = int(num_draft_tokens)
-    return (D * (verified_seq_len.long() + D) + 7) // 8
-
-
 def build_tree_reference(parent_list: torch.Tensor, selected_index: torch.Tensor,
                          verified_seq_len: torch.Tensor, tree_mask: torch.Tensor,
                          positions: torch.Tensor, retrive_index: torch.Tensor,
@@ -105,7 +94,7 @@ def build_tree_reference(parent_list: torch.Tensor, selected_index: torch.Tensor
     element of the five outputs in place (argument order as SGLang's
     ``build_tree_kernel_efficient`` op, without ``tree_mask_mode``), and, when given, request
     ``b``'s segment ``[indptr[b], indptr[b] + ceil(D*(P_b+D)/8))`` of
-    ``flashinfer_packed_mask`` (:func:`specattn.backends.tree_mask.tree_mask_to_flashinfer`
+    ``flashinfer_packed_mask`` (:func:`specattn.ops.tree_mask.tree_mask_to_flashinfer`
     of the tree mask with ``P_b = verified_seq_len[b]``); no other byte of it."""
     bs, D = selected_index.shape[0], num_draft_tokens
     dense = torch.zeros(bs, D, D, dtype=torch.bool)
@@ -191,7 +180,7 @@ def build_tree(parent_list: torch.Tensor, selected_index: torch.Tensor,
         flashinfer_packed_mask: optional contiguous uint8 1-D buffer on the inputs' device,
             written in place: FlashInfer's packed custom mask for
             ``BatchPrefillWithPagedKVCacheWrapper.plan`` (the result of
-            :func:`specattn.backends.tree_mask.tree_mask_to_flashinfer` of ``tree_mask`` with
+            :func:`specattn.ops.tree_mask.tree_mask_to_flashinfer` of ``tree_mask`` with
             ``seq_lens = verified_seq_len``), built in the same launch.  Request ``b``'s
             segment is bytes ``[indptr[b], indptr[b+1])``: ``ceil(D*(P_b+D)/8)`` bytes with
             ``P_b = verified_seq_len[b]``, the row-major ``[D, P_b + D]`` bit matrix (``P_b``
@@ -207,7 +196,7 @@ def build_tree(parent_list: torch.Tensor, selected_index: torch.Tensor,
         :class:`TreeInfo` on the inputs' device, every element written:
 
         - ``tree_mask``: int32 ``[bs, D, ceil(D/32)]``, our encoding
-          (:mod:`specattn.backends.tree_mask`): bit ``k`` of row ``j`` set when draft token
+          (:mod:`specattn.ops.tree_mask`): bit ``k`` of row ``j`` set when draft token
           ``j`` may see draft token ``k``: the root, its ancestors and itself.  The prefix is
           always visible and not in the mask.  These bits equal the draft part of SGLang's
           masks: columns ``seq_len .. seq_len+D-1`` of a FULL_MASK row, the row of QLEN_ONLY,

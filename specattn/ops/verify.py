@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from . import registry
-from ._checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
 
 __all__ = ["VerifyResult", "verify_tree_greedy", "verify_tree_greedy_reference",
            "tree_speculative_sampling", "tree_speculative_sampling_reference"]

@@ -1,0 +1,170 @@
+"""N-gram (prompt-lookup) drafting: drafts copied from the request's own history, no drafter.
+
+Each round looks, on the device, for the earlier places where the request's latest tokens
+occurred before (its prompt and everything it emitted) and proposes what followed them
+there, as prompt-lookup decoding and SGLang's n-gram speculative decoding do; vLLM's suffix
+decoding grows the same idea into a suffix tree.  Summaries, edits of a given text and code
+that repeats identifiers are its workloads: their outputs copy spans of their inputs.
+
+One round, per request (``P`` = target KV committed, ``root`` = last emitted token at
+position ``P``, ``history[row, 0 .. P]`` = every token so far, root last):
+
+1. match: for every earlier position ``j < P`` the length ``L[j] <= ngram_size`` of the
+   common suffix of ``history[.. j]`` and ``history[.. P]`` (``ngram_size`` shifted
+   comparisons of the whole row, on the device);
+2. the ``topk`` best positions by ``(L, j)`` (longest match first, then the most recent)
+   each propose the ``num_steps`` tokens that followed them (``history[j+1 ..]``; a position
+   with no match, or a continuation running past ``P``, proposes the root as filler);
+3. the tree: the root and ``topk`` chains of ``num_steps`` drafts hanging off it (a fixed
+   shape: mask, depths and sibling links are built once); TARGET_VERIFY over its
+   ``D = 1 + topk * num_steps`` tokens, verify, compaction + KV move, commit; the emitted
+   tokens are appended to ``history``.
+
+Nothing serializes the round: the lookup is a few ``[bs, max_context]`` elementwise passes
+inside the round's CUDA graph.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Tuple
+
+import torch
+
+from specattn import ops
+from specattn.backends import ForwardBatch, ForwardMode, pack_tree_mask
+
+from .strategies import SpecConfig, Strategy
+
+if TYPE_CHECKING:  # the engine imports this module
+    from .engine import Engine, ForwardOut, RoundBatch
+
+__all__ = ["NgramStrategy", "chains_tree_shape", "ngram_candidates"]
+
+
+def chains_tree_shape(branches: int, depth: int, device=None) -> Tuple[torch.Tensor, ...]:
+    """The fixed tree of a root with ``branches`` chains of ``depth`` drafts: node 0 is the
+    root, node ``1 + k * depth + s`` is draft ``s`` (depth ``s + 1``) of chain ``k``.
+
+    Returns ``(tree_mask int32 [D, W], depth int64 [D], next_token int64 [D],
+    next_sibling int64 [D])`` with ``D = 1 + branches * depth``, ``W = ceil(D / 32)``, in the
+    layout :func:`specattn.ops.build_tree` produces per request (draft-local indices).
+
+    Raises:
+        ValueError: ``branches < 1`` or ``depth < 1``.
+    """
+    if branches < 1 or depth < 1:
+        raise ValueError(f"need branches >= 1 and depth >= 1, got {branches}, {depth}")
+    D = 1 + branches * depth
+    node = torch.arange(D)
+    k, s = (node - 1) // depth, (node - 1) % depth        # chain and depth - 1 of node >= 1
+    dep = torch.where(node == 0, 0, s + 1)
+    dense = torch.zeros(D, D, dtype=torch.bool)
+    dense[:, 0] = True
+    same = (k[:, None] == k[None, :]) & (s[None, :] <= s[:, None]) & (node[None, :] > 0) & (node[:, None] > 0)
+    dense |= same
+    nxt = torch.where((node > 0) & (s + 1 < depth), node + 1, -1)
+    nxt[0] = 1
+    sib = torch.where((node > 0) & (s == 0) & (k + 1 < branches), node + depth, -1)
+    out = (pack_tree_mask(dense), dep, nxt, sib)
+    return tuple(t.to(device) for t in out) if device is not None else out
+
+
+def ngram_candidates(history: torch.Tensor, prefix_lens: torch.Tensor, ngram_size: int, topk: int,
+                     num_steps: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Drafts copied from each request's history (module docstring, steps 1-2).
+
+    Args:
+        history: int64 ``[bs, W]``: token of every position, ``history[i, P_i]`` the root.
+        prefix_lens: int64 ``[bs]``: ``P_i`` (``< W``).
+        ngram_size: longest suffix matched (>= 1).
+        topk, num_steps: chains and drafts per chain.
+
+    Returns:
+        ``(drafts int64 [bs, topk, num_steps], match_len int64 [bs, topk])``: the proposed
+        tokens (the root where a chain has no match or runs past ``P``) and the matched suffix
+        length of each chain (0: no match).  Device work only.
+    """
+    bs, W = history.shape
+    dev = history.device
+    idx = torch.arange(W, device=dev)
+    P = prefix_lens.long()
+    L = torch.zeros(bs, W, dtype=torch.int64, device=dev)
+    run = torch.ones(bs, W, dtype=torch.bool, device=dev)
+    for i in range(ngram_size):
+        tok_j = history[:, (idx - i).clamp(min=0)]                       # token at j - i
+        suffix = history.gather(1, (P - i).clamp(min=0)[:, None])       # token at P - i
+        run = run & (tok_j == suffix) & (idx >= i)[None, :] & (P - i >= 0)[:, None]
+        L += run
+    usable = (idx[None, :] < P[:, None]) & (L > 0)
+    score = torch.where(usable, L * W + idx[None, :], torch.full_like(L, -1))
+    top, at = score.topk(min(topk, W), dim=-1)
+    if at.shape[1] < topk:  # a row shorter than topk: pad with "no match"
+        pad = topk - at.shape[1]
+        top = torch.cat([top, top.new_full((bs, pad), -1)], 1)
+        at = torch.cat([at, at.new_zeros(bs, pad)], 1)
+    cont = at[:, :, None] + 1 + torch.arange(num_steps, device=dev)      # [bs, K, S]
+    ok = (top >= 0)[:, :, None] & (cont <= P[:, None, None])
+    toks = history.gather(1, cont.clamp(max=W - 1).flatten(1)).view(bs, topk, num_steps)
+    root = history.gather(1, P[:, None])[:, :, None]
+    return torch.where(ok, toks, root), torch.where(top >= 0, top // W, torch.zeros_like(top))
+
+
+class NgramStrategy(Strategy):
+    """``algo="ngram"``: ``topk`` chains of ``num_steps`` drafts copied from the request's own
+    history, matched on suffixes of up to ``ngram_size`` tokens (module docstring)."""
+
+    name = "ngram"
+    drafter = None
+
+    def __init__(self, spec: SpecConfig):
+        self.K, self.S, self.n = spec.topk, spec.num_steps, spec.ngram_size
+        self.D = 1 + self.K * self.S
+        self.verify_topk = self.K
+        self.tokens_per_round = self.emit_width = self.D
+
+    def round_modes(self):
+        return [("target", ForwardMode.TARGET_VERIFY)]
+
+    def graph_state_sizes(self, max_batch: int) -> Dict[str, Tuple[int, int]]:
+        return {"target": (max_batch, max_batch * self.D)}
+
+    def per_mode_graph_plan(self, eng: "Engine") -> list:
+        return [("target", eng.target, eng.target_backend, ForwardMode.TARGET_VERIFY, self.D, eng.max_batch)]
+
+    def build(self, eng: "Engine") -> None:
+        self.history = torch.zeros(eng.max_batch + 1, eng.max_context, dtype=torch.int64, device=eng.device)
+        self.tree_mask, self.depth, self.next_token, self.next_sibling = chains_tree_shape(self.K, self.S, eng.device)
+
+    def reset_row(self, eng: "Engine", row: int) -> None:
+        self.history[row].zero_()
+
+    def prefill(self, eng: "Engine", rows: torch.Tensor, lens: List[int], ids: torch.Tensor,
+                batch: ForwardBatch, out: "ForwardOut") -> None:
+        """The prompts and roots into ``history``."""
+        roots = eng.roots[rows]
+        for i, (row, ids_i) in enumerate(zip(rows.tolist(), ids.split(lens))):
+            self.history[row].zero_()
+            self.history[row, :len(ids_i)] = ids_i
+            self.history[row, len(ids_i)] = roots[i]
+
+    def round(self, eng: "Engine", rb: "RoundBatch") -> None:
+        K, S, D, dev = self.K, self.S, self.D, eng.device
+        rows = rb.rows
+        bs = rows.shape[0]
+        P = eng.prefix_lens[rows]
+        drafts, _ = ngram_candidates(self.history[rows], P, self.n, K, S)
+        draft_tokens = torch.cat([eng.roots[rows][:, None], drafts.flatten(1)], 1)     # [bs, D]
+        j = torch.arange(D, device=dev)
+        tree = ops.TreeInfo(self.tree_mask.expand(bs, D, self.tree_mask.shape[-1]).contiguous(),
+                            (P[:, None] + self.depth[None, :]).flatten(),
+                            torch.arange(bs, device=dev)[:, None] * D + j,
+                            self.next_token.expand(bs, D).contiguous(),
+                            self.next_sibling.expand(bs, D).contiguous())
+        out_cache_loc = eng.req_pool.req_to_token[rows[:, None], P[:, None] + j].long().flatten()
+        batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
+                          tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
+        t = eng.forward("target", draft_tokens.flatten(), batch)
+        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t.logits, S, out_cache_loc)
+        path = cp.predicts.view(bs, D).long()
+        # every emitted token joins the history (positions past the new root are rewritten later)
+        self.history[rows[:, None], P[:, None] + 1 + j] = path
+        eng.commit(rb, rows, P, path, n_acc)

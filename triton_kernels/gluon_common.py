@@ -1,0 +1,71 @@
+"""Pieces shared by the Gluon sm_90 kernels (:mod:`.attention_sm90`: GQA tree verify,
+:mod:`.attention_mla_sm90`: absorbed MLA): whether this Triton has Gluon with its Hopper ops
+(:data:`HAVE_GLUON`), what a call's device lacks (:func:`sm90_device_needs`), and, with Gluon,
+the 128-byte swizzled shared layout of every ``[rows, 64k]`` bf16/fp16 tile (:data:`SW128`),
+the per-key slot gather (:func:`load_slots`) and the epilogue (:func:`store_out`).  The
+``@gluon.jit`` helpers are inlined into each kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.4; its Hopper ops are only compiled on an sm_90 device
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: F401
+    from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+__all__ = ["HAVE_GLUON", "sm90_device_needs"] + (["SW128", "load_slots", "store_out"]
+                                                  if HAVE_GLUON else [])
+
+
+def sm90_device_needs(t: torch.Tensor) -> list:
+    """What the Gluon sm_90 kernels need and ``t``'s device or Triton lacks: a Triton with
+    Gluon and an sm_90 GPU (list of strings, empty when both are there)."""
+    why = []
+    if not HAVE_GLUON:
+        why.append("this Triton has no Gluon")
+    if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device) != (9, 0):
+        why.append(f"an sm_90 GPU (got {t.device})")
+    return why
+
+
+if HAVE_GLUON:
+    # the 128-byte swizzle of every [rows, 64k] bf16/fp16 tile; the host TMA descriptors'
+    # boxes must land in the same layout
+    SW128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                              rank=2))
+
+    @gluon.jit
+    def load_slots(rtt_row, start, hi, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+        """int32 slots of keys ``start + [0, BLOCK_N)`` (0 past ``hi``), in ``LAYOUT``'s rows."""
+        rows = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
+        return gl.load(rtt_row + rows, mask=rows < hi, other=0)
+
+    @gluon.jit
+    def store_out(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, cols, ok, split,
+                  stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  NUM_SPLITS: gl.constexpr):
+        """Epilogue of both sm_90 kernels (:func:`.attention_common.store_rows`'s contract):
+        normalise the ``[rows, width]`` float32 accumulator by the row sums ``l_i`` and store
+        it to ``O[tok, head, cols]`` in ``O``'s dtype, or with split-KV the float32 partial to
+        ``O_PART[split, tok, head, cols]`` and the base-2 log-sum-exp to
+        ``LSE_PART[split, tok, head]``.  ``m_i``/``l_i``/``tok`` (int64)/``head``/``ok`` are
+        in the accumulator's row layout; a row with ``l_i == 0`` gets zeros (LSE ``-inf``);
+        rows where ``ok`` is False are not written."""
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        out = gl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
+        if NUM_SPLITS == 1:
+            gl.store(O + (tok * stride_ot + head * stride_oh)[:, None] + cols[None, :],
+                     out.to(O.dtype.element_ty), mask=ok[:, None])
+        else:
+            sp = split.to(gl.int64)
+            gl.store(O_PART + sp * stride_ps + (tok * stride_pt + head * stride_ph)[:, None]
+                     + cols[None, :], out, mask=ok[:, None])
+            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+            gl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse, mask=ok)
