@@ -1,6 +1,6 @@
 """The backend contract and the backends.
 
-- :class:`ForwardMode`, :class:`ForwardBatch` (one meaning of ``seq_lens`` in every mode),
+- :class:`ForwardMode`, :class:`ForwardBatch` (one meaning of ``prefix_lens`` in every mode),
   :class:`AttentionLayer` / :class:`AttentionKind`, the tree-mask encoding (defined in
   :mod:`specattn.ops.tree_mask`, re-exported here);
 - :class:`AttentionBackend`, the ABC every backend implements;

@@ -11,7 +11,7 @@ A backend is metadata builders plus kernels.  Per forward:
 
 In graph mode ``batch`` is the graph runner's padded batch over its static input buffers
 (see :class:`specattn.backends.cuda_graph.GraphInputBuffers`): ``batch_size`` is the padded
-size; padded requests have ``seq_lens = 0``, write their KV to the reserved slot 0 and their
+size; padded requests have ``prefix_lens = 0``, write their KV to the reserved slot 0 and their
 outputs are discarded.
 
 Callers ask ``supports(mode, graph=..., kind=...)`` before calling.

@@ -3,10 +3,10 @@
 The graph runner owns one :class:`GraphInputBuffers`; ``fill(batch, padded_bs)`` copies a
 live batch (``bs <= padded_bs``) into the buffers and returns a :class:`ForwardBatch` of
 ``padded_bs`` requests viewing them.  Padded requests are harmless: ``req_pool_indices = 0``,
-``seq_lens = 0``, ``positions = 0``, ``out_cache_loc = 0`` (the reserved page, see
+``prefix_lens = 0``, ``positions = 0``, ``out_cache_loc = 0`` (the reserved page, see
 :mod:`~specattn.backends.pools`) and a tree mask where each padded token sees only itself.
 Device copies only: no host sync.  A live batch that carries host copies of its lengths
-(``seq_lens_cpu`` / ``extend_lens_cpu``: the runtime's batches do) gets them padded too, so
+(``prefix_lens_cpu`` / ``extend_lens_cpu``: the runtime's batches do) gets them padded too, so
 backends that plan on the host (FlashInfer) need no device read at replay.
 
 Fixed-shape modes (DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2): ``D`` tokens per request (1 for
@@ -31,13 +31,13 @@ from .forward_mode import ForwardMode
 
 
 def _host_lens(batch: ForwardBatch, padded_bs: int, pad_n: int) -> dict:
-    """The live batch's host copies of ``seq_lens`` / ``extend_lens`` padded like the device
+    """The live batch's host copies of ``prefix_lens`` / ``extend_lens`` padded like the device
     buffers (padded requests: ``P = 0``, ``n = pad_n``), so host planners (FlashInfer's
     ``plan()``) read no device value at replay; empty when the batch has none."""
-    if batch.seq_lens_cpu is None or batch.extend_lens_cpu is None:
+    if batch.prefix_lens_cpu is None or batch.extend_lens_cpu is None:
         return {}
     pad = padded_bs - batch.batch_size
-    return dict(seq_lens_cpu=torch.cat([batch.seq_lens_cpu, torch.zeros(pad, dtype=torch.int32)]),
+    return dict(prefix_lens_cpu=torch.cat([batch.prefix_lens_cpu, torch.zeros(pad, dtype=torch.int32)]),
                 extend_lens_cpu=torch.cat([batch.extend_lens_cpu,
                                            torch.full((pad,), pad_n, dtype=torch.int32)]))
 
@@ -50,7 +50,7 @@ class GraphInputBuffers:
         self.max_bs, self.max_tokens_per_req = max_bs, max_tokens_per_req
         T, D = max_bs * max_tokens_per_req, max_tokens_per_req
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.prefix_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.extend_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.out_cache_loc = torch.zeros(T, dtype=torch.int64, device=device)
         self.positions = torch.zeros(T, dtype=torch.int64, device=device)
@@ -76,7 +76,7 @@ class GraphInputBuffers:
                              f"buffers {self.max_bs} x {self.max_tokens_per_req}")
         T, PT = bs * D, padded_bs * D
         for buf, src in ((self.req_pool_indices, batch.req_pool_indices),
-                         (self.seq_lens, batch.seq_lens)):
+                         (self.prefix_lens, batch.prefix_lens)):
             buf[:bs].copy_(src)
             buf[bs:padded_bs].zero_()
         self.extend_lens[:padded_bs].fill_(D)
@@ -91,7 +91,7 @@ class GraphInputBuffers:
             tm[bs:].copy_(pack_tree_mask(torch.eye(D, dtype=torch.bool, device=tm.device))
                           .expand(padded_bs - bs, D, num_mask_words(D)))
             tree_mask = tm
-        return ForwardBatch(mode, self.req_pool_indices[:padded_bs], self.seq_lens[:padded_bs],
+        return ForwardBatch(mode, self.req_pool_indices[:padded_bs], self.prefix_lens[:padded_bs],
                             self.extend_lens[:padded_bs], self.out_cache_loc[:PT],
                             self.positions[:PT],
                             num_tokens_per_req=batch.num_tokens_per_req, tree_mask=tree_mask,
@@ -105,13 +105,13 @@ class GraphInputBuffers:
                              f"{padded_bs} / {PT} (buffers: {self.max_bs} requests, "
                              f"{self.out_cache_loc.shape[0]} tokens)")
         for buf, src in ((self.req_pool_indices, batch.req_pool_indices),
-                         (self.seq_lens, batch.seq_lens), (self.extend_lens, batch.extend_lens)):
+                         (self.prefix_lens, batch.prefix_lens), (self.extend_lens, batch.extend_lens)):
             buf[:bs].copy_(src)
             buf[bs:padded_bs].zero_()
         for buf, src in ((self.out_cache_loc, batch.out_cache_loc), (self.positions, batch.positions)):
             buf[:T].copy_(src)
             buf[T:PT].zero_()
         return ForwardBatch(ForwardMode.EXTEND, self.req_pool_indices[:padded_bs],
-                            self.seq_lens[:padded_bs], self.extend_lens[:padded_bs],
+                            self.prefix_lens[:padded_bs], self.extend_lens[:padded_bs],
                             self.out_cache_loc[:PT], self.positions[:PT],
                             **_host_lens(batch, padded_bs, 0))

@@ -31,7 +31,7 @@ device; the backend runs them on the GPU, tests on the CPU), kv length = ``P + n
   the tree bits) from our bit-packed rows, and its byte ``mask_indptr``.
 
 Worked example (the TARGET_VERIFY batch of :mod:`~specattn.backends.forward_batch`: bs = 2,
-page_size = 1, ``req_pool_indices = [3, 0]``, ``seq_lens = [8, 5]``, D = 3)::
+page_size = 1, ``req_pool_indices = [3, 0]``, ``prefix_lens = [8, 5]``, D = 3)::
 
     qo_indptr = [0, 3, 6]    kv_lens = [11, 8]    kv_indptr = [0, 11, 19]
     kv_last_page_len = [1, 1]
@@ -45,8 +45,8 @@ the layer's head count (and, for MLA, its softmax scale), which ``init_forward_m
 not see: the backend plans as soon as it knows them -- at ``init_forward_metadata`` once any
 forward has run, else at the first forward of the batch (the same plan serves every layer
 with the same head count / scale; a layer that differs re-plans, eager only).  The host
-arrays come from ``batch.seq_lens_cpu`` / ``extend_lens_cpu`` when the batch carries them,
-else from one device-to-host read of ``seq_lens`` (the one host sync of a step).
+arrays come from ``batch.prefix_lens_cpu`` / ``extend_lens_cpu`` when the batch carries them,
+else from one device-to-host read of ``prefix_lens`` (the one host sync of a step).
 
 CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2; IDLE trivially): ``init_cuda_graph_state``
 allocates the static buffers (``qo_indptr``, ``kv_indptr``, ``kv_last_page_len``,
@@ -57,7 +57,7 @@ views of those buffers; the builders write into them; the plan happens at captur
 head count is known, else in the warm-up forward before the capture (a first forward
 *inside* a capture raises).  Replay recomputes the metadata into the same buffers (device
 ops), then plans on the host -- outside the captured region, as FlashInfer's own design
-does -- with the one host read of ``seq_lens`` above.
+does -- with the one host read of ``prefix_lens`` above.
 
 FlashInfer 0.7.2's ``plan(packed_custom_mask=...)`` stores a ``mask_indptr`` in *bits*
 (``cumsum(qo_len * kv_len)``) while its kernel reads it as a *byte* offset
@@ -110,12 +110,12 @@ class PagedKVLayout:
         return int(self.kv_indptr[-1])
 
 
-def paged_kv_layout(seq_lens: torch.Tensor, extend_lens: torch.Tensor, page_size: int
+def paged_kv_layout(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, page_size: int
                     ) -> PagedKVLayout:
     """Indptrs of a batch from the one convention (kv length = ``P + n``).
 
     Args:
-        seq_lens: int ``[bs]``, ``P`` = committed KV before the forward (tokens).
+        prefix_lens: int ``[bs]``, ``P`` = committed KV before the forward (tokens).
         extend_lens: int ``[bs]``, ``n`` = this forward's tokens, >= 1.
         page_size: tokens per KV page (>= 1).
     Returns:
@@ -123,11 +123,11 @@ def paged_kv_layout(seq_lens: torch.Tensor, extend_lens: torch.Tensor, page_size
     Raises:
         ValueError: shapes differ or ``page_size < 1``.
     """
-    if page_size < 1 or seq_lens.shape != extend_lens.shape or seq_lens.dim() != 1:
-        raise ValueError(f"need seq_lens/extend_lens of one shape [bs] and page_size >= 1, got "
-                         f"{list(seq_lens.shape)}, {list(extend_lens.shape)}, {page_size}")
-    dev = seq_lens.device
-    P, n = seq_lens.long(), extend_lens.to(dev).long()
+    if page_size < 1 or prefix_lens.shape != extend_lens.shape or prefix_lens.dim() != 1:
+        raise ValueError(f"need prefix_lens/extend_lens of one shape [bs] and page_size >= 1, got "
+                         f"{list(prefix_lens.shape)}, {list(extend_lens.shape)}, {page_size}")
+    dev = prefix_lens.device
+    P, n = prefix_lens.long(), extend_lens.to(dev).long()
     kv = P + n
     pages = (kv + page_size - 1) // page_size
     zero = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -175,7 +175,7 @@ def paged_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     return out[:num_pages]
 
 
-def flashinfer_packed_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor, num_bytes: int,
+def flashinfer_packed_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, num_bytes: int,
                            out_words: Optional[torch.Tensor] = None
                            ) -> Tuple[torch.Tensor, torch.Tensor]:
     """FlashInfer's packed custom mask for TARGET_VERIFY, built from our bit-packed rows.
@@ -190,7 +190,7 @@ def flashinfer_packed_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor, num_
 
     Args:
         tree_mask: int32 ``[bs, D, ceil(D/32)]``.
-        seq_lens: int ``[bs]`` (``P``), on ``tree_mask``'s device.
+        prefix_lens: int ``[bs]`` (``P``), on ``tree_mask``'s device.
         num_bytes: ``sum(ceil(D * (P_i + D) / 8))`` as a host int (the caller has ``P`` on the
             host for the plan anyway; see :func:`specattn.ops.tree_mask.flashinfer_mask_bytes`).
         out_words: optional int32 buffer of at least ``ceil(num_bytes / 4)`` words to write
@@ -205,13 +205,13 @@ def flashinfer_packed_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor, num_
                          f"{list(tree_mask.shape)}")
     bs, D = tree_mask.shape[0], tree_mask.shape[1]
     dev = tree_mask.device
-    if seq_lens.shape != (bs,):
-        raise ValueError(f"seq_lens must be [{bs}], got {list(seq_lens.shape)}")
+    if prefix_lens.shape != (bs,):
+        raise ValueError(f"prefix_lens must be [{bs}], got {list(prefix_lens.shape)}")
     nwords = (num_bytes + 3) // 4
     if out_words is not None and (out_words.dtype != torch.int32 or out_words.dim() != 1
                                   or out_words.numel() < nwords or not out_words.is_contiguous()):
         raise ValueError(f"out_words must be a contiguous int32 [>= {nwords}] buffer")
-    P = seq_lens.to(dev).long()
+    P = prefix_lens.to(dev).long()
     indptr = torch.zeros(bs + 1, dtype=torch.int64, device=dev)
     torch.cumsum(flashinfer_mask_bytes(P, D), 0, out=indptr[1:])
     clear = torch.zeros(max(nwords, 1), dtype=torch.int64, device=dev)  # bits to clear, per word
@@ -444,11 +444,11 @@ class FlashInferBackend(AttentionBackend):
 
     # --------------------------------------------------------------- metadata
     def _host(self, batch: ForwardBatch) -> _Host:
-        """Host lengths for the plan: the batch's CPU copies, else one read of seq_lens."""
+        """Host lengths for the plan: the batch's CPU copies, else one read of prefix_lens."""
         bs, mode = batch.batch_size, batch.forward_mode
-        P = batch.seq_lens_cpu
+        P = batch.prefix_lens_cpu
         if P is None or P.shape != (bs,):
-            P = batch.seq_lens.cpu()
+            P = batch.prefix_lens.cpu()
         if mode.has_fixed_tokens_per_req() or mode.is_decode():
             n = torch.full((bs,), 1 if mode.is_decode() else batch.num_tokens_per_req,
                            dtype=torch.int32)
@@ -472,7 +472,7 @@ class FlashInferBackend(AttentionBackend):
                g: Optional[_GraphBuffers]) -> FlashInferMetadata:
         """Device metadata of ``batch`` into fresh tensors (``g`` None) or the static buffers."""
         bs = batch.batch_size
-        layout = paged_kv_layout(batch.seq_lens, batch.extend_lens, self.page_size)
+        layout = paged_kv_layout(batch.prefix_lens, batch.extend_lens, self.page_size)
         rtt = self.req_to_token_pool.req_to_token
         if g is not None:
             views = PagedKVLayout(g.qo_indptr[:bs + 1], g.kv_indptr[:bs + 1],
@@ -488,7 +488,7 @@ class FlashInferBackend(AttentionBackend):
                                          out=None if g is None else g.kv_indices)
         if md.mode.is_target_verify() and self.kind == AttentionKind.MHA:
             md.mask, indptr = flashinfer_packed_mask(
-                batch.tree_mask, batch.seq_lens, host.mask_bytes,
+                batch.tree_mask, batch.prefix_lens, host.mask_bytes,
                 out_words=None if g is None else g.mask_words)
             md.mask_indptr = indptr
         md.host = host
@@ -577,7 +577,7 @@ class FlashInferBackend(AttentionBackend):
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
         """Recompute into the static buffers, then the host plan (one host read of
-        ``seq_lens`` unless the batch carries ``seq_lens_cpu``).
+        ``prefix_lens`` unless the batch carries ``prefix_lens_cpu``).
 
         Raises:
             RuntimeError: ``(mode, bs)`` never captured, or never planned before capture.

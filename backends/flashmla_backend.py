@@ -35,7 +35,7 @@ of a captured ``(mode, bs)`` lives in fixed buffers allocated by the warm-up for
 the capture, and each replay recomputes it into them (``get_mla_decoding_metadata`` + copy).
 Replay is device work only: no host sync.
 
-Worked example (DECODE, bs = 2, ``req_pool_indices = [3, 0]``, ``seq_lens = [100, 5]``,
+Worked example (DECODE, bs = 2, ``req_pool_indices = [3, 0]``, ``prefix_lens = [100, 5]``,
 request 0's tokens in pages 4 and 9, request 1's in page 2)::
 
     cache_seqlens = [101, 6]
@@ -208,7 +208,7 @@ class FlashMLABackend(AttentionBackend):
         bs = batch.batch_size
         md.block_table = flashmla_block_table(rtt, batch.req_pool_indices, PAGE_SIZE,
                                               out=None if g is None else g.block_table)
-        kv_lens = (batch.seq_lens + batch.extend_lens).to(torch.int32)
+        kv_lens = (batch.prefix_lens + batch.extend_lens).to(torch.int32)
         if g is None:
             md.cache_seqlens = kv_lens
         else:

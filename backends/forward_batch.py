@@ -4,7 +4,7 @@ The convention
 --------------
 For request ``i`` (``r = req_pool_indices[i]``):
 
-- ``seq_lens[i] = P_i`` is the KV already **committed** for the request *before* this
+- ``prefix_lens[i] = P_i`` is the KV already **committed** for the request *before* this
   forward.  This forward's own tokens are never included, in any mode, in any backend.
 - ``extend_lens[i] = n_i`` is the number of tokens this forward runs for the request
   (EXTEND: any n >= 1; DECODE: 1; TARGET_VERIFY and DRAFT_EXTEND_V2: ``num_tokens_per_req``).
@@ -16,6 +16,12 @@ For request ``i`` (``r = req_pool_indices[i]``):
   tokens in order) and every backend derives its indptrs/indices/page tables from these
   two numbers alone: kv length = ``P_i + n_i``.
 - ``positions[qo_indptr[i] + j]`` is the RoPE position of that token.
+
+SGLang's ``seq_lens`` means something else per mode: the KV length including this
+forward's tokens in EXTEND (``extend_prefix_lens`` is our ``prefix_lens``) and DECODE, the
+committed length in TARGET_VERIFY and DRAFT_EXTEND_V2 (its backends add
+``speculative_num_draft_tokens``).  :meth:`ForwardBatch.to_sglang_lens` and
+:meth:`ForwardBatch.from_sglang` convert, so code ported from SGLang keeps its meaning.
 
 Which keys a query token ``j`` of request ``i`` sees (k indexes ``req_to_token[r, :]``):
 
@@ -34,7 +40,7 @@ Worked examples (bs = 2, page_size = 1, ``req_pool_indices = [3, 0]``)
 ------------------------------------------------------------------------
 EXTEND (request 0 has a 4-token cached prefix, request 1 a 2-token one)::
 
-    seq_lens      = [4, 2]          extend_lens = [3, 2]      qo_indptr = [0, 3, 5]
+    prefix_lens      = [4, 2]          extend_lens = [3, 2]      qo_indptr = [0, 3, 5]
     out_cache_loc = [20, 21, 22, 30, 31]
     positions     = [4, 5, 6, 2, 3]
     req_to_token[3, :7] = [10, 11, 12, 13, 20, 21, 22]    (kv len 7)
@@ -43,14 +49,14 @@ EXTEND (request 0 has a 4-token cached prefix, request 1 a 2-token one)::
 
 DECODE (the next step)::
 
-    seq_lens      = [7, 4]          extend_lens = [1, 1]
+    prefix_lens      = [7, 4]          extend_lens = [1, 1]
     out_cache_loc = [23, 32]        positions = [7, 4]
     req_to_token[3, :8] = [10, 11, 12, 13, 20, 21, 22, 23]; req_to_token[0, :5] = [7, 8, 30, 31, 32]
 
 TARGET_VERIFY (``num_tokens_per_req = D = 3``; request 0 drafts a chain 0->1->2, request 1 a
 root with two children 1 and 2)::
 
-    seq_lens      = [8, 5]          extend_lens = [3, 3]
+    prefix_lens      = [8, 5]          extend_lens = [3, 3]
     tree_mask     = [[[0b001], [0b011], [0b111]],      # int32 [2, 3, 1]
                      [[0b001], [0b011], [0b101]]]
     positions     = [8, 9, 10, 5, 6, 6]               # P + depth
@@ -61,11 +67,11 @@ root with two children 1 and 2)::
 DRAFT_EXTEND_V2 (the drafter re-runs D = 3 verified positions per request, accepted ones
 first; the runtime commits only the accepted ones afterwards)::
 
-    seq_lens      = [8, 5]          extend_lens = [3, 3]
+    prefix_lens      = [8, 5]          extend_lens = [3, 3]
     positions     = [8, 9, 10, 5, 6, 7]
     out_cache_loc = [24, 25, 26, 33, 34, 35]   (written into req_to_token as above)
 
-IDLE: ``req_pool_indices``, ``seq_lens``, ``extend_lens``, ``out_cache_loc``, ``positions``
+IDLE: ``req_pool_indices``, ``prefix_lens``, ``extend_lens``, ``out_cache_loc``, ``positions``
 all empty; the forward returns an empty output.
 """
 from __future__ import annotations
@@ -105,25 +111,25 @@ class ForwardBatch:
     Attributes:
         forward_mode: the :class:`ForwardMode`.
         req_pool_indices: int64 ``[bs]``, rows of ``ReqToTokenPool.req_to_token``.
-        seq_lens: int32 ``[bs]``, committed KV before this forward (tokens).
+        prefix_lens: int32 ``[bs]``, committed KV before this forward (tokens).
         extend_lens: int32 ``[bs]``, this forward's tokens per request.
         out_cache_loc: int64 ``[T]``, KV slot of each token, ``T = sum(extend_lens)``.
         positions: int64 ``[T]``, RoPE position of each token.
         num_tokens_per_req: ``D`` for TARGET_VERIFY / DRAFT_EXTEND_V2, else None.
         tree_mask: int32 ``[bs, D, ceil(D/32)]`` for TARGET_VERIFY, else None.
-        seq_lens_cpu, extend_lens_cpu: optional CPU copies for host-side planners
+        prefix_lens_cpu, extend_lens_cpu: optional CPU copies for host-side planners
             (eager only; graph replay must not rely on them being fresh).
     """
 
     forward_mode: ForwardMode
     req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
     extend_lens: torch.Tensor
     out_cache_loc: torch.Tensor
     positions: torch.Tensor
     num_tokens_per_req: Optional[int] = None
     tree_mask: Optional[torch.Tensor] = None
-    seq_lens_cpu: Optional[torch.Tensor] = None
+    prefix_lens_cpu: Optional[torch.Tensor] = None
     extend_lens_cpu: Optional[torch.Tensor] = None
 
     # ---------------------------------------------------------------- derived
@@ -137,7 +143,7 @@ class ForwardBatch:
 
     @property
     def device(self) -> torch.device:
-        return self.seq_lens.device
+        return self.prefix_lens.device
 
     def qo_indptr(self) -> torch.Tensor:
         """int32 ``[bs + 1]``: ``[0, cumsum(extend_lens)]`` on the batch's device."""
@@ -145,60 +151,109 @@ class ForwardBatch:
         torch.cumsum(self.extend_lens, 0, out=out[1:])
         return out
 
+    def to_sglang_lens(self) -> dict:
+        """SGLang's length fields for this batch: ``{"seq_lens", "extend_prefix_lens",
+        "extend_seq_lens"}`` (int32 tensors on the batch's device; the last two only for
+        EXTEND).  EXTEND: ``seq_lens = P + n``; DECODE: ``P + 1``; TARGET_VERIFY and
+        DRAFT_EXTEND_V2: ``P`` (SGLang's backends add the fixed token count); IDLE: empty."""
+        mode, P, n = self.forward_mode, self.prefix_lens, self.extend_lens
+        if mode == ForwardMode.EXTEND:
+            return {"seq_lens": P + n, "extend_prefix_lens": P.clone(), "extend_seq_lens": n.clone()}
+        if mode.is_decode():
+            return {"seq_lens": P + 1}
+        return {"seq_lens": P.clone()}
+
+    @classmethod
+    def from_sglang(cls, mode: ForwardMode, req_pool_indices, seq_lens, out_cache_loc, positions=None, *,
+                    extend_seq_lens=None, num_tokens_per_req: Optional[int] = None, tree_mask=None,
+                    device=None) -> "ForwardBatch":
+        """A batch from SGLang's fields, ``seq_lens`` in SGLang's meaning for ``mode`` (see
+        :meth:`to_sglang_lens`): EXTEND needs ``extend_seq_lens`` (``prefix_lens = seq_lens -
+        extend_seq_lens``), DECODE takes ``prefix_lens = seq_lens - 1``, TARGET_VERIFY /
+        DRAFT_EXTEND_V2 take ``seq_lens`` as the prefix and need ``num_tokens_per_req``.
+
+        Raises:
+            ValueError: a missing field for ``mode``, or a length below zero.
+        """
+        dev = device if device is not None else torch.as_tensor(out_cache_loc).device
+        seq = _i64(seq_lens, dev)
+        if mode == ForwardMode.EXTEND:
+            if extend_seq_lens is None:
+                raise ValueError("EXTEND needs extend_seq_lens")
+            ext = _i64(extend_seq_lens, dev)
+            P = seq - ext
+        elif mode.is_decode():
+            P = seq - 1
+        elif mode.has_fixed_tokens_per_req():
+            if num_tokens_per_req is None:
+                raise ValueError(f"{mode.name} needs num_tokens_per_req")
+            P = seq
+        else:
+            return cls.idle(dev)
+        if P.numel() and bool((P < 0).any()):
+            raise ValueError(f"seq_lens too short for {mode.name}: a prefix length below 0")
+        host = P.cpu()
+        if mode == ForwardMode.EXTEND:
+            return cls.extend(req_pool_indices, host, ext.cpu(), out_cache_loc, positions, device=dev)
+        if mode.is_decode():
+            return cls.decode(req_pool_indices, host, out_cache_loc, positions, device=dev)
+        return cls.fixed(mode, req_pool_indices, host, num_tokens_per_req, out_cache_loc, positions=positions,
+                         tree_mask=tree_mask, device=dev)
+
     def with_cpu_copies(self) -> "ForwardBatch":
-        """A copy with ``seq_lens_cpu``/``extend_lens_cpu`` filled (one host sync)."""
-        return replace(self, seq_lens_cpu=self.seq_lens.cpu(), extend_lens_cpu=self.extend_lens.cpu())
+        """A copy with ``prefix_lens_cpu``/``extend_lens_cpu`` filled (one host sync)."""
+        return replace(self, prefix_lens_cpu=self.prefix_lens.cpu(), extend_lens_cpu=self.extend_lens.cpu())
 
     # ---------------------------------------------------------------- constructors
     @classmethod
-    def extend(cls, req_pool_indices, seq_lens, extend_lens, out_cache_loc, positions=None,
+    def extend(cls, req_pool_indices, prefix_lens, extend_lens, out_cache_loc, positions=None,
                device=None) -> "ForwardBatch":
         """EXTEND batch.  ``positions`` default to ``P_i .. P_i + n_i - 1``.  Lists or tensors."""
         dev = device if device is not None else torch.as_tensor(out_cache_loc).device
-        seq_lens_cpu = torch.as_tensor(seq_lens, dtype=torch.int32).cpu()
+        prefix_lens_cpu = torch.as_tensor(prefix_lens, dtype=torch.int32).cpu()
         ext_cpu = torch.as_tensor(extend_lens, dtype=torch.int32).cpu()
         if positions is None:
             positions = torch.cat([torch.arange(int(p), int(p) + int(n)) for p, n in
-                                   zip(seq_lens_cpu, ext_cpu)]) if len(ext_cpu) else torch.zeros(0)
-        return cls(ForwardMode.EXTEND, _i64(req_pool_indices, dev), _i32(seq_lens, dev),
+                                   zip(prefix_lens_cpu, ext_cpu)]) if len(ext_cpu) else torch.zeros(0)
+        return cls(ForwardMode.EXTEND, _i64(req_pool_indices, dev), _i32(prefix_lens, dev),
                    _i32(extend_lens, dev), _i64(out_cache_loc, dev), _i64(positions, dev),
-                   seq_lens_cpu=seq_lens_cpu, extend_lens_cpu=ext_cpu)
+                   prefix_lens_cpu=prefix_lens_cpu, extend_lens_cpu=ext_cpu)
 
     @classmethod
-    def decode(cls, req_pool_indices, seq_lens, out_cache_loc, positions=None, device=None
+    def decode(cls, req_pool_indices, prefix_lens, out_cache_loc, positions=None, device=None
                ) -> "ForwardBatch":
-        """DECODE batch; ``positions`` default to ``seq_lens``.  Host ``seq_lens`` (a list or
-        CPU tensor) are also kept as ``seq_lens_cpu`` / ``extend_lens_cpu`` (for host planners,
+        """DECODE batch; ``positions`` default to ``prefix_lens``.  Host ``prefix_lens`` (a list or
+        CPU tensor) are also kept as ``prefix_lens_cpu`` / ``extend_lens_cpu`` (for host planners,
         no device read)."""
         dev = device if device is not None else torch.as_tensor(out_cache_loc).device
-        host = _host_i32(seq_lens)
-        seq_lens = _i32(seq_lens, dev)
-        pos = seq_lens.long() if positions is None else _i64(positions, dev)
-        return cls(ForwardMode.DECODE, _i64(req_pool_indices, dev), seq_lens,
-                   torch.ones_like(seq_lens), _i64(out_cache_loc, dev), pos, seq_lens_cpu=host,
+        host = _host_i32(prefix_lens)
+        prefix_lens = _i32(prefix_lens, dev)
+        pos = prefix_lens.long() if positions is None else _i64(positions, dev)
+        return cls(ForwardMode.DECODE, _i64(req_pool_indices, dev), prefix_lens,
+                   torch.ones_like(prefix_lens), _i64(out_cache_loc, dev), pos, prefix_lens_cpu=host,
                    extend_lens_cpu=None if host is None else torch.ones_like(host))
 
     @classmethod
-    def fixed(cls, mode: ForwardMode, req_pool_indices, seq_lens, num_tokens_per_req: int,
+    def fixed(cls, mode: ForwardMode, req_pool_indices, prefix_lens, num_tokens_per_req: int,
               out_cache_loc, positions=None, tree_mask=None, device=None) -> "ForwardBatch":
         """TARGET_VERIFY (``tree_mask`` and ``positions`` required) or DRAFT_EXTEND_V2
         (``positions`` default to ``P .. P + D - 1``) batch with ``D`` tokens per request.
-        Host ``seq_lens`` are also kept as ``seq_lens_cpu`` / ``extend_lens_cpu``."""
+        Host ``prefix_lens`` are also kept as ``prefix_lens_cpu`` / ``extend_lens_cpu``."""
         if not mode.has_fixed_tokens_per_req():
             raise ValueError(f"{mode.name} has no fixed tokens per request")
         dev = device if device is not None else torch.as_tensor(out_cache_loc).device
-        host = _host_i32(seq_lens)
-        seq_lens = _i32(seq_lens, dev)
-        bs, D = seq_lens.shape[0], num_tokens_per_req
+        host = _host_i32(prefix_lens)
+        prefix_lens = _i32(prefix_lens, dev)
+        bs, D = prefix_lens.shape[0], num_tokens_per_req
         if mode.is_target_verify() and (tree_mask is None or positions is None):
             raise ValueError("TARGET_VERIFY needs tree_mask and positions (P + depth)")
         if positions is None:
-            positions = (seq_lens.long()[:, None] + torch.arange(D, device=dev)).flatten()
-        return cls(mode, _i64(req_pool_indices, dev), seq_lens,
+            positions = (prefix_lens.long()[:, None] + torch.arange(D, device=dev)).flatten()
+        return cls(mode, _i64(req_pool_indices, dev), prefix_lens,
                    torch.full((bs,), D, dtype=torch.int32, device=dev), _i64(out_cache_loc, dev),
                    _i64(positions, dev), num_tokens_per_req=D,
                    tree_mask=None if tree_mask is None else torch.as_tensor(tree_mask, device=dev),
-                   seq_lens_cpu=host, extend_lens_cpu=None if host is None else torch.full_like(host, D))
+                   prefix_lens_cpu=host, extend_lens_cpu=None if host is None else torch.full_like(host, D))
 
     @classmethod
     def idle(cls, device="cpu") -> "ForwardBatch":
@@ -218,7 +273,7 @@ class ForwardBatch:
         """
         bs, T, mode = self.batch_size, self.num_tokens, self.forward_mode
         for name, t, dt, n in (("req_pool_indices", self.req_pool_indices, torch.int64, bs),
-                               ("seq_lens", self.seq_lens, torch.int32, bs),
+                               ("prefix_lens", self.prefix_lens, torch.int32, bs),
                                ("extend_lens", self.extend_lens, torch.int32, bs),
                                ("out_cache_loc", self.out_cache_loc, torch.int64, T),
                                ("positions", self.positions, torch.int64, T)):
@@ -232,8 +287,8 @@ class ForwardBatch:
         ext = self.extend_lens.cpu()
         if int(ext.sum()) != T:
             raise ValueError(f"sum(extend_lens) = {int(ext.sum())} but out_cache_loc has {T} tokens")
-        if bool((self.seq_lens < 0).any()):
-            raise ValueError("seq_lens must be >= 0")
+        if bool((self.prefix_lens < 0).any()):
+            raise ValueError("prefix_lens must be >= 0")
         if mode.is_decode() and bool((ext != 1).any()):
             raise ValueError("DECODE needs extend_lens == 1")
         if mode.has_fixed_tokens_per_req():
@@ -245,7 +300,7 @@ class ForwardBatch:
                 raise ValueError("TARGET_VERIFY needs tree_mask")
             check_tree_mask(self.tree_mask, bs, self.num_tokens_per_req)
         if req_to_token is not None:
-            seq = self.seq_lens.cpu().tolist()
+            seq = self.prefix_lens.cpu().tolist()
             rows = self.req_pool_indices.cpu().tolist()
             loc = self.out_cache_loc.cpu()
             start = 0

@@ -40,7 +40,7 @@ def build_reference_metadata(req_to_token: torch.Tensor, batch: ForwardBatch, ma
                              max_kv: int) -> RefMetadata:
     """Dense metadata for ``batch`` (see the module docstring).  Device ops only, no host sync."""
     dev, bs, T = batch.device, batch.batch_size, batch.num_tokens
-    P = batch.seq_lens.long()
+    P = batch.prefix_lens.long()
     n = batch.extend_lens.long()
     j = torch.arange(max_q, device=dev)
     p = torch.arange(max_kv, device=dev)
@@ -98,7 +98,7 @@ class TorchReferenceBackend(AttentionBackend):
         if batch.forward_mode.is_idle():
             self.forward_metadata = None
             return
-        P = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+        P = batch.prefix_lens_cpu if batch.prefix_lens_cpu is not None else batch.prefix_lens.cpu()
         n = batch.extend_lens_cpu if batch.extend_lens_cpu is not None else batch.extend_lens.cpu()
         max_q = int(n.max()) if len(n) else 0
         max_kv = int((P + n).max()) if len(n) else 0

@@ -12,24 +12,24 @@ writes differs (fresh tensors in eager, the static buffers of ``init_cuda_graph_
 graph mode):
 
 - ``qo_indptr`` int32 ``[bs + 1]`` = ``[0, cumsum(extend_lens)]`` (token offsets);
-- ``seq_lens`` int32 ``[bs]`` = ``P`` (committed keys before this forward; the kernel reads
+- ``prefix_lens`` int32 ``[bs]`` = ``P`` (committed keys before this forward; the kernel reads
   keys ``req_to_token[r, 0 : P + n]``, this forward's included);
 - ``req_pool_indices`` int64 ``[bs]``;
 - ``tree_mask`` int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY only, else None);
 - host ints fixed per batch shape: ``max_q`` (grid bound: ``num_tokens_per_req`` for
   TARGET_VERIFY / DRAFT_EXTEND_V2, 1 for DECODE; EXTEND: the host maximum of ``extend_lens``
   eager, ``min(num_tokens, req_to_token width)`` in graph mode) and ``max_prefix`` (eager
-  only: host maximum of ``seq_lens``, for the split-KV choice; None in graph mode, where no
+  only: host maximum of ``prefix_lens``, for the split-KV choice; None in graph mode, where no
   device value may reach the host).
 
 Worked example (the TARGET_VERIFY batch of :mod:`~specattn.backends.forward_batch`, bs = 2,
-``D = 3``, ``req_pool_indices = [3, 0]``, ``seq_lens = [8, 5]``)::
+``D = 3``, ``req_pool_indices = [3, 0]``, ``prefix_lens = [8, 5]``)::
 
-    qo_indptr = [0, 3, 6]      seq_lens = [8, 5]      req_pool_indices = [3, 0]
+    qo_indptr = [0, 3, 6]      prefix_lens = [8, 5]      req_pool_indices = [3, 0]
     tree_mask = [[[1], [3], [7]], [[1], [3], [5]]]    max_q = 3
     token 2 of request 1: keys req_to_token[0, 0:5] (prefix) + req_to_token[0, 5 + {0, 2}]
 
-EXTEND of that module's example: ``qo_indptr = [0, 3, 5]``, ``seq_lens = [4, 2]``,
+EXTEND of that module's example: ``qo_indptr = [0, 3, 5]``, ``prefix_lens = [4, 2]``,
 ``max_q = 3``; DECODE: ``qo_indptr = [0, 1, 2]``, ``max_q = 1``; DRAFT_EXTEND_V2:
 ``qo_indptr = [0, 3, 6]``, ``max_q = 3``, causal.
 
@@ -39,10 +39,10 @@ latent cache ``[slots, 1, 576]``, output ``[6, 16, 512]``; the 3 tokens x 16 hea
 request are 48 packed rows, one ``block_m = 64`` tile: grid ``(1, 1, 2 * num_splits)``.
 
 CUDA graphs: ``init_cuda_graph_state(max_bs, max_num_tokens)`` allocates the static buffers
-(``qo_indptr [max_bs + 1]``, ``seq_lens [max_bs]``, ``req_pool_indices [max_bs]``, a tree-mask
+(``qo_indptr [max_bs + 1]``, ``prefix_lens [max_bs]``, ``req_pool_indices [max_bs]``, a tree-mask
 area of ``max_num_tokens * ceil(max_num_tokens / 32)`` int32 words).  Capture and replay run
 the same builder into views of them (device copies and a cumsum only; no host sync, no
-allocation).  Padded requests (``seq_lens = 0``, ``req_pool_indices = 0``, ``n = D``) read
+allocation).  Padded requests (``prefix_lens = 0``, ``req_pool_indices = 0``, ``n = D``) read
 some valid slots and write only their own (discarded) output rows.  The kernel grid depends
 only on ``(bs, max_q, heads, num_splits, kernel config)``, all static per captured graph.
 The static buffers are shared by every graph of this backend (the replay of a graph rewrites
@@ -104,7 +104,7 @@ class TritonMetadata:
 
     mode: ForwardMode
     qo_indptr: torch.Tensor
-    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
     req_pool_indices: torch.Tensor
     tree_mask: Optional[torch.Tensor]
     max_q: int
@@ -120,7 +120,7 @@ def fill_triton_metadata(batch: ForwardBatch, md: TritonMetadata) -> TritonMetad
     requests) and return ``md``.  Device work only: copies and one cumsum."""
     md.qo_indptr[:1].zero_()
     torch.cumsum(batch.extend_lens, 0, dtype=torch.int32, out=md.qo_indptr[1:])
-    md.seq_lens.copy_(batch.seq_lens)
+    md.prefix_lens.copy_(batch.prefix_lens)
     md.req_pool_indices.copy_(batch.req_pool_indices)
     if md.tree_mask is not None:
         md.tree_mask.copy_(batch.tree_mask)
@@ -219,7 +219,7 @@ class TritonBackend(AttentionBackend):
 
     # --------------------------------------------------------------- eager
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Eager metadata (one host read of ``extend_lens``/``seq_lens`` maxima unless the
+        """Eager metadata (one host read of ``extend_lens``/``prefix_lens`` maxima unless the
         batch carries CPU copies, and one of the ``req_pool_indices`` range).  Raises ValueError
         when a request's ``P + n`` exceeds the ``req_to_token`` width, a ``req_pool_indices``
         row is out of range, or a TARGET_VERIFY ``tree_mask`` is missing or not int32
@@ -229,7 +229,7 @@ class TritonBackend(AttentionBackend):
             self.forward_metadata = None
             return
         bs, dev = batch.batch_size, batch.device
-        P = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+        P = batch.prefix_lens_cpu if batch.prefix_lens_cpu is not None else batch.prefix_lens.cpu()
         n = batch.extend_lens_cpu if batch.extend_lens_cpu is not None else batch.extend_lens.cpu()
         max_q = int(n.max()) if bs else 0
         max_prefix = int(P.max()) if bs else 0
@@ -263,7 +263,7 @@ class TritonBackend(AttentionBackend):
         self._g = dict(
             max_bs=max_bs, max_num_tokens=max_num_tokens,
             qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            prefix_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             req_pool_indices=torch.zeros(max_bs, dtype=torch.int64, device=dev),
             tree_mask=torch.zeros(max_num_tokens * num_mask_words(max_num_tokens),
                                   dtype=torch.int32, device=dev))
@@ -284,7 +284,7 @@ class TritonBackend(AttentionBackend):
         if mode.is_target_verify():
             W = num_mask_words(max_q)
             tm = g["tree_mask"][:bs * max_q * W].view(bs, max_q, W)
-        md = TritonMetadata(mode, g["qo_indptr"][:bs + 1], g["seq_lens"][:bs],
+        md = TritonMetadata(mode, g["qo_indptr"][:bs + 1], g["prefix_lens"][:bs],
                             g["req_pool_indices"][:bs], tm, max_q, None)
         return fill_triton_metadata(batch, md)
 
@@ -339,14 +339,14 @@ class TritonBackend(AttentionBackend):
         if self.kind == AttentionKind.MLA:
             from specattn.triton_kernels.attention_mla import mla_paged_attention
             return mla_paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id), rtt,
-                                       md.req_pool_indices, md.seq_lens, md.qo_indptr, md.tree_mask,
+                                       md.req_pool_indices, md.prefix_lens, md.qo_indptr, md.tree_mask,
                                        md.max_q, layer.scaling, layer.kv_lora_rank,
                                        num_splits=splits, page_size=page_size,
                                        check_bounds=False, **self._config(md.mode))
         from specattn.triton_kernels.attention import paged_attention
         return paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id),
                                self.kv_pool.get_value_buffer(layer.layer_id), rtt,
-                               md.req_pool_indices, md.seq_lens, md.qo_indptr, md.tree_mask,
+                               md.req_pool_indices, md.prefix_lens, md.qo_indptr, md.tree_mask,
                                md.max_q, layer.scaling, num_splits=splits, page_size=page_size,
                                check_bounds=False, **self._config(md.mode))
 

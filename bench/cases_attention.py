@@ -255,7 +255,7 @@ class PagedSet:
     Attributes:
         rows: ``req_to_token`` rows of the requests (host ints).
         req_pool_indices: int64 ``[bs]`` on the device.
-        seq_lens, extend_lens: committed keys ``P`` and this forward's tokens ``n`` per
+        prefix_lens, extend_lens: committed keys ``P`` and this forward's tokens ``n`` per
             request (host ints; the keys are ``req_to_token[row, :P + n]``).
         out_cache_loc: int64 ``[sum(n)]`` slots of this forward's tokens.
         page_table: int32 ``[bs, pages_per_req]`` page ids in position order (slot of
@@ -263,14 +263,14 @@ class PagedSet:
     """
     rows: List[int]
     req_pool_indices: torch.Tensor
-    seq_lens: List[int]
+    prefix_lens: List[int]
     extend_lens: List[int]
     out_cache_loc: torch.Tensor
     page_table: torch.Tensor
 
     @property
     def kv_lens(self) -> List[int]:
-        return [p + n for p, n in zip(self.seq_lens, self.extend_lens)]
+        return [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
 
 
 @dataclass
@@ -329,13 +329,13 @@ def make_paged_inputs(device, shape: AttnShape, *, num_sets: int, bs: int, prefi
 
 
 def random_tree_masks(rng: random.Random, bs: int, num_draft_tokens: int, topk: int,
-                      num_steps: int, seq_lens: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+                      num_steps: int, prefix_lens: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
     """``bs`` random EAGLE trees of ``num_draft_tokens`` tokens (root included) as
     :func:`specattn.ops.build_tree` (reference, on the CPU) builds them.
 
     Returns:
         ``(tree_mask int32 [bs, D, ceil(D/32)], positions int64 [bs * D])`` on the CPU,
-        positions ``seq_lens[i] + depth``.
+        positions ``prefix_lens[i] + depth``.
     Raises:
         ValueError: ``D - 1`` exceeds the ``topk + (num_steps-1) * topk**2`` candidates.
     """
@@ -344,7 +344,7 @@ def random_tree_masks(rng: random.Random, bs: int, num_draft_tokens: int, topk: 
         raise ValueError(f"num_draft_tokens={D} needs {D - 1} candidates; topk={topk}, "
                          f"num_steps={num_steps} draft {num_tree_candidates(topk, num_steps)}")
     pl, sel, _, _ = cases_tree.random_eagle_batch(rng, bs, topk, num_steps, D)
-    vsl = torch.tensor(list(seq_lens), dtype=torch.int64)
+    vsl = torch.tensor(list(prefix_lens), dtype=torch.int64)
     info = build_tree(pl, sel, vsl, topk, num_steps, D, impl="reference")
     return info.tree_mask, info.positions
 
@@ -365,7 +365,7 @@ def flashinfer_kv_metadata(req_to_token: torch.Tensor, pset: PagedSet, page_size
         int32 [bs])`` on ``req_to_token``'s device.
     """
     dev = req_to_token.device
-    layout = paged_kv_layout(torch.tensor(pset.seq_lens, dtype=torch.int32, device=dev),
+    layout = paged_kv_layout(torch.tensor(pset.prefix_lens, dtype=torch.int32, device=dev),
                              torch.tensor(pset.extend_lens, dtype=torch.int32, device=dev),
                              page_size)
     num_pages = sum(-(-kv // page_size) for kv in pset.kv_lens)
@@ -427,23 +427,23 @@ def flashinfer_verify_metadata(req_to_token: torch.Tensor, pset: PagedSet,
     dev = pset.out_cache_loc.device
     D = pset.extend_lens[0]
     qo = torch.arange(len(pset.rows) + 1, dtype=torch.int32, device=dev) * D
-    P_cpu = torch.tensor(pset.seq_lens, dtype=torch.int64)
+    P_cpu = torch.tensor(pset.prefix_lens, dtype=torch.int64)
     if not split:
         packed, mask_indptr = flashinfer_packed_mask(
             tree_mask, P_cpu.to(tree_mask.device), int(flashinfer_mask_bytes(P_cpu, D).sum()))
         kv = flashinfer_kv_metadata(req_to_token, pset, page_size)
         return dict(qo_indptr=qo, kv=kv, packed_mask=packed, mask_indptr=mask_indptr)
-    for p in pset.seq_lens:
+    for p in pset.prefix_lens:
         if p < 1 or p % page_size:
             raise ValueError(f"flashinfer_split needs a prefix >= 1 that is a multiple of "
                              f"page_size ({page_size}), got {p}")
     zero = torch.zeros_like(P_cpu)
     packed, mask_indptr = flashinfer_packed_mask(
         tree_mask, zero.to(tree_mask.device), int(flashinfer_mask_bytes(zero, D).sum()))
-    pre = flashinfer_page_metadata(pset.page_table, pset.seq_lens, page_size)
+    pre = flashinfer_page_metadata(pset.page_table, pset.prefix_lens, page_size)
     # the draft keys start a page (P % page_size == 0): one table per request, shifted
     drafts = [flashinfer_page_metadata(pset.page_table[i:i + 1], [D], page_size, p)
-              for i, p in enumerate(pset.seq_lens)]
+              for i, p in enumerate(pset.prefix_lens)]
     d_indptr = torch.tensor([0] + [int(d[0][1]) for d in drafts], dtype=torch.int64)
     draft = (d_indptr.cumsum(0).to(dev, torch.int32), torch.cat([d[1] for d in drafts]),
              torch.cat([d[2] for d in drafts]))
@@ -556,9 +556,9 @@ def _verify_setup(case_name, device, shape: AttnShape, *, bs, prefix, num_draft_
     gq = torch.Generator(device=device).manual_seed(seed + 1)
     masks, qs, batches, visible = [], [], [], 0
     for pset in inputs.sets:
-        tm, pos = random_tree_masks(rng, bs, D, topk, num_steps, pset.seq_lens)
+        tm, pos = random_tree_masks(rng, bs, D, topk, num_steps, pset.prefix_lens)
         batch = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, pset.req_pool_indices,
-                                   pset.seq_lens, D, pset.out_cache_loc, positions=pos,
+                                   pset.prefix_lens, D, pset.out_cache_loc, positions=pos,
                                    tree_mask=tm, device=device).with_cpu_copies()
         visible += bs * D * prefix + int(unpack_tree_mask(tm, D).sum())
         masks.append(tm)
@@ -583,7 +583,7 @@ def _decode_setup(case_name, device, shape: AttnShape, *, bs, seq_len, page_size
     inputs = make_paged_inputs(device, shape, num_sets=n_sets, bs=bs, prefix=P, new_tokens=1,
                                page_size=page_size, seed=seed, contiguous=contiguous)
     gq = torch.Generator(device=device).manual_seed(seed + 1)
-    batches = [ForwardBatch.decode(s.req_pool_indices, s.seq_lens, s.out_cache_loc,
+    batches = [ForwardBatch.decode(s.req_pool_indices, s.prefix_lens, s.out_cache_loc,
                                    device=device).with_cpu_copies() for s in inputs.sets]
     qs = [_random_q(shape, bs, gq, device) for _ in inputs.sets]
     flops = attention_flops(shape, bs * seq_len)
@@ -725,7 +725,7 @@ def _extend(device, *, bs, prefix, new_tokens, num_heads, num_kv_heads, head_dim
     inputs = make_paged_inputs(device, shape, num_sets=n_sets, bs=bs, prefix=P, new_tokens=n,
                                page_size=page_size, seed=seed, contiguous=contiguous)
     gq = torch.Generator(device=device).manual_seed(seed + 1)
-    batches = [ForwardBatch.extend(s.req_pool_indices, s.seq_lens, s.extend_lens,
+    batches = [ForwardBatch.extend(s.req_pool_indices, s.prefix_lens, s.extend_lens,
                                    s.out_cache_loc, device=device) for s in inputs.sets]
     qs = [_random_q(shape, bs * n, gq, device) for _ in inputs.sets]
     flops = attention_flops(shape, bs * (n * P + n * (n + 1) // 2))

@@ -27,11 +27,11 @@ def forward(batch):  # random q/k/v for the batch's tokens; the backend writes k
     return q, backend.forward(q, k, v, layer, batch)
 
 
-# 1. Prefill.  seq_lens = KV committed BEFORE the forward; req_to_token gets the slots first.
+# 1. Prefill.  prefix_lens = KV committed BEFORE the forward; req_to_token gets the slots first.
 slots = allocator.alloc(sum(P))
 req_pool.write(rows[0], 0, slots[:P[0]])
 req_pool.write(rows[1], 0, slots[P[0]:])
-forward(ForwardBatch.extend(rows, seq_lens=[0, 0], extend_lens=P, out_cache_loc=slots))
+forward(ForwardBatch.extend(rows, prefix_lens=[0, 0], extend_lens=P, out_cache_loc=slots))
 
 # 2. Verify a tree per request: root 0, its children 1 and 2, and 3 under 1.
 sees = torch.eye(D, dtype=torch.bool, device=device)  # sees[j, m]: draft j attends to draft m
@@ -42,7 +42,7 @@ for i, r in enumerate(rows):
     req_pool.write(r, P[i], slots[i * D:(i + 1) * D])
 assert backend.supports(ForwardMode.TARGET_VERIFY, graph=False, kind=layer.kind)
 q, out = forward(ForwardBatch.fixed(
-    ForwardMode.TARGET_VERIFY, rows, seq_lens=P, num_tokens_per_req=D, out_cache_loc=slots,
+    ForwardMode.TARGET_VERIFY, rows, prefix_lens=P, num_tokens_per_req=D, out_cache_loc=slots,
     positions=torch.cat([p + sees.sum(1) - 1 for p in P]),          # prefix length + depth
     tree_mask=pack_tree_mask(sees).expand(2, D, 1).contiguous()))  # int32 [bs, D, words]
 

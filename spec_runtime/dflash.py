@@ -65,7 +65,7 @@ use the same slot indices, reserved per request row by the engine.
 
 1. slots: the round works at positions ``P .. P+B-1`` (``req_to_token[row, P : P+B]``);
 2. draft (:meth:`DFlashStrategy.propose_block`): the drafter runs ``TARGET_VERIFY`` on its own backend/pool
-   with ``seq_lens = P``, ``D = B`` tokens ``[root, MASK x (B-1)]`` at positions
+   with ``prefix_lens = P``, ``D = B`` tokens ``[root, MASK x (B-1)]`` at positions
    ``P .. P+B-1`` and an ALL-ONES tree mask.  Our ``TARGET_VERIFY`` means "prefix always
    visible + block tokens visible where the mask bit is set", so all-ones is exactly
    non-causal block attention over context + block (SGLang runs its DFlash draft block in

@@ -429,7 +429,7 @@ class Engine:
         return ForwardBatch(mode, rows, seq, torch.full((bs,), n, dtype=torch.int32, device=dev),
                             out_cache_loc.long(), positions.long(),
                             num_tokens_per_req=n if mode.has_fixed_tokens_per_req() else None,
-                            tree_mask=tree_mask, seq_lens_cpu=host,
+                            tree_mask=tree_mask, prefix_lens_cpu=host,
                             extend_lens_cpu=None if host is None else torch.full_like(host, n))
 
     def forward(self, role: str, input_ids: torch.Tensor, batch: ForwardBatch,

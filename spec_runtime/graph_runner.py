@@ -4,7 +4,7 @@ Per padded batch size the runner captures ``model.logits(model.forward(...))`` o
 inputs (:class:`~specattn.backends.GraphInputBuffers` + token ids).  ``run(batch, ids)`` copies
 the live batch into the static buffers (padding the tail harmlessly), lets the backend write
 the metadata into its static buffers (``init_forward_metadata_replay_cuda_graph``: device work,
-plus a host-side plan where the backend's library needs one -- FlashInfer reads ``seq_lens``
+plus a host-side plan where the backend's library needs one -- FlashInfer reads ``prefix_lens``
 back and calls ``plan()``; torch_reference, triton and flashmla replay without a host sync)
 and replays the smallest graph that fits.  All graphs share one memory pool.
 """
@@ -36,7 +36,7 @@ def empty_batch(mode: ForwardMode, tokens_per_req: int, device) -> ForwardBatch:
                         num_tokens_per_req=D if mode.has_fixed_tokens_per_req() else None,
                         tree_mask=torch.zeros(0, D, num_mask_words(D), dtype=torch.int32, device=device)
                         if mode.is_target_verify() else None,
-                        seq_lens_cpu=torch.zeros(0, dtype=torch.int32),
+                        prefix_lens_cpu=torch.zeros(0, dtype=torch.int32),
                         extend_lens_cpu=torch.zeros(0, dtype=torch.int32))
 
 

@@ -144,7 +144,7 @@ def naive_attention(sc: Scenario, q: torch.Tensor) -> torch.Tensor:
     t = 0
     G = layer.num_heads // layer.num_kv_heads
     for i in range(b.batch_size):
-        r, P, n = int(b.req_pool_indices[i]), int(b.seq_lens[i]), int(b.extend_lens[i])
+        r, P, n = int(b.req_pool_indices[i]), int(b.prefix_lens[i]), int(b.extend_lens[i])
         for j in range(n):
             if mode == ForwardMode.TARGET_VERIFY:
                 vis = list(range(P)) + [P + m for m in range(n) if sc.tree_dense[i, j, m]]

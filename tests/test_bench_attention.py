@@ -143,7 +143,7 @@ def _visible_pairs(wl, name, p):
     """Visible (token, key) pairs per set, counted bit by bit from the batch itself."""
     out = []
     for b in wl.state["batches"]:
-        P = b.seq_lens.cpu().tolist()
+        P = b.prefix_lens.cpu().tolist()
         n = b.extend_lens.cpu().tolist()
         if name.endswith("tree_verify"):
             words = b.tree_mask.cpu().tolist()
@@ -165,7 +165,7 @@ def test_triton_impl_matches_reference_on_cpu(name, page_size, seed):
     assert len(wl.input_sets) == 2 and inputs.page_size == page_size
     # accounting: bytes from the batch shape, flops from the visible pairs
     b0 = st["batches"][0]
-    keys = int((b0.seq_lens + b0.extend_lens).sum())
+    keys = int((b0.prefix_lens + b0.extend_lens).sum())
     assert wl.bytes == ca.attention_bytes(shape, keys, b0.num_tokens)
     vis = _visible_pairs(wl, name, small(name))
     assert wl.flops == ca.attention_flops(shape, round(sum(vis) / len(vis)))
@@ -181,7 +181,7 @@ def test_triton_impl_matches_reference_on_cpu(name, page_size, seed):
             assert not seen & set(slots.tolist())
             seen |= set(slots.tolist())
         loc = torch.cat([rtt[r, p:p + n].long() for r, p, n in
-                         zip(pset.rows, pset.seq_lens, pset.extend_lens)])
+                         zip(pset.rows, pset.prefix_lens, pset.extend_lens)])
         assert torch.equal(loc, pset.out_cache_loc)
     assert 0 not in seen  # page 0 is the pool's reserved page
     assert not torch.equal(st["qs"][0], st["qs"][1])
@@ -238,7 +238,7 @@ def test_flashinfer_mask_metadata_decodes_to_what_triton_reads(page_size, seed):
         indptr, indices, last = md["kv"]
         dense = unpack_tree_mask(tm, D)
         mbytes = md["packed_mask"]
-        for i, (r, P) in enumerate(zip(pset.rows, pset.seq_lens)):
+        for i, (r, P) in enumerate(zip(pset.rows, pset.prefix_lens)):
             pages = indices[indptr[i]:indptr[i + 1]].long()
             kv_len = (len(pages) - 1) * page_size + int(last[i])
             assert kv_len == P + D and 1 <= int(last[i]) <= page_size

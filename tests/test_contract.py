@@ -1,4 +1,4 @@
-"""Forward modes, the worked examples of the seq_lens convention, tree-mask converters, pools."""
+"""Forward modes, the worked examples of the prefix_lens convention, tree-mask converters, pools."""
 import random
 
 import pytest
@@ -29,7 +29,7 @@ def _example_pool():
 
 def _visible_slots(pool, batch):
     """Per token, the visible slots according to the reference metadata."""
-    P = batch.seq_lens.long(); n = batch.extend_lens.long()
+    P = batch.prefix_lens.long(); n = batch.extend_lens.long()
     md = build_reference_metadata(pool.req_to_token, batch, int(n.max()), int((P + n).max()))
     out = []
     for i in range(batch.batch_size):
@@ -189,7 +189,7 @@ def test_graph_buffers_pad_harmlessly():
                            positions=[5, 6, 7, 6, 7, 8], tree_mask=tm)
     p = bufs.fill(b, 4)
     assert p.batch_size == 4 and p.num_tokens == 12
-    assert p.seq_lens.tolist() == [5, 6, 0, 0] and p.req_pool_indices.tolist() == [2, 1, 0, 0]
+    assert p.prefix_lens.tolist() == [5, 6, 0, 0] and p.req_pool_indices.tolist() == [2, 1, 0, 0]
     assert p.out_cache_loc[6:].eq(0).all() and p.extend_lens.eq(3).all()
     assert torch.equal(unpack_tree_mask(p.tree_mask[2:], 3), torch.eye(3, dtype=torch.bool).expand(2, 3, 3))
     with pytest.raises(ValueError):
@@ -205,7 +205,7 @@ def test_graph_buffers_pad_extend():
     b = ForwardBatch.extend([2, 1], [4, 0], [3, 2], list(range(30, 35)))
     p = bufs.fill(b, 4)
     assert p.forward_mode == ForwardMode.EXTEND and p.batch_size == 4 and p.num_tokens == 12
-    assert p.extend_lens.tolist() == [3, 2, 0, 0] and p.seq_lens.tolist() == [4, 0, 0, 0]
+    assert p.extend_lens.tolist() == [3, 2, 0, 0] and p.prefix_lens.tolist() == [4, 0, 0, 0]
     assert p.req_pool_indices.tolist() == [2, 1, 0, 0]
     assert p.out_cache_loc.tolist() == list(range(30, 35)) + [0] * 7
     assert p.positions.tolist() == [4, 5, 6, 0, 1] + [0] * 7
@@ -239,3 +239,29 @@ def test_move_kv_cache_check_values_false(seed):
         move_kv_cache([buf.clone()], dup, torch.tensor([2, 3]), impl="reference")
     move_kv_cache([buf.clone()], dup, torch.tensor([2, 3]), check_values=False,
                   impl="reference")  # not checked: the caller vouches for its slots
+
+
+def test_sglang_length_mapping():
+    """``to_sglang_lens`` / ``from_sglang``: SGLang's seq_lens counts this forward's tokens in
+    EXTEND and DECODE, not in TARGET_VERIFY / DRAFT_EXTEND_V2; a round trip is the identity."""
+    from specattn.backends import ForwardBatch, ForwardMode, pack_tree_mask
+    ext = ForwardBatch.extend([3, 0], [4, 2], [3, 2], [20, 21, 22, 30, 31])
+    s = ext.to_sglang_lens()
+    assert s["seq_lens"].tolist() == [7, 4] and s["extend_prefix_lens"].tolist() == [4, 2]
+    back = ForwardBatch.from_sglang(ForwardMode.EXTEND, [3, 0], s["seq_lens"], ext.out_cache_loc,
+                                    extend_seq_lens=s["extend_seq_lens"])
+    assert back.prefix_lens.tolist() == [4, 2] and back.positions.tolist() == ext.positions.tolist()
+    dec = ForwardBatch.decode([3, 0], [7, 4], [23, 32])
+    assert dec.to_sglang_lens()["seq_lens"].tolist() == [8, 5]
+    assert ForwardBatch.from_sglang(ForwardMode.DECODE, [3, 0], [8, 5], [23, 32]).prefix_lens.tolist() == [7, 4]
+    mask = pack_tree_mask(torch.eye(3, dtype=torch.bool).expand(2, 3, 3).contiguous())
+    ver = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, [3, 0], [8, 5], 3, list(range(6)),
+                             positions=[8, 9, 9, 5, 6, 6], tree_mask=mask)
+    assert ver.to_sglang_lens()["seq_lens"].tolist() == [8, 5]
+    back = ForwardBatch.from_sglang(ForwardMode.TARGET_VERIFY, [3, 0], [8, 5], list(range(6)),
+                                    [8, 9, 9, 5, 6, 6], num_tokens_per_req=3, tree_mask=mask)
+    assert back.prefix_lens.tolist() == [8, 5] and back.num_tokens_per_req == 3
+    with pytest.raises(ValueError, match="extend_seq_lens"):
+        ForwardBatch.from_sglang(ForwardMode.EXTEND, [0], [3], [1, 2, 3])
+    with pytest.raises(ValueError, match="below 0"):
+        ForwardBatch.from_sglang(ForwardMode.DECODE, [0], [0], [1])

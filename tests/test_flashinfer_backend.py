@@ -109,7 +109,7 @@ def _naive_layout(sc):
     rtt = sc.req_pool.req_to_token
     qo, kvp, last, idx = [0], [0], [], []
     for i in range(b.batch_size):
-        r, P, n = int(b.req_pool_indices[i]), int(b.seq_lens[i]), int(b.extend_lens[i])
+        r, P, n = int(b.req_pool_indices[i]), int(b.prefix_lens[i]), int(b.extend_lens[i])
         L = P + n
         slots = rtt[r, :L].tolist()
         pages = [slots[p] // ps for p in range(0, L, ps)]
@@ -131,10 +131,10 @@ def test_paged_kv_builders_match_naive(mode, page_size, seed):
                            max_prefix=rng.choice([0, 3, 40]), D=rng.choice([1, 5, 17]), rng=rng)
         b = sc.batch
         qo, kvp, last, idx = _naive_layout(sc)
-        lay = paged_kv_layout(b.seq_lens, b.extend_lens, page_size)
+        lay = paged_kv_layout(b.prefix_lens, b.extend_lens, page_size)
         assert lay.qo_indptr.tolist() == qo and lay.kv_indptr.tolist() == kvp
         assert lay.kv_last_page_len.tolist() == last
-        assert lay.kv_lens.tolist() == (b.seq_lens + b.extend_lens).tolist()
+        assert lay.kv_lens.tolist() == (b.prefix_lens + b.extend_lens).tolist()
         assert all(t.dtype == torch.int32 for t in (lay.qo_indptr, lay.kv_indptr, lay.kv_last_page_len))
         got = paged_kv_indices(sc.req_pool.req_to_token, b.req_pool_indices, lay.kv_indptr,
                                page_size, lay.num_pages)

@@ -139,7 +139,7 @@ def test_block_table_matches_naive(seed):
     want = [[int(rtt[int(r), k]) // 64 for k in range(0, W, 64)] for r in b.req_pool_indices]
     assert flashmla_block_table(rtt, b.req_pool_indices).tolist() == want
     for i, r in enumerate(b.req_pool_indices.tolist()):  # the pages really hold the tokens
-        L = int(b.seq_lens[i]) + 1
+        L = int(b.prefix_lens[i]) + 1
         assert all(int(rtt[r, p]) == want[i][p // 64] * 64 + p % 64 for p in range(L))
     out = torch.full((b.batch_size + 2, -(-W // 64)), -5, dtype=torch.int32)
     view = flashmla_block_table(rtt, b.req_pool_indices, out=out)

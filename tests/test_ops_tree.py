@@ -51,7 +51,7 @@ def test_two_requests_topk2_steps2():
 
 def test_sglang_build_tree_kernel_efficient_vector():
     # SGLang python/sglang/srt/speculative/build_eagle_tree.py,
-    # test_build_tree_kernel_efficient: topk=4, depth=4, 8 draft tokens, seq_lens [5, 10].
+    # test_build_tree_kernel_efficient: topk=4, depth=4, 8 draft tokens, prefix_lens [5, 10].
     # parent_list = cat(parents_list[:-1]) of that test; selected = sorted top-7 of its
     # score_list (computed once from the test's scores); the expected outputs are the ones
     # that test asserts.

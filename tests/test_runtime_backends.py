@@ -205,7 +205,7 @@ def test_generate_command_bad_backend(tiny, monkeypatch):
                          ids=["none", "eagle", "dflash"])
 def test_batches_carry_host_lengths(tiny, spec, monkeypatch):
     """With a backend that plans on the host (``device_metadata = False``, as FlashInfer),
-    every batch the engine runs carries ``seq_lens_cpu`` / ``extend_lens_cpu`` equal to its
+    every batch the engine runs carries ``prefix_lens_cpu`` / ``extend_lens_cpu`` equal to its
     device lengths (the planner then reads no device value), and the graph buffers pad them
     like the device ones."""
     from specattn.backends import GraphInputBuffers
@@ -215,13 +215,13 @@ def test_batches_carry_host_lengths(tiny, spec, monkeypatch):
     restricted_backend(monkeypatch, device_metadata=False)
 
     def init(self, batch):  # every forward of the target and the drafter builds its metadata here
-        assert batch.seq_lens_cpu is not None and batch.extend_lens_cpu is not None, batch.forward_mode
-        assert batch.seq_lens_cpu.tolist() == batch.seq_lens.tolist()
+        assert batch.prefix_lens_cpu is not None and batch.extend_lens_cpu is not None, batch.forward_mode
+        assert batch.prefix_lens_cpu.tolist() == batch.prefix_lens.tolist()
         assert batch.extend_lens_cpu.tolist() == batch.extend_lens.tolist()
         if batch.forward_mode != M.EXTEND:
             pad = GraphInputBuffers(batch.batch_size + 2, batch.num_tokens_per_req or 1, "cpu").fill(
                 batch, batch.batch_size + 2)
-            assert pad.seq_lens_cpu.tolist() == pad.seq_lens.tolist()
+            assert pad.prefix_lens_cpu.tolist() == pad.prefix_lens.tolist()
             assert pad.extend_lens_cpu.tolist() == pad.extend_lens.tolist()
         seen.append(batch.forward_mode)
         return real(self, batch)
@@ -240,7 +240,7 @@ def test_capture_batch_carries_host_lengths(mode):
     from specattn.spec_runtime.graph_runner import empty_batch
     D = 1 if mode == M.DECODE else 4
     padded = GraphInputBuffers(4, D, "cpu").fill(empty_batch(mode, D, "cpu"), 3)
-    assert padded.seq_lens_cpu.tolist() == padded.seq_lens.tolist() == [0, 0, 0]
+    assert padded.prefix_lens_cpu.tolist() == padded.prefix_lens.tolist() == [0, 0, 0]
     assert padded.extend_lens_cpu.tolist() == padded.extend_lens.tolist() == [D] * 3
 
 

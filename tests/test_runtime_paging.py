@@ -43,12 +43,12 @@ def watch_layout(monkeypatch, page_size):
 
     def run(self, role, tokens, batch, *args, **kwargs):
         rtt = self.req_pool.req_to_token
-        span = int((batch.seq_lens + batch.extend_lens).max()) if batch.batch_size else 0
+        span = int((batch.prefix_lens + batch.extend_lens).max()) if batch.batch_size else 0
         if span:
             rows = rtt[batch.req_pool_indices.long(), :span].long()
             pos = torch.arange(span, device=rows.device)
             first = rows[:, pos - pos % page_size]                  # slot of each page's first position
-            mask = pos[None, :] < (batch.seq_lens + batch.extend_lens).long()[:, None]
+            mask = pos[None, :] < (batch.prefix_lens + batch.extend_lens).long()[:, None]
             assert torch.equal((rows - first)[mask], (pos % page_size).expand_as(rows)[mask]), \
                 f"{batch.forward_mode.name}: a row breaks the page layout"
             assert torch.equal((first % page_size)[mask], torch.zeros_like(first)[mask])

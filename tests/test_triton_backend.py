@@ -229,7 +229,7 @@ def test_worked_example_metadata():
     be = TritonBackend(pool, MHATokenToKVPool(64, 1, torch.float32, 1, 16, 1))
     be.init_forward_metadata(b)
     md = be.forward_metadata
-    assert md.qo_indptr.tolist() == [0, 3, 6] and md.seq_lens.tolist() == [8, 5]
+    assert md.qo_indptr.tolist() == [0, 3, 6] and md.prefix_lens.tolist() == [8, 5]
     assert md.req_pool_indices.tolist() == [3, 0] and md.max_q == 3
     assert md.tree_mask.flatten().tolist() == [1, 3, 7, 1, 3, 5]
 

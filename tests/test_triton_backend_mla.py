@@ -187,7 +187,7 @@ def test_mla_kernel_input_errors():
     rtt = torch.zeros(2, 8, dtype=torch.int32)
     kv = torch.zeros(16, 1, r + 16)
     base = dict(req_to_token=rtt, req_pool_indices=torch.tensor([0]),
-                seq_lens=torch.tensor([1], dtype=torch.int32),
+                prefix_lens=torch.tensor([1], dtype=torch.int32),
                 qo_indptr=torch.tensor([0, 1], dtype=torch.int32), tree_mask=None, max_q=1,
                 sm_scale=1.0, kv_lora_rank=r)
     q = torch.zeros(1, 2, r + 16)
@@ -199,8 +199,8 @@ def test_mla_kernel_input_errors():
         mla_paged_attention(q, kv, **base, block_dv=64)
     with pytest.raises(ValueError, match="block_n"):
         mla_paged_attention(q, kv, **base, block_n=24)
-    with pytest.raises(ValueError, match="seq_lens"):
-        mla_paged_attention(q, kv, **{**base, "seq_lens": torch.tensor([1])})
+    with pytest.raises(ValueError, match="prefix_lens"):
+        mla_paged_attention(q, kv, **{**base, "prefix_lens": torch.tensor([1])})
     with pytest.raises(ValueError, match="tree_mask"):
         mla_paged_attention(q, kv, **{**base, "tree_mask": torch.zeros(1, 1, 1, dtype=torch.int64)})
 
@@ -211,7 +211,7 @@ def test_mla_sm90_errors_and_eligibility():
     from specattn.triton_kernels.attention_mla_sm90 import sm90_mla_supported
     rtt = torch.arange(32, dtype=torch.int32).view(1, 32)
     base = dict(req_to_token=rtt, req_pool_indices=torch.tensor([0]),
-                seq_lens=torch.tensor([20], dtype=torch.int32),
+                prefix_lens=torch.tensor([20], dtype=torch.int32),
                 qo_indptr=torch.tensor([0, 1], dtype=torch.int32), tree_mask=None, max_q=1,
                 sm_scale=0.1, kv_lora_rank=512)
     q, kv = torch.zeros(1, 64, 576, dtype=torch.bfloat16), torch.zeros(40, 1, 576, dtype=torch.bfloat16)

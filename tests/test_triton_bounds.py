@@ -26,7 +26,7 @@ def valid():
     """bs 2 (rows 1 and 0 of a 2 x 8 req_to_token), 3 new tokens each, prefixes 4 and 0."""
     tree = pack_tree_mask(torch.ones(3, 3, dtype=torch.bool).tril().expand(2, 3, 3).contiguous())
     return dict(q_rows=6, req_to_token=torch.arange(16, **I32).view(2, 8),
-                req_pool_indices=torch.tensor([1, 0], device=DEV), seq_lens=torch.tensor([4, 0], **I32),
+                req_pool_indices=torch.tensor([1, 0], device=DEV), prefix_lens=torch.tensor([4, 0], **I32),
                 qo_indptr=torch.tensor([0, 3, 6], **I32), tree_mask=tree.to(DEV), max_q=3, num_splits=1)
 
 
@@ -36,11 +36,11 @@ def call(kind, a):
     if kind == "mha":
         q = torch.randn(T, 2, 16, device=DEV)
         kc, vc = torch.randn(16, 1, 16, device=DEV), torch.randn(16, 1, 16, device=DEV)
-        return paged_attention(q, kc, vc, a["req_to_token"], a["req_pool_indices"], a["seq_lens"],
+        return paged_attention(q, kc, vc, a["req_to_token"], a["req_pool_indices"], a["prefix_lens"],
                                a["qo_indptr"], a["tree_mask"], a["max_q"], 0.25, num_splits=a["num_splits"])
     q = torch.randn(T, 2, 32, device=DEV)
     kv = torch.randn(16, 1, 32, device=DEV)
-    return mla_paged_attention(q, kv, a["req_to_token"], a["req_pool_indices"], a["seq_lens"],
+    return mla_paged_attention(q, kv, a["req_to_token"], a["req_pool_indices"], a["prefix_lens"],
                                a["qo_indptr"], a["tree_mask"], a["max_q"], 0.25, 16,
                                num_splits=a["num_splits"])
 
@@ -57,8 +57,8 @@ MUTATIONS = {
                          r"req_pool_indices must be in \[0, 2\)"),
     "negative_row": (lambda a: {**a, "req_pool_indices": torch.tensor([1, -1], device=DEV)},
                      r"req_pool_indices must be in \[0, 2\)"),
-    "past_width": (lambda a: {**a, "seq_lens": torch.tensor([6, 0], **I32)}, "past req_to_token's width 8"),
-    "negative_prefix": (lambda a: {**a, "seq_lens": torch.tensor([4, -1], **I32)}, "seq_lens must be >= 0"),
+    "past_width": (lambda a: {**a, "prefix_lens": torch.tensor([6, 0], **I32)}, "past req_to_token's width 8"),
+    "negative_prefix": (lambda a: {**a, "prefix_lens": torch.tensor([4, -1], **I32)}, "prefix_lens must be >= 0"),
     "slot_out_of_range": (_bad_slot, r"outside the cache's \[0, 16\)"),
     "indptr_not_from_0": (lambda a: {**a, "qo_indptr": torch.tensor([1, 3, 6], **I32)}, r"qo_indptr\[0\] must be 0"),
     "indptr_decreasing": (lambda a: {**a, "qo_indptr": torch.tensor([0, 4, 3], **I32), "tree_mask": None,

@@ -109,7 +109,7 @@ def graph_case(kind: str, mode: ForwardMode, page_size: int, device, use_graph: 
             be.init_forward_metadata_replay_cuda_graph(padded)
             out = run(padded)[:T]
         md = be.forward_metadata
-        for name in ("qo_indptr", "seq_lens", "req_pool_indices"):  # the static buffers
+        for name in ("qo_indptr", "prefix_lens", "req_pool_indices"):  # the static buffers
             assert getattr(md, name).data_ptr() == getattr(captured, name).data_ptr()
         assert md.max_q == captured.max_q
         ref = TorchReferenceBackend(sc.req_pool, sc.kv_pool)

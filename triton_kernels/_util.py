@@ -47,21 +47,21 @@ def is_pow2(x) -> bool:
 
 
 def check_paged_metadata(q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                         seq_lens: torch.Tensor, qo_indptr: torch.Tensor, tree_mask, max_q: int,
+                         prefix_lens: torch.Tensor, qo_indptr: torch.Tensor, tree_mask, max_q: int,
                          num_splits: int, num_slots: int, check_bounds: bool) -> None:
     """The metadata checks shared by the paged-attention launchers (MHA and MLA).
 
-    Always (no host sync): dtypes (``req_pool_indices`` int64, ``seq_lens`` / ``qo_indptr`` /
+    Always (no host sync): dtypes (``req_pool_indices`` int64, ``prefix_lens`` / ``qo_indptr`` /
     ``req_to_token`` int32) and devices (``q``'s), shapes (``qo_indptr [bs + 1]``,
-    ``seq_lens [bs]``), a ``tree_mask`` of at least ``[bs, max_q, ceil(max_q / 32)]`` int32
+    ``prefix_lens [bs]``), a ``tree_mask`` of at least ``[bs, max_q, ceil(max_q / 32)]`` int32
     words with a contiguous last dim, ``num_splits >= 1``.
 
     With ``check_bounds`` (skipped during CUDA-graph capture; one host read): every index the
     kernel will follow is in range, so no launch reads or writes out of bounds:
     ``qo_indptr[0] == 0``, ``0 <= n <= max_q`` (``n`` = each request's new tokens),
     ``qo_indptr[-1] <= T`` (``== T`` with ``num_splits > 1``: the merge writes every row),
-    ``seq_lens >= 0``, ``seq_lens + n <= req_to_token.shape[1]``, ``req_pool_indices`` rows of
-    ``req_to_token``, and the slots ``req_to_token[r, :seq_lens + n]`` in ``[0, num_slots)``.
+    ``prefix_lens >= 0``, ``prefix_lens + n <= req_to_token.shape[1]``, ``req_pool_indices`` rows of
+    ``req_to_token``, and the slots ``req_to_token[r, :prefix_lens + n]`` in ``[0, num_slots)``.
     Backends that validated the batch once pass ``check_bounds=False`` per layer.
 
     Raises:
@@ -75,27 +75,27 @@ def check_paged_metadata(q: torch.Tensor, req_to_token: torch.Tensor, req_pool_i
         raise ValueError(f"tree_mask must be int32 [>= {bs}, >= {max_q}, >= {(max_q + 31) // 32}] "
                          f"with a contiguous last dim, got {tree_mask.dtype} {list(tree_mask.shape)}")
     for name, t, dt in (("req_pool_indices", req_pool_indices, torch.int64),
-                        ("seq_lens", seq_lens, torch.int32), ("qo_indptr", qo_indptr, torch.int32),
+                        ("prefix_lens", prefix_lens, torch.int32), ("qo_indptr", qo_indptr, torch.int32),
                         ("req_to_token", req_to_token, torch.int32)):
         if t.dtype != dt or t.device != q.device:
             raise ValueError(f"{name} must be {dt} on {q.device}, got {t.dtype} on {t.device}")
-    if qo_indptr.shape != (bs + 1,) or seq_lens.shape != (bs,):
-        raise ValueError(f"qo_indptr must be [{bs + 1}] and seq_lens [{bs}], got "
-                         f"{list(qo_indptr.shape)} / {list(seq_lens.shape)}")
+    if qo_indptr.shape != (bs + 1,) or prefix_lens.shape != (bs,):
+        raise ValueError(f"qo_indptr must be [{bs + 1}] and prefix_lens [{bs}], got "
+                         f"{list(qo_indptr.shape)} / {list(prefix_lens.shape)}")
     if num_splits < 1:
         raise ValueError("num_splits must be >= 1")
     if not check_bounds or bs == 0 or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     rows, width = req_to_token.shape
     n = (qo_indptr[1:] - qo_indptr[:-1]).long()
-    ends = seq_lens.long() + n
+    ends = prefix_lens.long() + n
     safe_rows = req_pool_indices.clamp(0, max(rows - 1, 0))
     pos = torch.arange(width, device=q.device)
     used = pos[None, :] < ends.clamp(max=width)[:, None]
     slots = req_to_token[safe_rows].long()
     big = torch.iinfo(torch.int64).max
     stats = torch.stack([qo_indptr[0].long(), n.min(), n.max(), qo_indptr[-1].long(),
-                         seq_lens.min().long(), ends.max(), req_pool_indices.min(), req_pool_indices.max(),
+                         prefix_lens.min().long(), ends.max(), req_pool_indices.min(), req_pool_indices.max(),
                          torch.where(used, slots, big).min(), torch.where(used, slots, -1).max()]).tolist()
     first, n_min, n_max, last, p_min, end_max, r_min, r_max, s_min, s_max = stats
     T = q.shape[0]
@@ -106,8 +106,8 @@ def check_paged_metadata(q: torch.Tensor, req_to_token: torch.Tensor, req_pool_i
         (last > T, f"qo_indptr[-1] = {last} exceeds q's {T} rows"),
         (num_splits > 1 and last != T, f"with num_splits > 1 every row of q must belong to a "
                                        f"request: qo_indptr[-1] = {last}, T = {T}"),
-        (p_min < 0, "seq_lens must be >= 0"),
-        (end_max > width, f"seq_lens + new tokens reaches {end_max}, past req_to_token's width {width}"),
+        (p_min < 0, "prefix_lens must be >= 0"),
+        (end_max > width, f"prefix_lens + new tokens reaches {end_max}, past req_to_token's width {width}"),
         (r_min < 0 or r_max >= rows, f"req_pool_indices must be in [0, {rows}), got [{r_min}, {r_max}]"),
         (s_max >= 0 and (s_min < 0 or s_max >= num_slots),
          f"req_to_token holds slots [{s_min}, {s_max}] for these requests, outside the cache's "

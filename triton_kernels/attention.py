@@ -2,7 +2,7 @@
 
 Used by :class:`specattn.backends.triton_backend.TritonBackend`.  Semantics are the
 :mod:`specattn.backends.forward_batch` convention: request ``i`` (``r = req_pool_indices[i]``)
-has ``P = seq_lens[i]`` committed keys and ``n = qo_indptr[i+1] - qo_indptr[i]`` new tokens,
+has ``P = prefix_lens[i]`` committed keys and ``n = qo_indptr[i+1] - qo_indptr[i]`` new tokens,
 whose K/V are already in the cache; all ``P + n`` keys are at slots
 ``req_to_token[r, 0 : P + n]``.  Query ``j`` (0-based among the ``n``) sees key position
 ``p < P`` always (the prefix) and ``p = P + k`` (``0 <= k < n``) when
@@ -98,7 +98,7 @@ def _online_step_full(acc, m_i, l_i, q, kT, v, qk_scale, IEEE: tl.constexpr, UPC
 @triton.jit
 def _attn_fwd_kernel(
         Q, K, V, O, O_PART, LSE_PART,
-        req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
+        req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
         stride_rtt, stride_tmb, stride_tmj,
@@ -112,7 +112,7 @@ def _attn_fwd_kernel(
     m0 = tl.program_id(0) * BLOCK_M
     if m0 >= n * GROUP:
         return
-    P, rtt_row, j, g, tok = tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt, req,
+    P, rtt_row, j, g, tok = tile_rows(prefix_lens, req_pool_indices, req_to_token, stride_rtt, req,
                                       q_start, m0, BLOCK_M, GROUP)
     head = hk * GROUP + g
     row_ok = j < n
@@ -202,7 +202,7 @@ def default_config(max_rows: int, block_d: int, ieee: bool, num_splits: int = 1)
 @on_tensor_device
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                    seq_lens: torch.Tensor, qo_indptr: torch.Tensor,
+                    prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
                     tree_mask: Optional[torch.Tensor], max_q: int, sm_scale: float,
                     num_splits: int = 1, out: Optional[torch.Tensor] = None, *,
                     block_m: Optional[int] = None, block_n: Optional[int] = None,
@@ -218,7 +218,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache, v_cache: ``[num_slots, Hkv, Dqk]`` / ``[num_slots, Hkv, Dv]``, one dtype,
             last dim contiguous; ``Hkv`` divides ``H``.
         req_to_token: int32 ``[rows, width]``, last dim contiguous.
-        req_pool_indices: int64 ``[bs]``; seq_lens: int32 ``[bs]`` (``P``, committed keys);
+        req_pool_indices: int64 ``[bs]``; prefix_lens: int32 ``[bs]`` (``P``, committed keys);
         qo_indptr: int32 ``[bs + 1]`` (token offsets of each request's ``n`` new tokens).
         tree_mask: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY: tree visibility among the
             new tokens) or None (causal).
@@ -276,7 +276,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("k_cache and v_cache must share a dtype")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("q, caches and req_to_token need a contiguous last dim")
-    check_paged_metadata(q, req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask, max_q,
+    check_paged_metadata(q, req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask, max_q,
                          num_splits, k_cache.shape[0], check_bounds)
     G = H // Hkv
     if out is None:
@@ -300,8 +300,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                else f"a tree mask and >= {SM90_BLOCK_M} packed rows per request")
     use_sm90 = choose_gluon(sm90, why, conflicts, "pingpong", pingpong)
     if use_sm90:
-        o_part, lse, _, _ = split_partials(num_splits, T, H, Dv, out, seq_lens)
-        sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+        o_part, lse, _, _ = split_partials(num_splits, T, H, Dv, out, prefix_lens)
+        sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
                          qo_indptr, tree_mask, max_q, sm_scale, out, o_part, lse, num_splits,
                          block_n, pingpong=pingpong is not False, page_size=page_size)
         if num_splits > 1:
@@ -313,11 +313,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fits = all(c.shape[0] * c.stride(0) + c.shape[1] * c.stride(1) < 2**31 for c in (k_cache, v_cache))
     off32 = fits if off32 is None else (bool(off32) and fits)
     grid = (triton.cdiv(max_q * G, BLOCK_M), Hkv, bs * num_splits)
-    o_part, lse, ps, ls = split_partials(num_splits, T, H, Dv, out, seq_lens)
-    tm, tm_strides = tree_mask_arg(tree_mask, seq_lens)
+    o_part, lse, ps, ls = split_partials(num_splits, T, H, Dv, out, prefix_lens)
+    tm, tm_strides = tree_mask_arg(tree_mask, prefix_lens)
     launch_fitting(_attn_fwd_kernel, grid, (
         q, k_cache, v_cache, out, o_part, lse,
-        req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
+        req_to_token, req_pool_indices, prefix_lens, qo_indptr, tm,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         ps[0], ps[1], ps[2], ls[0], ls[1],

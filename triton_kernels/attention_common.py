@@ -75,12 +75,12 @@ def program_request(qo_indptr, NUM_SPLITS: tl.constexpr):
 
 
 @triton.jit
-def tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt, req, q_start, m0,
+def tile_rows(prefix_lens, req_pool_indices, req_to_token, stride_rtt, req, q_start, m0,
               BLOCK_M: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr):
     """The tile's packed rows ``m0 + [0, BLOCK_M)`` (row = token ``j`` x head ``h`` of
     ``ROWS_PER_TOKEN``): ``P``, the request's ``req_to_token`` row, ``j``, ``h``, row
     validity (``j < n`` is the caller's: passed back as ``j``) and the int64 token rows."""
-    P = tl.load(seq_lens + req)
+    P = tl.load(prefix_lens + req)
     r = tl.load(req_pool_indices + req).to(tl.int64)
     rtt_row = req_to_token + r * stride_rtt
     offs_m = m0 + tl.arange(0, BLOCK_M)

@@ -15,7 +15,7 @@ per token.  With ``r = kv_lora_rank`` and ``d_r = qk_rope_head_dim``:
 
 Visibility is exactly :mod:`specattn.triton_kernels.attention`'s (the
 :mod:`specattn.backends.forward_batch` convention): request ``i`` (``r_i = req_pool_indices[i]``)
-has ``P = seq_lens[i]`` committed keys and ``n = qo_indptr[i+1] - qo_indptr[i]`` new tokens whose
+has ``P = prefix_lens[i]`` committed keys and ``n = qo_indptr[i+1] - qo_indptr[i]`` new tokens whose
 latents are already in the cache; its keys are at slots ``req_to_token[r_i, 0 : P + n]``.
 Query ``j`` sees every prefix key ``p < P`` and key ``P + k`` when ``k <= j`` (``causal``:
 EXTEND, DECODE, DRAFT_EXTEND_V2) or bit ``k % 32`` of word ``k // 32`` of ``tree_mask[i, j]``
@@ -185,7 +185,7 @@ def _mla_tile_tma(acc, m_i, l_i, q_own, q_oth, q_pe, desc_v, desc_pe, row, own_c
 @triton.jit
 def _mla_fwd_kernel(
         Q, KV, O, O_PART, LSE_PART,
-        req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask, desc_v, desc_pe,
+        req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask, desc_v, desc_pe,
         stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
         stride_rtt, stride_tmb, stride_tmj,
@@ -199,7 +199,7 @@ def _mla_fwd_kernel(
     m0 = tl.program_id(0) * BLOCK_M
     if m0 >= n * NUM_HEADS:
         return
-    P, rtt_row, j, head, tok = tile_rows(seq_lens, req_pool_indices, req_to_token, stride_rtt,
+    P, rtt_row, j, head, tok = tile_rows(prefix_lens, req_pool_indices, req_to_token, stride_rtt,
                                          req, q_start, m0, BLOCK_M, NUM_HEADS)
     row_ok = j < n
     if NUM_DV == 1:
@@ -316,7 +316,7 @@ def _tma_descriptors(kv_cache: torch.Tensor, page_size: int, block_n: int, block
 
 @on_tensor_device
 def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
-                        req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                        req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                         qo_indptr: torch.Tensor, tree_mask: Optional[torch.Tensor], max_q: int,
                         sm_scale: float, kv_lora_rank: int, num_splits: int = 1,
                         out: Optional[torch.Tensor] = None, *, page_size: int = 1,
@@ -335,7 +335,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         kv_cache: ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (``[c_kv | k_pe]``),
             last dim contiguous (``MLATokenToKVPool.get_key_buffer``).
         req_to_token: int32 ``[rows, width]``, last dim contiguous.
-        req_pool_indices: int64 ``[bs]``; seq_lens: int32 ``[bs]`` (``P``, committed keys);
+        req_pool_indices: int64 ``[bs]``; prefix_lens: int32 ``[bs]`` (``P``, committed keys);
         qo_indptr: int32 ``[bs + 1]`` (token offsets of each request's ``n`` new tokens).
         tree_mask: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or None (causal).
         max_q: static upper bound of ``n`` over the batch (sizes the grid; checked with
@@ -400,7 +400,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         raise ValueError("q, kv_cache and req_to_token need a contiguous last dim")
     if q.device != kv_cache.device:
         raise ValueError(f"q is on {q.device}, kv_cache on {kv_cache.device}")
-    check_paged_metadata(q, req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask, max_q,
+    check_paged_metadata(q, req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask, max_q,
                          num_splits, kv_cache.shape[0], check_bounds)
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
@@ -429,8 +429,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     if use_sm90:
         if bs == 0 or T == 0 or max_q == 0:
             return out
-        o_part, lse, _, _ = split_partials(num_splits, T, H, rank, out, seq_lens)
-        sm90_mla_attention(q, kv_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
+        o_part, lse, _, _ = split_partials(num_splits, T, H, rank, out, prefix_lens)
+        sm90_mla_attention(q, kv_cache, req_to_token, req_pool_indices, prefix_lens, qo_indptr,
                            tree_mask, max_q, sm_scale, out, o_part, lse, num_splits, block_n or 64,
                            seesaw=seesaw is not False and block_n != 32, page_size=page_size)
         if num_splits > 1:
@@ -445,11 +445,11 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         return out
     num_dv = rank // BLOCK_DV
     grid = (triton.cdiv(max_q * H, BLOCK_M), num_dv, bs * num_splits)
-    o_part, lse, ps, ls = split_partials(num_splits, T, H, rank, out, seq_lens)
-    tm, tm_strides = tree_mask_arg(tree_mask, seq_lens)
+    o_part, lse, ps, ls = split_partials(num_splits, T, H, rank, out, prefix_lens)
+    tm, tm_strides = tree_mask_arg(tree_mask, prefix_lens)
     launch_fitting(_mla_fwd_kernel, grid, (
         q, kv_cache, out, o_part, lse,
-        req_to_token, req_pool_indices, seq_lens, qo_indptr, tm, desc_v, desc_pe,
+        req_to_token, req_pool_indices, prefix_lens, qo_indptr, tm, desc_v, desc_pe,
         q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
         ps[0], ps[1], ps[2], ls[0], ls[1],
         req_to_token.stride(0), tm_strides[0], tm_strides[1],

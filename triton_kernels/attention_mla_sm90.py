@@ -154,7 +154,7 @@ if HAVE_GLUON:
         return j, req, pid2 % NUM_SPLITS, q_start, gl.load(qo_indptr + req + 1) - q_start
 
     @gluon.jit
-    def _cta_keys(seq_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
+    def _cta_keys(prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
                   stride_rtt, stride_tmb, stride_tmj, BLOCK_N: gl.constexpr,
                   NUM_SPLITS: gl.constexpr, TREE: gl.constexpr):
         """The keys token ``j`` of request ``req`` attends to in this split: ``(P, rtt_row,
@@ -162,7 +162,7 @@ if HAVE_GLUON:
         positions ``[lo, hi)`` (tree: the prefix and all ``n`` draft keys, masked later by
         the token's ``tree_row``; causal: up to the token itself).  Splits share the prefix
         in ``BLOCK_N``-aligned chunks; the last one also takes this forward's keys."""
-        P = gl.load(seq_lens + req)
+        P = gl.load(prefix_lens + req)
         rtt_row = req_to_token + gl.load(req_pool_indices + req).to(gl.int64) * stride_rtt
         if TREE:
             kv_end = P + n
@@ -180,7 +180,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mla_sm90_kernel(
-            Q, KV, O, O_PART, LSE_PART, req_to_token, req_pool_indices, seq_lens, qo_indptr,
+            Q, KV, O, O_PART, LSE_PART, req_to_token, req_pool_indices, prefix_lens, qo_indptr,
             tree_mask,
             stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rtt,
@@ -209,7 +209,7 @@ if HAVE_GLUON:
         if j < n:
             tok = (q_start + j).to(gl.int64)
             P, rtt_row, lo, hi, tree_row = _cta_keys(
-                seq_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
+                prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
                 stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
 
             # q: [64, 512] and [64, 64] into shared memory for the whole kernel
@@ -569,7 +569,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mla_seesaw_kernel(
-            Q, KV, O, O_PART, LSE_PART, req_to_token, req_pool_indices, seq_lens, qo_indptr,
+            Q, KV, O, O_PART, LSE_PART, req_to_token, req_pool_indices, prefix_lens, qo_indptr,
             tree_mask,
             stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rtt,
@@ -589,7 +589,7 @@ if HAVE_GLUON:
         if j < n:
             tok = (q_start + j).to(gl.int64)
             P, rtt_row, lo, hi, tree_row = _cta_keys(
-                seq_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
+                prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
                 stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             head0 = pid_h * 64
@@ -625,7 +625,7 @@ if HAVE_GLUON:
 
 
 def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
-                       req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                       req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                        qo_indptr: torch.Tensor, tree_mask: Optional[torch.Tensor], max_q: int,
                        sm_scale: float, out: torch.Tensor, o_part: torch.Tensor,
                        lse: torch.Tensor, num_splits: int, block_n: int = 64,
@@ -636,7 +636,7 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     ``o_part [S, T, H, 512]`` / ``lse [S, T, H]`` it then merges; :func:`sm90_mla_supported`
     must have returned None.  ``q [T, H, 576]`` bf16/fp16 (``[q_nope_absorbed | q_pe]``, H a
     multiple of 64); ``kv_cache [num_slots, 1, 576]`` of ``q``'s dtype; ``req_to_token`` int32
-    ``[rows, width]``; ``req_pool_indices`` int64 / ``seq_lens`` int32 ``[bs]``; ``qo_indptr``
+    ``[rows, width]``; ``req_pool_indices`` int64 / ``prefix_lens`` int32 ``[bs]``; ``qo_indptr``
     int32 ``[bs + 1]``; ``tree_mask``: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or None
     (causal); ``max_q``: static bound of new tokens per request (grid axis 1, <= 65535);
     ``sm_scale`` multiplies ``q . k``; ``block_n``: keys per tile, 32 or 64 (ValueError
@@ -651,10 +651,10 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     bs, H = req_pool_indices.shape[0], q.shape[1]
     ps = o_part.stride() if num_splits > 1 else (0, 0, 0, 0)
     ls = lse.stride() if num_splits > 1 else (0, 0, 0)
-    tm = tree_mask if tree_mask is not None else seq_lens
+    tm = tree_mask if tree_mask is not None else prefix_lens
     tms = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
     grid = (H // BLOCK_H, bs * num_splits) if max_q == 1 else (H // BLOCK_H, max_q, bs * num_splits)
-    args = (q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, seq_lens, qo_indptr, tm,
+    args = (q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, prefix_lens, qo_indptr, tm,
             q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
             ps[0], ps[1], ps[2], ls[0], ls[1], req_to_token.stride(0), tms[0], tms[1],
             sm_scale * 1.4426950408889634)

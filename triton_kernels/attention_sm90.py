@@ -130,11 +130,11 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _tv_keys(seq_lens, req_to_token, req_pool_indices, req, split, n, stride_rtt,
+    def _tv_keys(prefix_lens, req_to_token, req_pool_indices, req, split, n, stride_rtt,
                  BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr):
         """A CTA's keys: ``(P, rtt_row, lo, hi)`` -- the request's prefix length, its
         ``req_to_token`` row, and its split's key range ``[lo, hi)``."""
-        P = gl.load(seq_lens + req)
+        P = gl.load(prefix_lens + req)
         rtt_row = req_to_token + gl.load(req_pool_indices + req).to(gl.int64) * stride_rtt
         if NUM_SPLITS == 1:
             lo = 0
@@ -189,7 +189,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _tree_verify_sm90_kernel(
             Q, K, V, O, O_PART, LSE_PART,
-            req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
+            req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
             stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
             stride_rtt, stride_tmb, stride_tmj,
@@ -214,7 +214,7 @@ if HAVE_GLUON:
         n = gl.load(qo_indptr + req + 1) - q_start
         m0 = gl.program_id(0) * BLOCK_M
         if m0 < n * GROUP:
-            P, rtt_row, lo, hi = _tv_keys(seq_lens, req_to_token, req_pool_indices, req, split, n,
+            P, rtt_row, lo, hi = _tv_keys(prefix_lens, req_to_token, req_pool_indices, req, split, n,
                                           stride_rtt, BLOCK_N, NUM_SPLITS)
 
             # q rows -> shared memory
@@ -536,7 +536,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _tree_verify_ws_kernel(
             Q, K, V, O, O_PART, LSE_PART,
-            req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
+            req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
             stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
             stride_rtt, stride_tmb, stride_tmj,
@@ -556,7 +556,7 @@ if HAVE_GLUON:
         n = gl.load(qo_indptr + req + 1) - q_start
         m0 = gl.program_id(0) * 128
         if m0 < n * GROUP:
-            P, rtt_row, lo, hi = _tv_keys(seq_lens, req_to_token, req_pool_indices, req, split, n,
+            P, rtt_row, lo, hi = _tv_keys(prefix_lens, req_to_token, req_pool_indices, req, split, n,
                                           stride_rtt, BLOCK_N, NUM_SPLITS)
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], SW)
@@ -594,7 +594,7 @@ if HAVE_GLUON:
                                [4, LW], [232 if LW == 4 else 224, 40 if LW == 4 else 32])
 
 
-def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, qo_indptr,
+def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, qo_indptr,
                      tree_mask, max_q: int, sm_scale: float, out, o_part, lse,
                      num_splits: int, block_n: Optional[int] = None,
                      pingpong: bool = True, page_size: int = 1,
@@ -605,7 +605,7 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
 
     Args: ``q [T, H, D]`` bf16/fp16; ``k_cache``/``v_cache [num_slots, Hkv, D]`` of ``q``'s
     dtype (``Hkv`` divides ``H``); ``req_to_token`` int32 ``[rows, width]``;
-    ``req_pool_indices`` int64 / ``seq_lens`` int32 ``[bs]``; ``qo_indptr`` int32 ``[bs + 1]``;
+    ``req_pool_indices`` int64 / ``prefix_lens`` int32 ``[bs]``; ``qo_indptr`` int32 ``[bs + 1]``;
     ``tree_mask`` int32 ``[bs, >= max_q, ceil(max_q / 32)]``; ``max_q`` the static bound of new
     tokens per request; ``sm_scale`` multiplies ``q . k``; ``out [T, H, D]`` (written);
     with ``num_splits > 1`` float32 ``o_part [S, T, H, D]`` / ``lse [S, T, H]`` (written,
@@ -632,7 +632,7 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     ls = lse.stride() if num_splits > 1 else (0, 0, 0)
     grid = (-(-(max_q * G) // SM90_BLOCK_M), Hkv, bs * num_splits)
     args = (q, k_cache, v_cache, out, o_part, lse,
-            req_to_token, req_pool_indices, seq_lens, qo_indptr, tree_mask,
+            req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
             ps[0], ps[1], ps[2], ls[0], ls[1],

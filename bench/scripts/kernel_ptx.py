@@ -60,7 +60,7 @@ def _signature(fn, dt, consts) -> dict:
             sig[n] = "*" + dt
         elif n in ("O_PART", "LSE_PART"):
             sig[n] = "*fp32"
-        elif n in ("req_to_token", "seq_lens", "qo_indptr", "tree_mask"):
+        elif n in ("req_to_token", "prefix_lens", "qo_indptr", "tree_mask"):
             sig[n] = "*i32"
         elif n == "req_pool_indices":
             sig[n] = "*i64"

@@ -169,8 +169,8 @@ def build_tree(parent_list: torch.Tensor, selected_index: torch.Tensor,
             draft tokens ``1 .. D-1`` (SGLang's ``top_scores_index``), distinct per request.
         verified_seq_len: int32/int64 ``[bs]``, tokens: KV committed before the verify
             forward, *excluding* the root.  It is SGLang's ``batch.seq_lens`` at verify time
-            (SGLang writes the D verify tokens at ``req_to_token[seq_lens : seq_lens + D]``)
-            and our ``ForwardBatch.seq_lens`` for TARGET_VERIFY: the root sits at position
+            (SGLang writes the D verify tokens at ``req_to_token[prefix_lens : prefix_lens + D]``)
+            and our ``ForwardBatch.prefix_lens`` for TARGET_VERIFY: the root sits at position
             ``verified_seq_len``.
         topk: beams per step (>= 1).  num_steps: drafting steps, SGLang's ``spec_steps`` /
             ``depth`` (>= 1).  num_draft_tokens: ``D``, tokens verified per request including
@@ -181,7 +181,7 @@ def build_tree(parent_list: torch.Tensor, selected_index: torch.Tensor,
             written in place: FlashInfer's packed custom mask for
             ``BatchPrefillWithPagedKVCacheWrapper.plan`` (the result of
             :func:`specattn.ops.tree_mask.tree_mask_to_flashinfer` of ``tree_mask`` with
-            ``seq_lens = verified_seq_len``), built in the same launch.  Request ``b``'s
+            ``prefix_lens = verified_seq_len``), built in the same launch.  Request ``b``'s
             segment is bytes ``[indptr[b], indptr[b+1])``: ``ceil(D*(P_b+D)/8)`` bytes with
             ``P_b = verified_seq_len[b]``, the row-major ``[D, P_b + D]`` bit matrix (``P_b``
             prefix columns all ones, then row ``j`` of the tree mask), little-endian bit

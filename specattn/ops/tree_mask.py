@@ -100,11 +100,11 @@ def flashinfer_mask_bytes(verified_seq_len: torch.Tensor, num_draft_tokens: int)
     return (D * (verified_seq_len.long() + D) + 7) // 8
 
 
-def tree_mask_to_flashinfer(tree_mask: torch.Tensor, seq_lens_cpu: torch.Tensor
+def tree_mask_to_flashinfer(tree_mask: torch.Tensor, prefix_lens_cpu: torch.Tensor
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """FlashInfer's packed custom mask for ``BatchPrefillWithPagedKVCacheWrapper.plan``.
 
-    Request i attends with ``D`` queries to ``P_i + D`` keys (``P_i = seq_lens_cpu[i]``, the
+    Request i attends with ``D`` queries to ``P_i + D`` keys (``P_i = prefix_lens_cpu[i]``, the
     prefix, always visible, then the draft tokens under ``tree_mask``).  FlashInfer wants the
     row-major ``[D, P_i + D]`` bool mask of each request flattened, packed little-endian into
     bytes (element ``8b + t`` is bit ``t`` of byte ``b``), each request padded to a whole byte;
@@ -112,20 +112,20 @@ def tree_mask_to_flashinfer(tree_mask: torch.Tensor, seq_lens_cpu: torch.Tensor
 
     Args:
         tree_mask: int32 ``[bs, D, ceil(D/32)]``, on any device.
-        seq_lens_cpu: int ``[bs]`` on the CPU (sizes decide the output's length).
+        prefix_lens_cpu: int ``[bs]`` on the CPU (sizes decide the output's length).
     Returns:
         ``(packed_custom_mask uint8 [total_bytes], mask_indptr int32 [bs + 1])`` on
         ``tree_mask``'s device.
     """
     bs, D = tree_mask.shape[0], tree_mask.shape[1]
     check_tree_mask(tree_mask, bs, D)
-    if seq_lens_cpu.device.type != "cpu" or seq_lens_cpu.shape != (bs,):
-        raise ValueError("seq_lens_cpu must be a CPU tensor of shape [bs]")
+    if prefix_lens_cpu.device.type != "cpu" or prefix_lens_cpu.shape != (bs,):
+        raise ValueError("prefix_lens_cpu must be a CPU tensor of shape [bs]")
     dense = unpack_tree_mask(tree_mask, D)
     chunks, indptr = [], [0]
     weights = torch.tensor([1 << t for t in range(8)], dtype=torch.int32, device=tree_mask.device)
     for i in range(bs):
-        P = int(seq_lens_cpu[i])
+        P = int(prefix_lens_cpu[i])
         full = torch.cat([torch.ones(D, P, dtype=torch.bool, device=tree_mask.device),
                           dense[i]], dim=1).flatten()
         nbytes = (full.numel() + 7) // 8
