@@ -311,6 +311,20 @@ class Eagle3Drafter(TargetSharingDrafter):
         self.w: Dict[str, torch.Tensor] = {k: weights[k].detach().to(self.device, self.dtype).contiguous()
                                            for k in config.param_shapes()}
         self.layer = AttentionLayer.mha(0, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.cos_sin_cache: Optional[torch.Tensor] = None   # set by reserve_positions: the fused path
+        self._w_qkv: Optional[torch.Tensor] = None
+
+    def reserve_positions(self, n: int) -> None:
+        """Enable the fused inference path (one :func:`specattn.ops.qkv_rope_store` launch
+        for the norms, Q/K/V, RoPE and the KV store) for positions ``0 .. n-1``: the RoPE
+        table and ``cat(q, k, v)`` projection weights it reads (built from :attr:`w` now:
+        call it again after changing the weights).  The engine calls it with its
+        ``max_context``."""
+        c, p = self.config, "midlayer.self_attn."
+        if self.cos_sin_cache is None or self.cos_sin_cache.shape[0] < n:
+            self.cos_sin_cache = ops.make_cos_sin_cache(max(int(n), 1), c.head_dim, c.rope_theta, device=self.device)
+        self._w_qkv = torch.cat([self.w[p + "q_proj.weight"], self.w[p + "k_proj.weight"],
+                                 self.w[p + "v_proj.weight"]]).detach().contiguous()
 
     # ------------------------------------------------------------------ construction / io
     @classmethod
@@ -443,10 +457,21 @@ class Eagle3Drafter(TargetSharingDrafter):
             raise ValueError(f"hidden_in must be [T={T}, 3H or H], got {tuple(hidden_in.shape)}")
         h = self.project_hidden(hidden_in.to(self.dtype))
         e = self.embed_tokens[input_ids].to(self.dtype)
-        q, k, v = self._qkv(e, h)
-        cos, sin = rope_cos_sin(batch.positions, c.head_dim, c.rope_theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = backend.forward(q, k.contiguous(), v.contiguous(), self.layer, batch)
+        if self._w_qkv is not None and not self.w["fc.weight"].requires_grad:
+            # norms of both inputs, Q/K/V, RoPE and the KV store in one launch (positions
+            # are the engine's, inside the table reserve_positions built)
+            pool, p = backend.kv_pool, "midlayer."
+            q = ops.qkv_rope_store(e, self.w[p + "input_layernorm.weight"], self._w_qkv, c.rms_norm_eps,
+                                   batch.positions, self.cos_sin_cache, batch.out_cache_loc,
+                                   pool.get_key_buffer(0), pool.get_value_buffer(0), c.num_attention_heads,
+                                   c.num_key_value_heads, c.head_dim, x2=h,
+                                   norm_weight2=self.w[p + "hidden_norm.weight"], check_values=False)
+            o = backend.forward(q, None, None, self.layer, batch, save_kv_cache=False)
+        else:
+            q, k, v = self._qkv(e, h)
+            cos, sin = rope_cos_sin(batch.positions, c.head_dim, c.rope_theta, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = backend.forward(q, k.contiguous(), v.contiguous(), self.layer, batch)
         # the layer's tail in three fused ops (their references on the CPU: the same math as
         # _finish): h += o @ Wo^T; act = SwiGLU(norm(h)); h += act @ Wd^T
         p, w = "midlayer.", self.w

@@ -219,7 +219,7 @@ class EagleStrategy(Strategy):
 
     name = "eagle"
 
-    def __init__(self, spec: SpecConfig, target, draft_model=None):
+    def __init__(self, spec: SpecConfig, target, draft_model=None, max_context: int = 4096):
         self.K, self.S, self.D = spec.topk, spec.num_steps, spec.num_draft_tokens
         self.L = min(self.S, self.D - 1) + 1
         if draft_model is not None:
@@ -230,6 +230,8 @@ class EagleStrategy(Strategy):
             n = spec.draft_layers or max(1, 3 * target.num_layers // 4)
             self.drafter = target.with_layers(n)
         self.eagle3 = hasattr(self.drafter, "aux_layer_ids")
+        if hasattr(self.drafter, "reserve_positions"):   # fused paths read a RoPE table
+            self.drafter.reserve_positions(max_context)
         self.shift = 1 if self.eagle3 else 0
         self.target_capture_layers = tuple(self.drafter.aux_layer_ids) if self.eagle3 else ()
         self.verify_topk = self.draft_topk = self.K
@@ -420,7 +422,7 @@ def make_strategy(spec: SpecConfig, target, draft_model=None, max_context: int =
     if spec.algo == "none":
         return PlainDecoding()
     if spec.algo == "eagle":
-        return EagleStrategy(spec, target, draft_model)
+        return EagleStrategy(spec, target, draft_model, max_context)
     if spec.algo == "ngram":
         from .ngram import NgramStrategy
         return NgramStrategy(spec)

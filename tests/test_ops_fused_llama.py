@@ -263,6 +263,29 @@ def test_qkv_rope_store(M, K, H, Hkv, D, dt, impl, seed, nan_empty):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,K2,H,Hkv,D", [(1, 64, 64, 3, 1, 32), (6, 40, 100, 4, 2, 64), (17, 64, 32, 3, 1, 32)])
+def test_qkv_rope_store_two_inputs(M, K, K2, H, Hkv, D, dt, impl, seed):
+    """The EAGLE-3 draft layer's input: ``cat(RMSNorm(x), RMSNorm(x2))`` (each normalized on
+    its own) projected by ``w_qkv [.., K + K2]``, RoPE, store."""
+    inp = qkv_inputs(M, K + K2, H, Hkv, D, dt, dt)
+    x2, g2 = act(M, K2, dt, scale=20.0), gain(K2, dt)   # a very different scale than x's
+    inp.update(x=act(M, K, dt), norm_weight=gain(K, dt))
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    n = torch.cat([exact_norm(inp["x"], inp["norm_weight"]), exact_norm(x2, g2)], -1)
+    y = (n @ inp["w_qkv"].double().T).view(M, -1, D)
+    q_exact = exact_rope(y[:, :H], inp["positions"], inp["cos_sin_cache"])
+    k_exact = exact_rope(y[:, H:H + Hkv], inp["positions"], inp["cos_sin_cache"])
+    q = run_qkv(inp, impl, x2=x2, norm_weight2=g2)
+    check(f"qkv_rope_store two inputs[{impl}] q", q, q_exact, dt)
+    check_caches(inp, before, k_exact, y[:, H + Hkv:], dt, f"qkv_rope_store two inputs[{impl}]")
+    with pytest.raises(ValueError, match="go together"):
+        run_qkv(inp, impl, x2=x2)
+    with pytest.raises(ValueError, match="w_qkv"):
+        run_qkv(dict(inp, w_qkv=inp["w_qkv"][:, :K]), impl, x2=x2, norm_weight2=g2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dt,cache_dt", [(torch.bfloat16, torch.float32),
                                          (torch.float32, torch.bfloat16),
                                          (torch.float16, torch.bfloat16)], ids=str)
@@ -623,6 +646,24 @@ def test_gpu_smollm_shapes(M, dt, seed):
         ref = matmul_residual(a, wt, r.clone(), impl="reference")
         check("smollm residual[triton]", matmul_residual(a, wt, r, impl="triton"), exact, dt,
               ref)
+
+
+@gpu
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("M", [1, 4, 64])
+def test_gpu_eagle3_two_input_qkv(M, dt, seed):
+    """The EAGLE-3 draft layer's QKV (embedding and hidden, 576 + 576 wide) on the GPU."""
+    K, H, Hkv, D = (SMOL[k] for k in ("K", "H", "Hkv", "D"))
+    inp = qkv_inputs(M, 2 * K, H, Hkv, D, dt, dt, num_slots=4 * M + 8, max_pos=4096)
+    x2, g2 = act(M, K, dt, scale=20.0), gain(K, dt)
+    inp.update(x=act(M, K, dt), norm_weight=gain(K, dt))
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    n = torch.cat([exact_norm(inp["x"], inp["norm_weight"]), exact_norm(x2, g2)], -1)
+    y = (n @ inp["w_qkv"].double().T).view(M, -1, D)
+    q = run_qkv(inp, "triton", x2=x2, norm_weight2=g2)
+    check("eagle3 qkv[triton] q", q, exact_rope(y[:, :H], inp["positions"], inp["cos_sin_cache"]), dt)
+    check_caches(inp, before, exact_rope(y[:, H:H + Hkv], inp["positions"], inp["cos_sin_cache"]),
+                 y[:, H + Hkv:], dt, "eagle3 qkv[triton]")
 
 
 @gpu

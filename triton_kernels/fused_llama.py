@@ -220,9 +220,31 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
 
 
 @triton.jit
+def _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, acc_lo, acc_hi, eps,
+                      IEEE: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """Accumulate ``RMSNorm(x2) @ W[:, K:K+K2]^T`` into both half-head accumulators (the row
+    scale applied before the dot: the two inputs are normalized each on its own)."""
+    x2_rows = x2_ptr + rows64[:, None] * ldx2
+    inv2 = _inv_rms(x2_rows, rmask, K2, eps, BLOCK_M, BLOCK_K)
+    for k0 in range(0, K2, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < K2
+        x = tl.load(x2_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        g = tl.load(g2_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        a = _cast(x.to(tl.float32) * inv2[:, None] * g[None, :], x.dtype, INTERP)
+        wl = tl.load(w_lo + (K + kk)[:, None], mask=km[:, None], other=0.0)
+        wh = tl.load(w_hi + (K + kk)[:, None], mask=km[:, None], other=0.0)
+        acc_lo = _dot(a, wl, acc_lo, IEEE, INTERP)
+        acc_hi = _dot(a, wh, acc_hi, IEEE, INTERP)
+    return acc_lo, acc_hi
+
+
+@triton.jit
 def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s0, cs_s1,
                      loc_ptr, loc_s, q_ptr, ldq, k_ptr, v_ptr, M, K, num_heads, num_kv_heads,
-                     num_slots, max_pos, eps, PRESCALE: tl.constexpr, IEEE: tl.constexpr,
+                     num_slots, max_pos, eps, x2_ptr, ldx2, g2_ptr, K2,
+                     PRESCALE: tl.constexpr, TWO_INPUTS: tl.constexpr, IEEE: tl.constexpr,
                      INTERP: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -235,7 +257,7 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
     w_hi = w_lo + HALF * ldw
 
     inv = tl.full([BLOCK_M], 1.0, tl.float32)
-    if PRESCALE:
+    if PRESCALE or TWO_INPUTS:  # two inputs: each scaled by its own norm before the dot
         inv = _inv_rms(x_rows, rmask, K, eps, BLOCK_M, BLOCK_K)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
@@ -246,7 +268,7 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
         x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         xf = x.to(tl.float32)
         g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
-        if PRESCALE:
+        if PRESCALE or TWO_INPUTS:
             xf = xf * inv[:, None]
         else:
             ss += tl.sum(xf * xf, axis=1)
@@ -255,7 +277,10 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
         wh = tl.load(w_hi + kk[:, None], mask=km[:, None], other=0.0)
         acc_lo = _dot(a, wl, acc_lo, IEEE, INTERP)
         acc_hi = _dot(a, wh, acc_hi, IEEE, INTERP)
-    if not PRESCALE:
+    if TWO_INPUTS:
+        acc_lo, acc_hi = _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, acc_lo,
+                                           acc_hi, eps, IEEE, INTERP, BLOCK_M, BLOCK_K)
+    elif not PRESCALE:
         inv = tl.div_rn(1.0, tl.sqrt_rn(ss / K + eps))
         acc_lo = acc_lo * inv[:, None]
         acc_hi = acc_hi * inv[:, None]
@@ -362,8 +387,11 @@ def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Te
 def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tensor, eps: float,
                    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                    out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Triton :func:`specattn.ops.qkv_rope_store` (one launch).
+                   num_heads: int, num_kv_heads: int, head_dim: int,
+                   x2: Optional[torch.Tensor] = None, norm_weight2: Optional[torch.Tensor] = None
+                   ) -> torch.Tensor:
+    """Triton :func:`specattn.ops.qkv_rope_store` (one launch; ``x2``: the second input of an
+    EAGLE-3 draft layer, normalized on its own).
 
     Raises:
         ValueError: ``head_dim`` not a power of two >= 32 (the two half-head accumulators
@@ -375,12 +403,12 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tens
                          f"{QKV_MIN_HEAD_DIM}, got {head_dim}; use impl='reference'")
     q = torch.empty(x.shape[0], num_heads, head_dim, device=x.device, dtype=x.dtype)
     _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
-                v_cache, q)
+                v_cache, q, x2=x2, norm_weight2=norm_weight2)
     return q
 
 
 def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
-                v_cache, q, config: Optional[Tuple[int, ...]] = None) -> None:
+                v_cache, q, config: Optional[Tuple[int, ...]] = None, x2=None, norm_weight2=None) -> None:
     M, K = x.shape
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -391,8 +419,10 @@ def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_
     args = (x, x.stride(0), norm_weight, w_qkv, w_qkv.stride(0), positions, positions.stride(0),
             cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1), out_cache_loc,
             out_cache_loc.stride(0), q, num_heads * head_dim, k_cache, v_cache, M, K, num_heads,
-            num_kv_heads, k_cache.shape[0], cos_sin_cache.shape[0], float(eps))
-    kwargs = dict(PRESCALE=x.dtype == torch.float16, IEEE=x.dtype == torch.float32,
+            num_kv_heads, k_cache.shape[0], cos_sin_cache.shape[0], float(eps),
+            x if x2 is None else x2, x.stride(0) if x2 is None else x2.stride(0),
+            norm_weight if norm_weight2 is None else norm_weight2, 0 if x2 is None else x2.shape[1])
+    kwargs = dict(PRESCALE=x.dtype == torch.float16, TWO_INPUTS=x2 is not None, IEEE=x.dtype == torch.float32,
                   INTERP=_interp(x), HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k,
                   num_warps=warps)
     launch_fitting(_qkv_rope_kernel, grid, args, kwargs, NUM_STAGES)

@@ -116,12 +116,16 @@ def qkv_rope_store_reference(x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: 
                              eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                              out_cache_loc: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-                             head_dim: int) -> torch.Tensor:
+                             head_dim: int, x2: Optional[torch.Tensor] = None,
+                             norm_weight2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Reference of :func:`qkv_rope_store` (no validation): the model's sequence in
-    ``x.dtype``: norm, the Q / K / V projections (slices of ``w_qkv``), RoPE with cos/sin
-    cast to ``x.dtype``, then ``k_cache[out_cache_loc] = k`` / ``v_cache[...] = v``."""
+    ``x.dtype``: norm (each input on its own, then concatenated, when ``x2`` is given), the
+    Q / K / V projections (slices of ``w_qkv``), RoPE with cos/sin cast to ``x.dtype``, then
+    ``k_cache[out_cache_loc] = k`` / ``v_cache[...] = v``."""
     T, H, Hkv, D = x.shape[0], num_heads, num_kv_heads, head_dim
     n = llama_rms_norm_reference(x, norm_weight, eps)
+    if x2 is not None:
+        n = torch.cat([n, llama_rms_norm_reference(x2, norm_weight2, eps)], dim=-1)
     q = (n @ w_qkv[:H * D].T).view(T, H, D)
     k = (n @ w_qkv[H * D:(H + Hkv) * D].T).view(T, Hkv, D)
     v = (n @ w_qkv[(H + Hkv) * D:].T).view(T, Hkv, D)
@@ -333,9 +337,14 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tens
                    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                    out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, head_dim: int, *,
+                   x2: Optional[torch.Tensor] = None, norm_weight2: Optional[torch.Tensor] = None,
                    check_values: bool = True, impl: str = "auto") -> torch.Tensor:
     """Input RMSNorm + fused QKV projection + neox RoPE on Q and K + K/V cache store, in one
     launch.  Returns Q.
+
+    With ``x2`` the projection reads ``cat([RMSNorm(x, norm_weight), RMSNorm(x2,
+    norm_weight2)])`` (each input normalized on its own), ``w_qkv`` then has ``K + K2``
+    columns: the attention input of an EAGLE-3 draft layer (embedding and hidden state).
 
     With ``y = RMSNorm(x, norm_weight) @ w_qkv.T`` viewed as ``[M, H + 2*Hkv, D]`` (``H =
     num_heads``, ``Hkv = num_kv_heads``, ``D = head_dim``): ``q = rope(y[:, :H])``,
@@ -361,6 +370,8 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tens
             place.
         num_heads, num_kv_heads: ``H >= 1``, ``Hkv >= 1``.
         head_dim: ``D``, even (the Triton kernel: a power of two >= 32).
+        x2, norm_weight2: optional second input ``[M, K2]`` (``x.dtype``) and its RMSNorm
+            weight ``[K2]``; given together.
         check_values: run the value checks under Raises (default; one host sync each);
             ``False`` skips them so the call never syncs (a runtime's hot path, whose slots and
             positions come from its own allocator).  The Triton kernel then skips the cache
@@ -391,7 +402,19 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tens
     if D % 2:
         raise ValueError(f"head_dim must be even (RoPE rotates halves), got {D}")
     norm_weight = _check_norm_weight(norm_weight, x)
-    _check_weight("w_qkv", w_qkv, x, rows=(H + 2 * Hkv) * D)
+    if (x2 is None) != (norm_weight2 is None):
+        raise ValueError("x2 and norm_weight2 go together")
+    K_in = K
+    if x2 is not None:
+        x2 = _check_x(x2)
+        check_tensor("x2", x2, dtypes=(x.dtype,), device=dev, shape=(M, None))
+        check_tensor("norm_weight2", norm_weight2, dtypes=(x.dtype,), device=dev, shape=(x2.shape[1],))
+        norm_weight2 = norm_weight2.contiguous()
+        K_in = K + x2.shape[1]
+    check_tensor("w_qkv", w_qkv, dtypes=(x.dtype,), device=dev, shape=((H + 2 * Hkv) * D, K_in))
+    if w_qkv.stride(1) != 1 and w_qkv.shape[0] > 0:
+        raise ValueError(f"w_qkv must have a contiguous last dim (stride(1) == 1), got strides "
+                         f"{list(w_qkv.stride())}; make it contiguous once, where it is loaded")
     eps = _check_eps(eps)
     check_tensor("positions", positions, dtypes=INDEX_DTYPES, device=dev, shape=(M,))
     check_tensor("out_cache_loc", out_cache_loc, dtypes=INDEX_DTYPES, device=dev, shape=(M,))
@@ -421,5 +444,8 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tens
         check_index_range("positions", positions, max_pos)
         if not capturing() and torch.unique(out_cache_loc).numel() != M:
             raise ValueError("out_cache_loc repeats a slot; the cache write would be ambiguous")
+    if x2 is None:
+        return fn(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
+                  v_cache, H, Hkv, D)
     return fn(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
-              v_cache, H, Hkv, D)
+              v_cache, H, Hkv, D, x2, norm_weight2)
