@@ -240,6 +240,7 @@ class Engine:
         self.graph_modes: List[str] = []
         self.eager_routed: List[str] = []
         self._graph_mode = False       # forwards take their metadata from the graph builders
+        self._rows_now = None          # (padded bs, rows) the static rows buffer holds
         self._graph_pool = None
         self.whole_round_graphs = False
         if cuda_graph:
