@@ -74,6 +74,7 @@ class E2EConfig:
     ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_draft_tokens=16))
     ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))
     drafter: Optional[str] = None           # EAGLE drafter folder (default: the shipped one)
+    dflash_drafter: Optional[str] = None    # DFlash drafter folder (default: random init)
     prompts: Optional[str] = None           # prompt file (default: the chat eval set)
     repetitive_prompts: Optional[str] = None  # the copy-heavy set (default: the packaged one)
     repetitive_algos: Sequence[str] = DEFAULT_REPETITIVE_ALGOS  # run on that set (empty: skip it)
@@ -310,6 +311,9 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                 if spec.algo == "eagle" and drafter_path is not None:
                     from specattn.spec_runtime.eagle3 import Eagle3Drafter
                     draft = Eagle3Drafter.load(drafter_path, target)
+                elif spec.algo == "dflash" and cfg.dflash_drafter is not None:
+                    from specattn.spec_runtime.dflash import DFlashDrafter
+                    draft = DFlashDrafter.load(cfg.dflash_drafter, target)
                 tag = f"{set_name} {algo} bs={bs}"
                 say(f"{tag}: building the engine (CUDA graphs)")
                 eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
@@ -318,7 +322,8 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                 row, outs = measure_engine(eng, batches, cfg.max_new_tokens, cfg.profile)
                 row.update(algo=algo, prompt_set=set_name, backend=cfg.backend, dtype=cfg.dtype, bs=bs,
                            config=fields,
-                           drafter=(Path(drafter_path).name if draft is not None else
+                           drafter=(Path(cfg.dflash_drafter if spec.algo == "dflash" else drafter_path).name
+                                    if draft is not None else
                                     ("self-speculative" if spec.algo == "eagle" else
                                      ("random-init" if spec.algo == "dflash" else None))),
                            whole_round_graphs=eng.whole_round_graphs)
