@@ -1,6 +1,6 @@
 """pytest route for the bench cases: ``pytest bench --benchmark-only`` (needs a CUDA GPU).
 
-Provides the session-wide measured ceilings and adds the GPU to pytest-benchmark's machine
+Provides the measured ceilings, once per pytest run, and adds the GPU to pytest-benchmark's machine
 info. Without CUDA the cases are skipped with a reason.
 """
 import pytest
@@ -13,7 +13,7 @@ NO_CUDA_REASON = "needs a CUDA GPU: bench cases are timed on the device"
 
 @pytest.fixture(scope="session")
 def ceilings():
-    """:class:`harness.Ceilings` measured once per session (copy bandwidth, bf16 matmul)."""
+    """:class:`harness.Ceilings` measured once per pytest run (copy bandwidth, bf16 matmul)."""
     if not torch.cuda.is_available():
         pytest.skip(NO_CUDA_REASON)
     return harness.measure_ceilings()

@@ -22,7 +22,7 @@ _REAL_INSTALLED_LOOKUP = mf._installed_package_file
 
 # ----------------------------------------------------------------------------- fixtures
 
-# gguf_path, gguf_loaded, hf_oracle, tokenizer: session fixtures in conftest.py
+# gguf_path, gguf_loaded, hf_oracle, tokenizer: fixtures shared by the whole test run, in conftest.py
 
 
 def tiny_config(tie=True, **kw):
