@@ -109,7 +109,7 @@ import torch.nn.functional as F
 from specattn import ops
 from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch, ForwardMode, pack_tree_mask
 
-from .loader import LlamaConfig
+from .loader import LlamaConfig, check_decoder_shape
 from .drafter_base import TargetSharingDrafter
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
 from .strategies import SpecConfig, Strategy
@@ -199,20 +199,11 @@ class DFlashConfig:
     training: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "vocab_size", "num_hidden_layers", "block_size", "max_position_embeddings"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"DFlashConfig.{k} must be a positive int, got {v!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        check_decoder_shape(self, ("hidden_size", "intermediate_size", "num_attention_heads",
+                                   "num_key_value_heads", "head_dim", "vocab_size", "num_hidden_layers",
+                                   "block_size", "max_position_embeddings"))
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (root + drafts), got {self.block_size}")
-        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
-            raise ValueError("rms_norm_eps and rope_theta must be > 0")
         self.target_layer_ids = [int(i) for i in (self.target_layer_ids or [])]
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise ValueError(f"target_layer_ids must be >= 1 non-negative target layer ids, got {self.target_layer_ids}")

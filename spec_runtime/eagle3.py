@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from specattn import ops
 from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch
 
-from .loader import LlamaConfig
+from .loader import LlamaConfig, check_decoder_shape
 from .drafter_base import TargetSharingDrafter
 from .model import apply_rope, rms_norm, rope_cos_sin
 
@@ -121,18 +121,8 @@ class Eagle3Config:
     training: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                  "head_dim", "vocab_size", "max_position_embeddings"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"Eagle3Config.{k} must be a positive int, got {v!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
-            raise ValueError("rms_norm_eps and rope_theta must be > 0")
+        check_decoder_shape(self, ("hidden_size", "intermediate_size", "num_attention_heads",
+                                   "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"))
         ids = self.eos_token_ids
         self.eos_token_ids = [] if ids is None else [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
         self.aux_layer_ids = [int(i) for i in (self.aux_layer_ids or [])]

@@ -21,9 +21,31 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "LlamaConfig", "load_gguf", "load_hf_dir", "load_tokenizer", "apply_chat_template",
+    "LlamaConfig", "check_decoder_shape", "load_gguf", "load_hf_dir", "load_tokenizer", "apply_chat_template",
     "load_hf_oracle", "hf_greedy", "write_random_hf_dir",
 ]
+
+
+def check_decoder_shape(config, int_fields) -> None:
+    """Shared checks of a decoder config dataclass (``LlamaConfig`` and the drafters'):
+    every name in ``int_fields`` a positive int, query heads a multiple of KV heads, an even
+    ``head_dim`` (RoPE rotates halves), ``rms_norm_eps`` and ``rope_theta`` > 0.
+
+    Raises:
+        ValueError: naming the config class and the field.
+    """
+    name = type(config).__name__
+    for k in int_fields:
+        v = getattr(config, k)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name}.{k} must be a positive int, got {v!r}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(f"num_attention_heads={config.num_attention_heads} is not a multiple of "
+                         f"num_key_value_heads={config.num_key_value_heads}")
+    if config.head_dim % 2:
+        raise ValueError(f"head_dim={config.head_dim} must be even for RoPE")
+    if not (config.rms_norm_eps > 0 and config.rope_theta > 0):
+        raise ValueError(f"rms_norm_eps={config.rms_norm_eps} and rope_theta={config.rope_theta} must be > 0")
 
 
 @dataclass
@@ -47,18 +69,9 @@ class LlamaConfig:
     eos_token_ids: list[int] = field(default_factory=lambda: [2])
 
     def __post_init__(self):
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"LlamaConfig.{k} must be a positive int, got {v!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
-            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
+        check_decoder_shape(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim",
+                                   "max_position_embeddings"))
         ids = self.eos_token_ids
         self.eos_token_ids = [] if ids is None else [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
 
