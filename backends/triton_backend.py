@@ -115,11 +115,14 @@ class TritonMetadata:
         return self.req_pool_indices.shape[0]
 
 
-def fill_triton_metadata(batch: ForwardBatch, md: TritonMetadata) -> TritonMetadata:
+def fill_triton_metadata(batch: ForwardBatch, md: TritonMetadata, qo_indptr_ready: bool = False
+                         ) -> TritonMetadata:
     """Write ``batch``'s metadata into ``md``'s tensors (sized for ``batch.batch_size``
-    requests) and return ``md``.  Device work only: copies and one cumsum."""
-    md.qo_indptr[:1].zero_()
-    torch.cumsum(batch.extend_lens, 0, dtype=torch.int32, out=md.qo_indptr[1:])
+    requests) and return ``md``.  Device work only: copies and one cumsum (none when
+    ``qo_indptr_ready``: ``md.qo_indptr`` already holds the batch's offsets)."""
+    if not qo_indptr_ready:
+        md.qo_indptr[:1].zero_()
+        torch.cumsum(batch.extend_lens, 0, dtype=torch.int32, out=md.qo_indptr[1:])
     md.prefix_lens.copy_(batch.prefix_lens)
     md.req_pool_indices.copy_(batch.req_pool_indices)
     if md.tree_mask is not None:
@@ -266,7 +269,8 @@ class TritonBackend(AttentionBackend):
             prefix_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             req_pool_indices=torch.zeros(max_bs, dtype=torch.int64, device=dev),
             tree_mask=torch.zeros(max_num_tokens * num_mask_words(max_num_tokens),
-                                  dtype=torch.int32, device=dev))
+                                  dtype=torch.int32, device=dev),
+            fixed_qo_indptr={})
 
     def _graph_metadata(self, batch: ForwardBatch) -> Optional[TritonMetadata]:
         mode = batch.forward_mode
@@ -284,9 +288,17 @@ class TritonBackend(AttentionBackend):
         if mode.is_target_verify():
             W = num_mask_words(max_q)
             tm = g["tree_mask"][:bs * max_q * W].view(bs, max_q, W)
-        md = TritonMetadata(mode, g["qo_indptr"][:bs + 1], g["prefix_lens"][:bs],
-                            g["req_pool_indices"][:bs], tm, max_q, None)
-        return fill_triton_metadata(batch, md)
+        # a fixed count per request (DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2): qo_indptr is the
+        # constant max_q * [0, 1, .., bs], kept per max_q (made outside any capture: a tensor
+        # made inside one holds its values only while that graph replays)
+        fixed = g["fixed_qo_indptr"].get(max_q) if mode != ForwardMode.EXTEND else None
+        capturing = g["qo_indptr"].is_cuda and torch.cuda.is_current_stream_capturing()
+        if fixed is None and mode != ForwardMode.EXTEND and not capturing:
+            fixed = g["fixed_qo_indptr"][max_q] = torch.arange(
+                0, (g["max_bs"] + 1) * max_q, max_q, dtype=torch.int32, device=g["qo_indptr"].device)
+        qo = g["qo_indptr"][:bs + 1] if fixed is None else fixed[:bs + 1]
+        md = TritonMetadata(mode, qo, g["prefix_lens"][:bs], g["req_pool_indices"][:bs], tm, max_q, None)
+        return fill_triton_metadata(batch, md, qo_indptr_ready=fixed is not None)
 
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
         if not self.supports(batch.forward_mode, graph=True, kind=self.kind):

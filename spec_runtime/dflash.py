@@ -777,7 +777,7 @@ def chain_tree(P: torch.Tensor, D: int) -> ops.TreeInfo:
                         torch.full((bs, D), -1, dtype=torch.int64, device=dev))
 
 
-def ddtree_candidates(log_probs: torch.Tensor, topk: int):
+def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor):
     """EAGLE-numbered draft-tree candidates from per-position distributions (DDTree).
 
     A DFlash block forward predicts every block position independently of the others, so a
@@ -794,17 +794,17 @@ def ddtree_candidates(log_probs: torch.Tensor, topk: int):
     EAGLE's rule; the exact best-``N`` tree would keep up to ``N`` per level.
 
     Args:
-        log_probs: float32 ``[bs, S, V]``: log-probabilities of block positions ``1 .. S``.
-        topk: branching factor (>= 1).
+        vals, toks: float32 / int64 ``[bs, S, topk]``: the ``topk`` (>= 1, the branching
+            factor) largest log-probabilities of block positions ``1 .. S`` and their
+            tokens, largest first (:func:`specattn.ops.topk_log_probs`).
 
     Returns:
         ``(parent_list int64 [bs, topk*(S-1)+1], scores float32 [bs, n_cand],
         tokens int64 [bs, n_cand])`` with ``n_cand = topk + (S-1)*topk^2``, in the layout of
         ``ops.build_tree``.  Device work only.
     """
-    bs, S, _ = log_probs.shape
-    dev = log_probs.device
-    vals, toks = log_probs.topk(topk, dim=-1)                           # [bs, S, K]
+    bs, S, topk = vals.shape
+    dev = vals.device
     beam_scores, beam_tokens = vals[:, 0], toks[:, 0]
     cand_scores, cand_tokens = [beam_scores], [beam_tokens]
     blocks = [torch.cat([torch.full((bs, 1), -1, dtype=torch.int64, device=dev),
@@ -877,14 +877,18 @@ class DFlashStrategy(Strategy):
     def propose_block(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
         """The chain's ``draft_tokens [bs, B]``: the roots, then the block's argmax drafts."""
         logits = self.block_logits(eng, rb, rows, P)
-        return torch.cat([eng.roots[rows][:, None], logits[:, 1:].argmax(-1)], dim=1)
+        bs, V = logits.shape[0], logits.shape[-1]
+        drafts = ops.topk_log_probs(logits[:, 1:].reshape(-1, V), 1)[1].view(bs, -1)
+        return torch.cat([eng.roots[rows][:, None], drafts], dim=1)
 
     def _tree(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor):
         """``(draft_tokens [bs, D], TreeInfo, num_steps)`` of this round's chain or DDTree."""
         if self.K == 1:
             return self.propose_block(eng, rb, rows, P), chain_tree(P, self.B), self.B - 1
         logits = self.block_logits(eng, rb, rows, P)
-        parent_list, scores, tokens = ddtree_candidates(torch.log_softmax(logits[:, 1:].float(), -1), self.K)
+        bs, V = logits.shape[0], logits.shape[-1]
+        vals, toks = ops.topk_log_probs(logits[:, 1:].reshape(-1, V), self.K)
+        parent_list, scores, tokens = ddtree_candidates(vals.view(bs, -1, self.K), toks.view(bs, -1, self.K))
         selected = scores.topk(self.D - 1, dim=-1).indices.sort(dim=-1).values
         draft_tokens = torch.cat([eng.roots[rows][:, None], tokens.gather(1, selected)], 1)
         tree = ops.build_tree(parent_list, selected, P.to(torch.int32), self.K, self.B - 1, self.D)

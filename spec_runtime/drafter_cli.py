@@ -76,15 +76,15 @@ def train_cmd(
     gen_batch: int = typer.Option(64, help="Prompts per generation batch."),
     max_new_tokens: int = typer.Option(384, help="Response length limit (also capped by --seq-len)."),
     greedy: bool = typer.Option(True, "--greedy/--no-greedy", help="One greedy response per prompt."),
-    samples_per_prompt: int = typer.Option(3, help="Sampled responses per prompt."),
+    samples_per_prompt: int = typer.Option(6, help="Sampled responses per prompt."),
     temperature: float = typer.Option(0.8, help="Sampling temperature of the sampled responses."),
     top_p: float = typer.Option(0.95, help="Top-p of the sampled responses."),
     top_k: int = typer.Option(0, help="Top-k of the sampled responses (0 = off)."),
-    num_seeds: int = typer.Option(768, help="Raw-text seeds (first words of prompts, common openers) continued "
+    num_seeds: int = typer.Option(2000, help="Raw-text seeds (first words of prompts, common openers) continued "
                                             "by sampling."),
     seed_max_new_tokens: int = typer.Option(256, help="Length limit of the seed continuations."),
     seed_temperature: float = typer.Option(0.9, help="Temperature of the seed continuations."),
-    data_time_budget_s: float = typer.Option(150.0, help="Start no generation batch after this many seconds "
+    data_time_budget_s: float = typer.Option(120.0, help="Start no generation batch after this many seconds "
                                                          "(0 = no limit)."),
     seq_len: int = typer.Option(512, help="Tokens per packed training row."),
     batch_size: int = typer.Option(16, help="Rows per training step."),
@@ -117,7 +117,7 @@ def train_cmd(
     eval_every: int = typer.Option(250, help="Evaluate on held-out batches every N steps (0 = only at the end)."),
     eval_batches: int = typer.Option(8, help="Held-out batches per periodic evaluation (the final one uses all)."),
     loss_chunk: int = typer.Option(2048, help="Rows per LM-head chunk in the loss (bounds memory)."),
-    time_budget_s: float = typer.Option(300.0, help="Stop training after this many seconds (0 = no limit)."),
+    time_budget_s: float = typer.Option(385.0, help="Stop training after this many seconds (0 = no limit)."),
     amp: bool = typer.Option(True, "--amp/--no-amp", help="bf16 autocast on cuda."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars."),
 ):

@@ -242,6 +242,7 @@ class Engine:
         self._graph_mode = False       # forwards take their metadata from the graph builders
         self._rows_now = None          # (padded bs, rows) the static rows buffer holds
         self._graph_pool = None
+        self._constants: Dict[tuple, torch.Tensor] = {}
         self.whole_round_graphs = False
         if cuda_graph:
             self._plan_graphs()
@@ -425,13 +426,30 @@ class Engine:
         bs, dev = rows.shape[0], rows.device
         seq = prefix_lens.to(torch.int32)
         if positions is None:
-            positions = (prefix_lens.long()[:, None] + torch.arange(n, device=dev)).flatten()
+            positions = (prefix_lens.long()[:, None] + self._constant("arange", n)).flatten()
         host = None if host_prefix_lens is None else host_prefix_lens.to(torch.int32)
-        return ForwardBatch(mode, rows, seq, torch.full((bs,), n, dtype=torch.int32, device=dev),
+        return ForwardBatch(mode, rows, seq, self._constant("full", bs, n),
                             out_cache_loc.long(), positions.long(),
                             num_tokens_per_req=n if mode.has_fixed_tokens_per_req() else None,
                             tree_mask=tree_mask, prefix_lens_cpu=host,
                             extend_lens_cpu=None if host is None else torch.full_like(host, n))
+
+    def _constant(self, kind: str, *size: int) -> torch.Tensor:
+        """Read-only device constants of a round, kept across rounds so a captured round
+        does not rebuild them: ``("arange", n)`` int64 ``[0, n)``, ``("full", bs, n)`` int32
+        ``[bs]`` of ``n``.  Made outside any CUDA-graph capture (a tensor made inside one
+        holds its values only while that graph replays): inside a capture a missing one is
+        built in the graph and not kept."""
+        key = (kind,) + size
+        t = self._constants.get(key)
+        if t is None:
+            if kind == "arange":
+                t = torch.arange(size[0], device=self.device)
+            else:
+                t = torch.full((size[0],), size[1], dtype=torch.int32, device=self.device)
+            if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._constants[key] = t
+        return t
 
     def forward(self, role: str, input_ids: torch.Tensor, batch: ForwardBatch,
                 hidden_in: Optional[torch.Tensor] = None, capture_layers: Sequence[int] = ()) -> ForwardOut:
@@ -472,7 +490,7 @@ class Engine:
         bs, n = draft_tokens.shape
         args = (draft_tokens, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
         if self.params.greedy:
-            res = ops.verify_tree_greedy(*args, logits.argmax(-1).view(bs, n), num_steps)
+            res = ops.verify_tree_greedy(*args, ops.topk_log_probs(logits, 1)[1].view(bs, n), num_steps)
         else:
             probs = logits_to_probs(logits, self.params).view(bs, n, -1)
             res = ops.tree_speculative_sampling(*args, probs, num_steps, generator=self.generator)

@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 
+from specattn import ops
+
 
 @dataclass
 class SamplingParams:
@@ -49,8 +51,8 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Ge
     ``p_v``), as SGLang's and vLLM's samplers do: unlike ``torch.multinomial`` it needs no
     host sync and can be captured in a CUDA graph (with ``generator`` registered there).
     """
-    if p.greedy:
-        return logits.argmax(-1)
+    if p.greedy:  # argmax in one pass on a GPU (lowest id among ties, as torch.argmax)
+        return ops.topk_log_probs(logits, 1)[1][:, 0]
     probs = logits_to_probs(logits, p)
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     race.clamp_(min=torch.finfo(race.dtype).tiny)  # a zero-probability token can never win

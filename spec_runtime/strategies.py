@@ -33,7 +33,8 @@ from specattn.backends import ForwardBatch, ForwardMode
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, ForwardOut, RoundBatch
 
-__all__ = ["SpecConfig", "Strategy", "PlainDecoding", "EagleStrategy", "make_strategy"]
+__all__ = ["SpecConfig", "Strategy", "PlainDecoding", "EagleStrategy", "make_strategy", "top_log_probs",
+           "greedy_tokens"]
 
 Role = str
 ModeList = List[Tuple[Role, ForwardMode]]
@@ -97,11 +98,16 @@ class SpecConfig:
 
 def top_log_probs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest log-probabilities of ``logits [N, V]`` and their tokens (float32
-    ``[N, k]``, int64 ``[N, k]``): ``topk(logits) - logsumexp(logits)``, without writing the
-    ``[N, V]`` log-softmax."""
-    x = logits.float()
-    top = x.topk(k, dim=-1)
-    return top.values - torch.logsumexp(x, -1, keepdim=True), top.indices
+    ``[N, k]``, int64 ``[N, k]``; ties: lower token id first), by
+    :func:`specattn.ops.topk_log_probs` (one pass over the logits on a GPU, no ``[N, V]``
+    log-softmax)."""
+    return ops.topk_log_probs(logits, k)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """int64 ``[N]`` argmax of ``logits [N, V]`` (the lowest token id among ties, as
+    ``torch.argmax``), by :func:`specattn.ops.topk_log_probs` with ``k = 1``."""
+    return ops.topk_log_probs(logits, 1)[1][:, 0]
 
 
 class Strategy(ABC):

@@ -553,7 +553,8 @@ def test_every_tile_config(dt, seed):
     K, N = 100, 130
     for cfg in [(16, 64, 64, 4), (32, 64, 32, 4), (64, 64, 64, 4), (16, 32, 128, 4),
                 (32, 32, 64, 4), (16, 16, 32, 2), (64, 16, 32, 4), (16, 128, 64, 4),
-                (64, 128, 64, 4), (1, 16, 64, 2), (2, 64, 64, 2), (8, 16, 32, 2)]:
+                (64, 128, 64, 4), (1, 16, 64, 2), (2, 64, 64, 2), (8, 16, 32, 2),
+                (16, 16, 256, 2, 4), (16, 16, 128, 2, 3), (64, 16, 128, 4, 4), (64, 32, 256, 4, 4)]:
         M = min(2 * cfg[0] + 1, 19)  # a row tail, and several row blocks where cheap
         x, g = act(M, K, dt), gain(K, dt)
         w, w2, r = lin(N, K, dt), lin(N, K, dt), act(M, N, dt)
@@ -569,7 +570,8 @@ def test_every_tile_config(dt, seed):
         res = r.clone()
         tk._launch_gemm(x, None, w, None, res, 0.0, tk._RESIDUAL, config=cfg)
         check(f"config {cfg} residual", res, r.double() + x.double() @ w.double().T, dt)
-    for cfg in [(16, 64, 4), (32, 32, 2), (64, 128, 4), (1, 64, 2), (4, 32, 2)]:
+    for cfg in [(16, 64, 4), (32, 32, 2), (64, 128, 4), (1, 64, 2), (4, 32, 2), (16, 64, 4, 16, 4),
+                (1, 64, 2, 16, 2)]:
         M = min(2 * cfg[0] + 1, 19)
         inp = qkv_inputs(M, K, 3, 1, 32, dt, dt)
         q_exact, _, _ = qkv_exact(inp)
@@ -584,19 +586,22 @@ def test_tile_choice():
     """The tiles picked at SmolLM2-135M's decode and prefill shapes."""
     from specattn.triton_kernels.fused_llama import qkv_tile_config, tile_config
     bf16, fp32 = torch.bfloat16, torch.float32
-    assert tile_config(1, 49152, 576, bf16) == (16, 128, 64, 4)     # LM head: 384 programs
-    assert tile_config(1, 49152, 576, fp32) == (1, 64, 64, 2)
-    assert tile_config(16, 49152, 576, fp32) == (16, 64, 32, 2)
-    assert tile_config(1, 1536, 576, bf16, 2) == (16, 32, 64, 4)    # MLP, small grid
-    assert tile_config(1, 576, 1536, bf16) == (16, 32, 128, 4)      # down_proj, small grid
-    assert tile_config(5, 576, 1536, fp32) == (8, 16, 64, 2)
-    assert tile_config(192, 1536, 576, bf16, 2) == (64, 64, 64, 4)  # 72 programs
-    assert tile_config(192, 576, 1536, bf16) == (64, 32, 128, 4)    # 27 programs at BLOCK_N 64
-    assert tile_config(192, 576, 1536, fp32) == (64, 16, 32, 4)
-    assert tile_config(33, 4096, 576, bf16) == (64, 64, 64, 4)
-    assert qkv_tile_config(1, bf16) == (16, 64, 4)
-    assert qkv_tile_config(3, fp32) == (4, 64, 2)
-    assert qkv_tile_config(17, fp32) == (32, 32, 4)
+    assert tile_config(1, 49152, 576, bf16) == (16, 128, 64, 4, 3)     # LM head: 384 programs
+    assert tile_config(1, 49152, 576, fp32) == (1, 64, 64, 2, 3)
+    assert tile_config(16, 49152, 576, fp32) == (16, 64, 32, 2, 3)
+    assert tile_config(1, 1536, 576, bf16, 2) == (16, 16, 128, 2, 3)   # MLP, small grid: 96 programs
+    assert tile_config(1, 576, 1536, bf16) == (16, 16, 256, 2, 4)      # down_proj, small grid: 36
+    assert tile_config(1, 576, 576, bf16) == (16, 16, 256, 2, 4)       # o_proj
+    assert tile_config(64, 576, 576, bf16) == (64, 16, 128, 4, 4)
+    assert tile_config(256, 576, 576, bf16) == (64, 32, 128, 4, 4)     # 144 programs at BLOCK_N 16
+    assert tile_config(5, 576, 1536, fp32) == (8, 16, 64, 2, 3)
+    assert tile_config(192, 1536, 576, bf16, 2) == (64, 64, 64, 4, 3)  # 72 programs
+    assert tile_config(192, 576, 1536, bf16) == (64, 32, 256, 4, 4)    # 27 programs at BLOCK_N 64
+    assert tile_config(192, 576, 1536, fp32) == (64, 16, 32, 4, 3)
+    assert tile_config(33, 4096, 576, bf16) == (64, 64, 64, 4, 3)
+    assert qkv_tile_config(1, bf16)[:3] == (16, 64, 4)
+    assert qkv_tile_config(3, fp32)[:3] == (4, 64, 2)
+    assert qkv_tile_config(17, fp32)[:3] == (32, 32, 4)
 
 
 def test_triton_impl_needs_interpreter_or_gpu(seed, monkeypatch):

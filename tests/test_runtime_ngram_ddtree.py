@@ -76,7 +76,7 @@ def test_ddtree_candidates_feed_build_tree(seed):
     g = torch.Generator().manual_seed(seed)
     bs, S, K, Vv, D = 3, 4, 3, 11, 9
     lp = torch.log_softmax(torch.randn(bs, S, Vv, generator=g), -1)
-    parent_list, scores, tokens = ddtree_candidates(lp, K)
+    parent_list, scores, tokens = ddtree_candidates(*lp.topk(K, -1))
     assert parent_list.shape == (bs, K * (S - 1) + 1) and scores.shape == tokens.shape == (bs, ops.num_tree_candidates(K, S))
     top = lp.topk(K, -1).indices
     for b in range(bs):

@@ -25,14 +25,16 @@ instead (``PRESCALE``): the row scale is computed first and applied before the r
 since ``x * norm_weight`` un-normalized can overflow float16's range where the normalized
 value does not.
 
-Tiles (:func:`tile_config`, :func:`qkv_tile_config`; chosen from ``M``, ``N`` and the
+Tiles (:func:`tile_config`, :func:`qkv_tile_config`; chosen from ``M``, ``N``, ``K`` and the
 dtype, so each op compiles a handful of variants): ``BLOCK_M`` 16 / 32 / 64 for ``M`` <= 16 /
 <= 32 / more (float32 with ``M <= 16``: ``next_pow2(M)``, since its dots run on FMA units);
-``BLOCK_N`` 64 by default, 128 for the LM head (16-bit, ``N >= 16384``), 32 (float32: 16)
-where the grid would have fewer than ``SMALL_GRID`` programs (o_proj, down_proj, the MLP at
-decode sizes); ``BLOCK_K`` 64 (128 for a single weight on a small grid; float32: 32, or 64
-with ``BLOCK_M <= 8``); 4 warps (float32 with ``M <= 16``: 2); 3 pipeline stages (fewer
-only where a GPU lacks the shared memory: ``_util.launch_fitting``).  float32 dots use
+``BLOCK_N`` 64 by default, 128 for the LM head (16-bit, ``N >= 16384``), 16 where the grid
+would have fewer than ``SMALL_GRID`` programs (o_proj, down_proj, the MLP at decode and
+verify sizes: latency-bound weight streams, so as many programs and as few dependent K
+steps as possible: ``BLOCK_K`` 256 / 128, 4 stages); 4 warps (2 for 16 x 16 tiles and for
+float32 with ``M <= 16``); 3 pipeline stages by default (fewer only where a GPU lacks the
+shared memory: ``_util.launch_fitting``).  Loads only the epilogue needs (the residual
+tile; positions, cos/sin and cache slots) are issued before the K loop.  float32 dots use
 ``input_precision="ieee"`` (no TF32); 16-bit dots run on tensor cores with float32
 accumulation.
 
@@ -82,43 +84,59 @@ def _block_m(M: int, dtype: torch.dtype) -> int:
 
 
 def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
-                num_weights: int = 1) -> Tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` of the GEMM kernel for ``x [M, K]`` of
-    ``dtype``, ``N`` output columns and ``num_weights`` weight matrices (2 for SwiGLU's gate
-    and up).
+                num_weights: int = 1) -> Tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` of the GEMM kernel for
+    ``x [M, K]`` of ``dtype``, ``N`` output columns and ``num_weights`` weight matrices (2 for
+    SwiGLU's gate and up).
 
     - ``BLOCK_M``: 16 / 32 / 64 for ``M`` <= 16 / <= 32 / more; float32 with ``M <= 16``:
       ``next_pow2(M)`` (its dots run on FMA units, whose work scales with ``BLOCK_M``;
       16-bit dots run on tensor cores, which pad small tiles to 16 rows anyway);
-    - default: ``BLOCK_N`` 64, ``BLOCK_K`` 64 (32 for float32, whose tiles weigh double);
+    - default: ``BLOCK_N`` 64, ``BLOCK_K`` 64 (32 for float32, whose tiles weigh double), 3
+      pipeline stages;
     - small grids (fewer than ``SMALL_GRID`` programs at ``BLOCK_N`` 64: o_proj, down_proj
-      and the MLP at decode sizes), so more SMs stream the weight: ``BLOCK_N`` 32 with
-      ``BLOCK_K`` 128 for one weight, 64 for two (16-bit); float32: ``BLOCK_N`` 16;
+      and the MLP at decode and verify sizes) are latency-bound: the weight must stream
+      through as many SMs as possible in as few dependent K steps as possible.  16-bit, one
+      weight: ``BLOCK_N`` 16 (32 when that grid exceeds ``SMALL_GRID`` programs),
+      ``BLOCK_K`` 256 (128 for ``BLOCK_M`` 64 and ``K < 1024``), 4 stages, 2 warps for
+      16 x 16 tiles; two weights: ``BLOCK_N`` 16, ``BLOCK_K`` 128, 2 warps at ``BLOCK_M``
+      16.  float32: ``BLOCK_N`` 16.
     - wide outputs (``N >= 16384``: the LM head), 16-bit: ``BLOCK_N`` 128;
     - float32 with ``BLOCK_M <= 8``: ``BLOCK_K`` 64 (small tiles); ``num_warps`` 2 for
       float32 with ``M <= 16``, else 4.
+
+    The small-grid tiles come from a sweep at SmolLM2-135M's shapes (H200, bf16, 120
+    distinct weights per op so every launch streams its weight from HBM, in a CUDA graph):
+    per launch at ``M = 1`` o_proj 4.3 -> 3.5 us, down_proj 7.0 -> 4.5 us, gate/up 7.3 ->
+    6.2 us against 32-column tiles (``docs/fused_llama.md``).
     """
     block_m = _block_m(M, dtype)
+    small = triton.cdiv(M, block_m) * triton.cdiv(N, 64) < SMALL_GRID
     if dtype == torch.float32:
         warps = 2 if M <= 16 else NUM_WARPS
         block_k = 64 if block_m <= 8 else 32
-        block_n = 16 if triton.cdiv(M, block_m) * triton.cdiv(N, 64) < SMALL_GRID else 64
-        return block_m, block_n, block_k, warps
-    if triton.cdiv(M, block_m) * triton.cdiv(N, 64) < SMALL_GRID:
-        return block_m, 32, 128 if num_weights == 1 else 64, NUM_WARPS
+        return block_m, 16 if small else 64, block_k, warps, NUM_STAGES
+    if small and num_weights == 1:
+        block_n = 16 if triton.cdiv(M, block_m) * triton.cdiv(N, 16) <= SMALL_GRID else 32
+        block_k = 256 if block_m <= 16 or K >= 1024 else 128
+        return block_m, block_n, block_k, 2 if block_m <= 16 and block_n == 16 else NUM_WARPS, 4
+    if small:
+        return block_m, 16, 128, 2 if block_m <= 16 else NUM_WARPS, NUM_STAGES
     if N >= 16384:
-        return block_m, 128, 64, NUM_WARPS
-    return block_m, 64, 64, NUM_WARPS
+        return block_m, 128, 64, NUM_WARPS, NUM_STAGES
+    return block_m, 64, 64, NUM_WARPS, NUM_STAGES
 
 
-def qkv_tile_config(M: int, dtype: torch.dtype) -> Tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_K, num_warps)`` of the QKV kernel (its BLOCK_N is one head):
-    BLOCK_M as :func:`tile_config`, ``BLOCK_K`` 64 (float32 with ``BLOCK_M > 8``: 32),
-    ``num_warps`` 2 for float32 with ``M <= 16``, else 4."""
+def qkv_tile_config(M: int, dtype: torch.dtype) -> Tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_K, num_warps, HB, num_stages)`` of the QKV kernel (each program
+    computes ``HB`` columns of both halves of one head; ``HB`` larger than ``head_dim / 2``
+    means the whole head): BLOCK_M as :func:`tile_config`, ``BLOCK_K`` 64 (float32 with
+    ``BLOCK_M > 8``: 32), ``num_warps`` 2 for float32 with ``M <= 16``, else 4; whole heads
+    (half heads were no faster in the sweep); 4 stages for 16-bit."""
     block_m = _block_m(M, dtype)
     if dtype == torch.float32:
-        return block_m, 64 if block_m <= 8 else 32, 2 if M <= 16 else NUM_WARPS
-    return block_m, 64, NUM_WARPS
+        return block_m, 64 if block_m <= 8 else 32, 2 if M <= 16 else NUM_WARPS, 1 << 30, NUM_STAGES
+    return block_m, 64, NUM_WARPS, 1 << 30, 4
 
 
 def qkv_head_dim_supported(head_dim: int) -> bool:
@@ -177,6 +195,10 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * ldw
     w2_cols = w2_ptr + cols.to(tl.int64)[None, :] * ldw2
 
+    omask = rmask[:, None] & cmask[None, :]
+    optrs = out_ptr + rows.to(tl.int64)[:, None] * ldo + cols[None, :]
+    if EPILOGUE == 1:  # the residual tile, loaded before the K loop so its latency hides there
+        res = tl.load(optrs, mask=omask, other=0.0).to(tl.float32)
     inv = tl.full([BLOCK_M], 1.0, tl.float32)
     if HAS_NORM:
         if PRESCALE:
@@ -210,10 +232,8 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
             inv = tl.div_rn(1.0, tl.sqrt_rn(ss / K + eps))
             acc = acc * inv[:, None]
             acc2 = acc2 * inv[:, None]
-    omask = rmask[:, None] & cmask[None, :]
-    optrs = out_ptr + rows.to(tl.int64)[:, None] * ldo + cols[None, :]
     if EPILOGUE == 1:
-        acc += tl.load(optrs, mask=omask, other=0.0).to(tl.float32)
+        acc += res
     if EPILOGUE == 2:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     tl.store(optrs, _cast(acc, out_ptr.dtype.element_ty, INTERP), mask=omask)
@@ -245,23 +265,35 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
                      loc_ptr, loc_s, q_ptr, ldq, k_ptr, v_ptr, M, K, num_heads, num_kv_heads,
                      num_slots, max_pos, eps, x2_ptr, ldx2, g2_ptr, K2,
                      PRESCALE: tl.constexpr, TWO_INPUTS: tl.constexpr, IEEE: tl.constexpr,
-                     INTERP: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     INTERP: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     h = tl.program_id(1)  # head of the fused QKV output: Q heads, then K, then V
     rmask = rows < M
     rows64 = rows.to(tl.int64)
-    j = tl.arange(0, HALF)
+    j = tl.program_id(2) * HB + tl.arange(0, HB)  # this program's columns of each half
     x_rows = x_ptr + rows64[:, None] * ldx
     w_lo = w_ptr + (h.to(tl.int64) * (2 * HALF) + j)[None, :] * ldw  # first half's columns
     w_hi = w_lo + HALF * ldw
+
+    # what the epilogue reads (positions, cos/sin, cache slots), loaded before the K loop so
+    # these dependent loads overlap the weight stream instead of following it
+    pos = tl.load(pos_ptr + rows64 * pos_s, mask=rmask, other=0).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < max_pos)
+    is_rope = h < num_heads + num_kv_heads
+    h_rows = tl.zeros([BLOCK_M], dtype=tl.int32) + h  # (per-row copies: vector masks)
+    cm = (rmask & pos_ok & (h_rows < num_heads + num_kv_heads))[:, None]
+    cs_row = cs_ptr + tl.where(pos_ok, pos, 0)[:, None] * cs_s0
+    cos = tl.load(cs_row + j[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
+    sin = tl.load(cs_row + (HALF + j)[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
+    slot = tl.load(loc_ptr + rows64 * loc_s, mask=rmask & (h_rows >= num_heads), other=-1).to(tl.int64)
 
     inv = tl.full([BLOCK_M], 1.0, tl.float32)
     if PRESCALE or TWO_INPUTS:  # two inputs: each scaled by its own norm before the dot
         inv = _inv_rms(x_rows, rmask, K, eps, BLOCK_M, BLOCK_K)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HB], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HB], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < K
@@ -285,13 +317,7 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
         acc_lo = acc_lo * inv[:, None]
         acc_hi = acc_hi * inv[:, None]
 
-    pos = tl.load(pos_ptr + rows64 * pos_s, mask=rmask, other=0).to(tl.int64)
-    pos_ok = (pos >= 0) & (pos < max_pos)
-    if h < num_heads + num_kv_heads:  # Q and K heads: neox RoPE, rotate-half pairs in registers
-        cs_row = cs_ptr + tl.where(pos_ok, pos, 0)[:, None] * cs_s0
-        cm = (rmask & pos_ok)[:, None]
-        cos = tl.load(cs_row + j[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
-        sin = tl.load(cs_row + (HALF + j)[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
+    if is_rope:  # Q and K heads: neox RoPE, rotate-half pairs in registers
         lo = acc_lo * cos - acc_hi * sin
         hi = acc_hi * cos + acc_lo * sin
     else:
@@ -305,7 +331,6 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
         tl.store(q_dst, _cast(lo, q_ptr.dtype.element_ty, INTERP), mask=qm)
         tl.store(q_dst + HALF, _cast(hi, q_ptr.dtype.element_ty, INTERP), mask=qm)
     else:
-        slot = tl.load(loc_ptr + rows64 * loc_s, mask=rmask, other=-1).to(tl.int64)
         # the wrapper validates indices; out-of-range ones are skipped, never dereferenced
         ok = rmask & pos_ok & (slot >= 0) & (slot < num_slots)
         sm = ok[:, None]
@@ -340,8 +365,9 @@ def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: t
     N = weight.shape[0]
     if M == 0 or N == 0:
         return
-    block_m, block_n, block_k, warps = config or tile_config(M, N, K, x.dtype,
-                                                             1 if weight2 is None else 2)
+    cfg = config or tile_config(M, N, K, x.dtype, 1 if weight2 is None else 2)
+    block_m, block_n, block_k, warps = cfg[:4]
+    stages = cfg[4] if len(cfg) > 4 else NUM_STAGES
     has_norm = norm_weight is not None
     w2 = weight if weight2 is None else weight2
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
@@ -350,7 +376,7 @@ def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: t
     kwargs = dict(HAS_NORM=has_norm, PRESCALE=has_norm and x.dtype == torch.float16,
                   EPILOGUE=epilogue, IEEE=x.dtype == torch.float32, INTERP=_interp(x),
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    launch_fitting(_gemm_kernel, grid, args, kwargs, NUM_STAGES)
+    launch_fitting(_gemm_kernel, grid, args, kwargs, stages)
 
 
 @on_tensor_device
@@ -414,8 +440,13 @@ def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_
     num_kv_heads = k_cache.shape[1]
     if M == 0:
         return
-    block_m, block_k, warps = config or qkv_tile_config(M, x.dtype)
-    grid = (triton.cdiv(M, block_m), num_heads + 2 * num_kv_heads)
+    cfg = config or qkv_tile_config(M, x.dtype)
+    block_m, block_k, warps = cfg[:3]
+    hb = min(cfg[3], head_dim // 2) if len(cfg) > 3 else head_dim // 2
+    if (head_dim // 2) % hb or not is_pow2(hb) or hb < 16:
+        raise ValueError(f"HB={hb} must be a power of two >= 16 dividing head_dim / 2 = {head_dim // 2}")
+    stages = cfg[4] if len(cfg) > 4 else NUM_STAGES
+    grid = (triton.cdiv(M, block_m), num_heads + 2 * num_kv_heads, head_dim // 2 // hb)
     args = (x, x.stride(0), norm_weight, w_qkv, w_qkv.stride(0), positions, positions.stride(0),
             cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1), out_cache_loc,
             out_cache_loc.stride(0), q, num_heads * head_dim, k_cache, v_cache, M, K, num_heads,
@@ -423,6 +454,6 @@ def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_
             x if x2 is None else x2, x.stride(0) if x2 is None else x2.stride(0),
             norm_weight if norm_weight2 is None else norm_weight2, 0 if x2 is None else x2.shape[1])
     kwargs = dict(PRESCALE=x.dtype == torch.float16, TWO_INPUTS=x2 is not None, IEEE=x.dtype == torch.float32,
-                  INTERP=_interp(x), HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_K=block_k,
+                  INTERP=_interp(x), HALF=head_dim // 2, HB=hb, BLOCK_M=block_m, BLOCK_K=block_k,
                   num_warps=warps)
-    launch_fitting(_qkv_rope_kernel, grid, args, kwargs, NUM_STAGES)
+    launch_fitting(_qkv_rope_kernel, grid, args, kwargs, stages)

@@ -8,7 +8,8 @@ implementation (``impl=`` forces one):
 - :func:`verify_tree_greedy`, :func:`tree_speculative_sampling`: tree verification;
 - :func:`compact_accepted_path`: accepted path to the front of each block + KV move pairs;
 - :func:`move_kv_cache`: KV slot moves for all layers at once;
-- :func:`materialize_kv`: DFlash drafter KV from target hidden states.
+- :func:`materialize_kv`: DFlash drafter KV from target hidden states;
+- :func:`topk_log_probs`: per-row top-k log-probabilities (and argmax) of logits.
 """
 from . import registry
 from .compaction import CompactedPath, compact_accepted_path, compact_accepted_path_reference
@@ -18,6 +19,7 @@ from .fused_llama import (llama_rms_norm_reference, matmul_residual, matmul_resi
 from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, materialize_kv,
                              materialize_kv_reference, rms_norm_reference, stack_kv_proj_weights)
 from .kv_move import move_kv_cache, move_kv_cache_reference
+from .topk import topk_log_probs, topk_log_probs_reference
 from .tree import (TreeInfo, build_tree, build_tree_reference, flashinfer_mask_bytes,
                    num_tree_candidates)
 from .verify import (VerifyResult, tree_speculative_sampling, tree_speculative_sampling_reference,
@@ -33,4 +35,5 @@ __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
            "rms_norm_reference", "apply_rope_neox_reference", "stack_kv_proj_weights",
            "rms_norm_matmul", "rms_norm_matmul_reference", "qkv_rope_store",
            "qkv_rope_store_reference", "matmul_residual", "matmul_residual_reference",
-           "rms_norm_swiglu", "rms_norm_swiglu_reference", "llama_rms_norm_reference"]
+           "rms_norm_swiglu", "rms_norm_swiglu_reference", "llama_rms_norm_reference",
+           "topk_log_probs", "topk_log_probs_reference"]
