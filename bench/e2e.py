@@ -74,7 +74,7 @@ class E2EConfig:
     ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_draft_tokens=16))
     ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))
     drafter: Optional[str] = None           # EAGLE drafter folder (default: the shipped one)
-    dflash_drafter: Optional[str] = None    # DFlash drafter folder (default: random init)
+    dflash_drafter: Optional[str] = None    # DFlash drafter folder (default: the shipped one)
     prompts: Optional[str] = None           # prompt file (default: the chat eval set)
     repetitive_prompts: Optional[str] = None  # the copy-heavy set (default: the packaged one)
     repetitive_algos: Sequence[str] = DEFAULT_REPETITIVE_ALGOS  # run on that set (empty: skip it)
@@ -267,6 +267,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
     cfg_model, weights, tok = load_model(cfg.model, dtype)
     target = LlamaModel(cfg_model, weights, cfg.device, dtype)
     drafter_path = cfg.drafter or default_drafter(cfg_model)
+    dflash_path = cfg.dflash_drafter or default_drafter(cfg_model, "dflash")
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     say("measuring the ceilings")
     ceilings = harness.measure_ceilings() if cfg.device.startswith("cuda") else None
@@ -311,9 +312,9 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                 if spec.algo == "eagle" and drafter_path is not None:
                     from specattn.spec_runtime.eagle3 import Eagle3Drafter
                     draft = Eagle3Drafter.load(drafter_path, target)
-                elif spec.algo == "dflash" and cfg.dflash_drafter is not None:
+                elif spec.algo == "dflash" and dflash_path is not None:
                     from specattn.spec_runtime.dflash import DFlashDrafter
-                    draft = DFlashDrafter.load(cfg.dflash_drafter, target)
+                    draft = DFlashDrafter.load(dflash_path, target)
                 tag = f"{set_name} {algo} bs={bs}"
                 say(f"{tag}: building the engine (CUDA graphs)")
                 eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
@@ -322,7 +323,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                 row, outs = measure_engine(eng, batches, cfg.max_new_tokens, cfg.profile)
                 row.update(algo=algo, prompt_set=set_name, backend=cfg.backend, dtype=cfg.dtype, bs=bs,
                            config=fields,
-                           drafter=(Path(cfg.dflash_drafter if spec.algo == "dflash" else drafter_path).name
+                           drafter=(Path(dflash_path if spec.algo == "dflash" else drafter_path).name
                                     if draft is not None else
                                     ("self-speculative" if spec.algo == "eagle" else
                                      ("random-init" if spec.algo == "dflash" else None))),

@@ -168,8 +168,9 @@ def load_model(model: Optional[str], dtype: torch.dtype):
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DATA = Path(__file__).resolve().parent / "data"
-#: the EAGLE-3 drafter shipped for the default model (SmolLM2-135M-Instruct)
+#: the EAGLE-3 and DFlash drafters shipped for the default model (SmolLM2-135M-Instruct)
 DEFAULT_EAGLE3 = ASSETS / "smollm2-135m-instruct-eagle3"
+DEFAULT_DFLASH = ASSETS / "smollm2-135m-instruct-dflash"
 
 
 def eval_prompts_path() -> Path:
@@ -206,19 +207,23 @@ def is_dflash_dir(path) -> bool:
     return any("DFlash" in a for a in _architectures(path))
 
 
-def default_drafter(cfg) -> Optional[Path]:
-    """The shipped EAGLE-3 drafter when ``cfg`` (a :class:`~.loader.LlamaConfig`) is the
-    model it was trained for (the sizes its config records: hidden, vocabulary, heads and
-    the target's layer count), else None."""
-    if not is_eagle3_dir(DEFAULT_EAGLE3):
+def default_drafter(cfg, algo: str = "eagle") -> Optional[Path]:
+    """The drafter shipped for ``algo`` (``"eagle"``: EAGLE-3, ``"dflash"``) when ``cfg`` (a
+    :class:`~.loader.LlamaConfig`) is the model it was trained for (the sizes its config
+    records: hidden, vocabulary, heads and the target's layer count), else None."""
+    if algo not in ("eagle", "dflash"):
         return None
-    d = json.loads((DEFAULT_EAGLE3 / "config.json").read_text())
+    path, is_kind = (DEFAULT_EAGLE3, is_eagle3_dir) if algo == "eagle" else (DEFAULT_DFLASH, is_dflash_dir)
+    if not is_kind(path):
+        return None
+    d = json.loads((path / "config.json").read_text())
     keys = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
     if any(d.get(k) != getattr(cfg, k, None) for k in keys):
         return None
-    if (d.get("specattn") or {}).get("target_num_layers") != getattr(cfg, "num_hidden_layers", None):
+    layers = (d.get("specattn") or {}).get("target_num_layers") if algo == "eagle" else d.get("num_target_layers")
+    if layers != getattr(cfg, "num_hidden_layers", None):
         return None
-    return DEFAULT_EAGLE3
+    return path
 
 
 def drafter_factory(path, device: str, dtype: torch.dtype):
@@ -280,7 +285,8 @@ def measured_generate(eng, ids: List[List[int]], params, warmup: bool, progress=
 
 def _drafter_name(eng, algo: str) -> Optional[str]:
     """``"eagle3"`` (a trained EAGLE-3 drafter), ``"self-speculative"`` (the target's first
-    layers or another Llama), ``"dflash-random-init"``, or None without a drafter."""
+    layers or another Llama), ``"dflash-random-init"`` (the caller names a loaded DFlash
+    drafter ``"dflash"``), or None without a drafter."""
     if algo == "dflash":
         return "dflash-random-init"
     if algo != "eagle":
@@ -534,7 +540,7 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
     if algo == "eagle" and not self_draft:
         drafter_path = draft_model or default_drafter(cfg)
     elif algo == "dflash":
-        drafter_path = draft_model
+        drafter_path = draft_model or default_drafter(cfg, "dflash")
     try:
         eng = engine_for(cfg, w, ids, spec, backend=backend, device=device, dtype=DTYPES[dtype],
                          max_new_tokens=max_new_tokens, cuda_graph=cuda_graph, page_size=page_size,

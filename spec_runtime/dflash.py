@@ -113,6 +113,7 @@ from .loader import LlamaConfig, check_decoder_shape
 from .drafter_base import TargetSharingDrafter
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
 from .strategies import SpecConfig, Strategy
+from .sampling import greedy_tokens
 
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, ForwardOut, RoundBatch
@@ -878,7 +879,7 @@ class DFlashStrategy(Strategy):
         """The chain's ``draft_tokens [bs, B]``: the roots, then the block's argmax drafts."""
         logits = self.block_logits(eng, rb, rows, P)
         bs, V = logits.shape[0], logits.shape[-1]
-        drafts = ops.topk_log_probs(logits[:, 1:].reshape(-1, V), 1)[1].view(bs, -1)
+        drafts = greedy_tokens(logits[:, 1:].reshape(-1, V)).view(bs, -1)
         return torch.cat([eng.roots[rows][:, None], drafts], dim=1)
 
     def _tree(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor):

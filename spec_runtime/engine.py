@@ -55,7 +55,7 @@ from specattn.backends import (ForwardBatch, ForwardMode, ReqToTokenPool, Routed
 
 from .graph_runner import GraphRunner, padded_sizes
 from .model import LlamaModel
-from .sampling import SamplingParams, logits_to_probs, sample
+from .sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
 from .strategies import SpecConfig, Strategy, make_strategy
 
 __all__ = ["Engine", "SpecConfig", "GenerateResult", "ForwardOut", "RoundBatch", "Request"]
@@ -490,7 +490,7 @@ class Engine:
         bs, n = draft_tokens.shape
         args = (draft_tokens, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
         if self.params.greedy:
-            res = ops.verify_tree_greedy(*args, ops.topk_log_probs(logits, 1)[1].view(bs, n), num_steps)
+            res = ops.verify_tree_greedy(*args, greedy_tokens(logits).view(bs, n), num_steps)
         else:
             probs = logits_to_probs(logits, self.params).view(bs, n, -1)
             res = ops.tree_speculative_sampling(*args, probs, num_steps, generator=self.generator)

@@ -42,6 +42,22 @@ def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
+#: rows up to which :func:`greedy_tokens` takes the fused top-1 (beyond, torch's argmax,
+#: whose one-pass multi-row reduction wins: H200, 49,152 columns, 11.0 / 12.3 us at 64 rows,
+#: 34.3 / 20.6 us at 256)
+FUSED_ARGMAX_MAX_ROWS = 64
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """int64 ``[N]`` argmax of ``logits [N, V]`` (the lowest token id among ties, as
+    ``torch.argmax``): :func:`specattn.ops.topk_log_probs` with ``k = 1`` (two short launches
+    on a GPU instead of a single-block reduction per row) for up to
+    ``FUSED_ARGMAX_MAX_ROWS`` rows, ``torch.argmax`` beyond."""
+    if logits.shape[0] > FUSED_ARGMAX_MAX_ROWS:
+        return logits.argmax(-1)
+    return ops.topk_log_probs(logits, 1)[1][:, 0]
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Generator] = None
            ) -> torch.Tensor:
     """int64 ``[N]`` next tokens: argmax when greedy, else a draw from :func:`logits_to_probs`.
@@ -51,8 +67,8 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Ge
     ``p_v``), as SGLang's and vLLM's samplers do: unlike ``torch.multinomial`` it needs no
     host sync and can be captured in a CUDA graph (with ``generator`` registered there).
     """
-    if p.greedy:  # argmax in one pass on a GPU (lowest id among ties, as torch.argmax)
-        return ops.topk_log_probs(logits, 1)[1][:, 0]
+    if p.greedy:
+        return greedy_tokens(logits)
     probs = logits_to_probs(logits, p)
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     race.clamp_(min=torch.finfo(race.dtype).tiny)  # a zero-probability token can never win

@@ -33,8 +33,7 @@ from specattn.backends import ForwardBatch, ForwardMode
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, ForwardOut, RoundBatch
 
-__all__ = ["SpecConfig", "Strategy", "PlainDecoding", "EagleStrategy", "make_strategy", "top_log_probs",
-           "greedy_tokens"]
+__all__ = ["SpecConfig", "Strategy", "PlainDecoding", "EagleStrategy", "make_strategy", "top_log_probs"]
 
 Role = str
 ModeList = List[Tuple[Role, ForwardMode]]
@@ -102,12 +101,6 @@ def top_log_probs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Ten
     :func:`specattn.ops.topk_log_probs` (one pass over the logits on a GPU, no ``[N, V]``
     log-softmax)."""
     return ops.topk_log_probs(logits, k)
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """int64 ``[N]`` argmax of ``logits [N, V]`` (the lowest token id among ties, as
-    ``torch.argmax``), by :func:`specattn.ops.topk_log_probs` with ``k = 1``."""
-    return ops.topk_log_probs(logits, 1)[1][:, 0]
 
 
 class Strategy(ABC):

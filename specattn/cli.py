@@ -235,7 +235,7 @@ def bench_e2e(
     ddtree: str = typer.Option("4,16", help="DDTree: topk,num_draft_tokens (DFlash drafts verified as a tree)."),
     ngram: str = typer.Option("4,4,4", help="N-gram: topk (chains),num_steps,ngram_size."),
     drafter: Optional[Path] = typer.Option(None, help="EAGLE-3 drafter folder (default: the shipped one)."),
-    dflash_drafter: Optional[Path] = typer.Option(None, help="DFlash drafter folder (default: random init)."),
+    dflash_drafter: Optional[Path] = typer.Option(None, help="DFlash drafter folder (default: the shipped one)."),
     prompts: Optional[Path] = typer.Option(None, help="Prompt file (default: the eval set)."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also time HF transformers' static-cache generate."),
     profile: bool = typer.Option(True, "--profile/--no-profile", help="Kernels and kernel time per step."),

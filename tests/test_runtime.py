@@ -139,3 +139,23 @@ def test_shipped_eagle3_drafter_lossless(gguf_loaded, chat_ids, target_greedy, s
     res = eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW))
     assert res.tokens == target_greedy
     assert res.mean_accept_length > 1.5, res.mean_accept_length
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [SpecConfig("dflash", block_size=16),
+                                  SpecConfig("dflash", topk=4, num_draft_tokens=16, block_size=16)],
+                         ids=["chain", "ddtree"])
+def test_shipped_dflash_drafter_lossless(gguf_loaded, chat_ids, target_greedy, spec, backend_name):
+    """The DFlash drafter shipped for this model: float32 output == target-only greedy for
+    its block chain and a DDTree over its drafts, and it accepts drafts."""
+    from specattn.spec_runtime.cli import default_drafter
+    from specattn.spec_runtime.dflash import DFlashDrafter
+    cfg, w = gguf_loaded
+    path = default_drafter(cfg, "dflash")
+    if path is None:
+        pytest.skip("no DFlash drafter is shipped for this model")
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=256,
+                      draft_model=lambda target: DFlashDrafter.load(path, target))
+    res = eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW))
+    assert res.tokens == target_greedy
+    assert res.mean_accept_length > 1.3, res.mean_accept_length

@@ -233,3 +233,29 @@ def test_dflash_lossless_cuda(tmp_path, block_size, backend_name):
         check_rows_restored(eng)
     res = eng.generate(prompts, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=NEW))
     assert [len(t) for t in res.tokens] == [NEW] * len(prompts)
+
+
+@pytest.mark.slow
+def test_shipped_dflash_generate_equals_none(gguf_path, backend_name):
+    """``specattn generate --algo dflash`` picks the shipped DFlash drafter for the default
+    model and emits exactly ``--algo none``'s tokens (float32, CPU)."""
+    import json
+    from typer.testing import CliRunner
+    from runtime_backend import skip_real_model_if_interpreted
+    from specattn import cli
+    from specattn.spec_runtime import cli as rcli
+    skip_real_model_if_interpreted(backend_name)
+    shape = dict(hidden_size=576, vocab_size=49152, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3)
+    if rcli.default_drafter(type("C", (), shape), "dflash") is None:
+        pytest.skip("no DFlash drafter is shipped for the default model")
+    args = ["generate", "--prompt", "Explain photosynthesis in two sentences.", "--device", "cpu",
+            "--max-new-tokens", "24", "--backend", backend_name, "--json", "--no-warmup"]
+    runner = CliRunner()
+    none = runner.invoke(cli.app, args)
+    flash = runner.invoke(cli.app, args + ["--algo", "dflash", "--block-size", "16"])
+    assert none.exit_code == 0 and flash.exit_code == 0, (none.output, flash.output)
+    a, b = json.loads(none.stdout), json.loads(flash.stdout)
+    assert b["drafter"] == "dflash"
+    assert a["outputs"][0]["tokens"] == b["outputs"][0]["tokens"]
+    assert b["mean_accept_length"] > 1.0

@@ -101,3 +101,21 @@ def test_real_model_shipped_eagle3_graph_lossless(gguf_loaded, chat_ids, gpu_tar
                       max_batch=3, draft_model=lambda target: Eagle3Drafter.load(path, target))
     res = _graphed(eng, spec).generate(chat_ids, SamplingParams(max_new_tokens=32))
     assert res.tokens == gpu_target
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("dflash", block_size=16),
+                                  SpecConfig("dflash", topk=4, num_draft_tokens=16, block_size=16)],
+                         ids=["chain", "ddtree"])
+def test_real_model_shipped_dflash_graph_lossless(gguf_loaded, chat_ids, gpu_target, spec, backend_name):
+    """The shipped DFlash drafter (block chain and DDTree) with whole-round CUDA graphs: ==
+    target-only greedy."""
+    from specattn.spec_runtime.cli import default_drafter
+    from specattn.spec_runtime.dflash import DFlashDrafter
+    cfg, w = gguf_loaded
+    path = default_drafter(cfg, "dflash")
+    if path is None:
+        pytest.skip("no DFlash drafter is shipped for this model")
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, device="cuda", cuda_graph=True, max_context=256,
+                      max_batch=3, draft_model=lambda target: DFlashDrafter.load(path, target))
+    res = _graphed(eng, spec).generate(chat_ids, SamplingParams(max_new_tokens=32))
+    assert res.tokens == gpu_target
