@@ -426,30 +426,32 @@ class Engine:
         bs, dev = rows.shape[0], rows.device
         seq = prefix_lens.to(torch.int32)
         if positions is None:
-            positions = (prefix_lens.long()[:, None] + self._constant("arange", n)).flatten()
+            positions = (prefix_lens.long()[:, None] + self.arange(n)).flatten()
         host = None if host_prefix_lens is None else host_prefix_lens.to(torch.int32)
-        return ForwardBatch(mode, rows, seq, self._constant("full", bs, n),
+        extend_lens = self.constant(("extend_lens", bs, n),
+                                    lambda: torch.full((bs,), n, dtype=torch.int32, device=dev))
+        return ForwardBatch(mode, rows, seq, extend_lens,
                             out_cache_loc.long(), positions.long(),
                             num_tokens_per_req=n if mode.has_fixed_tokens_per_req() else None,
                             tree_mask=tree_mask, prefix_lens_cpu=host,
                             extend_lens_cpu=None if host is None else torch.full_like(host, n))
 
-    def _constant(self, kind: str, *size: int) -> torch.Tensor:
-        """Read-only device constants of a round, kept across rounds so a captured round
-        does not rebuild them: ``("arange", n)`` int64 ``[0, n)``, ``("full", bs, n)`` int32
-        ``[bs]`` of ``n``.  Made outside any CUDA-graph capture (a tensor made inside one
-        holds its values only while that graph replays): inside a capture a missing one is
-        built in the graph and not kept."""
-        key = (kind,) + size
+    def constant(self, key: tuple, make) -> torch.Tensor:
+        """A read-only device tensor of a round (an index pattern, an ``arange``) kept under
+        ``key`` across rounds, so a captured round does not rebuild it: ``make()`` builds it
+        on first use.  It is kept only when made outside a CUDA-graph capture (a tensor made
+        inside one holds its values only while that graph replays); inside a capture a
+        missing one is built in the graph, every replay.  Callers must never write to it."""
         t = self._constants.get(key)
         if t is None:
-            if kind == "arange":
-                t = torch.arange(size[0], device=self.device)
-            else:
-                t = torch.full((size[0],), size[1], dtype=torch.int32, device=self.device)
+            t = make()
             if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 self._constants[key] = t
         return t
+
+    def arange(self, n: int) -> torch.Tensor:
+        """int64 ``[0, n)`` on the engine's device (a kept :meth:`constant`)."""
+        return self.constant(("arange", n), lambda: torch.arange(n, device=self.device))
 
     def forward(self, role: str, input_ids: torch.Tensor, batch: ForwardBatch,
                 hidden_in: Optional[torch.Tensor] = None, capture_layers: Sequence[int] = ()) -> ForwardOut:

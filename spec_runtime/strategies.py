@@ -323,44 +323,49 @@ class EagleStrategy(Strategy):
     # ---------------------------------------------------------------- round
     def _draft(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor):
         """Steps ``1 .. S-1`` over the beams.  Returns ``(parent_list [bs, K(S-1)+1],
-        candidate scores [bs, n_cand], candidate tokens [bs, n_cand])``."""
-        K, S, sh, dev = self.K, self.S, self.shift, eng.device
+        candidate scores [bs, n_cand], candidate tokens [bs, n_cand])``.  Index patterns are
+        the engine's kept constants or views, so a captured round launches only the kernels
+        that depend on the round's values."""
+        K, S, sh = self.K, self.S, self.shift
         bs, rtt, ps = rows.shape[0], eng.req_pool.req_to_token, eng.page_size
         beam_scores, beam_tokens = self.top_scores[rows], self.top_tokens[rows]
         cand_scores, cand_tokens = [beam_scores], [beam_tokens]
-        blocks = [torch.cat([torch.full((bs, 1), -1, dtype=torch.int64, device=dev),
-                             torch.arange(K, device=dev).expand(bs, K)], 1)]
+        root_block = eng.constant(("eagle_root_block", K), lambda: torch.cat(
+            [torch.full((1,), -1, dtype=torch.int64, device=eng.device), eng.arange(K)]))
+        blocks = [root_block[None].expand(bs, K + 1)]
         src_rows = rows[:, None].expand(bs, K)
         src_hidden = self.hidden[rows][:, None, :].expand(bs, K, -1) if self.eagle3 else None
-        arK = torch.arange(K, device=dev)
+        if K > 1 and S > 1:
+            scratch_rows = eng.scratch_rows[rows]                            # [bs, 2K]
+            scratch_units = eng.scratch_pages[rows]                          # [bs, K(S-1)]
+            c0 = (P - sh + 1) // ps * ps                                     # first page of the drafts
         for s in range(1, S):
             idx = P - sh + s                                  # the beams' new entries [bs]
             if K == 1:
                 cur = rows[:, None]
                 slots = rtt[rows, idx][:, None].long()
             else:
-                cur = eng.scratch_rows[rows][:, (s % 2) * K + arK]          # [bs, K]
+                cur = scratch_rows[:, (s % 2) * K:(s % 2) * K + K]           # [bs, K] (ping-pong)
                 if s > 1:  # the ancestors' entries, whole pages of them, from the source beams
-                    c0 = (P - sh + 1) // ps * ps
-                    cols = (c0[:, None, None] + torch.arange(s - 1 + ps, device=dev)).clamp(max=eng.max_context - 1)
+                    cols = (c0[:, None, None] + eng.arange(s - 1 + ps)).clamp(max=eng.max_context - 1)
                     rtt[cur[:, :, None], cols] = rtt[src_rows[:, :, None], cols]
-                unit = eng.scratch_pages[rows][:, arK * (S - 1) + (s - 1)]   # [bs, K] pages
+                unit = scratch_units[:, s - 1::S - 1]                        # [bs, K]: beam j's unit s-1
                 if ps == 1:
                     slots = unit
                     rtt[cur, idx[:, None].expand(bs, K)] = slots.to(rtt.dtype)
                 else:  # a private page holding a copy of the source beam's page
                     start = (idx // ps * ps)[:, None].expand(bs, K)
-                    offs = torch.arange(ps, device=dev)
+                    offs = eng.arange(ps)
                     src_first = rtt[src_rows, start].long() // ps * ps
                     page_slots = unit[..., None] * ps + offs                 # [bs, K, ps]
                     eng.draft_pool.move_kv_cache(page_slots.flatten(), (src_first[..., None] + offs).flatten(),
                                                  check_values=False)
                     rtt[cur[..., None], start[..., None] + offs] = page_slots.to(rtt.dtype)
                     slots = page_slots.gather(2, (idx % ps)[:, None, None].expand(bs, K, 1)).squeeze(2)
-            prefix = idx.repeat_interleave(K)
-            batch = eng.batch(ForwardMode.DECODE, cur.flatten(), prefix, 1, slots.flatten(),
+            prefix = idx[:, None].expand(bs, K).reshape(-1)
+            batch = eng.batch(ForwardMode.DECODE, cur.reshape(-1), prefix, 1, slots.reshape(-1),
                               host_prefix_lens=rb.host(s - sh, repeat=K))
-            o = eng.forward("draft", beam_tokens.flatten(), batch,
+            o = eng.forward("draft", beam_tokens.reshape(-1), batch,
                             hidden_in=src_hidden.reshape(bs * K, -1) if self.eagle3 else None)
             child_scores, child_tokens = top_log_probs(o.logits, K)          # [bs*K, K]
             child_scores = beam_scores[..., None] + child_scores.view(bs, K, K)
@@ -376,19 +381,17 @@ class EagleStrategy(Strategy):
                 if self.eagle3:
                     h = o.hidden.view(bs, K, -1)
                     src_hidden = h.gather(1, parent[..., None].expand(bs, K, h.shape[-1]))
-                blocks.append(K + (s - 1) * K * K + best)
+                blocks.append(best + (K + (s - 1) * K * K))
         if K > 1 and S > 1:  # undo the scratch rows' columns: the next round's prefix is there
             width = (-(-(S - 1) // ps) + 1) * ps
-            c0 = (P - sh + 1) // ps * ps
-            cols = (c0[:, None] + torch.arange(width, device=dev)).clamp(max=eng.max_context - 1)
-            sc = eng.scratch_rows[rows]                                      # [bs, 2K]
-            rtt[sc[:, :, None], cols[:, None, :]] = rtt[rows[:, None, None], cols[:, None, :]]
+            cols = (c0[:, None] + eng.arange(width)).clamp(max=eng.max_context - 1)
+            rtt[scratch_rows[:, :, None], cols[:, None, :]] = rtt[rows[:, None, None], cols[:, None, :]]
         parent_list = torch.cat(blocks, 1) if S > 1 else \
-            torch.full((bs, 1), -1, dtype=torch.int64, device=dev)
+            torch.full((bs, 1), -1, dtype=torch.int64, device=eng.device)
         return parent_list, torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1)
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
-        K, S, D, L, sh, dev = self.K, self.S, self.D, self.L, self.shift, eng.device
+        K, S, D, L, sh = self.K, self.S, self.D, self.L, self.shift
         rows, rtt = rb.rows, eng.req_pool.req_to_token
         bs = rows.shape[0]
         P = eng.prefix_lens[rows]
@@ -396,7 +399,7 @@ class EagleStrategy(Strategy):
         selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
         draft_tokens = torch.cat([eng.roots[rows][:, None], tokens.gather(1, selected)], 1)
         tree = ops.build_tree(parent_list, selected, P.to(torch.int32), K, S, D)
-        out_cache_loc = rtt[rows[:, None], P[:, None] + torch.arange(D, device=dev)].long().flatten()
+        out_cache_loc = rtt[rows[:, None], P[:, None] + eng.arange(D)].long().flatten()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
         t = eng.forward("target", draft_tokens.flatten(), batch, capture_layers=self.target_capture_layers)
@@ -404,12 +407,13 @@ class EagleStrategy(Strategy):
                                            hidden_states=t.features)
         path = cp.predicts.view(bs, D).long()          # accepted drafts + bonus first
         first = P - sh + 1                              # the drafter entry of path[:, 0]
-        ext_loc = rtt[rows[:, None], first[:, None] + torch.arange(L, device=dev)].long().flatten()
+        ext_loc = rtt[rows[:, None], first[:, None] + eng.arange(L)].long().flatten()
         batch = eng.batch(ForwardMode.DRAFT_EXTEND_V2, rows, first, L, ext_loc,
                           host_prefix_lens=rb.host(1 - sh))
         hid = cp.hidden_states.view(bs, D, -1)[:, :L].reshape(bs * L, -1) if self.eagle3 else None
         o = eng.forward("draft", path[:, :L].flatten(), batch, hidden_in=hid)
-        at = torch.arange(bs, device=dev) * L + n_acc   # the bonus token's entry
+        row_starts = eng.constant(("row_starts", bs, L), lambda: eng.arange(bs) * L)
+        at = row_starts + n_acc                         # the bonus token's entry
         self._keep_top(rows, o.logits[at], None if o.hidden is None else o.hidden[at])
         eng.commit(rb, rows, P, path, n_acc)
 

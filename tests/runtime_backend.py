@@ -24,10 +24,11 @@ import pytest
 import torch
 
 from specattn.backends import UnsupportedError
+from specattn.spec_runtime.engine import SpecConfig
 
 __all__ = ["interpreted", "skip_real_model_if_interpreted", "skip_if_interpreted",
            "skip_cpu_tensors_without_interpreter", "make_engine", "require_support",
-           "check_rows_restored", "uses_graphs"]
+           "check_rows_restored", "uses_graphs", "SHIPPED_SPECS", "SHIPPED_IDS"]
 
 
 def interpreted(name: str) -> bool:
@@ -108,3 +109,11 @@ def check_rows_restored(eng) -> None:
 def uses_graphs(eng) -> bool:
     """Whether the engine replays any CUDA graph (whole rounds or per-mode forwards)."""
     return bool(eng.round_graphs or eng.runners)
+
+
+#: the shipped drafters' configurations the lossless tests run (CPU: test_runtime, CUDA graphs: test_runtime_gpu)
+SHIPPED_SPECS = [SpecConfig("eagle", topk=1, num_steps=5, num_draft_tokens=6),
+                 SpecConfig("eagle", topk=4, num_steps=5, num_draft_tokens=16),
+                 SpecConfig("dflash", block_size=16),
+                 SpecConfig("dflash", topk=4, num_draft_tokens=16, block_size=16)]
+SHIPPED_IDS = ["eagle3-chain", "eagle3-tree", "dflash-chain", "dflash-ddtree"]

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from runtime_backend import check_rows_restored, make_engine, skip_real_model_if_interpreted
+from runtime_backend import (SHIPPED_IDS, SHIPPED_SPECS, check_rows_restored, make_engine,
+                            skip_real_model_if_interpreted)
 from specattn.spec_runtime.engine import SpecConfig
 from specattn.spec_runtime.loader import LlamaConfig, apply_chat_template, hf_greedy, load_hf_dir, write_random_hf_dir
 from specattn.spec_runtime.sampling import SamplingParams
@@ -122,40 +123,18 @@ def test_eagle_with_a_separate_draft_checkpoint(tmp_path, backend_name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [SpecConfig("eagle", topk=1, num_steps=5, num_draft_tokens=6),
-                                  SpecConfig("eagle", topk=4, num_steps=5, num_draft_tokens=16)],
-                         ids=["chain", "tree"])
-def test_shipped_eagle3_drafter_lossless(gguf_loaded, chat_ids, target_greedy, spec, backend_name):
-    """The EAGLE-3 drafter shipped for this model (trained by ``specattn drafter train``):
-    float32 output == target-only greedy, and it accepts drafts."""
-    from specattn.spec_runtime.cli import default_drafter
-    from specattn.spec_runtime.eagle3 import Eagle3Drafter
+@pytest.mark.parametrize("spec", SHIPPED_SPECS, ids=SHIPPED_IDS)
+def test_shipped_drafter_lossless(gguf_loaded, chat_ids, target_greedy, spec, backend_name):
+    """The EAGLE-3 and DFlash drafters shipped for this model (trained by ``specattn drafter
+    train``): float32 output == target-only greedy (chains, an EAGLE tree, a DDTree), and
+    they accept drafts."""
+    from specattn.spec_runtime.cli import default_drafter, drafter_factory
     cfg, w = gguf_loaded
-    path = default_drafter(cfg)
+    path = default_drafter(cfg, spec.algo)
     if path is None:
-        pytest.skip("no EAGLE-3 drafter is shipped for this model")
+        pytest.skip(f"no {spec.algo} drafter is shipped for this model")
     eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=256,
-                      draft_model=lambda target: Eagle3Drafter.load(path, target))
+                      draft_model=drafter_factory(path, "cpu", torch.float32))
     res = eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW))
     assert res.tokens == target_greedy
-    assert res.mean_accept_length > 1.5, res.mean_accept_length
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("spec", [SpecConfig("dflash", block_size=16),
-                                  SpecConfig("dflash", topk=4, num_draft_tokens=16, block_size=16)],
-                         ids=["chain", "ddtree"])
-def test_shipped_dflash_drafter_lossless(gguf_loaded, chat_ids, target_greedy, spec, backend_name):
-    """The DFlash drafter shipped for this model: float32 output == target-only greedy for
-    its block chain and a DDTree over its drafts, and it accepts drafts."""
-    from specattn.spec_runtime.cli import default_drafter
-    from specattn.spec_runtime.dflash import DFlashDrafter
-    cfg, w = gguf_loaded
-    path = default_drafter(cfg, "dflash")
-    if path is None:
-        pytest.skip("no DFlash drafter is shipped for this model")
-    eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=256,
-                      draft_model=lambda target: DFlashDrafter.load(path, target))
-    res = eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW))
-    assert res.tokens == target_greedy
-    assert res.mean_accept_length > 1.3, res.mean_accept_length
+    assert res.mean_accept_length > (1.5 if spec.algo == "eagle" else 1.3), res.mean_accept_length

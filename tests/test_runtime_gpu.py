@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from runtime_backend import check_rows_restored, make_engine, uses_graphs
+from runtime_backend import SHIPPED_IDS, SHIPPED_SPECS, check_rows_restored, make_engine, uses_graphs
 from specattn.spec_runtime.engine import SpecConfig
 from specattn.spec_runtime.loader import (LlamaConfig, apply_chat_template, hf_greedy, load_hf_dir,
                                           write_random_hf_dir)
@@ -88,34 +88,16 @@ def test_real_model_dflash_graph_lossless(gguf_loaded, chat_ids, gpu_target, bac
     assert res.tokens == gpu_target
 
 
-@pytest.mark.parametrize("spec", [SpecConfig("eagle", 1, 5, 6), SpecConfig("eagle", 4, 5, 16)], ids=["chain", "tree"])
-def test_real_model_shipped_eagle3_graph_lossless(gguf_loaded, chat_ids, gpu_target, spec, backend_name):
-    """The shipped EAGLE-3 drafter with whole-round CUDA graphs: == target-only greedy."""
-    from specattn.spec_runtime.cli import default_drafter
-    from specattn.spec_runtime.eagle3 import Eagle3Drafter
+@pytest.mark.parametrize("spec", SHIPPED_SPECS, ids=SHIPPED_IDS)
+def test_real_model_shipped_drafter_graph_lossless(gguf_loaded, chat_ids, gpu_target, spec, backend_name):
+    """The shipped EAGLE-3 and DFlash drafters with whole-round CUDA graphs: == target-only
+    greedy."""
+    from specattn.spec_runtime.cli import default_drafter, drafter_factory
     cfg, w = gguf_loaded
-    path = default_drafter(cfg)
+    path = default_drafter(cfg, spec.algo)
     if path is None:
-        pytest.skip("no EAGLE-3 drafter is shipped for this model")
+        pytest.skip(f"no {spec.algo} drafter is shipped for this model")
     eng = make_engine(backend_name, cfg, dict(w), spec=spec, device="cuda", cuda_graph=True, max_context=256,
-                      max_batch=3, draft_model=lambda target: Eagle3Drafter.load(path, target))
-    res = _graphed(eng, spec).generate(chat_ids, SamplingParams(max_new_tokens=32))
-    assert res.tokens == gpu_target
-
-
-@pytest.mark.parametrize("spec", [SpecConfig("dflash", block_size=16),
-                                  SpecConfig("dflash", topk=4, num_draft_tokens=16, block_size=16)],
-                         ids=["chain", "ddtree"])
-def test_real_model_shipped_dflash_graph_lossless(gguf_loaded, chat_ids, gpu_target, spec, backend_name):
-    """The shipped DFlash drafter (block chain and DDTree) with whole-round CUDA graphs: ==
-    target-only greedy."""
-    from specattn.spec_runtime.cli import default_drafter
-    from specattn.spec_runtime.dflash import DFlashDrafter
-    cfg, w = gguf_loaded
-    path = default_drafter(cfg, "dflash")
-    if path is None:
-        pytest.skip("no DFlash drafter is shipped for this model")
-    eng = make_engine(backend_name, cfg, dict(w), spec=spec, device="cuda", cuda_graph=True, max_context=256,
-                      max_batch=3, draft_model=lambda target: DFlashDrafter.load(path, target))
+                      max_batch=3, draft_model=drafter_factory(path, "cuda", torch.float32))
     res = _graphed(eng, spec).generate(chat_ids, SamplingParams(max_new_tokens=32))
     assert res.tokens == gpu_target
