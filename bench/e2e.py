@@ -74,6 +74,7 @@ class E2EConfig:
     ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_draft_tokens=16))
     ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))
     drafter: Optional[str] = None           # EAGLE drafter folder (default: the shipped one)
+    draft_vocab: int = 0                    # EAGLE-3: draft from the N most frequent tokens (0: all)
     dflash_drafter: Optional[str] = None    # DFlash drafter folder (default: the shipped one)
     prompts: Optional[str] = None           # prompt file (default: the chat eval set)
     repetitive_prompts: Optional[str] = None  # the copy-heavy set (default: the packaged one)
@@ -311,7 +312,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                 draft = None
                 if spec.algo == "eagle" and drafter_path is not None:
                     from specattn.spec_runtime.eagle3 import Eagle3Drafter
-                    draft = Eagle3Drafter.load(drafter_path, target)
+                    draft = Eagle3Drafter.load(drafter_path, target, draft_vocab_size=cfg.draft_vocab or None)
                 elif spec.algo == "dflash" and dflash_path is not None:
                     from specattn.spec_runtime.dflash import DFlashDrafter
                     draft = DFlashDrafter.load(dflash_path, target)

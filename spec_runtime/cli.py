@@ -226,13 +226,14 @@ def default_drafter(cfg, algo: str = "eagle") -> Optional[Path]:
     return path
 
 
-def drafter_factory(path, device: str, dtype: torch.dtype):
-    """``target -> drafter`` for the drafter in ``path``: an EAGLE-3 folder, a DFlash folder,
-    or a Llama checkpoint (GGUF or HF folder) over the target's vocabulary."""
+def drafter_factory(path, device: str, dtype: torch.dtype, draft_vocab_size: Optional[int] = None):
+    """``target -> drafter`` for the drafter in ``path``: an EAGLE-3 folder (with
+    ``draft_vocab_size``: drafting from that many of its most frequent tokens), a DFlash
+    folder, or a Llama checkpoint (GGUF or HF folder) over the target's vocabulary."""
     def make(target):
         if is_eagle3_dir(path):
             from .eagle3 import Eagle3Drafter
-            return Eagle3Drafter.load(path, target)
+            return Eagle3Drafter.load(path, target, draft_vocab_size=draft_vocab_size)
         if is_dflash_dir(path):
             from .dflash import DFlashDrafter
             return DFlashDrafter.load(path, target)
@@ -336,6 +337,7 @@ ALGO_OPTIONS = {
     "self_draft": ("--self-draft", ("eagle",)),
     "draft_layers": ("--draft-layers", ("eagle", "dflash")),
     "block_size": ("--block-size", ("dflash",)),
+    "draft_vocab": ("--draft-vocab", ("eagle",)),
 }
 
 
@@ -347,12 +349,17 @@ def _given(ctx: typer.Context, name: str) -> bool:
 
 def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_steps, num_draft_tokens,
                         draft_layers, block_size, backend, page_size, device, dtype, temperature, top_k,
-                        top_p, model, draft_model, self_draft, cuda_graph, threads, ngram_size=4) -> List[str]:
+                        top_p, model, draft_model, self_draft, cuda_graph, threads, ngram_size=4,
+                        draft_vocab=0) -> List[str]:
     """Check ``specattn generate``'s arguments before anything loads; returns the prompts.
     Every problem ends the command with one line (:func:`fail`, exit status 2)."""
     def bad(msg: str) -> None:
         fail("generate", msg)
 
+    if draft_vocab < 0:
+        bad(f"--draft-vocab must be >= 0 (0: the full vocabulary), got {draft_vocab}")
+    if draft_vocab and self_draft:
+        bad("--draft-vocab applies to EAGLE-3 drafters, not to --self-draft")
     if prompt is not None and not prompt.strip():
         bad("--prompt is empty; give the text to continue, e.g. --prompt \"What is the capital of France?\"")
     texts: List[str] = [prompt] if prompt is not None else []
@@ -472,6 +479,9 @@ def generate(
                                                  "topk + (num_steps - 1) * topk^2 + 1)."),
     draft_layers: Optional[int] = typer.Option(None, help="Drafter layers (EAGLE default 3/4 of the target; DFlash 2)."),
     block_size: int = typer.Option(16, help="DFlash block: root + block_size - 1 drafts per round."),
+    draft_vocab: int = typer.Option(0, "--draft-vocab", help="EAGLE-3: draft only from the N most frequent "
+                                                             "tokens of the drafter's token_frequencies.json "
+                                                             "(FR-Spec; a cheaper draft LM head); 0 = all."),
     backend: str = typer.Option("torch_reference", help="Attention backend (see `specattn info`)."),
     page_size: int = typer.Option(1, help=f"KV page size, 1 .. {MAX_PAGE_SIZE} (FlashMLA: 64)."),
     device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cuda:N"),
@@ -484,7 +494,8 @@ def generate(
                                                         "checkpoint (GGUF or HF dir) with the target's "
                                                         "vocabulary (default: the shipped EAGLE-3 drafter "
                                                         "for the default model).  DFlash: a trained "
-                                                        "DFlash drafter folder (default: random init)."),
+                                                        "DFlash drafter folder (default: the shipped one "
+                                                        "for the default model, else random init)."),
     self_draft: bool = typer.Option(False, "--self-draft",
                                     help="EAGLE: draft with the target's first --draft-layers layers "
                                          "(self-speculative) instead of a trained drafter."),
@@ -506,7 +517,7 @@ def generate(
         num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, block_size=block_size, backend=backend,
         page_size=page_size, device=device, dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p,
         model=model, draft_model=draft_model, self_draft=self_draft, cuda_graph=cuda_graph, threads=threads,
-        ngram_size=ngram_size)
+        ngram_size=ngram_size, draft_vocab=draft_vocab)
     with cpu_threads(threads, device) as n_threads:
         _generate(texts, algo=algo, topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
                   ngram_size=ngram_size,
@@ -514,12 +525,12 @@ def generate(
                   device=device, dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature,
                   top_k=top_k, top_p=top_p, seed=seed, model=model, draft_model=draft_model,
                   self_draft=self_draft, chat=chat, cuda_graph=cuda_graph, warmup=warmup,
-                  as_json=as_json, threads=n_threads)
+                  as_json=as_json, threads=n_threads, draft_vocab=draft_vocab)
 
 
 def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, backend,
               page_size, device, dtype, max_new_tokens, temperature, top_k, top_p, seed, model, draft_model,
-              self_draft, chat, cuda_graph, warmup, as_json, threads, ngram_size=4) -> None:
+              self_draft, chat, cuda_graph, warmup, as_json, threads, ngram_size=4, draft_vocab=0) -> None:
     """``specattn generate`` once its arguments are checked: load, build the engine, run,
     report."""
     from . import loader
@@ -545,8 +556,8 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
         eng = engine_for(cfg, w, ids, spec, backend=backend, device=device, dtype=DTYPES[dtype],
                          max_new_tokens=max_new_tokens, cuda_graph=cuda_graph, page_size=page_size,
                          draft_model=None if drafter_path is None else
-                         drafter_factory(drafter_path, device, DTYPES[dtype]))
-    except (ValueError, ImportError, KeyError, NotImplementedError) as e:  # NotImplementedError: UnsupportedError
+                         drafter_factory(drafter_path, device, DTYPES[dtype], draft_vocab or None))
+    except (ValueError, ImportError, KeyError, FileNotFoundError, NotImplementedError) as e:  # NotImplementedError: UnsupportedError
         fail("generate", str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
     params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)
     warm = eng.device.type == "cuda" if warmup is None else warmup
@@ -559,6 +570,7 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
                          topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
                          block_size=block_size)
     report["cpu_threads"] = threads
+    report["draft_vocab"] = draft_vocab or None
     if algo == "dflash" and drafter_path is not None:
         report["drafter"] = "dflash"
     hist = collections.Counter(a for per in res.accept_lengths for a in per)

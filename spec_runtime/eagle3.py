@@ -59,12 +59,15 @@ from .drafter_base import TargetSharingDrafter
 from .model import apply_rope, rms_norm, rope_cos_sin
 
 __all__ = ["ARCHITECTURE", "default_aux_layer_ids", "Eagle3Config", "Eagle3Drafter", "init_weights",
-           "checkpoint_nbytes"]
+           "checkpoint_nbytes", "frequent_tokens", "read_token_counts", "TOKEN_FREQUENCIES_FILE"]
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 #: architecture names other EAGLE-3 Llama checkpoints use (accepted by :meth:`Eagle3Config.from_hf_dict`)
 _ACCEPTED_ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+#: per-token counts of the training data's generated tokens (JSON ``{"vocab_size", "counts"}``),
+#: beside the checkpoint: the frequency ranking of a draft vocabulary (engines ignore it)
+TOKEN_FREQUENCIES_FILE = "token_frequencies.json"
 
 
 def default_aux_layer_ids(num_layers: int) -> List[int]:
@@ -303,6 +306,8 @@ class Eagle3Drafter(TargetSharingDrafter):
         self.layer = AttentionLayer.mha(0, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.cos_sin_cache: Optional[torch.Tensor] = None   # set by reserve_positions: the fused path
         self._w_qkv: Optional[torch.Tensor] = None
+        self.draft_vocab: Optional[torch.Tensor] = None     # set_draft_vocab: a reduced draft vocabulary
+        self._draft_head: Optional[torch.Tensor] = None
 
     def reserve_positions(self, n: int) -> None:
         """Enable the fused inference path (one :func:`specattn.ops.qkv_rope_store` launch
@@ -326,13 +331,17 @@ class Eagle3Drafter(TargetSharingDrafter):
         return cls(target, cfg, None, seed, dtype=dtype, init_std=init_std)
 
     @classmethod
-    def load(cls, path, target, *, dtype: Optional[torch.dtype] = None) -> "Eagle3Drafter":
-        """Load ``path/config.json`` + ``path/model.safetensors`` for ``target``.
+    def load(cls, path, target, *, dtype: Optional[torch.dtype] = None,
+             draft_vocab_size: Optional[int] = None) -> "Eagle3Drafter":
+        """Load ``path/config.json`` + ``path/model.safetensors`` for ``target``;
+        ``draft_vocab_size``: draft only from that many of the most frequent tokens of
+        ``path/token_frequencies.json`` (:meth:`set_draft_vocab`; None or the vocabulary
+        size: all).
 
         Raises:
             FileNotFoundError: missing folder or files.  ValueError: not an EAGLE-3 config,
                 or its hidden size / vocabulary / aux layers / tensors do not fit ``target``
-                (the message says which).
+                (the message says which), or a bad ``draft_vocab_size``.
         """
         from safetensors.torch import load_file
         path = Path(path)
@@ -347,9 +356,16 @@ class Eagle3Drafter(TargetSharingDrafter):
             raise ValueError(f"{cfg_file}: {e}") from None
         weights = load_file(str(w_file), device="cpu")
         try:
-            return cls(target, config, weights, dtype=dtype)
+            drafter = cls(target, config, weights, dtype=dtype)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+        if draft_vocab_size is not None and draft_vocab_size != drafter.vocab_size:
+            counts = read_token_counts(path)
+            if counts.numel() != drafter.vocab_size:
+                raise ValueError(f"{path}: token counts cover {counts.numel()} ids, the target has "
+                                 f"{drafter.vocab_size}")
+            drafter.set_draft_vocab(frequent_tokens(counts, draft_vocab_size))
+        return drafter
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """Checkpoint-named tensors (detached, the drafter's dtype and device)."""
@@ -411,12 +427,51 @@ class Eagle3Drafter(TargetSharingDrafter):
         return rms_norm(prenorm, self.w["norm.weight"], self.config.rms_norm_eps)
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        """``prenorm [N, H]`` -> float32 logits ``[N, V]`` over the target's full vocabulary:
-        final norm + LM head in one fused op on CUDA (:func:`specattn.ops.rms_norm_matmul`,
-        its reference elsewhere; inference only, no autograd: training reads
-        :meth:`head_hidden`)."""
-        return ops.rms_norm_matmul(prenorm, self.w["norm.weight"], self.lm_head, self.config.rms_norm_eps,
+        """``prenorm [N, H]`` -> float32 logits ``[N, V]`` over the target's full vocabulary,
+        or ``[N, len(draft_vocab)]`` over the draft vocabulary when one is set
+        (:meth:`set_draft_vocab`; column ``j`` is token ``draft_vocab[j]``): final norm + LM
+        head in one fused op on CUDA (:func:`specattn.ops.rms_norm_matmul`, its reference
+        elsewhere; inference only, no autograd: training reads :meth:`head_hidden`)."""
+        head = self.lm_head if self._draft_head is None else self._draft_head
+        return ops.rms_norm_matmul(prenorm, self.w["norm.weight"], head, self.config.rms_norm_eps,
                                    out_dtype=torch.float32)
+
+    def set_draft_vocab(self, token_ids: Optional[torch.Tensor]) -> None:
+        """Draft only from ``token_ids`` (int ``[V']``, distinct target token ids; None: the
+        full vocabulary again).  The LM head of every draft step then runs over those rows
+        of the target's head (copied once, ``V' x H``), so its cost shrinks ``V / V'``
+        times; tokens outside are never drafted, and a draft the target rejects costs only
+        acceptance, never correctness (the verify is unchanged).  This is FR-Spec's
+        frequency-ranked draft vocabulary (Zhao et al., "FR-Spec: Accelerating
+        Large-Vocabulary Language Models via Frequency-Ranked Speculative Sampling", arXiv
+        2502.14856) and what EAGLE-3 checkpoints with a ``d2t`` map do, without a trained
+        head of its own: :func:`frequent_tokens` ranks tokens by their count in the target's
+        outputs.  Logits columns map back to token ids with :meth:`draft_token_ids`.
+
+        Raises:
+            ValueError: not a 1-D integer tensor, empty, repeated ids, or ids outside
+                ``[0, vocab_size)``.
+        """
+        if token_ids is None:
+            self.draft_vocab = self._draft_head = None
+            return
+        ids = torch.as_tensor(token_ids)
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"token_ids must be a non-empty 1-D integer tensor, got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+        ids = ids.to(torch.int64).cpu()
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"token_ids must lie in [0, {self.vocab_size}), got [{int(ids.min())}, "
+                             f"{int(ids.max())}]")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("token_ids holds repeated ids")
+        self.draft_vocab = ids.to(self.device)
+        self._draft_head = self.lm_head[self.draft_vocab].contiguous()
+
+    def draft_token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Target token ids of logits ``columns`` (int64, any shape): ``draft_vocab[columns]``
+        with a draft vocabulary, else ``columns`` itself."""
+        return columns if self.draft_vocab is None else self.draft_vocab[columns]
 
     # ------------------------------------------------------------------ inference
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
@@ -559,6 +614,41 @@ class Eagle3Drafter(TargetSharingDrafter):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+def frequent_tokens(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` most frequent token ids by ``counts`` (``[V]``, a count per token id), most
+    frequent first, ties (and never-seen ids) to the lower id: the draft vocabulary of
+    :meth:`Eagle3Drafter.set_draft_vocab` (FR-Spec ranks by frequency in a corpus; here the
+    target's own generated tokens, ``TOKEN_FREQUENCIES_FILE`` of a trained drafter).
+
+    Raises:
+        ValueError: ``counts`` not 1-D or ``n`` outside ``[1, len(counts)]``.
+    """
+    counts = torch.as_tensor(counts)
+    if counts.dim() != 1 or not 1 <= int(n) <= counts.numel():
+        raise ValueError(f"need 1-D counts and 1 <= n <= {counts.numel()}, got {tuple(counts.shape)}, n={n}")
+    return torch.argsort(-counts.to(torch.int64).cpu(), stable=True)[:int(n)].clone()
+
+
+def read_token_counts(path) -> torch.Tensor:
+    """int64 ``[V]`` token counts from a drafter folder's ``TOKEN_FREQUENCIES_FILE``.
+
+    Raises:
+        FileNotFoundError: the file is missing.  ValueError: it is malformed.
+    """
+    f = Path(path) / TOKEN_FREQUENCIES_FILE
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} not found (written by `specattn drafter train`; a draft "
+                                f"vocabulary needs the target's token counts)")
+    try:
+        d = json.loads(f.read_text())
+        counts = torch.tensor(d["counts"], dtype=torch.int64)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{f}: not a token-count file ({e})") from None
+    if counts.dim() != 1 or counts.numel() != d.get("vocab_size") or bool((counts < 0).any()):
+        raise ValueError(f"{f}: counts must be {d.get('vocab_size')} non-negative integers")
+    return counts
+
 
 def _replace(config: Eagle3Config, **kw) -> Eagle3Config:
     from dataclasses import replace

@@ -99,8 +99,12 @@ def top_log_probs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Ten
     """The ``k`` largest log-probabilities of ``logits [N, V]`` and their tokens (float32
     ``[N, k]``, int64 ``[N, k]``; ties: lower token id first), by
     :func:`specattn.ops.topk_log_probs` (one pass over the logits on a GPU, no ``[N, V]``
-    log-softmax)."""
-    return ops.topk_log_probs(logits, k)
+    log-softmax; beyond its ``k <= 16``, ``torch.topk`` and ``logsumexp``)."""
+    if k <= min(logits.shape[-1], ops.TOPK_MAX_K):
+        return ops.topk_log_probs(logits, k)
+    x = logits.float()
+    top = x.topk(k, dim=-1)
+    return top.values - torch.logsumexp(x, -1, keepdim=True), top.indices
 
 
 class Strategy(ABC):
@@ -229,6 +233,9 @@ class EagleStrategy(Strategy):
             n = spec.draft_layers or max(1, 3 * target.num_layers // 4)
             self.drafter = target.with_layers(n)
         self.eagle3 = hasattr(self.drafter, "aux_layer_ids")
+        vocab = getattr(self.drafter, "draft_vocab", None)
+        if vocab is not None and vocab.numel() < self.K:
+            raise ValueError(f"topk={self.K} exceeds the drafter's {vocab.numel()}-token draft vocabulary")
         if hasattr(self.drafter, "reserve_positions"):   # fused paths read a RoPE table
             self.drafter.reserve_positions(max_context)
         self.shift = 1 if self.eagle3 else 0
@@ -281,8 +288,15 @@ class EagleStrategy(Strategy):
         if self.hidden is not None:
             self.hidden[row].zero_()
 
+    def _top(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's ``K`` best (log-probabilities, target token ids) per row of its
+        logits (columns of a draft vocabulary map back to token ids)."""
+        scores, cols = top_log_probs(logits, self.K)
+        to_ids = getattr(self.drafter, "draft_token_ids", None)
+        return scores, (cols if to_ids is None else to_ids(cols))
+
     def _keep_top(self, rows: torch.Tensor, logits: torch.Tensor, hidden: Optional[torch.Tensor]) -> None:
-        self.top_scores[rows], self.top_tokens[rows] = top_log_probs(logits, self.K)
+        self.top_scores[rows], self.top_tokens[rows] = self._top(logits)
         if self.hidden is not None:
             self.hidden[rows] = hidden.to(self.hidden.dtype)
 
@@ -367,7 +381,7 @@ class EagleStrategy(Strategy):
                               host_prefix_lens=rb.host(s - sh, repeat=K))
             o = eng.forward("draft", beam_tokens.reshape(-1), batch,
                             hidden_in=src_hidden.reshape(bs * K, -1) if self.eagle3 else None)
-            child_scores, child_tokens = top_log_probs(o.logits, K)          # [bs*K, K]
+            child_scores, child_tokens = self._top(o.logits)                 # [bs*K, K]
             child_scores = beam_scores[..., None] + child_scores.view(bs, K, K)
             child_tokens = child_tokens.view(bs, K, K)
             cand_scores.append(child_scores.flatten(1))

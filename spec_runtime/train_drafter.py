@@ -119,7 +119,7 @@ import torch.nn.functional as F
 
 from . import dflash as _dflash
 from .dflash import DFlashConfig, DFlashDrafter
-from .eagle3 import Eagle3Drafter, checkpoint_nbytes
+from .eagle3 import TOKEN_FREQUENCIES_FILE, Eagle3Drafter, checkpoint_nbytes
 from .loader import LlamaConfig
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
 
@@ -1062,10 +1062,13 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
 
 # ----------------------------------------------------------------------------- export
 
-def export(drafter, out_dir, log: dict, *, command: str, data_stats: dict, data_meta: dict) -> Dict[str, Path]:
+def export(drafter, out_dir, log: dict, *, command: str, data_stats: dict, data_meta: dict,
+           token_counts: Optional[torch.Tensor] = None) -> Dict[str, Path]:
     """Write ``config.json``, ``model.safetensors`` (bf16), ``README.md`` and
-    ``train_log.json`` into ``out_dir``; returns their paths.  The training summary goes into
-    ``config.json`` under ``specattn.training``."""
+    ``train_log.json`` into ``out_dir`` (EAGLE-3 with ``token_counts``, int ``[V]`` counts of
+    the generated tokens: also ``token_frequencies.json``, the ranking of a draft
+    vocabulary); returns their paths.  The training summary goes into ``config.json`` under
+    ``specattn.training``."""
     out = Path(out_dir)
     fe = log.get("final_eval") or {}
     tc = log["config"]
@@ -1086,7 +1089,12 @@ def export(drafter, out_dir, log: dict, *, command: str, data_stats: dict, data_
     full = {"command": command, "data": {"stats": data_stats, "meta": data_meta}, **log}
     (out / "train_log.json").write_text(json.dumps(full, indent=2) + "\n")
     (out / "README.md").write_text(model_card(drafter, full))
-    return {n: out / n for n in ("config.json", "model.safetensors", "README.md", "train_log.json")}
+    names = ["config.json", "model.safetensors", "README.md", "train_log.json"]
+    if token_counts is not None and not isinstance(drafter, DFlashDrafter):
+        (out / TOKEN_FREQUENCIES_FILE).write_text(json.dumps(
+            {"vocab_size": int(token_counts.numel()), "counts": [int(c) for c in token_counts.tolist()]}) + "\n")
+        names.append(TOKEN_FREQUENCIES_FILE)
+    return {n: out / n for n in names}
 
 
 def _data_lines(full_log: dict) -> List[str]:
@@ -1395,7 +1403,9 @@ def run_training(opts: RunOptions, console=None) -> dict:
     target = LlamaModel(cfg, w, opts.device, opts.dtype)
     res = train(target, data, opts.train, target_model=name, progress=opts.progress, console=console)
     stats = data.stats()
-    files = export(res.drafter, opts.out, res.log, command=opts.command, data_stats=stats, data_meta=data.meta)
+    counts = torch.bincount(data.tokens[data.loss_mask.bool()].long(), minlength=cfg.vocab_size)
+    files = export(res.drafter, opts.out, res.log, command=opts.command, data_stats=stats, data_meta=data.meta,
+                   token_counts=counts)
     fe = res.log["final_eval"]
     if fe:
         chain = fe["greedy_chain_accept_length"]

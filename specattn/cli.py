@@ -235,6 +235,8 @@ def bench_e2e(
     ddtree: str = typer.Option("4,16", help="DDTree: topk,num_draft_tokens (DFlash drafts verified as a tree)."),
     ngram: str = typer.Option("4,4,4", help="N-gram: topk (chains),num_steps,ngram_size."),
     drafter: Optional[Path] = typer.Option(None, help="EAGLE-3 drafter folder (default: the shipped one)."),
+    draft_vocab: int = typer.Option(0, "--draft-vocab", min=0, help="EAGLE-3: draft only from the N most "
+                                                                    "frequent tokens (FR-Spec); 0 = all."),
     dflash_drafter: Optional[Path] = typer.Option(None, help="DFlash drafter folder (default: the shipped one)."),
     prompts: Optional[Path] = typer.Option(None, help="Prompt file (default: the eval set)."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also time HF transformers' static-cache generate."),
@@ -269,7 +271,8 @@ def bench_e2e(
                         ddtree=ints(ddtree, "--ddtree", ("topk", "num_draft_tokens")),
                         ngram=ints(ngram, "--ngram", ("topk", "num_steps", "ngram_size")),
                         repetitive_algos=rep_names,
-                        drafter=str(drafter) if drafter else None, prompts=str(prompts) if prompts else None,
+                        drafter=str(drafter) if drafter else None, draft_vocab=draft_vocab,
+                        prompts=str(prompts) if prompts else None,
                         dflash_drafter=str(dflash_drafter) if dflash_drafter else None,
                         peers=peers, profile=profile, check=check)
     for a in names + rep_names:

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from specattn.backends import ForwardBatch, ReqToTokenPool, create_backend
 from specattn.spec_runtime.drafter_cli import drafter_app
-from specattn.spec_runtime.eagle3 import (Eagle3Config, Eagle3Drafter, checkpoint_nbytes, default_aux_layer_ids,
-                                          init_weights)
+from specattn.spec_runtime.eagle3 import (TOKEN_FREQUENCIES_FILE, Eagle3Config, Eagle3Drafter, checkpoint_nbytes,
+                                          default_aux_layer_ids, frequent_tokens, init_weights, read_token_counts)
 from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, random_weights
 from specattn.spec_runtime.model import LlamaModel
 from specattn.spec_runtime.train_drafter import (GenConfig, SequenceData, collate, generate_data,
@@ -391,8 +391,18 @@ def test_tiny_training_end_to_end(tmp_path):
         assert r.exit_code == 0, r.output
         outs.append(tmp_path / name)
     a, b = outs
-    assert sorted(p.name for p in a.iterdir()) == ["README.md", "config.json", "model.safetensors", "train_log.json"]
+    assert sorted(p.name for p in a.iterdir()) == ["README.md", "config.json", "model.safetensors",
+                                                   "token_frequencies.json", "train_log.json"]
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()   # same seed
+    # the generated tokens' counts, and a drafter loaded over its most frequent ones
+    from safetensors.torch import load_file
+    d = load_file(str(data_file))
+    want = torch.bincount(d["tokens"][d["loss_mask"].bool()].long(), minlength=cfg.vocab_size)
+    assert torch.equal(read_token_counts(a), want)
+    target = LlamaModel(cfg, dict(w))
+    small = Eagle3Drafter.load(a, target, draft_vocab_size=7)
+    assert small.draft_vocab.tolist() == frequent_tokens(want, 7).tolist()
+    assert small.logits(torch.randn(3, cfg.hidden_size)).shape == (3, 7)
     log = json.loads((a / "train_log.json").read_text())
     losses = [e["loss"] for e in log["train"]]
     assert log["steps_done"] == 30 and log["stop_reason"] == "steps"
@@ -430,3 +440,39 @@ def test_cli_help_and_bad_arguments(tmp_path):
         assert r.exit_code == 2, (bad, r.output)
         lines = [l for l in r.output.splitlines() if l.strip()]
         assert len(lines) == 1 and word in lines[0], (bad, r.output)
+
+
+def test_draft_vocab(tmp_path, seed):
+    """FR-Spec draft vocabulary: ranking by count (ties to the lower id), logits over the
+    kept rows of the target's head, columns mapped back to token ids, clear errors."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 5, (40,), generator=g)
+    top = frequent_tokens(counts, 40)
+    key = [(-int(counts[i]), int(i)) for i in top]
+    assert key == sorted(key) and sorted(top.tolist()) == list(range(40))
+    assert frequent_tokens(counts, 3).tolist() == top[:3].tolist()
+    with pytest.raises(ValueError, match="n <= 40"):
+        frequent_tokens(counts, 41)
+    cfg, w = tiny_llama(tmp_path, seed)
+    target = LlamaModel(cfg, dict(w))
+    d = Eagle3Drafter.from_target(target, seed=seed)
+    x = torch.randn(4, cfg.hidden_size, generator=g)
+    full = d.logits(x)
+    ids = torch.randperm(cfg.vocab_size, generator=g)[:9]
+    d.set_draft_vocab(ids)
+    sub = d.logits(x)
+    assert sub.shape == (4, 9) and torch.allclose(sub, full[:, ids], atol=1e-5)
+    cols = torch.randint(0, 9, (4, 3), generator=g)
+    assert torch.equal(d.draft_token_ids(cols), ids[cols])
+    for bad, msg in [(ids[:0], "non-empty"), (ids.float(), "integer"), (torch.tensor([0, 0]), "repeated"),
+                     (torch.tensor([cfg.vocab_size]), "lie in")]:
+        with pytest.raises(ValueError, match=msg):
+            d.set_draft_vocab(bad)
+    d.set_draft_vocab(None)
+    assert torch.equal(d.logits(x), full) and torch.equal(d.draft_token_ids(cols), cols)
+    d.save(tmp_path / "dr")
+    with pytest.raises(FileNotFoundError, match="token_frequencies.json"):
+        Eagle3Drafter.load(tmp_path / "dr", target, draft_vocab_size=5)
+    (tmp_path / "dr" / TOKEN_FREQUENCIES_FILE).write_text('{"vocab_size": 3, "counts": [1, 2]}')
+    with pytest.raises(ValueError, match="counts must be"):
+        Eagle3Drafter.load(tmp_path / "dr", target, draft_vocab_size=5)

@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from runtime_backend import check_rows_restored, make_engine, skip_real_model_if_interpreted, uses_graphs
@@ -42,6 +43,22 @@ def test_eagle3_lossless(tmp_path, seed, spec, page_size, backend_name):
     if page_size > 1:
         flat = make_engine(backend_name, target, spec=spec, max_context=64, draft_model=drafter).generate(prompts, p)
         assert res.accept_lengths == flat.accept_lengths
+
+
+@pytest.mark.parametrize("spec", SPECS[:2], ids=["chain", "tree"])
+def test_eagle3_draft_vocab_lossless(tmp_path, seed, spec, backend_name):
+    """Drafting from a random subset of the vocabulary (FR-Spec) stays lossless: drafts are
+    mapped back to token ids, the verify is unchanged; topk above the subset is refused."""
+    target, drafter, prompts = _setup(tmp_path, seed)
+    g = torch.Generator().manual_seed(seed)
+    drafter.set_draft_vocab(torch.randperm(V, generator=g)[:max(spec.topk, V // 3)])
+    p = SamplingParams(max_new_tokens=20)
+    base = make_engine(backend_name, target, max_context=64).generate(prompts, p)
+    res = make_engine(backend_name, target, spec=spec, max_context=64, draft_model=drafter).generate(prompts, p)
+    assert res.tokens == base.tokens, f"seed={seed}"
+    drafter.set_draft_vocab(torch.arange(2))
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        make_engine(backend_name, target, spec=SpecConfig("eagle", 3, 3, 8), max_context=64, draft_model=drafter)
 
 
 def test_eagle3_factory_and_sampling(tmp_path, seed, backend_name):
@@ -87,8 +104,11 @@ def test_shipped_drafter_generate_equals_none(gguf_path, backend_name, monkeypat
     none = runner.invoke(cli.app, args)
     eagle = runner.invoke(cli.app, args + ["--algo", "eagle", "--topk", "1", "--num-steps", "4",
                                            "--num-draft-tokens", "5"])
-    assert none.exit_code == 0 and eagle.exit_code == 0, (none.output, eagle.output)
-    a, b = json.loads(none.stdout), json.loads(eagle.stdout)
-    assert b["drafter"] == "eagle3"
-    assert a["outputs"][0]["tokens"] == b["outputs"][0]["tokens"]
-    assert b["mean_accept_length"] > 1.0
+    small = runner.invoke(cli.app, args + ["--algo", "eagle", "--topk", "1", "--num-steps", "4",
+                                           "--num-draft-tokens", "5", "--draft-vocab", "16384"])
+    assert none.exit_code == 0 and eagle.exit_code == 0 and small.exit_code == 0, (none.output, eagle.output,
+                                                                                   small.output)
+    a, b, c = json.loads(none.stdout), json.loads(eagle.stdout), json.loads(small.stdout)
+    assert b["drafter"] == "eagle3" and c["draft_vocab"] == 16384
+    assert a["outputs"][0]["tokens"] == b["outputs"][0]["tokens"] == c["outputs"][0]["tokens"]
+    assert b["mean_accept_length"] > 1.0 and c["mean_accept_length"] > 1.0

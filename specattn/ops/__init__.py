@@ -19,7 +19,7 @@ from .fused_llama import (llama_rms_norm_reference, matmul_residual, matmul_resi
 from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, materialize_kv,
                              materialize_kv_reference, rms_norm_reference, stack_kv_proj_weights)
 from .kv_move import move_kv_cache, move_kv_cache_reference
-from .topk import topk_log_probs, topk_log_probs_reference
+from .topk import MAX_K as TOPK_MAX_K, topk_log_probs, topk_log_probs_reference
 from .tree import (TreeInfo, build_tree, build_tree_reference, flashinfer_mask_bytes,
                    num_tree_candidates)
 from .verify import (VerifyResult, tree_speculative_sampling, tree_speculative_sampling_reference,
@@ -36,4 +36,4 @@ __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
            "rms_norm_matmul", "rms_norm_matmul_reference", "qkv_rope_store",
            "qkv_rope_store_reference", "matmul_residual", "matmul_residual_reference",
            "rms_norm_swiglu", "rms_norm_swiglu_reference", "llama_rms_norm_reference",
-           "topk_log_probs", "topk_log_probs_reference"]
+           "topk_log_probs", "topk_log_probs_reference", "TOPK_MAX_K"]
