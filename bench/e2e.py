@@ -47,7 +47,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -293,69 +293,71 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
         if on_row is not None:
             on_row(report)
 
-    for set_name, (texts, algos) in sets.items():
-        ids_all = [loader.apply_chat_template(tok, t) for t in texts]
-        base_out: Dict[int, List[List[int]]] = {}
-        base_tps: Dict[int, float] = {}
-        for bs in cfg.batch_sizes:
-            n_batches = max(1, cfg.min_requests // bs)
-            if bs * n_batches > len(ids_all):
-                say(f"{set_name}: batch size {bs} needs {bs * n_batches} prompts, the set has "
-                    f"{len(ids_all)}: skipped")
-                continue
-            batches = [ids_all[i * bs:(i + 1) * bs] for i in range(n_batches)]
-            longest = max(len(p) for b in batches for p in b)
-            for algo in algos:
-                fields = spec_fields(algo, cfg)
-                spec = SpecConfig(**fields)
-                ctx = -(-(longest + cfg.max_new_tokens + 2 * spec.tokens_per_round() + 8) // 64) * 64
-                draft = None
-                if spec.algo == "eagle" and drafter_path is not None:
-                    from specattn.spec_runtime.eagle3 import Eagle3Drafter
-                    draft = Eagle3Drafter.load(drafter_path, target, draft_vocab_size=cfg.draft_vocab or None)
-                elif spec.algo == "dflash" and dflash_path is not None:
-                    from specattn.spec_runtime.dflash import DFlashDrafter
-                    draft = DFlashDrafter.load(dflash_path, target)
-                tag = f"{set_name} {algo} bs={bs}"
-                say(f"{tag}: building the engine (CUDA graphs)")
-                eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
-                             eos_token_ids=(), cuda_graph=cfg.device.startswith("cuda"), draft_model=draft)
-                say(f"{tag}: warm-up, timing" + (", profiling" if cfg.profile else ""))
-                row, outs = measure_engine(eng, batches, cfg.max_new_tokens, cfg.profile)
-                row.update(algo=algo, prompt_set=set_name, backend=cfg.backend, dtype=cfg.dtype, bs=bs,
-                           config=fields,
-                           drafter=(Path(dflash_path if spec.algo == "dflash" else drafter_path).name
-                                    if draft is not None else
-                                    ("self-speculative" if spec.algo == "eagle" else
-                                     ("random-init" if spec.algo == "dflash" else None))),
-                           whole_round_graphs=eng.whole_round_graphs)
-                if algo == "none":
-                    base_out[bs], base_tps[bs] = outs, row["tokens_per_s"]
-                    row["lossless"] = "reference"
-                elif cfg.check and bs in base_out:
-                    row["lossless"] = _lossless(outs, base_out[bs], [p for b in batches for p in b],
-                                                cfg_model, weights, dtype, cfg.device)
-                else:
-                    row["lossless"] = None
-                row["speedup"] = row["tokens_per_s"] / base_tps[bs] if bs in base_tps else None
-                add(row)
-                say(f"{tag}: {row['tokens_per_s']:.1f} tokens/s, accept {row['accept_length']:.2f}")
-                del eng, draft
-                gc.collect()
-                if cfg.device.startswith("cuda"):
-                    torch.cuda.empty_cache()
-            if cfg.peers and set_name == "chat" and bs in (1, 16) and cfg.model is None:
-                say(f"hf_static bs={bs}")
-                try:
-                    from specattn.spec_runtime.model_fetch import fetch_model
-                    hf = _hf_static(str(fetch_model()), dtype, batches, cfg.max_new_tokens)
-                    hf.update(algo="hf_static", prompt_set=set_name, backend="transformers", dtype=cfg.dtype,
-                              bs=bs, config={}, lossless=None,
-                              speedup=hf["tokens_per_s"] / base_tps[bs] if bs in base_tps else None)
-                    add(hf)
-                except Exception as e:  # a peer that cannot run is reported, not fatal
-                    add(dict(algo="hf_static", prompt_set=set_name, backend="transformers", dtype=cfg.dtype,
-                             bs=bs, error=f"{type(e).__name__}: {e}"))
+    # batch sizes outermost, prompt sets inside: a run stopped by a time limit keeps every
+    # set's small-batch rows
+    set_ids = {name: [loader.apply_chat_template(tok, t) for t in texts] for name, (texts, _) in sets.items()}
+    base_out: Dict[Tuple[str, int], List[List[int]]] = {}
+    base_tps: Dict[Tuple[str, int], float] = {}
+    for bs, set_name in ((bs, name) for bs in cfg.batch_sizes for name in sets):
+        ids_all, algos = set_ids[set_name], sets[set_name][1]
+        n_batches = max(1, cfg.min_requests // bs)
+        if bs * n_batches > len(ids_all):
+            say(f"{set_name}: batch size {bs} needs {bs * n_batches} prompts, the set has "
+                f"{len(ids_all)}: skipped")
+            continue
+        batches = [ids_all[i * bs:(i + 1) * bs] for i in range(n_batches)]
+        longest = max(len(p) for b in batches for p in b)
+        for algo in algos:
+            fields = spec_fields(algo, cfg)
+            spec = SpecConfig(**fields)
+            ctx = -(-(longest + cfg.max_new_tokens + 2 * spec.tokens_per_round() + 8) // 64) * 64
+            draft = None
+            if spec.algo == "eagle" and drafter_path is not None:
+                from specattn.spec_runtime.eagle3 import Eagle3Drafter
+                draft = Eagle3Drafter.load(drafter_path, target, draft_vocab_size=cfg.draft_vocab or None)
+            elif spec.algo == "dflash" and dflash_path is not None:
+                from specattn.spec_runtime.dflash import DFlashDrafter
+                draft = DFlashDrafter.load(dflash_path, target)
+            tag = f"{set_name} {algo} bs={bs}"
+            say(f"{tag}: building the engine (CUDA graphs)")
+            eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
+                         eos_token_ids=(), cuda_graph=cfg.device.startswith("cuda"), draft_model=draft)
+            say(f"{tag}: warm-up, timing" + (", profiling" if cfg.profile else ""))
+            row, outs = measure_engine(eng, batches, cfg.max_new_tokens, cfg.profile)
+            row.update(algo=algo, prompt_set=set_name, backend=cfg.backend, dtype=cfg.dtype, bs=bs,
+                       config=fields,
+                       drafter=(Path(dflash_path if spec.algo == "dflash" else drafter_path).name
+                                if draft is not None else
+                                ("self-speculative" if spec.algo == "eagle" else
+                                 ("random-init" if spec.algo == "dflash" else None))),
+                       whole_round_graphs=eng.whole_round_graphs)
+            if algo == "none":
+                base_out[set_name, bs], base_tps[set_name, bs] = outs, row["tokens_per_s"]
+                row["lossless"] = "reference"
+            elif cfg.check and (set_name, bs) in base_out:
+                row["lossless"] = _lossless(outs, base_out[set_name, bs], [p for b in batches for p in b],
+                                            cfg_model, weights, dtype, cfg.device)
+            else:
+                row["lossless"] = None
+            row["speedup"] = row["tokens_per_s"] / base_tps[set_name, bs] if (set_name, bs) in base_tps else None
+            add(row)
+            say(f"{tag}: {row['tokens_per_s']:.1f} tokens/s, accept {row['accept_length']:.2f}")
+            del eng, draft
+            gc.collect()
+            if cfg.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        if cfg.peers and set_name == "chat" and bs in (1, 16) and cfg.model is None:
+            say(f"hf_static bs={bs}")
+            try:
+                from specattn.spec_runtime.model_fetch import fetch_model
+                hf = _hf_static(str(fetch_model()), dtype, batches, cfg.max_new_tokens)
+                hf.update(algo="hf_static", prompt_set=set_name, backend="transformers", dtype=cfg.dtype,
+                          bs=bs, config={}, lossless=None,
+                          speedup=hf["tokens_per_s"] / base_tps[set_name, bs] if (set_name, bs) in base_tps else None)
+                add(hf)
+            except Exception as e:  # a peer that cannot run is reported, not fatal
+                add(dict(algo="hf_static", prompt_set=set_name, backend="transformers", dtype=cfg.dtype,
+                         bs=bs, error=f"{type(e).__name__}: {e}"))
     return report
 
 
