@@ -425,8 +425,8 @@ class Engine:
         backends that plan on the host."""
         bs, dev = rows.shape[0], rows.device
         seq = prefix_lens.to(torch.int32)
-        if positions is None:
-            positions = (prefix_lens.long()[:, None] + self.arange(n)).flatten()
+        if positions is None:  # (one token per request: the prefix lengths themselves)
+            positions = prefix_lens.long() if n == 1 else (prefix_lens.long()[:, None] + self.arange(n)).flatten()
         host = None if host_prefix_lens is None else host_prefix_lens.to(torch.int32)
         extend_lens = self.constant(("extend_lens", bs, n),
                                     lambda: torch.full((bs,), n, dtype=torch.int32, device=dev))

@@ -352,21 +352,25 @@ class EagleStrategy(Strategy):
         if K > 1 and S > 1:
             scratch_rows = eng.scratch_rows[rows]                            # [bs, 2K]
             scratch_units = eng.scratch_pages[rows]                          # [bs, K(S-1)]
-            c0 = (P - sh + 1) // ps * ps                                     # first page of the drafts
+            if ps == 1:
+                scratch_slots = scratch_units.to(rtt.dtype)                  # (one cast a round)
+            c0 = P + (1 - sh) if ps == 1 else (P + (1 - sh)) // ps * ps      # first page of the drafts
+            if S > 2:  # every step's ancestor columns: step s copies the first s - 1 + ps of them
+                cols_all = (c0[:, None, None] + eng.arange(S - 2 + ps)).clamp(max=eng.max_context - 1)
         for s in range(1, S):
-            idx = P - sh + s                                  # the beams' new entries [bs]
+            idx = P + (s - sh)                                # the beams' new entries [bs]
             if K == 1:
                 cur = rows[:, None]
                 slots = rtt[rows, idx][:, None].long()
             else:
                 cur = scratch_rows[:, (s % 2) * K:(s % 2) * K + K]           # [bs, K] (ping-pong)
                 if s > 1:  # the ancestors' entries, whole pages of them, from the source beams
-                    cols = (c0[:, None, None] + eng.arange(s - 1 + ps)).clamp(max=eng.max_context - 1)
+                    cols = cols_all[..., :s - 1 + ps]
                     rtt[cur[:, :, None], cols] = rtt[src_rows[:, :, None], cols]
                 unit = scratch_units[:, s - 1::S - 1]                        # [bs, K]: beam j's unit s-1
                 if ps == 1:
                     slots = unit
-                    rtt[cur, idx[:, None].expand(bs, K)] = slots.to(rtt.dtype)
+                    rtt[cur, idx[:, None].expand(bs, K)] = scratch_slots[:, s - 1::S - 1]
                 else:  # a private page holding a copy of the source beam's page
                     start = (idx // ps * ps)[:, None].expand(bs, K)
                     offs = eng.arange(ps)
