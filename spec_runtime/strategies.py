@@ -424,7 +424,7 @@ class EagleStrategy(Strategy):
         cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t.logits, S, out_cache_loc,
                                            hidden_states=t.features)
         path = cp.predicts.view(bs, D).long()          # accepted drafts + bonus first
-        first = P - sh + 1                              # the drafter entry of path[:, 0]
+        first = P + (1 - sh)                            # the drafter entry of path[:, 0]
         ext_loc = rtt[rows[:, None], first[:, None] + eng.arange(L)].long().flatten()
         batch = eng.batch(ForwardMode.DRAFT_EXTEND_V2, rows, first, L, ext_loc,
                           host_prefix_lens=rb.host(1 - sh))
