@@ -19,7 +19,7 @@ from typing import Dict, Optional
 
 from specattn.ops.tree_mask import num_mask_words, pack_tree_mask, tree_mask_to_flashinfer, unpack_tree_mask
 
-from .base import AttentionBackend, UnsupportedConfigError, UnsupportedError
+from .base import AttentionBackend, GraphCapacity, UnsupportedConfigError, UnsupportedError
 from .cuda_graph import GraphInputBuffers
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
@@ -81,7 +81,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AttentionBackend", "UnsupportedError", "UnsupportedConfigError", "GraphInputBuffers", "ForwardBatch",
+__all__ = ["AttentionBackend", "GraphCapacity", "UnsupportedError", "UnsupportedConfigError", "GraphInputBuffers",
+           "ForwardBatch",
            "ForwardMode", "AttentionKind", "AttentionLayer", "KVAllocator", "MHATokenToKVPool",
            "MLATokenToKVPool", "ReqToTokenPool", "TorchReferenceBackend", "TritonBackend", "num_mask_words",
            "pack_tree_mask", "tree_mask_to_flashinfer", "unpack_tree_mask", "available_backends",

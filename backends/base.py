@@ -19,6 +19,7 @@ Callers ask ``supports(mode, graph=..., kind=...)`` before calling.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -35,6 +36,16 @@ class UnsupportedError(NotImplementedError):
 class UnsupportedConfigError(UnsupportedError, ValueError):
     """The backend's library cannot run these pools (dtype, head size, page size): both an
     :class:`UnsupportedError` (callers that route or skip catch it) and a ValueError."""
+
+
+@dataclass(frozen=True)
+class GraphCapacity:
+    """The most requests (``max_bs``) and tokens (``max_num_tokens``) one CUDA-graph forward of
+    a backend may carry: what :meth:`AttentionBackend.init_cuda_graph_state` sized its static
+    buffers for."""
+
+    max_bs: int
+    max_num_tokens: int
 
 
 class AttentionBackend(ABC):
@@ -81,10 +92,43 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Eager: compute this forward's metadata (host syncs allowed)."""
 
-    @abstractmethod
+    #: set by :meth:`init_cuda_graph_state`
+    graph_capacity: Optional[GraphCapacity] = None
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the static metadata buffers for graphs of up to ``max_bs`` requests and
-        ``max_num_tokens`` tokens."""
+        ``max_num_tokens`` tokens: records :attr:`graph_capacity`, then the backend's
+        :meth:`init_graph_buffers`.
+
+        Raises:
+            ValueError: a bound below 1.
+        """
+        if int(max_bs) < 1 or int(max_num_tokens) < 1:
+            raise ValueError(f"init_cuda_graph_state needs max_bs and max_num_tokens >= 1, got "
+                             f"{max_bs}, {max_num_tokens}")
+        self.graph_capacity = GraphCapacity(int(max_bs), int(max_num_tokens))
+        self.init_graph_buffers(self.graph_capacity)
+
+    @abstractmethod
+    def init_graph_buffers(self, capacity: GraphCapacity) -> None:
+        """Allocate this backend's static metadata buffers for ``capacity`` (called by
+        :meth:`init_cuda_graph_state`)."""
+
+    def check_graph_batch(self, batch_size: int, num_tokens: int) -> GraphCapacity:
+        """The one bound check of every graph-mode metadata builder: returns
+        :attr:`graph_capacity`.
+
+        Raises:
+            RuntimeError: :meth:`init_cuda_graph_state` was not called.
+            ValueError: ``batch_size`` or ``num_tokens`` exceeds it.
+        """
+        cap = self.graph_capacity
+        if cap is None:
+            raise RuntimeError("init_cuda_graph_state was not called")
+        if batch_size > cap.max_bs or num_tokens > cap.max_num_tokens:
+            raise ValueError(f"graph batch ({batch_size} requests, {num_tokens} tokens) exceeds "
+                             f"init_cuda_graph_state({cap.max_bs}, {cap.max_num_tokens})")
+        return cap
 
     @abstractmethod
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:

@@ -77,7 +77,7 @@ import torch
 from specattn.ops.checks import capturing
 from specattn.ops.tree_mask import chain_tree_mask, flashinfer_mask_bytes, unpack_tree_mask
 
-from .base import AttentionBackend, UnsupportedConfigError, UnsupportedError
+from .base import AttentionBackend, GraphCapacity, UnsupportedConfigError, UnsupportedError
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
@@ -519,10 +519,11 @@ class FlashInferBackend(AttentionBackend):
             self._plan(md, self._key)
 
     # --------------------------------------------------------------- graphs
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def init_graph_buffers(self, capacity: GraphCapacity) -> None:
         """Static buffers for graphs of up to ``max_bs`` requests / ``max_num_tokens`` tokens
         (module docstring); the packed-mask words are allocated at the first TARGET_VERIFY
         capture."""
+        max_bs, max_num_tokens = capacity.max_bs, capacity.max_num_tokens
         dev, ps = self.device, self.page_size
         W = self.req_to_token_pool.max_context_len
         max_pages = max_bs * (-(-W // ps))
@@ -539,13 +540,9 @@ class FlashInferBackend(AttentionBackend):
         if mode.is_idle() or bs == 0:
             md.batch_size = 0
             return md
-        g = self._g
-        if g is None:
-            raise RuntimeError("init_cuda_graph_state was not called")
         D = batch.num_tokens_per_req if mode.has_fixed_tokens_per_req() else 1
-        if bs > g.max_bs or bs * D > g.max_num_tokens:
-            raise ValueError(f"graph batch ({bs} requests x {D}) exceeds "
-                             f"init_cuda_graph_state({g.max_bs}, {g.max_num_tokens})")
+        self.check_graph_batch(bs, bs * D)
+        g = self._g
         state = g.states.get((mode, bs))
         if state is None:
             if not capture:

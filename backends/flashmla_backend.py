@@ -53,7 +53,7 @@ import torch
 from specattn.ops.checks import capturing
 from specattn.ops.tree_mask import chain_tree_mask
 
-from .base import AttentionBackend, UnsupportedConfigError, UnsupportedError
+from .base import AttentionBackend, GraphCapacity, UnsupportedConfigError, UnsupportedError
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
@@ -236,11 +236,12 @@ class FlashMLABackend(AttentionBackend):
             raise ValueError("topk=1 promised chains, but the TARGET_VERIFY tree mask is not one")
         self._fill(batch, md, None)
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def init_graph_buffers(self, capacity: GraphCapacity) -> None:
         """Static ``block_table [max_bs, ceil(max_context_len / 64)]`` / ``cache_seqlens
         [max_bs]`` (int32); the scheduler buffers come with each captured batch's warm-up."""
         W = self.req_to_token_pool.max_context_len
         dev = self.req_to_token_pool.device
+        max_bs, max_num_tokens = capacity.max_bs, capacity.max_num_tokens
         self._g = _GraphBuffers(max_bs, max_num_tokens,
                                 torch.zeros(max_bs, -(-W // PAGE_SIZE), dtype=torch.int32, device=dev),
                                 torch.zeros(max_bs, dtype=torch.int32, device=dev))
@@ -251,13 +252,9 @@ class FlashMLABackend(AttentionBackend):
         if mode.is_idle() or bs == 0:
             md.batch_size = 0
             return md
-        g = self._g
-        if g is None:
-            raise RuntimeError("init_cuda_graph_state was not called")
         md.s_q = batch.num_tokens_per_req if mode.is_target_verify() else 1
-        if bs > g.max_bs or bs * md.s_q > g.max_num_tokens:
-            raise ValueError(f"graph batch ({bs} requests x {md.s_q}) exceeds "
-                             f"init_cuda_graph_state({g.max_bs}, {g.max_num_tokens})")
+        self.check_graph_batch(bs, bs * md.s_q)
+        g = self._g
         self._fill(batch, md, g)
         md.graph_key = (mode, bs)
         sched = g.sched.get(md.graph_key)

@@ -24,7 +24,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .base import AttentionBackend
+from .base import AttentionBackend, GraphCapacity
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
@@ -83,10 +83,10 @@ class RoutedBackend(AttentionBackend):
         b.init_forward_metadata(batch)
         self.forward_metadata = b.forward_metadata
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def init_graph_buffers(self, capacity: GraphCapacity) -> None:
         """Every distinct backend's static state, each sized the same."""
         for b in self._distinct():
-            b.init_cuda_graph_state(max_bs, max_num_tokens)
+            b.init_cuda_graph_state(capacity.max_bs, capacity.max_num_tokens)
 
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
         b = self._select(batch)

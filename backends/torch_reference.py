@@ -23,7 +23,7 @@ import torch
 
 from specattn.ops.tree_mask import unpack_tree_mask
 
-from .base import AttentionBackend
+from .base import AttentionBackend, GraphCapacity
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
@@ -109,20 +109,18 @@ class TorchReferenceBackend(AttentionBackend):
             self.req_to_token_pool.req_to_token, batch, max_q, max_kv)
 
     # --------------------------------------------------------------- graphs
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def init_graph_buffers(self, capacity: GraphCapacity) -> None:
         dev, W = self.req_to_token_pool.device, self.req_to_token_pool.max_context_len
-        self._g_q_index = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
-        self._g_kv_slots = torch.zeros(max_bs * W, dtype=torch.int64, device=dev)
-        self._g_mask = torch.zeros(max_num_tokens * W, dtype=torch.bool, device=dev)
-        self._g_max = (max_bs, max_num_tokens)
+        self._g_q_index = torch.zeros(capacity.max_num_tokens, dtype=torch.int64, device=dev)
+        self._g_kv_slots = torch.zeros(capacity.max_bs * W, dtype=torch.int64, device=dev)
+        self._g_mask = torch.zeros(capacity.max_num_tokens * W, dtype=torch.bool, device=dev)
 
     def _graph_metadata(self, batch: ForwardBatch) -> RefMetadata:
         if batch.forward_mode.is_idle():
             return None
         bs, W = batch.batch_size, self.req_to_token_pool.max_context_len
         max_q = batch.num_tokens_per_req if batch.forward_mode.has_fixed_tokens_per_req() else 1
-        if bs > self._g_max[0] or bs * max_q > self._g_max[1]:
-            raise ValueError(f"graph batch ({bs} requests x {max_q}) exceeds init_cuda_graph_state{self._g_max}")
+        self.check_graph_batch(bs, bs * max_q)
         md = build_reference_metadata(self.req_to_token_pool.req_to_token, batch, max_q, W)
         static = RefMetadata(self._g_q_index[:bs * max_q].view(bs, max_q),
                              self._g_kv_slots[:bs * W].view(bs, W),

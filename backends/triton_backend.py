@@ -86,7 +86,7 @@ import triton  # noqa: F401  (a missing triton makes create_backend("triton") sa
 
 from specattn.ops.tree_mask import check_tree_mask, num_mask_words
 
-from .base import AttentionBackend
+from .base import AttentionBackend, GraphCapacity
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
@@ -259,10 +259,11 @@ class TritonBackend(AttentionBackend):
         self.forward_metadata = fill_triton_metadata(batch, md)
 
     # --------------------------------------------------------------- graphs
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Static metadata buffers for graphs of up to ``max_bs`` requests and
-        ``max_num_tokens`` tokens (module docstring)."""
+    def init_graph_buffers(self, capacity: GraphCapacity) -> None:
+        """Static metadata buffers for graphs of up to ``capacity.max_bs`` requests and
+        ``capacity.max_num_tokens`` tokens (module docstring)."""
         dev = self.req_to_token_pool.device
+        max_bs, max_num_tokens = capacity.max_bs, capacity.max_num_tokens
         self._g = dict(
             max_bs=max_bs, max_num_tokens=max_num_tokens,
             qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
@@ -276,14 +277,10 @@ class TritonBackend(AttentionBackend):
         mode = batch.forward_mode
         if mode.is_idle():
             return None
-        if self._g is None:
-            raise RuntimeError("init_cuda_graph_state was not called")
-        g, bs = self._g, batch.batch_size
+        bs = batch.batch_size
         max_q = _max_q_static(batch, self.req_to_token_pool.max_context_len)
-        tokens = batch.num_tokens if mode == ForwardMode.EXTEND else bs * max_q
-        if bs > g["max_bs"] or tokens > g["max_num_tokens"]:
-            raise ValueError(f"graph batch ({bs} requests, {tokens} tokens) exceeds "
-                             f"init_cuda_graph_state({g['max_bs']}, {g['max_num_tokens']})")
+        self.check_graph_batch(bs, batch.num_tokens if mode == ForwardMode.EXTEND else bs * max_q)
+        g = self._g
         tm = None
         if mode.is_target_verify():
             W = num_mask_words(max_q)

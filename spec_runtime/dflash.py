@@ -718,7 +718,7 @@ class DFlashDrafter(TargetSharingDrafter):
         if N and (int(anchors.min()) < 0 or int(anchors.max()) >= T):
             raise ValueError(f"anchors must be row indices in [0, {T})")
         dev, L = tokens.device, self.num_layers
-        nh, nkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        nkv, hd, eps = c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         anchors = anchors.long()
         ids = torch.full((B, N, S), self.mask_token_id, dtype=torch.long, device=dev)
         ids[:, :, 0] = tokens.gather(1, anchors)

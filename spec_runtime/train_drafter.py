@@ -1261,7 +1261,7 @@ def _dflash_card(drafter: DFlashDrafter, full_log: dict) -> str:
         "",
         f"- {tc['num_anchors']} random anchors per row (a generated token as the root), one block of {B} per "
         "anchor; a block sees the context strictly before its anchor and itself (non-causal), never another block",
-        f"- block position `k` is distilled towards the target's full distribution of the token at `anchor + k` "
+        "- block position `k` is distilled towards the target's full distribution of the token at `anchor + k` "
         "(soft cross-entropy), weighted "
         + (f"`exp(-(k-1)/{gamma:g})`" if gamma else "uniformly") + " (a weighted token mean)",
         *_run_lines(full_log),

@@ -265,3 +265,26 @@ def test_sglang_length_mapping():
         ForwardBatch.from_sglang(ForwardMode.EXTEND, [0], [3], [1, 2, 3])
     with pytest.raises(ValueError, match="below 0"):
         ForwardBatch.from_sglang(ForwardMode.DECODE, [0], [0], [1])
+
+
+@pytest.mark.parametrize("name", ["torch_reference", "triton"])
+def test_graph_capacity_is_the_base_class_bound(name):
+    """Every backend's CUDA-graph state is sized through the base class: ``graph_capacity``
+    records the bounds, ``check_graph_batch`` is the one check (RuntimeError before
+    ``init_cuda_graph_state``, ValueError past a bound, ValueError for bounds below 1)."""
+    from specattn.backends import GraphCapacity, MHATokenToKVPool, ReqToTokenPool, create_backend
+    req_pool = ReqToTokenPool(4, 64, "cpu")
+    backend = create_backend(name, req_pool, MHATokenToKVPool(128, 1, torch.float32, 2, 16, 1, "cpu"))
+    with pytest.raises(RuntimeError, match="init_cuda_graph_state was not called"):
+        backend.check_graph_batch(1, 1)
+    with pytest.raises(ValueError, match=">= 1"):
+        backend.init_cuda_graph_state(0, 4)
+    backend.init_cuda_graph_state(2, 8)
+    assert backend.graph_capacity == GraphCapacity(2, 8)
+    assert backend.check_graph_batch(2, 8) == GraphCapacity(2, 8)
+    for bs, tokens in [(3, 3), (2, 9)]:
+        with pytest.raises(ValueError, match=r"exceeds init_cuda_graph_state\(2, 8\)"):
+            backend.check_graph_batch(bs, tokens)
+    batch = ForwardBatch.fixed(ForwardMode.DRAFT_EXTEND_V2, [0, 1, 2], [1, 1, 1], 3, torch.arange(9))
+    with pytest.raises(ValueError, match="exceeds"):   # the metadata builders use that check
+        backend.init_forward_metadata_capture_cuda_graph(batch)
