@@ -436,12 +436,13 @@ class Engine:
                             tree_mask=tree_mask, prefix_lens_cpu=host,
                             extend_lens_cpu=None if host is None else torch.full_like(host, n))
 
-    def constant(self, key: tuple, make) -> torch.Tensor:
-        """A read-only device tensor of a round (an index pattern, an ``arange``) kept under
-        ``key`` across rounds, so a captured round does not rebuild it: ``make()`` builds it
-        on first use.  It is kept only when made outside a CUDA-graph capture (a tensor made
-        inside one holds its values only while that graph replays); inside a capture a
-        missing one is built in the graph, every replay.  Callers must never write to it."""
+    def constant(self, key: tuple, make):
+        """A read-only device tensor (or tuple of them) of a round -- an index pattern, an
+        ``arange`` -- kept under ``key`` across rounds, so a captured round does not rebuild
+        it: ``make()`` builds it on first use.  It is kept only when made outside a CUDA-graph
+        capture (a tensor made inside one holds its values only while that graph replays);
+        inside a capture a missing one is built in the graph, every replay.  Callers must
+        never write to it."""
         t = self._constants.get(key)
         if t is None:
             t = make()

@@ -153,12 +153,13 @@ class NgramStrategy(Strategy):
         P = eng.prefix_lens[rows]
         drafts, _ = ngram_candidates(self.history[rows], P, self.n, K, S)
         draft_tokens = torch.cat([eng.roots[rows][:, None], drafts.flatten(1)], 1)     # [bs, D]
-        j = torch.arange(D, device=dev)
-        tree = ops.TreeInfo(self.tree_mask.expand(bs, D, self.tree_mask.shape[-1]).contiguous(),
-                            (P[:, None] + self.depth[None, :]).flatten(),
-                            torch.arange(bs, device=dev)[:, None] * D + j,
-                            self.next_token.expand(bs, D).contiguous(),
-                            self.next_sibling.expand(bs, D).contiguous())
+        j = eng.arange(D)
+        # the tree's value-independent fields are the same every round: kept engine constants
+        shape = eng.constant(("ngram_tree", bs, K, S), lambda: (
+            self.tree_mask.expand(bs, D, self.tree_mask.shape[-1]).contiguous(),
+            (torch.arange(bs, device=dev)[:, None] * D + torch.arange(D, device=dev)),
+            self.next_token.expand(bs, D).contiguous(), self.next_sibling.expand(bs, D).contiguous()))
+        tree = ops.TreeInfo(shape[0], (P[:, None] + self.depth[None, :]).flatten(), shape[1], shape[2], shape[3])
         out_cache_loc = eng.req_pool.req_to_token[rows[:, None], P[:, None] + j].long().flatten()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
