@@ -10,8 +10,8 @@ One round, per request (``P`` = target KV committed, ``root`` = last emitted tok
 position ``P``, ``history[row, 0 .. P]`` = every token so far, root last):
 
 1. match: for every earlier position ``j < P`` the length ``L[j] <= ngram_size`` of the
-   common suffix of ``history[.. j]`` and ``history[.. P]`` (``ngram_size`` shifted
-   comparisons of the whole row, on the device);
+   common suffix of ``history[.. j]`` and ``history[.. P]`` (:func:`specattn.ops.ngram_candidates`:
+   one Triton launch on a GPU, a few ``[bs, max_context]`` passes in the reference);
 2. the ``topk`` best positions by ``(L, j)`` (longest match first, then the most recent)
    each propose the ``num_steps`` tokens that followed them (``history[j+1 ..]``; a position
    with no match, or a continuation running past ``P``, proposes the root as filler);
@@ -20,8 +20,7 @@ position ``P``, ``history[row, 0 .. P]`` = every token so far, root last):
    ``D = 1 + topk * num_steps`` tokens, verify, compaction + KV move, commit; the emitted
    tokens are appended to ``history``.
 
-Nothing serializes the round: the lookup is a few ``[bs, max_context]`` elementwise passes
-inside the round's CUDA graph.
+Nothing serializes the round: the lookup is device work inside the round's CUDA graph.
 """
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ from .strategies import SpecConfig, Strategy
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, ForwardOut, RoundBatch
 
-__all__ = ["NgramStrategy", "chains_tree_shape", "ngram_candidates"]
+__all__ = ["NgramStrategy", "chains_tree_shape"]
 
 
 def chains_tree_shape(branches: int, depth: int, device=None) -> Tuple[torch.Tensor, ...]:
@@ -66,46 +65,6 @@ def chains_tree_shape(branches: int, depth: int, device=None) -> Tuple[torch.Ten
     sib = torch.where((node > 0) & (s == 0) & (k + 1 < branches), node + depth, -1)
     out = (pack_tree_mask(dense), dep, nxt, sib)
     return tuple(t.to(device) for t in out) if device is not None else out
-
-
-def ngram_candidates(history: torch.Tensor, prefix_lens: torch.Tensor, ngram_size: int, topk: int,
-                     num_steps: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Drafts copied from each request's history (module docstring, steps 1-2).
-
-    Args:
-        history: int64 ``[bs, W]``: token of every position, ``history[i, P_i]`` the root.
-        prefix_lens: int64 ``[bs]``: ``P_i`` (``< W``).
-        ngram_size: longest suffix matched (>= 1).
-        topk, num_steps: chains and drafts per chain.
-
-    Returns:
-        ``(drafts int64 [bs, topk, num_steps], match_len int64 [bs, topk])``: the proposed
-        tokens (the root where a chain has no match or runs past ``P``) and the matched suffix
-        length of each chain (0: no match).  Device work only.
-    """
-    bs, W = history.shape
-    dev = history.device
-    idx = torch.arange(W, device=dev)
-    P = prefix_lens.long()
-    L = torch.zeros(bs, W, dtype=torch.int64, device=dev)
-    run = torch.ones(bs, W, dtype=torch.bool, device=dev)
-    for i in range(ngram_size):
-        tok_j = history[:, (idx - i).clamp(min=0)]                       # token at j - i
-        suffix = history.gather(1, (P - i).clamp(min=0)[:, None])       # token at P - i
-        run = run & (tok_j == suffix) & (idx >= i)[None, :] & (P - i >= 0)[:, None]
-        L += run
-    usable = (idx[None, :] < P[:, None]) & (L > 0)
-    score = torch.where(usable, L * W + idx[None, :], torch.full_like(L, -1))
-    top, at = score.topk(min(topk, W), dim=-1)
-    if at.shape[1] < topk:  # a row shorter than topk: pad with "no match"
-        pad = topk - at.shape[1]
-        top = torch.cat([top, top.new_full((bs, pad), -1)], 1)
-        at = torch.cat([at, at.new_zeros(bs, pad)], 1)
-    cont = at[:, :, None] + 1 + torch.arange(num_steps, device=dev)      # [bs, K, S]
-    ok = (top >= 0)[:, :, None] & (cont <= P[:, None, None])
-    toks = history.gather(1, cont.clamp(max=W - 1).flatten(1)).view(bs, topk, num_steps)
-    root = history.gather(1, P[:, None])[:, :, None]
-    return torch.where(ok, toks, root), torch.where(top >= 0, top // W, torch.zeros_like(top))
 
 
 class NgramStrategy(Strategy):
@@ -151,7 +110,7 @@ class NgramStrategy(Strategy):
         rows = rb.rows
         bs = rows.shape[0]
         P = eng.prefix_lens[rows]
-        drafts, _ = ngram_candidates(self.history[rows], P, self.n, K, S)
+        drafts, _ = ops.ngram_candidates(self.history[rows], P, self.n, K, S, check_values=False)
         draft_tokens = torch.cat([eng.roots[rows][:, None], drafts.flatten(1)], 1)     # [bs, D]
         j = eng.arange(D)
         # the tree's value-independent fields are the same every round: kept engine constants

@@ -12,7 +12,7 @@ from specattn import ops
 from specattn.backends import unpack_tree_mask
 from specattn.spec_runtime.dflash import ddtree_candidates
 from specattn.spec_runtime.engine import SpecConfig
-from specattn.spec_runtime.ngram import chains_tree_shape, ngram_candidates
+from specattn.spec_runtime.ngram import chains_tree_shape
 from specattn.spec_runtime.sampling import SamplingParams
 from tiny_models import tiny_llama
 
@@ -39,35 +39,6 @@ def test_chains_tree_shape(branches, depth):
         assert nxt[j] == (kids[0] if kids else -1)
         for a, b in zip(kids, kids[1:] + [-1]):
             assert sib[a] == b
-
-
-def _naive_ngram(hist, P, n, K, S):
-    root = hist[P]
-    best = []
-    for j in range(P):
-        L = 0
-        while L < n and j - L >= 0 and P - L >= 0 and hist[j - L] == hist[P - L]:
-            L += 1
-        if L:
-            best.append((L, j))
-    best.sort(reverse=True)
-    out = []
-    for L, j in best[:K]:
-        out.append([hist[j + 1 + s] if j + 1 + s <= P else root for s in range(S)])
-    while len(out) < K:
-        out.append([root] * S)
-    return out
-
-
-def test_ngram_candidates_match_naive(seed):
-    rng = random.Random(seed)
-    W, bs = 40, 5
-    hist = torch.tensor([[rng.randrange(4) for _ in range(W)] for _ in range(bs)])
-    P = torch.tensor([rng.randrange(0, W - 1) for _ in range(bs)])
-    for n, K, S in ((1, 1, 3), (3, 2, 4), (4, 6, 2)):
-        got, L = ngram_candidates(hist, P, n, K, S)
-        for i in range(bs):
-            assert got[i].tolist() == _naive_ngram(hist[i].tolist(), int(P[i]), n, K, S), (seed, n, K, S, i)
 
 
 def test_ddtree_candidates_feed_build_tree(seed):

@@ -9,7 +9,8 @@ implementation (``impl=`` forces one):
 - :func:`compact_accepted_path`: accepted path to the front of each block + KV move pairs;
 - :func:`move_kv_cache`: KV slot moves for all layers at once;
 - :func:`materialize_kv`: DFlash drafter KV from target hidden states;
-- :func:`topk_log_probs`: per-row top-k log-probabilities (and argmax) of logits.
+- :func:`topk_log_probs`: per-row top-k log-probabilities (and argmax) of logits;
+- :func:`ngram_candidates`: n-gram drafts from each request's own history.
 """
 from . import registry
 from .compaction import CompactedPath, compact_accepted_path, compact_accepted_path_reference
@@ -19,6 +20,7 @@ from .fused_llama import (llama_rms_norm_reference, matmul_residual, matmul_resi
 from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, materialize_kv,
                              materialize_kv_reference, rms_norm_reference, stack_kv_proj_weights)
 from .kv_move import move_kv_cache, move_kv_cache_reference
+from .ngram import ngram_candidates, ngram_candidates_reference
 from .topk import MAX_K as TOPK_MAX_K, topk_log_probs, topk_log_probs_reference
 from .tree import (TreeInfo, build_tree, build_tree_reference, flashinfer_mask_bytes,
                    num_tree_candidates)
@@ -36,4 +38,5 @@ __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
            "rms_norm_matmul", "rms_norm_matmul_reference", "qkv_rope_store",
            "qkv_rope_store_reference", "matmul_residual", "matmul_residual_reference",
            "rms_norm_swiglu", "rms_norm_swiglu_reference", "llama_rms_norm_reference",
-           "topk_log_probs", "topk_log_probs_reference", "TOPK_MAX_K"]
+           "topk_log_probs", "topk_log_probs_reference", "TOPK_MAX_K", "ngram_candidates",
+           "ngram_candidates_reference"]
