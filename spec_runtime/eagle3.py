@@ -475,7 +475,8 @@ class Eagle3Drafter(TargetSharingDrafter):
 
     # ------------------------------------------------------------------ inference
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
-                hidden_in: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                hidden_in: torch.Tensor, logit_rows: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
         """One drafter forward through the attention backend (any mode; CUDA-graph safe: no
         host syncs, shapes fixed by the inputs).
 
@@ -489,9 +490,10 @@ class Eagle3Drafter(TargetSharingDrafter):
             backend: attention backend over a pool from :meth:`make_kv_pool`.
             hidden_in: ``[T, 3H]`` target features (aux layers concatenated) or ``[T, H]``
                 the drafter's previous prenorm output.
+            logit_rows: int64 ``[R]``: run the final norm + LM head on those rows only.
 
         Returns:
-            ``(prenorm [T, H] in the drafter's dtype, logits [T, V] float32)``.
+            ``(prenorm [T, H] in the drafter's dtype, logits [T or R, V] float32)``.
 
         Raises:
             ValueError: ``hidden_in`` of the wrong shape.
@@ -525,7 +527,7 @@ class Eagle3Drafter(TargetSharingDrafter):
         act = ops.rms_norm_swiglu(res, w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_proj.weight"],
                                   w[p + "mlp.up_proj.weight"], c.rms_norm_eps)
         ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], res)
-        return res, self.logits(res)
+        return res, self.logits(res if logit_rows is None else res[logit_rows])
 
     # ------------------------------------------------------------------ training (dense)
     def dense_forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,

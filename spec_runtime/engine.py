@@ -455,23 +455,34 @@ class Engine:
         return self.constant(("arange", n), lambda: torch.arange(n, device=self.device))
 
     def forward(self, role: str, input_ids: torch.Tensor, batch: ForwardBatch,
-                hidden_in: Optional[torch.Tensor] = None, capture_layers: Sequence[int] = ()) -> ForwardOut:
+                hidden_in: Optional[torch.Tensor] = None, capture_layers: Sequence[int] = (),
+                logit_rows: Optional[torch.Tensor] = None) -> ForwardOut:
         """One forward of ``role``'s model over ``batch`` (metadata built here: eagerly, by
         the graph builders inside a whole-round capture, or by a per-mode graph's replay).
         ``hidden_in [T, *]`` feeds an EAGLE-3 drafter; ``capture_layers`` asks the model for
-        the residual stream after those layers (``ForwardOut.features``)."""
+        the residual stream after those layers (``ForwardOut.features``); ``logit_rows``
+        (int64 ``[R]``): return the logits of those token rows only (``[R, V]``; an EAGLE-3
+        drafter then runs its LM head on those rows alone)."""
         model, backend = self.model_of(role), self.backend_of(role)
         plain = hidden_in is None and not capture_layers
         runner = self.runners.get((id(model), batch.forward_mode)) if plain else None
         if runner is not None:
-            return ForwardOut(runner.run(batch, input_ids))
-        if self._graph_mode:
-            backend.init_forward_metadata_capture_cuda_graph(batch)
+            out = ForwardOut(runner.run(batch, input_ids))
         else:
-            backend.init_forward_metadata(batch)
-        if hidden_in is not None:
-            hidden, logits = model.forward(input_ids, batch, backend, hidden_in)
-            return ForwardOut(logits, hidden)
+            if self._graph_mode:
+                backend.init_forward_metadata_capture_cuda_graph(batch)
+            else:
+                backend.init_forward_metadata(batch)
+            if hidden_in is not None:  # an EAGLE-3 drafter: its LM head runs on logit_rows only
+                hidden, logits = model.forward(input_ids, batch, backend, hidden_in, logit_rows=logit_rows)
+                return ForwardOut(logits, hidden)
+            out = self._forward_plain(model, backend, input_ids, batch, capture_layers)
+        if logit_rows is not None:
+            out.logits = out.logits[logit_rows]
+        return out
+
+    @staticmethod
+    def _forward_plain(model, backend, input_ids, batch, capture_layers) -> ForwardOut:
         if hasattr(model, "forward_logits"):
             logits, caps = model.forward_logits(input_ids, batch, backend, capture_layers=capture_layers)
             return ForwardOut(logits, None, torch.cat(caps, -1) if caps else None)

@@ -429,10 +429,10 @@ class EagleStrategy(Strategy):
         batch = eng.batch(ForwardMode.DRAFT_EXTEND_V2, rows, first, L, ext_loc,
                           host_prefix_lens=rb.host(1 - sh))
         hid = cp.hidden_states.view(bs, D, -1)[:, :L].reshape(bs * L, -1) if self.eagle3 else None
-        o = eng.forward("draft", path[:, :L].flatten(), batch, hidden_in=hid)
         row_starts = eng.constant(("row_starts", bs, L), lambda: eng.arange(bs) * L)
         at = row_starts + n_acc                         # the bonus token's entry
-        self._keep_top(rows, o.logits[at], None if o.hidden is None else o.hidden[at])
+        o = eng.forward("draft", path[:, :L].flatten(), batch, hidden_in=hid, logit_rows=at)
+        self._keep_top(rows, o.logits, None if o.hidden is None else o.hidden[at])
         eng.commit(rb, rows, P, path, n_acc)
 
 
