@@ -84,6 +84,7 @@ from typing import Optional
 import torch
 import triton  # noqa: F401  (a missing triton makes create_backend("triton") say so)
 
+from specattn.ops.checks import capturing
 from specattn.ops.tree_mask import check_tree_mask, num_mask_words
 
 from .base import AttentionBackend, GraphCapacity
@@ -289,8 +290,7 @@ class TritonBackend(AttentionBackend):
         # constant max_q * [0, 1, .., bs], kept per max_q (made outside any capture: a tensor
         # made inside one holds its values only while that graph replays)
         fixed = g["fixed_qo_indptr"].get(max_q) if mode != ForwardMode.EXTEND else None
-        capturing = g["qo_indptr"].is_cuda and torch.cuda.is_current_stream_capturing()
-        if fixed is None and mode != ForwardMode.EXTEND and not capturing:
+        if fixed is None and mode != ForwardMode.EXTEND and not capturing():
             fixed = g["fixed_qo_indptr"][max_q] = torch.arange(
                 0, (g["max_bs"] + 1) * max_q, max_q, dtype=torch.int32, device=g["qo_indptr"].device)
         qo = g["qo_indptr"][:bs + 1] if fixed is None else fixed[:bs + 1]

@@ -109,8 +109,8 @@ import torch.nn.functional as F
 from specattn import ops
 from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch, ForwardMode, pack_tree_mask
 
-from .loader import LlamaConfig, check_decoder_shape
-from .drafter_base import TargetSharingDrafter
+from .loader import LlamaConfig, check_decoder_shape, check_weight_shapes
+from .drafter_base import TargetSharingDrafter, random_init
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
 from .strategies import SpecConfig, Strategy
 from .sampling import greedy_tokens
@@ -384,28 +384,14 @@ def init_weights(config: DFlashConfig, seed: int = 0, std: float = 0.02, norm_ji
     """Fresh float32 CPU weights under the checkpoint names, deterministic in ``seed``: linears
     ~ N(0, std^2) (HF's ``initializer_range``, what z-lab's ``post_init`` uses), norm weights
     ``1`` (+ ``norm_jitter * N(0, 1)``, for tests that must tell the norms apart)."""
-    g = torch.Generator().manual_seed(int(seed))
-    out = {}
-    for name, shape in config.param_shapes().items():
-        if len(shape) == 1:
-            out[name] = 1.0 + norm_jitter * torch.randn(shape, generator=g)
-        else:
-            out[name] = torch.randn(shape, generator=g) * std
-    return out
+    return random_init(config.param_shapes(), seed, std, norm_jitter)
 
 
 def _check_weights(config: DFlashConfig, weights: Dict[str, torch.Tensor], source: str) -> None:
     """ValueError unless ``weights`` has exactly the checkpoint's tensors and shapes (a copy
     of the target's ``embed_tokens`` / ``lm_head``, which some trainers save, is ignored)."""
-    want = config.param_shapes()
-    names = {n for n in weights if not n.endswith(("embed_tokens.weight", "lm_head.weight"))}
-    missing, extra = sorted(set(want) - names), sorted(names - set(want))
-    if missing or extra:
-        raise ValueError(f"{source}: missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}, "
-                         f"unexpected tensors {extra[:6]}{' ...' if len(extra) > 6 else ''}")
-    for k, shape in want.items():
-        if tuple(weights[k].shape) != shape:
-            raise ValueError(f"{source}: {k} has shape {tuple(weights[k].shape)}, the config needs {shape}")
+    check_weight_shapes(config.param_shapes(), {n: t for n, t in weights.items()
+                                                if not n.endswith(("embed_tokens.weight", "lm_head.weight"))}, source)
 
 
 def _internal_from_checkpoint(config: DFlashConfig, ck: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

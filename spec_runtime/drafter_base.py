@@ -2,11 +2,27 @@
 EAGLE-3 and DFlash drafters): the shared tables, its own KV pool, and its trainable tensors."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 
-__all__ = ["TargetSharingDrafter"]
+__all__ = ["TargetSharingDrafter", "random_init"]
+
+
+def random_init(param_shapes: Dict[str, Tuple[int, ...]], seed: int = 0, std: float = 0.02,
+                norm_jitter: float = 0.0) -> Dict[str, torch.Tensor]:
+    """Fresh float32 CPU tensors for ``{name: shape}``, deterministic in ``seed`` (drawn in
+    ``param_shapes``' order): matrices ~ N(0, std^2) (HF's ``initializer_range``), vectors
+    (norm weights) ``1`` (+ ``norm_jitter * N(0, 1)``, for tests that must tell the norms
+    apart)."""
+    g = torch.Generator().manual_seed(int(seed))
+    out = {}
+    for name, shape in param_shapes.items():
+        if len(shape) == 1:
+            out[name] = 1.0 + norm_jitter * torch.randn(shape, generator=g)
+        else:
+            out[name] = torch.randn(shape, generator=g) * std
+    return out
 
 
 class TargetSharingDrafter:

@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from specattn import ops
 from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch
 
-from .loader import LlamaConfig, check_decoder_shape
-from .drafter_base import TargetSharingDrafter
+from .loader import LlamaConfig, check_decoder_shape, check_weight_shapes
+from .drafter_base import TargetSharingDrafter, random_init
 from .model import apply_rope, rms_norm, rope_cos_sin
 
 __all__ = ["ARCHITECTURE", "default_aux_layer_ids", "Eagle3Config", "Eagle3Drafter", "init_weights",
@@ -242,14 +242,7 @@ def init_weights(config: Eagle3Config, seed: int = 0, std: float = 0.02, norm_ji
     """Fresh float32 CPU weights, deterministic in ``seed``: linears ~ N(0, std^2) (HF's
     ``initializer_range``), norm weights ``1`` (+ ``norm_jitter * N(0, 1)``, for tests that
     must tell the norms apart)."""
-    g = torch.Generator().manual_seed(int(seed))
-    out = {}
-    for name, shape in config.param_shapes().items():
-        if len(shape) == 1:
-            out[name] = 1.0 + norm_jitter * torch.randn(shape, generator=g)
-        else:
-            out[name] = torch.randn(shape, generator=g) * std
-    return out
+    return random_init(config.param_shapes(), seed, std, norm_jitter)
 
 
 # ----------------------------------------------------------------------------- drafter
@@ -658,13 +651,8 @@ def _replace(config: Eagle3Config, **kw) -> Eagle3Config:
 
 
 def _check_weights(config: Eagle3Config, weights: Dict[str, torch.Tensor], source: str) -> None:
-    want = config.param_shapes()
-    missing, extra = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
-    if extra and any(n in ("d2t", "t2d") or n.endswith(("lm_head.weight", "embed_tokens.weight")) for n in extra):
-        raise ValueError(f"{source}: has {extra}: drafters with their own embedding / LM head / reduced "
+    own = sorted(n for n in weights if n in ("d2t", "t2d") or n.endswith(("lm_head.weight", "embed_tokens.weight")))
+    if own:
+        raise ValueError(f"{source}: has {own}: drafters with their own embedding / LM head / reduced "
                          f"vocabulary are not supported (this drafter uses the target's)")
-    if missing or extra:
-        raise ValueError(f"{source}: missing tensors {missing}, unexpected tensors {extra}")
-    for k, shape in want.items():
-        if tuple(weights[k].shape) != shape:
-            raise ValueError(f"{source}: {k} has shape {tuple(weights[k].shape)}, the target needs {shape}")
+    check_weight_shapes(config.param_shapes(), weights, source)

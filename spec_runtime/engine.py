@@ -50,6 +50,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from specattn import ops
+from specattn.ops.checks import capturing
 from specattn.backends import (ForwardBatch, ForwardMode, ReqToTokenPool, RoutedBackend,
                                UnsupportedError, create_backend)
 
@@ -446,7 +447,7 @@ class Engine:
         t = self._constants.get(key)
         if t is None:
             t = make()
-            if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if not capturing():
                 self._constants[key] = t
         return t
 

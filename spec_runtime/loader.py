@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "LlamaConfig", "check_decoder_shape", "load_gguf", "load_hf_dir", "load_tokenizer", "apply_chat_template",
+    "LlamaConfig", "check_decoder_shape", "check_weight_shapes", "load_gguf", "load_hf_dir", "load_tokenizer", "apply_chat_template",
     "load_hf_oracle", "hf_greedy", "write_random_hf_dir",
 ]
 
@@ -141,15 +141,28 @@ class LlamaConfig:
         return s
 
 
-def _check_weights(config: LlamaConfig, weights: dict, source) -> None:
-    want = config.param_shapes()
+def check_weight_shapes(want: dict, weights: dict, source) -> None:
+    """The one check of a checkpoint's tensors (the target's and the drafters'): ``weights``
+    (``name -> tensor``) must hold exactly the names of ``want`` (``name -> shape``), each
+    with that shape.
+
+    Raises:
+        ValueError: naming ``source``, the missing / unexpected names (the first six of each)
+            or the first misshapen tensor.
+    """
+    def head(names):
+        return f"{names[:6]}{' ...' if len(names) > 6 else ''}"
+
     missing, extra = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
     if missing or extra:
-        raise ValueError(f"{source}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                         f"unexpected tensors {extra[:5]}{'...' if len(extra) > 5 else ''}")
+        raise ValueError(f"{source}: missing tensors {head(missing)}, unexpected tensors {head(extra)}")
     for k, shape in want.items():
-        if tuple(weights[k].shape) != shape:
-            raise ValueError(f"{source}: {k} has shape {tuple(weights[k].shape)}, config says {shape}")
+        if tuple(weights[k].shape) != tuple(shape):
+            raise ValueError(f"{source}: {k} has shape {tuple(weights[k].shape)}, expected {tuple(shape)}")
+
+
+def _check_weights(config: LlamaConfig, weights: dict, source) -> None:
+    check_weight_shapes(config.param_shapes(), weights, source)
 
 
 def _check_dtype(dtype) -> None:

@@ -1097,6 +1097,16 @@ def export(drafter, out_dir, log: dict, *, command: str, data_stats: dict, data_
     return {n: out / n for n in names}
 
 
+def _acceptance_rows(fe: dict, what: str) -> List[str]:
+    """The model card's held-out acceptance table rows (after its header) and the summary
+    line for ``what`` (e.g. ``"a 7-draft chain"``), from the final evaluation ``fe``."""
+    chain = fe.get("greedy_chain_accept_length")
+    rows = [f"| {k + 1} | {a:.3f} | {fe['valid_rows'][k]} | {implied_accept_length(fe['acc'][:k + 1]):.2f} | "
+            f"{f'{chain[k]:.2f}' if chain else '-'} |" for k, a in enumerate(fe["acc"])]
+    return rows + ["", f"Implied accept length of {what}: **{fe['accept_length']:.2f}**"
+                   + (f"; measured on greedy sequences: **{chain[-1]:.2f}**." if chain else ".")]
+
+
 def _data_lines(full_log: dict) -> List[str]:
     """The model card's Data section (shared by both kinds)."""
     tc, st, meta = full_log["config"], full_log["data"]["stats"], full_log["data"]["meta"]
@@ -1188,7 +1198,6 @@ def model_card(drafter, full_log: dict) -> str:
         *_run_lines(full_log),
     ]
     if fe:
-        chain = fe.get("greedy_chain_accept_length")
         lines += ["Per TTT step `k`: top-1 agreement of the draft with the target (teacher-forced chain on held-out "
                   "sequences); the implied tokens per verify of a chain of `k` drafts, "
                   "`1 + sum_k prod_{j<=k} acc_j`; and, measured on the held-out greedy sequences (where the "
@@ -1196,12 +1205,7 @@ def model_card(drafter, full_log: dict) -> str:
                   "start positions), the mean tokens per verify of such a chain, `1 + min(k, leading agreements)`:",
                   "", "| step | top-1 agreement | rows | implied accept length | measured greedy accept length |",
                   "|---|---|---|---|---|"]
-        for k, a in enumerate(fe["acc"]):
-            m = f"{chain[k]:.2f}" if chain else "-"
-            lines.append(f"| {k + 1} | {a:.3f} | {fe['valid_rows'][k]} | "
-                         f"{implied_accept_length(fe['acc'][:k + 1]):.2f} | {m} |")
-        lines += ["", f"Implied accept length of a {len(fe['acc'])}-draft chain: **{fe['accept_length']:.2f}**"
-                  + (f"; measured on greedy sequences: **{chain[-1]:.2f}**." if chain else ".")]
+        lines += _acceptance_rows(fe, f"a {len(fe['acc'])}-draft chain")
     else:
         lines.append("No held-out data (eval fraction 0).")
     lines += ["", "End-to-end speed-ups and measured accept lengths with the runtime are in the project's e2e "
@@ -1267,7 +1271,6 @@ def _dflash_card(drafter: DFlashDrafter, full_log: dict) -> str:
         *_run_lines(full_log),
     ]
     if fe:
-        chain = fe.get("greedy_chain_accept_length")
         lines += ["Per block position `k`: top-1 agreement of the draft with the target on held-out sequences; "
                   "the implied tokens per verify of a chain cut after position `k`, `1 + sum_k prod_{j<=k} acc_j`; "
                   "and, measured on the held-out greedy sequences (where the teacher-forced block is exactly the "
@@ -1275,12 +1278,7 @@ def _dflash_card(drafter: DFlashDrafter, full_log: dict) -> str:
                   "mean tokens per verify, `1 + min(k, leading agreements)`:",
                   "", "| position | top-1 agreement | rows | implied accept length | measured greedy accept length |",
                   "|---|---|---|---|---|"]
-        for k, a in enumerate(fe["acc"]):
-            m = f"{chain[k]:.2f}" if chain else "-"
-            lines.append(f"| {k + 1} | {a:.3f} | {fe['valid_rows'][k]} | "
-                         f"{implied_accept_length(fe['acc'][:k + 1]):.2f} | {m} |")
-        lines += ["", f"Implied accept length of the {len(fe['acc'])}-draft block: **{fe['accept_length']:.2f}**"
-                  + (f"; measured on greedy sequences: **{chain[-1]:.2f}**." if chain else ".")]
+        lines += _acceptance_rows(fe, f"the {len(fe['acc'])}-draft block")
     else:
         lines.append("No held-out data (eval fraction 0).")
     lines += ["", "End-to-end speed-ups and measured accept lengths with the runtime are in the project's e2e "
