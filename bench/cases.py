@@ -160,4 +160,4 @@ def _kv_move(device, *, layers, kv_per_layer, heads, width, tokens, input_sets, 
 from . import cases_tree  # noqa: E402,F401  (registers the EAGLE tree-op cases)
 from . import cases_kv_materialize  # noqa: E402,F401  (registers the kv_materialize case)
 from . import cases_attention  # noqa: E402,F401  (registers the attention cases)
-from . import cases_round_ops  # noqa: E402,F401  (registers the top-k and n-gram cases)
+from . import cases_round_ops  # noqa: E402,F401  (registers the top-k, n-gram and EAGLE draft cases)

@@ -1,19 +1,24 @@
 """Bench cases of the small ops a speculative round runs besides attention and the tree ops:
-the drafter's top-k log-probabilities (and the greedy argmax) over the vocabulary, and the
-n-gram lookup over each request's history.  Run e.g.
-``specattn bench topk_log_probs -p impl=triton -p rows=16`` or
-``specattn bench ngram_candidates -p impl=reference``.
+the drafter's top-k log-probabilities (and the greedy argmax) over the vocabulary, the
+n-gram lookup over each request's history, and EAGLE drafting's beam bookkeeping and draft
+token selection.  Run e.g.
+``specattn bench topk_log_probs -p impl=triton -p rows=16``,
+``specattn bench ngram_candidates -p impl=reference`` or
+``specattn bench eagle_beam_steps -p impl=torch -p bs=16``.
 
-``impl``: ``triton`` | ``reference`` (the public wrapper forced to that implementation) or,
-for ``topk_log_probs``, ``torch`` (``torch.topk`` + ``torch.logsumexp``; with ``k = 1``,
-``torch.argmax``: what a runtime without the op runs).  Inputs are rotated over
+``impl``: ``triton`` | ``reference`` (the public wrapper forced to that implementation) or
+``torch``: the PyTorch ops a runtime without the op runs (``topk_log_probs``: ``torch.topk``
++ ``torch.logsumexp``, with ``k = 1`` ``torch.argmax``; ``eagle_beam_steps``: per step the
+add, ``topk``, gathers and index arithmetic, then the ``cat`` of candidates and parents;
+``select_draft_tokens``: ``topk`` + ``sort`` + gather + ``cat``).  Inputs are rotated over
 ``input_sets`` copies so the L2 cache is not what is timed.
 """
 from __future__ import annotations
 
 import torch
 
-from specattn.ops import ngram_candidates, topk_log_probs
+from specattn.ops import (eagle_beam_step, ngram_candidates, num_tree_candidates, select_draft_tokens,
+                          topk_log_probs)
 
 from .cases import Workload, case
 
@@ -52,3 +57,84 @@ def _ngram_candidates(device, *, bs, context, ngram_size, topk, num_steps, impl,
                                 impl=impl)
 
     return Workload(fn=run, bytes=8 * bs * (context + 1 + topk * (num_steps + 1)), flops=0, input_sets=sets)
+
+
+def _draft_inputs(device, bs, topk, num_steps, input_sets, seed=0):
+    """``input_sets`` tuples ``(beam_scores [bs, K], beam_tokens [bs, K], child_scores
+    [S-1, bs*K, K], child_tokens [S-1, bs*K, K], cur_rows [bs, K])``: log-prob-like floats
+    (distinct with probability ~1), random token ids and rows."""
+    g = torch.Generator().manual_seed(seed)
+    K, S = topk, num_steps
+    return [tuple(t.to(device) for t in (
+        -torch.rand(bs, K, generator=g) * 5, torch.randint(0, 49152, (bs, K), generator=g),
+        -torch.rand(S - 1, bs * K, K, generator=g) * 5, torch.randint(0, 49152, (S - 1, bs * K, K), generator=g),
+        torch.randint(0, 4096, (bs, K), generator=g))) for _ in range(input_sets)]
+
+
+@case("eagle_beam_steps", "an EAGLE draft's beam bookkeeping: num_steps - 1 steps of candidates, "
+      "next beams and parent blocks (eagle_beam_step per step, or torch's ops and final cats)",
+      bs=1, topk=4, num_steps=5, impl="triton", input_sets=8)
+def _eagle_beam_steps(device, *, bs, topk, num_steps, impl, input_sets):
+    if impl not in ("triton", "reference", "torch"):
+        raise ValueError(f"impl must be triton | reference | torch, got {impl!r}")
+    if num_steps < 2:
+        raise ValueError(f"num_steps must be >= 2 (a step to time), got {num_steps}")
+    K, S = topk, num_steps
+    n_cand = num_tree_candidates(K, S)
+    root_block = torch.cat([torch.full((1,), -1, dtype=torch.int64), torch.arange(K)]).to(device)
+
+    def run(beam, beam_tok, child_scores, child_tokens, cur):
+        if impl == "torch":  # EagleStrategy._draft's PyTorch path, less the forwards
+            cand_s, cand_t, blocks = [beam], [beam_tok], [root_block[None].expand(bs, K + 1)]
+            for s in range(1, S):
+                cs = beam[..., None] + child_scores[s - 1].view(bs, K, K)
+                ct = child_tokens[s - 1].view(bs, K, K)
+                cand_s.append(cs.flatten(1))
+                cand_t.append(ct.flatten(1))
+                if s < S - 1:
+                    beam, best = cs.flatten(1).topk(K, dim=-1)
+                    beam_tok = ct.flatten(1).gather(1, best)
+                    cur.gather(1, best // K)
+                    blocks.append(best + (K + (s - 1) * K * K))
+            return torch.cat(blocks, 1), torch.cat(cand_s, 1), torch.cat(cand_t, 1)
+        all_s = torch.empty(bs, n_cand, dtype=torch.float32, device=device)
+        all_t = torch.empty(bs, n_cand, dtype=torch.int64, device=device)
+        plist = torch.empty(bs, K * (S - 1) + 1, dtype=torch.int64, device=device)
+        plist[:, :K + 1] = root_block
+        for s in range(1, S):
+            nxt = s < S - 1
+            st = eagle_beam_step(beam, child_scores[s - 1], child_tokens[s - 1], all_s, all_t,
+                                 K + (s - 1) * K * K, beam_tokens=beam_tok if s == 1 else None,
+                                 beam_offset=0 if s == 1 else None, select=nxt, cur_rows=cur if nxt else None,
+                                 parent_list=plist if nxt else None,
+                                 parent_offset=K + 1 + (s - 1) * K if nxt else None, impl=impl)
+            if nxt:
+                beam = st.scores
+        return plist, all_s, all_t
+
+    # inputs read once (beams, children, rows), candidates and parent list written once
+    nbytes = bs * (12 * K + 12 * (S - 1) * K * K + 8 * K + 12 * n_cand + 8 * (K * (S - 1) + 1))
+    return Workload(fn=run, bytes=nbytes, flops=0,
+                    input_sets=_draft_inputs(device, bs, K, S, input_sets))
+
+
+@case("select_draft_tokens", "EAGLE's draft tokens: the num_draft_tokens - 1 best of [bs, n_cand] "
+      "candidates in index order, after the root (n_cand = topk + (num_steps - 1) * topk^2)",
+      bs=1, topk=4, num_steps=5, num_draft_tokens=16, impl="triton", input_sets=8)
+def _select_draft_tokens(device, *, bs, topk, num_steps, num_draft_tokens, impl, input_sets):
+    if impl not in ("triton", "reference", "torch"):
+        raise ValueError(f"impl must be triton | reference | torch, got {impl!r}")
+    n_cand = num_tree_candidates(topk, num_steps)
+    g = torch.Generator().manual_seed(0)
+    sets = [(-torch.rand(bs, n_cand, generator=g).to(device) * 20,
+             torch.randint(0, 49152, (bs, n_cand), generator=g).to(device),
+             torch.randint(0, 49152, (bs,), generator=g).to(device)) for _ in range(input_sets)]
+    D = num_draft_tokens
+
+    def run(scores, tokens, roots):
+        if impl != "torch":
+            return select_draft_tokens(scores, tokens, roots, D, impl=impl)
+        selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
+        return selected, torch.cat([roots[:, None], tokens.gather(1, selected)], 1)
+
+    return Workload(fn=run, bytes=bs * (12 * n_cand + 8 + 8 * (2 * D - 1)), flops=0, input_sets=sets)

@@ -44,16 +44,17 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_K = 16
 MAX_V = 2 ** 30  # column indices travel in the low 31 bits of the Triton kernels' keys
 
-__all__ = ["topk_log_probs", "topk_log_probs_reference", "MAX_K"]
+__all__ = ["topk_log_probs", "topk_log_probs_reference", "order_keys", "MAX_K"]
 
 _TRITON_MODULE = "specattn.triton_kernels.topk"
 
 
-def _order_keys(x: torch.Tensor) -> torch.Tensor:
-    """int64 keys of float32 ``x [N, V]``, distinct within a row, ordered as the values and,
-    among equal values, with the lower column on top: ``(o << 32) | (2^31 - 1 - col)``,
-    ``o`` the float's bits made monotone (``b`` if ``b >= 0`` else ``b ^ 0x7FFFFFFF``;
-    ``-0.0`` read as ``+0.0``)."""
+def order_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys of float32 ``x [N, V]`` (``V <= 2^31``), distinct within a row, ordered as
+    the values and, among equal values, with the lower column on top: ``(o << 32) | (2^31 -
+    1 - col)``, ``o`` the float's bits made monotone (``b`` if ``b >= 0`` else ``b ^
+    0x7FFFFFFF``; ``-0.0`` read as ``+0.0``).  ``x.topk(k)`` of the keys is a deterministic
+    top-k (the Triton kernels' order; NaNs rank by their bits)."""
     b = torch.where(x == 0, torch.zeros_like(x), x).view(torch.int32)
     o = torch.where(b >= 0, b, b ^ 0x7FFFFFFF).to(torch.int64)
     low = 0x7FFFFFFF - torch.arange(x.shape[1], device=x.device, dtype=torch.int64)
@@ -62,14 +63,14 @@ def _order_keys(x: torch.Tensor) -> torch.Tensor:
 
 def topk_log_probs_reference(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`topk_log_probs` (no validation): ``torch.topk`` over
-    :func:`_order_keys` of ``logits.float()`` (value descending, ties by lower index), the
+    :func:`order_keys` of ``logits.float()`` (value descending, ties by lower index), the
     values gathered back and ``torch.logsumexp(logits.float(), -1)`` subtracted, in
     float32.  Returns ``(values float32 [N, k], indices int64 [N, k])``."""
     x = logits.float()
     if x.shape[0] == 0:
         return (torch.empty(0, k, device=x.device, dtype=torch.float32),
                 torch.empty(0, k, device=x.device, dtype=torch.int64))
-    indices = _order_keys(x).topk(k, dim=-1).indices
+    indices = order_keys(x).topk(k, dim=-1).indices
     values = x.gather(1, indices) - torch.logsumexp(x, -1, keepdim=True)
     return values, indices
 

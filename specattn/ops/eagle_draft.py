@@ -1,0 +1,257 @@
+"""EAGLE drafting's bookkeeping, fused: :func:`eagle_beam_step` and :func:`select_draft_tokens`.
+
+An EAGLE draft (SGLang's ``draft_forward`` / ``select_top_k_tokens``) keeps ``topk = K``
+beams per request.  At every step the drafter scores the ``K`` best children of each beam;
+the ``K * K`` children, with cumulative log-probabilities ``beam + child``, are the step's
+*candidates*, and the ``K`` best of them become the next beams.  After the last step the
+``num_draft_tokens - 1`` best of all ``n_cand = K + (num_steps - 1) * K * K`` candidates
+(the root's ``K`` children first, then each step's block of ``K * K``) are the draft tree's
+tokens.  In plain PyTorch this is several small kernels per step (add, ``topk``, gathers,
+``// K``, ``+ offset``) and a ``topk`` + ``sort`` + ``cat`` at the end; here:
+
+- :func:`eagle_beam_step`: one step: candidates written into the caller's candidate buffers
+  (so no final ``cat``), the next beams (``scores``, ``tokens``, ``best`` candidate columns,
+  ``parents = best // K``, optionally the gathered source rows ``cur_rows[parents]``) and
+  the step's ``parent_list`` block ``best + offset``.  One launch.
+- :func:`select_draft_tokens`: the ``D - 1`` best candidates of each row in ascending index
+  order and ``draft_tokens = [root, tokens[selected]]``.  One launch.
+
+Order rule (both ops, both implementations): candidates rank by score descending and, among
+equal scores, by LOWER candidate column first (``-0.0`` ties with ``+0.0``; a NaN ranks by
+its bits: ``+NaN`` above ``+inf``, ``-NaN`` below ``-inf``).  This is the order of
+``torch.topk`` over :func:`~specattn.ops.topk.order_keys`, which the references use, so
+reference and Triton results compare exactly; ``torch.topk`` on the raw scores agrees
+wherever the scores it ranks are distinct.  Any selection gives a valid tree, so the
+choice among ties never affects losslessness.
+
+Implementations (registry ops ``"eagle_beam_step"`` and ``"select_draft_tokens"``, each
+taking the reference's positional arguments):
+
+- ``reference``: PyTorch (:func:`eagle_beam_step_reference`,
+  :func:`select_draft_tokens_reference`);
+- ``triton``: one launch each, one program per request (:mod:`specattn.triton_kernels.eagle_draft`).
+
+``impl="auto"`` takes Triton for CUDA tensors when Triton imports, else the reference.
+Neither op follows an index from its inputs' values (``parents`` are computed in ``[0,
+K)``), so there are no value checks and no host sync: both are CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from . import registry
+from .checks import INDEX_DTYPES, check_tensor
+from .topk import order_keys
+
+__all__ = ["BeamStep", "eagle_beam_step", "eagle_beam_step_reference", "select_draft_tokens",
+           "select_draft_tokens_reference", "MAX_TOPK", "MAX_CANDIDATES"]
+
+MAX_TOPK = 8            # K * K <= 64 candidates per step: one program's register vectors
+MAX_CANDIDATES = 4096   # n_cand of select_draft_tokens: one program's register vectors
+
+_TRITON_MODULE = "specattn.triton_kernels.eagle_draft"
+
+
+class BeamStep(NamedTuple):
+    """The next beams of :func:`eagle_beam_step`, each ``[bs, K]``, best first.
+
+    Attributes:
+        scores: float32, the beams' cumulative log-probabilities (descending).
+        tokens: int64, their tokens (the next step's input ids).
+        best: int64, their columns in ``[0, K * K)`` within this step's candidate block
+            (SGLang's ``topk_cs_index``).
+        parents: int64, ``best // K``: the beam of this step each one continues.
+        src_rows: int64 ``cur_rows.gather(1, parents)``, or None without ``cur_rows``.
+    """
+    scores: torch.Tensor
+    tokens: torch.Tensor
+    best: torch.Tensor
+    parents: torch.Tensor
+    src_rows: Optional[torch.Tensor]
+
+
+def _top_columns(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns of the ``k`` best entries of each row of float32 ``x``, best first, under the
+    module's order rule."""
+    return order_keys(x).topk(k, dim=-1).indices
+
+
+def eagle_beam_step_reference(beam_scores, child_scores, child_tokens, cand_scores, cand_tokens,
+                              offset, beam_tokens, beam_offset, select, cur_rows, parent_list,
+                              parent_offset) -> Optional[BeamStep]:
+    """PyTorch :func:`eagle_beam_step` (no validation; every argument positional).  Returns
+    a :class:`BeamStep` with ``select``, else None."""
+    bs, K = beam_scores.shape
+    scores = (beam_scores[:, :, None] + child_scores.reshape(bs, K, K)).reshape(bs, K * K)
+    tokens = child_tokens.reshape(bs, K * K)
+    cand_scores[:, offset:offset + K * K] = scores
+    cand_tokens[:, offset:offset + K * K] = tokens
+    if beam_offset is not None:
+        cand_scores[:, beam_offset:beam_offset + K] = beam_scores
+        cand_tokens[:, beam_offset:beam_offset + K] = beam_tokens
+    if not select:
+        return None
+    best = _top_columns(scores, K)
+    parents = best // K
+    src_rows = None if cur_rows is None else cur_rows.gather(1, parents).long()
+    if parent_list is not None:
+        parent_list[:, parent_offset:parent_offset + K] = best + offset
+    return BeamStep(scores.gather(1, best), tokens.gather(1, best), best, parents, src_rows)
+
+
+def select_draft_tokens_reference(scores, tokens, roots, num_draft_tokens
+                                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch :func:`select_draft_tokens` (no validation)."""
+    selected = _top_columns(scores, num_draft_tokens - 1).sort(dim=-1).values
+    draft_tokens = torch.cat([roots.long()[:, None], tokens.gather(1, selected)], 1)
+    return selected, draft_tokens
+
+
+registry.register("eagle_beam_step", "reference", lambda: eagle_beam_step_reference)
+registry.register("eagle_beam_step", "triton",
+                  registry.from_module(_TRITON_MODULE, "eagle_beam_step", "Triton"))
+registry.register("select_draft_tokens", "reference", lambda: select_draft_tokens_reference)
+registry.register("select_draft_tokens", "triton",
+                  registry.from_module(_TRITON_MODULE, "select_draft_tokens", "Triton"))
+
+
+def _int_arg(name: str, v, lo: int, hi: int) -> int:
+    """``v`` as an int in ``[lo, hi]``, else TypeError / ValueError naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return int(v)
+
+
+def eagle_beam_step(beam_scores: torch.Tensor, child_scores: torch.Tensor, child_tokens: torch.Tensor,
+                    cand_scores: torch.Tensor, cand_tokens: torch.Tensor, offset: int, *,
+                    beam_tokens: Optional[torch.Tensor] = None, beam_offset: Optional[int] = None,
+                    select: bool = True, cur_rows: Optional[torch.Tensor] = None,
+                    parent_list: Optional[torch.Tensor] = None, parent_offset: Optional[int] = None,
+                    impl: str = "auto") -> Optional[BeamStep]:
+    """One EAGLE draft step's candidates and next beams (module docstring), ``K = topk``.
+
+    Writes, for every request ``b`` and candidate ``c = j * K + i`` (beam ``j``, child ``i``)::
+
+        cand_scores[b, offset + c] = beam_scores[b, j] + child_scores[b * K + j, i]   (float32)
+        cand_tokens[b, offset + c] = child_tokens[b * K + j, i]
+
+    and with ``select``, the ``K`` best candidates ``best`` (order rule of the module) as
+    the next beams; ``parent_list[b, parent_offset + r] = best[b, r] + offset`` (the
+    beams' flat candidate indices, SGLang's ``parents_list`` block).  Nothing else of the
+    buffers is written.
+
+    Args:
+        beam_scores: float32 ``[bs, K]``, ``1 <= K <= 8``: the current beams' cumulative
+            log-probabilities.
+        child_scores: float32 ``[bs * K, K]``: log-probabilities of each beam's ``K`` best
+            children (row ``b * K + j``: beam ``j`` of request ``b``).
+        child_tokens: int64 ``[bs * K, K]``: their tokens.
+        cand_scores, cand_tokens: float32 / int64 ``[bs, n_cand]`` candidate buffers
+            (written in place, any strides).
+        offset: column of this step's ``K * K`` candidates, ``offset + K * K <= n_cand``.
+        beam_tokens: int64 ``[bs, K]``, with ``beam_offset`` only.
+        beam_offset: if given, also write the incoming beams (``beam_scores``,
+            ``beam_tokens``) to columns ``[beam_offset, beam_offset + K)`` (the first step
+            stores the root's top-k, candidates ``0 .. K-1``, this way); the range must not
+            overlap this step's block.
+        select: compute the next beams (False on the last step: returns None, and
+            ``cur_rows`` / ``parent_list`` must be None).
+        cur_rows: int32 / int64 ``[bs, K]`` (any strides), e.g. the beams' ``req_to_token``
+            rows: ``src_rows = cur_rows.gather(1, parents)`` is returned (int64).
+        parent_list: int64 ``[bs, W]`` (written in place, any strides), with
+            ``parent_offset``, ``parent_offset + K <= W``.
+        impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
+
+    Returns:
+        :class:`BeamStep` (new ``[bs, K]`` tensors) with ``select``, else None.  Device
+        work only, one launch on the Triton path.
+
+    Raises:
+        TypeError: a non-tensor or a non-int offset.  ValueError: ranks, dtypes, devices or
+        shapes that do not match, ``K > 8`` (:data:`MAX_TOPK`), column ranges outside the
+        buffers or overlapping, ``beam_tokens`` / ``parent_offset`` missing or given without
+        their partner, ``cur_rows`` / ``parent_list`` without ``select``.  RuntimeError: a
+        forced ``impl`` unavailable here.
+    """
+    check_tensor("beam_scores", beam_scores, dim=2, dtypes=(torch.float32,))
+    bs, K = beam_scores.shape
+    dev = beam_scores.device
+    if not 1 <= K <= MAX_TOPK:
+        raise ValueError(f"topk (beam_scores.shape[1]) must be in [1, {MAX_TOPK}], got {K}")
+    check_tensor("child_scores", child_scores, dtypes=(torch.float32,), device=dev, shape=[bs * K, K])
+    check_tensor("child_tokens", child_tokens, dtypes=(torch.int64,), device=dev, shape=[bs * K, K])
+    check_tensor("cand_scores", cand_scores, dim=2, dtypes=(torch.float32,), device=dev, shape=[bs, None])
+    n_cand = cand_scores.shape[1]
+    check_tensor("cand_tokens", cand_tokens, dtypes=(torch.int64,), device=dev, shape=[bs, n_cand])
+    offset = _int_arg("offset", offset, 0, n_cand - K * K)
+    if (beam_offset is None) != (beam_tokens is None):
+        raise ValueError("beam_tokens and beam_offset go together (both or neither)")
+    if beam_offset is not None:
+        check_tensor("beam_tokens", beam_tokens, dtypes=(torch.int64,), device=dev, shape=[bs, K])
+        beam_offset = _int_arg("beam_offset", beam_offset, 0, n_cand - K)
+        if beam_offset < offset + K * K and offset < beam_offset + K:
+            raise ValueError(f"beam_offset columns [{beam_offset}, {beam_offset + K}) overlap this "
+                             f"step's candidates [{offset}, {offset + K * K})")
+    if not isinstance(select, bool):
+        raise TypeError(f"select must be a bool, got {type(select).__name__}")
+    if not select and (cur_rows is not None or parent_list is not None):
+        raise ValueError("cur_rows and parent_list need select=True (they come from the next beams)")
+    if cur_rows is not None:
+        check_tensor("cur_rows", cur_rows, dtypes=INDEX_DTYPES, device=dev, shape=[bs, K])
+    if (parent_list is None) != (parent_offset is None):
+        raise ValueError("parent_list and parent_offset go together (both or neither)")
+    if parent_list is not None:
+        check_tensor("parent_list", parent_list, dim=2, dtypes=(torch.int64,), device=dev,
+                     shape=[bs, None])
+        parent_offset = _int_arg("parent_offset", parent_offset, 0, parent_list.shape[1] - K)
+    fn = registry.dispatch("eagle_beam_step", impl, dev)
+    out = fn(beam_scores, child_scores, child_tokens, cand_scores, cand_tokens, offset, beam_tokens,
+             beam_offset, select, cur_rows, parent_list, parent_offset)
+    return None if out is None else BeamStep(*out)
+
+
+def select_draft_tokens(scores: torch.Tensor, tokens: torch.Tensor, roots: torch.Tensor,
+                        num_draft_tokens: int, *, impl: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+    """The draft tree's tokens: the ``D - 1`` best candidates of each request (``D =
+    num_draft_tokens``, order rule of the module), in ascending candidate order, after the
+    root.  What ``scores.topk(D - 1).indices.sort().values`` and ``cat([roots[:, None],
+    tokens.gather(1, selected)], 1)`` give, in one launch.
+
+    Args:
+        scores: float32 ``[bs, n_cand]``, ``1 <= n_cand <= 4096`` (:data:`MAX_CANDIDATES`),
+            any strides: the candidates' cumulative log-probabilities.
+        tokens: int64 ``[bs, n_cand]``, any strides: their tokens.
+        roots: int64 ``[bs]``: each request's root (last emitted) token.
+        num_draft_tokens: ``D``, tokens verified per request including the root,
+            ``2 <= D <= n_cand + 1``.
+        impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
+
+    Returns:
+        ``(selected, draft_tokens)``: int64 ``[bs, D - 1]`` (candidate indices, strictly
+        ascending: ``ops.build_tree``'s ``selected_index``) and int64 ``[bs, D]`` (``root``,
+        then ``tokens[selected]``), new tensors.  Device work only.
+
+    Raises:
+        TypeError: a non-tensor or a non-int ``num_draft_tokens``.  ValueError: ranks,
+        dtypes, devices or shapes that do not match, ``n_cand`` or ``D`` out of range.
+        RuntimeError: a forced ``impl`` unavailable here.
+    """
+    check_tensor("scores", scores, dim=2, dtypes=(torch.float32,))
+    bs, n_cand = scores.shape
+    dev = scores.device
+    if not 1 <= n_cand <= MAX_CANDIDATES:
+        raise ValueError(f"scores must be [bs, n_cand] with 1 <= n_cand <= {MAX_CANDIDATES}, "
+                         f"got {list(scores.shape)}")
+    check_tensor("tokens", tokens, dtypes=(torch.int64,), device=dev, shape=[bs, n_cand])
+    check_tensor("roots", roots, dtypes=(torch.int64,), device=dev, shape=[bs])
+    D = _int_arg("num_draft_tokens", num_draft_tokens, 2, n_cand + 1)
+    fn = registry.dispatch("select_draft_tokens", impl, dev)
+    if bs == 0:
+        return (torch.empty(0, D - 1, dtype=torch.int64, device=dev),
+                torch.empty(0, D, dtype=torch.int64, device=dev))
+    return fn(scores, tokens, roots, D)
