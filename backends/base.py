@@ -95,6 +95,12 @@ class AttentionBackend(ABC):
     #: set by :meth:`init_cuda_graph_state`
     graph_capacity: Optional[GraphCapacity] = None
 
+    #: An upper bound of every request's ``prefix_lens`` in the forwards whose graph metadata
+    #: is built while it is set (a runtime sets it around a capture and replays that graph
+    #: only while the bound holds; None: unknown).  A backend may size its work by it (the
+    #: Triton backend's split-KV count); results never depend on it.
+    graph_prefix_bound: Optional[int] = None
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the static metadata buffers for graphs of up to ``max_bs`` requests and
         ``max_num_tokens`` tokens: records :attr:`graph_capacity`, then the backend's

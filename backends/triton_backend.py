@@ -18,9 +18,9 @@ graph mode):
 - ``tree_mask`` int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY only, else None);
 - host ints fixed per batch shape: ``max_q`` (grid bound: ``num_tokens_per_req`` for
   TARGET_VERIFY / DRAFT_EXTEND_V2, 1 for DECODE; EXTEND: the host maximum of ``extend_lens``
-  eager, ``min(num_tokens, req_to_token width)`` in graph mode) and ``max_prefix`` (eager
-  only: host maximum of ``prefix_lens``, for the split-KV choice; None in graph mode, where no
-  device value may reach the host).
+  eager, ``min(num_tokens, req_to_token width)`` in graph mode) and ``max_prefix`` (for the
+  split-KV choice: eager, the host maximum of ``prefix_lens``; in graph mode, where no device
+  value may reach the host, the runtime's ``graph_prefix_bound`` or None).
 
 Worked example (the TARGET_VERIFY batch of :mod:`~specattn.backends.forward_batch`, bs = 2,
 ``D = 3``, ``req_pool_indices = [3, 0]``, ``prefix_lens = [8, 5]``)::
@@ -62,8 +62,14 @@ are left unwritten (EXTEND never splits, so no merge touches them).  Example: pa
 Split-KV: DECODE, TARGET_VERIFY and DRAFT_EXTEND_V2 split the prefix when the batch alone
 would launch fewer programs than ~2 waves of the GPU's SMs for MHA (1 wave with 128-row
 tiles), ~1 wave for MLA (its 128-row x 256-value tiles hold about one 8-warp program per SM);
-eager also bounds the splits by ``max_prefix / 256`` (graph mode cannot see the prefix, so a
-captured small-batch decode may split a short prefix more than eager would).
+``max_prefix`` (eager: the batch's; graph mode: ``graph_prefix_bound`` when the runtime
+sets one) bounds them to one split per :func:`split_keys_mha` keys for MHA (32 keys while the
+batch's query rows in flight stay within a bs-1 16-token verify's 144, proportionally more
+above), 256 for MLA.  On an H200 in CUDA graphs (SmolLM2's 9 / 3 heads of 64, bf16, merge
+included): a bs-1 16-token verify over 256 keys takes 9.1 us in one pass and 7.7 in eight;
+at bs 16 the same verify takes 9.2 us in one pass and 12.3 in the four that SM occupancy
+alone picks (over 1,024 keys: 18.8 in one, 15.5 in two, 15.0 in four); a bs-1 decode over
+512 keys takes 8.4 us in one pass and 5.3 in eight.
 ``num_kv_splits=`` forces a count (tests, sweeps).  EXTEND never splits.
 
 Kernel config: ``kernel_config={"block_m": .., "block_n": .., "num_warps": .., "num_stages":
@@ -97,6 +103,17 @@ __all__ = ["TritonBackend", "TritonMetadata", "fill_triton_metadata"]
 MAX_KV_SPLITS = 16
 MLA_MAX_KV_SPLITS = 32
 MIN_SPLIT_KEYS = 256
+MIN_SPLIT_KEYS_MHA = 32
+SPLIT_WORK_UNIT = 144   # query rows in flight of a bs-1 16-token verify with 3 KV heads of 16 queries
+
+
+def split_keys_mha(programs: int, rows: int, block_m: int) -> int:
+    """The fewest prefix keys one MHA split-KV program should get: ``MIN_SPLIT_KEYS_MHA``
+    times the batch's query rows in flight (``programs`` x rows per program, at least 16) per
+    ``SPLIT_WORK_UNIT``: the fuller the GPU already is, the longer a split must be to pay for
+    its partial write and the merge (module docstring: the measurements)."""
+    work = programs * max(16, min(rows, block_m))
+    return MIN_SPLIT_KEYS_MHA * max(1, work // SPLIT_WORK_UNIT)
 
 
 @dataclass
@@ -294,7 +311,8 @@ class TritonBackend(AttentionBackend):
             fixed = g["fixed_qo_indptr"][max_q] = torch.arange(
                 0, (g["max_bs"] + 1) * max_q, max_q, dtype=torch.int32, device=g["qo_indptr"].device)
         qo = g["qo_indptr"][:bs + 1] if fixed is None else fixed[:bs + 1]
-        md = TritonMetadata(mode, qo, g["prefix_lens"][:bs], g["req_pool_indices"][:bs], tm, max_q, None)
+        md = TritonMetadata(mode, qo, g["prefix_lens"][:bs], g["req_pool_indices"][:bs], tm, max_q,
+                            self.graph_prefix_bound)
         return fill_triton_metadata(batch, md, qo_indptr_ready=fixed is not None)
 
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
@@ -333,7 +351,8 @@ class TritonBackend(AttentionBackend):
         programs = -(-rows // block_m) * heads * md.batch_size
         splits = min(max_splits, max(1, (waves * self._num_sms) // max(programs, 1)))
         if md.max_prefix is not None:
-            splits = min(splits, max(1, md.max_prefix // MIN_SPLIT_KEYS))
+            keys = MIN_SPLIT_KEYS if self.kind == AttentionKind.MLA else split_keys_mha(programs, rows, block_m)
+            splits = min(splits, max(1, md.max_prefix // keys))
         return splits
 
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:

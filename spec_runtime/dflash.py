@@ -112,11 +112,11 @@ from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch, Fo
 from .loader import LlamaConfig, check_decoder_shape, check_weight_shapes
 from .drafter_base import TargetSharingDrafter, random_init
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
-from .strategies import SpecConfig, Strategy
+from .strategies import PrefillBatch, SpecConfig, Strategy
 from .sampling import greedy_tokens
 
 if TYPE_CHECKING:  # the engine imports this module
-    from .engine import Engine, ForwardOut, RoundBatch
+    from .engine import Engine, RoundBatch
 
 __all__ = ["ARCHITECTURE", "DEFAULT_MASK_TOKEN_ID", "context_layer_ids", "default_mask_token_id", "DFlashConfig",
            "checkpoint_nbytes", "fit_intermediate_size", "init_weights", "DFlashDrafter", "chain_tree",
@@ -841,11 +841,10 @@ class DFlashStrategy(Strategy):
     def per_mode_graph_plan(self, eng: "Engine") -> list:
         return [("draft", self.drafter, eng.draft_backend, ForwardMode.TARGET_VERIFY, self.B, eng.max_batch)]
 
-    def prefill(self, eng: "Engine", rows: torch.Tensor, lens: List[int], ids: torch.Tensor,
-                batch: ForwardBatch, out: "ForwardOut") -> None:
+    def prefill(self, eng: "Engine", pb: "PrefillBatch") -> None:
         """The prompt's drafter context KV from the tap layers of the target's prefill
         (same slots and positions as the target's)."""
-        self.drafter.write_context_kv(out.features, batch.positions, batch.out_cache_loc, eng.draft_pool)
+        self.drafter.write_context_kv(pb.out.features, pb.batch.positions, pb.batch.out_cache_loc, eng.draft_pool)
 
     def block_logits(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
         """One non-causal drafter forward per request over ``[root, MASK x (B-1)]`` at positions

@@ -54,10 +54,10 @@ from specattn.ops.checks import capturing
 from specattn.backends import (ForwardBatch, ForwardMode, ReqToTokenPool, RoutedBackend,
                                UnsupportedError, create_backend)
 
-from .graph_runner import GraphRunner, padded_sizes
+from .graph_runner import GraphRunner, padded_sizes, padded_tokens
 from .model import LlamaModel
 from .sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
-from .strategies import SpecConfig, Strategy, make_strategy
+from .strategies import PrefillBatch, SpecConfig, Strategy, make_strategy
 
 __all__ = ["Engine", "SpecConfig", "GenerateResult", "ForwardOut", "RoundBatch", "Request"]
 
@@ -167,11 +167,17 @@ class Engine:
             at first use for a sampling configuration): whole rounds when every backend
             builds its graph metadata on the device, else per-mode graphs of the plain
             forwards (see the module docstring).
+        prefill_graph_tokens: with whole-round graphs, prefills of up to this many
+            (padded) prompt tokens also replay CUDA graphs, one per padded batch size and
+            token count (:func:`~specattn.spec_runtime.graph_runner.padded_tokens`),
+            captured at first use; 0: prefills run eagerly.
 
     Attributes:
         target_backend, draft_backend: the backends (``draft_backend`` only with a drafter).
         draft: the drafter model (None for ``algo="none"``).
-        round_graphs: ``{(padded_bs, sampling key): CUDAGraph}`` of whole rounds.
+        round_graphs: ``{(padded_bs, sampling key, prefix bound): CUDAGraph}`` of whole
+            rounds (:meth:`prefix_bounds`).
+        prefill_graphs: ``{(padded_bs, padded tokens, sampling key): (CUDAGraph, its input)}``.
         runners: per-mode graph runners (host-planned backends only).
         graph_modes: ``"target:DECODE"``-style names of the (model, mode) pairs that run
             inside CUDA graphs.
@@ -180,8 +186,8 @@ class Engine:
             backend lacks, run by the ``triton`` backend over the same pools.
 
     Raises:
-        ValueError: bad ``spec``, ``draft_model``, ``page_size``, ``cuda_graph`` off CUDA, or
-            a ``device`` other than the ready model's.
+        ValueError: bad ``spec``, ``draft_model``, ``page_size``, ``prefill_graph_tokens``,
+            ``cuda_graph`` off CUDA, or a ``device`` other than the ready model's.
         KeyError, ImportError: from ``create_backend`` (unknown / unavailable backend).
         UnsupportedError: the backend does not support (eagerly) a mode the algorithm needs
             for the model's attention kind; the message names every missing (model, mode).
@@ -190,13 +196,17 @@ class Engine:
     def __init__(self, config, weights: Optional[Dict[str, torch.Tensor]] = None, *, spec: SpecConfig = None,
                  backend: str = "torch_reference", device=None, dtype=torch.float32,
                  max_batch: int = 8, max_context: int = 1024, eos_token_ids: Sequence[int] = (),
-                 cuda_graph: bool = False, draft_model=None, page_size: int = 1):
+                 cuda_graph: bool = False, draft_model=None, page_size: int = 1,
+                 prefill_graph_tokens: int = 4096):
         self.spec = spec or SpecConfig()
         self.spec.validate()
         if page_size < 1 or max_context % page_size:
             raise ValueError(f"max_context ({max_context}) must be a multiple of page_size ({page_size})")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, got {prefill_graph_tokens}")
+        self.prefill_graph_tokens = prefill_graph_tokens
         self.eos = set(eos_token_ids)
         if weights is not None:
             self.target = LlamaModel(config, weights, "cpu" if device is None else device, dtype)
@@ -237,7 +247,7 @@ class Engine:
         self.num_forward_target = 0
         self.params = SamplingParams()
         self.runners: Dict[Tuple[int, ForwardMode], object] = {}
-        self.round_graphs: Dict[Tuple[int, tuple], torch.cuda.CUDAGraph] = {}
+        self.round_graphs: Dict[Tuple[int, tuple, int], torch.cuda.CUDAGraph] = {}
         self.graph_modes: List[str] = []
         self.eager_routed: List[str] = []
         self._graph_mode = False       # forwards take their metadata from the graph builders
@@ -245,6 +255,8 @@ class Engine:
         self._graph_pool = None
         self._constants: Dict[tuple, torch.Tensor] = {}
         self.whole_round_graphs = False
+        self.prefill_graphs_on = False
+        self.prefill_graphs: Dict[Tuple[int, int, tuple], Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if cuda_graph:
             self._plan_graphs()
 
@@ -330,12 +342,21 @@ class Engine:
         self._graph_pool = torch.cuda.graph_pool_handle()
         if whole:
             self.whole_round_graphs = True
-            for role, (max_bs, max_tokens) in self.strategy.graph_state_sizes(self.max_batch).items():
+            extend_roles = {role for role, mode in self.required_modes() if mode == ForwardMode.EXTEND}
+            self.prefill_graphs_on = self.strategy.graph_prefill and self.prefill_graph_tokens > 0 and all(
+                self.backend_of(r).device_metadata and
+                self.backend_of(r).supports(ForwardMode.EXTEND, graph=True, kind=self.backend_of(r).kind)
+                for r in extend_roles)
+            sizes = self.strategy.graph_state_sizes(self.max_batch)
+            for role in extend_roles if self.prefill_graphs_on else ():
+                max_bs, max_tokens = sizes.get(role, (1, 1))
+                sizes[role] = (max(max_bs, self.max_batch), max(max_tokens, self.prefill_graph_tokens))
+            for role, (max_bs, max_tokens) in sizes.items():
                 self.backend_of(role).init_cuda_graph_state(max_bs, max_tokens)
             self.graph_modes = [f"{role}:{mode.name}" for role, mode in round_modes]
             self._static = self._round_buffers(self.max_batch)
             for pbs in reversed(padded_sizes(self.max_batch)):
-                self._capture_round(pbs, SamplingParams())
+                self._capture_round(pbs, SamplingParams(), self.max_context)
             return
         plan = self.graph_plan(self.strategy.per_mode_graph_plan(self.max_batch))
         sizes: Dict[int, Tuple[int, int]] = {}
@@ -377,13 +398,28 @@ class Engine:
     def _sampling_key(params: SamplingParams) -> tuple:
         return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)
 
-    def _capture_round(self, pbs: int, params: SamplingParams) -> None:
+    def prefix_bounds(self) -> List[int]:
+        """The prefix bounds round graphs are captured for: 128, 256, ... (powers of two
+        below ``max_context``), then ``max_context``.  A round replays the graph of the
+        smallest bound above every request's prefix (the backends may split the KV of
+        shorter prefixes less: ``AttentionBackend.graph_prefix_bound``)."""
+        out, b = [], 128
+        while b < self.max_context:
+            out.append(b)
+            b *= 2
+        return out + [self.max_context]
+
+    def _capture_round(self, pbs: int, params: SamplingParams, prefix_bound: int) -> None:
         """Capture one round for ``pbs`` padded requests (all pointing at the dummy row during
-        capture) under the sampling configuration ``params``."""
+        capture) under the sampling configuration ``params``, for prefixes up to
+        ``prefix_bound``."""
         rb = RoundBatch(self._static.rows[:pbs], self._static.emitted[:pbs])
         rb.rows.fill_(self.dummy_row)
         saved, self.params = self.params, params
         self._graph_mode = True
+        backends = [b for b in (self.target_backend, self.draft_backend) if b is not None]
+        for b in backends:
+            b.graph_prefix_bound = prefix_bound
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -401,7 +437,9 @@ class Engine:
             self._graph_mode = False
             self.params = saved
             self._rows_now = None  # the static rows now point at the dummy row
-        self.round_graphs[(pbs, self._sampling_key(params))] = g
+            for b in backends:
+                b.graph_prefix_bound = None
+        self.round_graphs[(pbs, self._sampling_key(params), prefix_bound)] = g
 
     @staticmethod
     def _graphs_can_sample(params: SamplingParams) -> bool:
@@ -477,18 +515,20 @@ class Engine:
             if hidden_in is not None:  # an EAGLE-3 drafter: its LM head runs on logit_rows only
                 hidden, logits = model.forward(input_ids, batch, backend, hidden_in, logit_rows=logit_rows)
                 return ForwardOut(logits, hidden)
-            out = self._forward_plain(model, backend, input_ids, batch, capture_layers)
+            return self._forward_plain(model, backend, input_ids, batch, capture_layers, logit_rows)
         if logit_rows is not None:
             out.logits = out.logits[logit_rows]
         return out
 
     @staticmethod
-    def _forward_plain(model, backend, input_ids, batch, capture_layers) -> ForwardOut:
+    def _forward_plain(model, backend, input_ids, batch, capture_layers, logit_rows) -> ForwardOut:
         if hasattr(model, "forward_logits"):
-            logits, caps = model.forward_logits(input_ids, batch, backend, capture_layers=capture_layers)
+            logits, caps = model.forward_logits(input_ids, batch, backend, capture_layers=capture_layers,
+                                                logit_rows=logit_rows)
             return ForwardOut(logits, None, torch.cat(caps, -1) if caps else None)
         hidden, caps = model.forward(input_ids, batch, backend, capture_layers=capture_layers)
-        return ForwardOut(model.logits(hidden), hidden, torch.cat(caps, -1) if caps else None)
+        logits = model.logits(hidden if logit_rows is None else hidden[logit_rows])
+        return ForwardOut(logits, hidden, torch.cat(caps, -1) if caps else None)
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 ``[N]`` tokens from float32 ``logits [N, V]`` under the current generation's
@@ -533,22 +573,99 @@ class Engine:
         return (2 if overlap else 1) * self.strategy.tokens_per_round + 2
 
     def _prefill(self, reqs: List[Request]) -> None:
+        """The target's EXTEND over the prompts, the roots' sampling and the strategy's
+        prefill: replaying a prefill graph when the engine has whole-round graphs, the
+        strategy's prefill is device work (``Strategy.graph_prefill``) and the padded token
+        count fits ``prefill_graph_tokens``; else eagerly.  Emits the roots."""
         rows = [r.row for r in reqs]
         lens = [len(r.prompt) for r in reqs]
-        rtt = self.req_pool.req_to_token
-        ids = torch.tensor([t for r in reqs for t in r.prompt], dtype=torch.int64, device=self.device)
-        loc = torch.cat([rtt[r.row, :len(r.prompt)] for r in reqs]).long()
-        batch = ForwardBatch.extend(rows, [0] * len(reqs), lens, loc, device=self.device)
-        out = self.forward("target", ids, batch, capture_layers=self.strategy.target_capture_layers)
+        T, bs = sum(lens), len(reqs)
         self.num_forward_target += 1
-        last = torch.cumsum(torch.tensor(lens, device=self.device), 0) - 1
-        roots = self.sample(out.logits[last])
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        self.prefix_lens[rows_t] = torch.tensor(lens, dtype=torch.int64, device=self.device)
-        self.roots[rows_t] = roots
-        self.strategy.prefill(self, rows_t, lens, ids, batch, out)
-        for r, t in zip(reqs, roots.tolist()):
+        pbs = next(s for s in padded_sizes(self.max_batch) if s >= bs)
+        PT = padded_tokens(T + (pbs > bs))      # a padding request's last token is a padding one
+        if self.prefill_graphs_on and self._graphs_can_sample(self.params) and PT <= self.prefill_graph_tokens:
+            key = (pbs, PT, self._sampling_key(self.params))
+            if key not in self.prefill_graphs:
+                self._capture_prefill(pbs, PT, self.params)
+            g, inp = self.prefill_graphs[key]
+            host = torch.zeros(inp.shape[0], dtype=torch.int64)
+            host[:T] = torch.tensor([t for r in reqs for t in r.prompt], dtype=torch.int64)
+            host[PT:PT + T] = torch.cat([torch.arange(n) for n in lens])
+            host[2 * PT:3 * PT] = self.dummy_row
+            host[2 * PT:2 * PT + T] = torch.repeat_interleave(torch.tensor(rows), torch.tensor(lens))
+            tail = host[3 * PT:].view(3, pbs)
+            tail[0] = self.dummy_row
+            tail[0, :bs] = torch.tensor(rows)
+            tail[1, :bs] = torch.tensor(lens)
+            tail[2] = PT - 1
+            tail[2, :bs] = torch.cumsum(torch.tensor(lens), 0) - 1
+            inp.copy_(host.pin_memory(), non_blocking=True)
+            g.replay()
+            roots = self.roots.tolist()
+            roots = [roots[r] for r in rows]
+        else:
+            dev = self.device
+            rtt = self.req_pool.req_to_token
+            ids = torch.tensor([t for r in reqs for t in r.prompt], dtype=torch.int64, device=dev)
+            loc = torch.cat([rtt[r.row, :len(r.prompt)] for r in reqs]).long()
+            batch = ForwardBatch.extend(rows, [0] * bs, lens, loc, device=dev)
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+            last = torch.cumsum(torch.tensor(lens, device=dev), 0) - 1
+            token_rows = torch.repeat_interleave(rows_t, torch.tensor(lens, device=dev))
+            roots = self._prefill_device(rows_t, ids, batch, last, token_rows, lens).tolist()
+        for r, t in zip(reqs, roots):
             self._emit(r, [t])
+
+    def _prefill_device(self, rows: torch.Tensor, ids: torch.Tensor, batch: ForwardBatch, last: torch.Tensor,
+                        token_rows: torch.Tensor, lens: Optional[List[int]]) -> torch.Tensor:
+        """Device work of a prefill (:class:`~specattn.spec_runtime.strategies.PrefillBatch`
+        for the arguments); returns the roots, int64 ``[bs]``."""
+        out = self.forward("target", ids, batch, capture_layers=self.strategy.target_capture_layers,
+                           logit_rows=last)
+        roots = self.sample(out.logits)
+        self.prefix_lens[rows] = batch.extend_lens.long()
+        self.roots[rows] = roots
+        self.strategy.prefill(self, PrefillBatch(rows, ids, batch, out, last, token_rows, lens))
+        return roots
+
+    def _capture_prefill(self, pbs: int, PT: int, params: SamplingParams) -> None:
+        """Capture a prefill of up to ``pbs`` requests and ``PT`` tokens under ``params``.  Its
+        one static input, int64 ``[3 PT + 3 pbs]``: token ids, positions, token rows (``PT``
+        each), then request rows, prompt lengths and last-token indices (``pbs`` each);
+        captured with every request and token a padding one."""
+        dev = self.device
+        inp = torch.zeros(3 * PT + 3 * pbs, dtype=torch.int64, device=dev)
+        inp[2 * PT:3 * PT] = self.dummy_row
+        tail = inp[3 * PT:].view(3, pbs)
+        tail[0] = self.dummy_row
+        tail[2] = PT - 1
+        ids, pos, token_rows = inp[:PT], inp[PT:2 * PT], inp[2 * PT:3 * PT]
+        rows, lens, last = tail[0], tail[1], tail[2]
+        zeros = self.constant(("prefill_prefix", pbs), lambda: torch.zeros(pbs, dtype=torch.int32, device=dev))
+
+        def body():
+            loc = self.req_pool.req_to_token[token_rows, pos].long()
+            batch = ForwardBatch(ForwardMode.EXTEND, rows, zeros, lens.to(torch.int32), loc, pos)
+            self._prefill_device(rows, ids, batch, last, token_rows, None)
+            self._reset_dummy()
+
+        saved, self.params = self.params, params
+        self._graph_mode = True
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: JIT compiles, allocator, lazy inits
+                body()
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            if not params.greedy:
+                g.register_generator_state(self.generator)
+            with torch.cuda.graph(g, pool=self._graph_pool):
+                body()
+        finally:
+            self._graph_mode = False
+            self.params = saved
+        self.prefill_graphs[(pbs, PT, self._sampling_key(params))] = (g, inp)
 
     def _emit(self, req: Request, tokens: Sequence[int]) -> None:
         for t in tokens:
@@ -560,16 +677,18 @@ class Engine:
             if req.finished:
                 return
 
-    def _launch(self, rows: List[int], host: Optional[torch.Tensor]):
+    def _launch(self, rows: List[int], host: Optional[torch.Tensor], max_prefix: int):
         """Run one round for request ``rows`` (replaying a whole-round graph, or from the host)
         and start copying what it emits (``[count, tokens...]`` per request) to ``host``
-        (pinned, with an event to wait for); on the CPU returns it directly."""
+        (pinned, with an event to wait for); on the CPU returns it directly.  ``max_prefix``:
+        a bound of every request's prefix in this round."""
         bs = len(rows)
         if self.whole_round_graphs and self._graphs_can_sample(self.params):
             pbs = next(s for s in padded_sizes(self.max_batch) if s >= bs)
-            key = (pbs, self._sampling_key(self.params))
+            bound = next((b for b in self.prefix_bounds() if b >= max_prefix), self.max_context)
+            key = (pbs, self._sampling_key(self.params), bound)
             if key not in self.round_graphs:
-                self._capture_round(pbs, self.params)
+                self._capture_round(pbs, self.params, bound)
             if self._rows_now != (pbs, rows):
                 stage = torch.full((pbs,), self.dummy_row, dtype=torch.int64).pin_memory()
                 stage[:bs] = torch.tensor(rows, dtype=torch.int64)
@@ -636,7 +755,9 @@ class Engine:
             if running and len(pending) < (2 if overlap else 1):
                 buf = host[k % 3] if host is not None else None
                 k += 1
-                pending.append((list(running), self._launch([r.row for r in running], buf)))
+                # the device may be up to two rounds past what the host has read
+                bound = max(len(r.prompt) + len(r.output) for r in running) + 2 * self.strategy.tokens_per_round + 2
+                pending.append((list(running), self._launch([r.row for r in running], buf, bound)))
                 n_rounds += 1
                 if overlap and len(pending) < 2:
                     continue

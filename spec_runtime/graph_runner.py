@@ -26,6 +26,15 @@ def padded_sizes(max_bs: int) -> List[int]:
     return out + [max_bs]
 
 
+def padded_tokens(n: int) -> int:
+    """The padded token count of a prefill graph for ``n`` tokens: the next of 32, 64, ..,
+    512 (powers of two), then the next multiple of 512 (at most 1.5x the tokens past 512)."""
+    b = 32
+    while b < n and b < 512:
+        b *= 2
+    return b if b >= n else -(-n // 512) * 512
+
+
 def empty_batch(mode: ForwardMode, tokens_per_req: int, device) -> ForwardBatch:
     """A batch of no requests in ``mode`` (what capture pads up from; with empty host
     lengths, so the padded capture batch carries host copies like every replay's)."""

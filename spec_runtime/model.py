@@ -146,14 +146,17 @@ class LlamaModel:
         return rms_norm(h, w["model.norm.weight"], c.rms_norm_eps), captured
 
     def forward_logits(self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
-                       capture_layers: Sequence[int] = ()) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """float32 logits ``[T, vocab]`` of ``input_ids [T]`` and the residual stream after each
-        layer in ``capture_layers`` (as :meth:`forward`), by the fused ops when
-        ``self.fused`` (module docstring), else ``logits(forward(...))``.  Writes the KV at
-        ``batch.out_cache_loc`` of ``backend.kv_pool``; no host sync."""
+                       capture_layers: Sequence[int] = (), logit_rows: Optional[torch.Tensor] = None
+                       ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """float32 logits ``[T, vocab]`` of ``input_ids [T]`` (``[R, vocab]`` of the token rows
+        ``logit_rows``, int64 ``[R]``, when given: the final norm and LM head run on those
+        rows only) and the residual stream after each layer in ``capture_layers`` (as
+        :meth:`forward`), by the fused ops when ``self.fused`` (module docstring), else
+        ``logits(forward(...))``.  Writes the KV at ``batch.out_cache_loc`` of
+        ``backend.kv_pool``; no host sync."""
         if not self.fused:
             hidden, captured = self.forward(input_ids, batch, backend, capture_layers)
-            return self.logits(hidden), captured
+            return self.logits(hidden if logit_rows is None else hidden[logit_rows]), captured
         c, w = self.config, self.w
         T, eps = input_ids.shape[0], c.rms_norm_eps
         pool = backend.kv_pool
@@ -172,6 +175,8 @@ class LlamaModel:
             ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], h)
             if i in capture_layers:
                 captured.append(h.clone())
+        if logit_rows is not None:
+            h = h[logit_rows]
         logits = ops.rms_norm_matmul(h, w["model.norm.weight"], self.lm_head, eps, out_dtype=torch.float32)
         return logits, captured
 

@@ -24,17 +24,17 @@ Nothing serializes the round: the lookup is device work inside the round's CUDA 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import TYPE_CHECKING, Dict, Tuple
 
 import torch
 
 from specattn import ops
-from specattn.backends import ForwardBatch, ForwardMode, pack_tree_mask
+from specattn.backends import ForwardMode, pack_tree_mask
 
-from .strategies import SpecConfig, Strategy
+from .strategies import PrefillBatch, SpecConfig, Strategy
 
 if TYPE_CHECKING:  # the engine imports this module
-    from .engine import Engine, ForwardOut, RoundBatch
+    from .engine import Engine, RoundBatch
 
 __all__ = ["NgramStrategy", "chains_tree_shape"]
 
@@ -96,14 +96,13 @@ class NgramStrategy(Strategy):
     def reset_row(self, eng: "Engine", row: int) -> None:
         self.history[row].zero_()
 
-    def prefill(self, eng: "Engine", rows: torch.Tensor, lens: List[int], ids: torch.Tensor,
-                batch: ForwardBatch, out: "ForwardOut") -> None:
-        """The prompts and roots into ``history``."""
-        roots = eng.roots[rows]
-        for i, (row, ids_i) in enumerate(zip(rows.tolist(), ids.split(lens))):
-            self.history[row].zero_()
-            self.history[row, :len(ids_i)] = ids_i
-            self.history[row, len(ids_i)] = roots[i]
+    def prefill(self, eng: "Engine", pb: "PrefillBatch") -> None:
+        """The prompts and roots into ``history`` (device work: padding tokens write the
+        dummy row)."""
+        h = self.history
+        h.index_fill_(0, pb.rows, 0)      # (a kernel: no host scalar copy inside a capture)
+        h[pb.token_rows, pb.batch.positions] = pb.ids.to(h.dtype)
+        h[pb.rows, pb.batch.extend_lens.long()] = eng.roots[pb.rows].to(h.dtype)
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
         K, S, D, dev = self.K, self.S, self.D, eng.device

@@ -33,7 +33,8 @@ from specattn.backends import ForwardBatch, ForwardMode
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, ForwardOut, RoundBatch
 
-__all__ = ["SpecConfig", "Strategy", "PlainDecoding", "EagleStrategy", "make_strategy", "top_log_probs"]
+__all__ = ["SpecConfig", "Strategy", "PrefillBatch", "PlainDecoding", "EagleStrategy", "make_strategy",
+           "top_log_probs"]
 
 Role = str
 ModeList = List[Tuple[Role, ForwardMode]]
@@ -107,6 +108,34 @@ def top_log_probs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Ten
     return top.values - torch.logsumexp(x, -1, keepdim=True), top.indices
 
 
+@dataclass
+class PrefillBatch:
+    """What :meth:`Strategy.prefill` gets after the target's EXTEND over the prompts and the
+    roots' sampling.  Inside a prefill CUDA graph the shapes are the graph's padded ones:
+    padding requests point at the engine's dummy row with no tokens, and padding tokens
+    (past every request's) belong to no request (slot 0, position 0, token id 0).
+
+    Attributes:
+        rows: int64 ``[bs]`` request rows.
+        ids: int64 ``[T]`` the prompts' tokens, request after request.
+        batch: the target's EXTEND :class:`~specattn.backends.ForwardBatch` (prefix 0).
+        out: the target's :class:`~specattn.spec_runtime.engine.ForwardOut`: ``logits`` of
+            the ``last`` rows only (``[bs, V]``), ``features [T, *]`` of every token.
+        last: int64 ``[bs]``: each request's last prompt token in ``ids`` (a padding
+            request's: a padding token).
+        token_rows: int64 ``[T]``: each token's request row.
+        lens: the prompt lengths on the host; None inside a graph (device work only then).
+    """
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    batch: ForwardBatch
+    out: "ForwardOut"
+    last: torch.Tensor
+    token_rows: torch.Tensor
+    lens: Optional[List[int]] = None
+
+
 class Strategy(ABC):
     """One decoding algorithm (see the module docstring).
 
@@ -118,6 +147,9 @@ class Strategy(ABC):
         emit_width: most tokens one round emits per request.
         records_accept_length: whether rounds are verifies (accept lengths are reported).
         target_capture_layers: target layers whose output residual stream the strategy reads.
+        graph_prefill: whether :meth:`prefill` is device work of static shapes that never
+            reads ``PrefillBatch.lens`` (the engine may then capture the whole prefill in a
+            CUDA graph).
     """
 
     name = "base"
@@ -128,6 +160,7 @@ class Strategy(ABC):
     emit_width = 1
     records_accept_length = True
     target_capture_layers: Sequence[int] = ()
+    graph_prefill = True
 
     def required_modes(self) -> ModeList:
         """Every ``(role, mode)`` it runs: the target's EXTEND (prefill), the drafter's
@@ -158,10 +191,9 @@ class Strategy(ABC):
         forwards (token ids in, logits out) that host-planned backends capture per mode."""
         return []
 
-    def prefill(self, eng: "Engine", rows: torch.Tensor, lens: List[int], ids: torch.Tensor,
-                batch: ForwardBatch, out: "ForwardOut") -> None:
-        """After the target's EXTEND over the prompts (``ids``, ``batch``, its output ``out``
-        with ``target_capture_layers`` features) and the roots' sampling."""
+    def prefill(self, eng: "Engine", pb: PrefillBatch) -> None:
+        """The strategy's own prefill (its drafter's), after the target's EXTEND over the
+        prompts (with ``target_capture_layers`` features) and the roots' sampling."""
 
     @abstractmethod
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
@@ -239,6 +271,11 @@ class EagleStrategy(Strategy):
         if hasattr(self.drafter, "reserve_positions"):   # fused paths read a RoPE table
             self.drafter.reserve_positions(max_context)
         self.shift = 1 if self.eagle3 else 0
+        self.graph_prefill = self.eagle3
+        #: the draft's bookkeeping ops: None picks the fused ops (:func:`specattn.ops.eagle_beam_step`,
+        #: :func:`specattn.ops.select_draft_tokens`) on CUDA and PyTorch ops elsewhere; "torch",
+        #: "auto", "triton" or "reference" force one (tests)
+        self.draft_ops_impl: Optional[str] = None
         self.target_capture_layers = tuple(self.drafter.aux_layer_ids) if self.eagle3 else ()
         self.verify_topk = self.draft_topk = self.K
         self.tokens_per_round = max(self.D, self.S + 1)
@@ -301,45 +338,46 @@ class EagleStrategy(Strategy):
             self.hidden[rows] = hidden.to(self.hidden.dtype)
 
     # ---------------------------------------------------------------- prefill
-    def prefill(self, eng: "Engine", rows: torch.Tensor, lens: List[int], ids: torch.Tensor,
-                batch: ForwardBatch, out: "ForwardOut") -> None:
+    def prefill(self, eng: "Engine", pb: PrefillBatch) -> None:
         """The drafter's EXTEND over the prompts and roots: self-speculative: tokens
-        ``x_0 .. x_n`` (prompt + root) at positions ``0 .. n``; EAGLE-3: tokens ``x_1 .. x_n``
-        paired with the target's features ``g_0 .. g_{n-1}`` at entries ``0 .. n-1``."""
-        dev, rtt = eng.device, eng.req_pool.req_to_token
+        ``x_0 .. x_n`` (prompt + root) at positions ``0 .. n`` (eager: it reads the host
+        lengths); EAGLE-3: tokens ``x_1 .. x_n`` paired with the target's features
+        ``g_0 .. g_{n-1}`` at entries ``0 .. n-1``, in the target's own batch (device work)."""
+        dev, rtt, rows = eng.device, eng.req_pool.req_to_token, pb.rows
         roots = eng.roots[rows]
+        if self.eagle3:  # each prompt shifted left by one, its root last: the prompts' shape
+            d_ids = pb.ids.roll(-1)
+            d_ids[pb.last] = roots
+            o = eng.forward("draft", d_ids, pb.batch, hidden_in=pb.out.features, logit_rows=pb.last)
+            self._keep_top(rows, o.logits, o.hidden[pb.last])
+            return
+        lens = pb.lens
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
-        if self.eagle3:  # drop each prompt's first token, append its root: same shape as the prompts
-            keep = torch.tensor([i for a, b in zip(starts, starts[1:]) for i in range(a + 1, b)],
-                                dtype=torch.int64, device=dev)
-            dst = torch.tensor([i for a, b in zip(starts, starts[1:]) for i in range(a, b - 1)],
-                               dtype=torch.int64, device=dev)
-            d_ids = torch.empty_like(ids)
-            d_ids[dst] = ids[keep]
-            d_ids[torch.tensor(starts[1:], device=dev) - 1] = roots
-            o = eng.forward("draft", d_ids, batch, hidden_in=out.features)
-            last = torch.tensor(starts[1:], device=dev) - 1
-        else:
-            new_lens = [n + 1 for n in lens]
-            d_ids = torch.empty(len(ids) + len(lens), dtype=torch.int64, device=dev)
-            src = torch.tensor([i + k for k, (a, b) in enumerate(zip(starts, starts[1:])) for i in range(a, b)],
-                               dtype=torch.int64, device=dev)
-            d_ids[src] = ids
-            last = torch.tensor([b + k for k, b in enumerate(starts[1:])], dtype=torch.int64, device=dev)
-            d_ids[last] = roots
-            loc = torch.cat([rtt[r, :n] for r, n in zip(rows.tolist(), new_lens)]).long()
-            d_batch = ForwardBatch.extend(rows, [0] * len(lens), new_lens, loc, device=dev)
-            o = eng.forward("draft", d_ids, d_batch)
-        self._keep_top(rows, o.logits[last], None if o.hidden is None else o.hidden[last])
+        new_lens = [n + 1 for n in lens]
+        d_ids = torch.empty(len(pb.ids) + len(lens), dtype=torch.int64, device=dev)
+        src = torch.tensor([i + k for k, (a, b) in enumerate(zip(starts, starts[1:])) for i in range(a, b)],
+                           dtype=torch.int64, device=dev)
+        d_ids[src] = pb.ids
+        last = torch.tensor([b + k for k, b in enumerate(starts[1:])], dtype=torch.int64, device=dev)
+        d_ids[last] = roots
+        loc = torch.cat([rtt[r, :n] for r, n in zip(rows.tolist(), new_lens)]).long()
+        d_batch = ForwardBatch.extend(rows, [0] * len(lens), new_lens, loc, device=dev)
+        o = eng.forward("draft", d_ids, d_batch, logit_rows=last)
+        self._keep_top(rows, o.logits, None)
 
     # ---------------------------------------------------------------- round
-    def _draft(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor):
+    def _draft(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor,
+               draft_ops: Optional[str] = None):
         """Steps ``1 .. S-1`` over the beams.  Returns ``(parent_list [bs, K(S-1)+1],
         candidate scores [bs, n_cand], candidate tokens [bs, n_cand])``.  Index patterns are
         the engine's kept constants or views, so a captured round launches only the kernels
-        that depend on the round's values."""
+        that depend on the round's values.  ``draft_ops``: None: each step's candidates and
+        next beams in PyTorch ops (``topk``, gathers), concatenated at the end; else the
+        ``impl`` of :func:`specattn.ops.eagle_beam_step`, one launch per step writing into
+        candidate buffers and ``parent_list`` made once per round (same values; ties among
+        equal scores go to the lower candidate index)."""
         K, S, sh = self.K, self.S, self.shift
         bs, rtt, ps = rows.shape[0], eng.req_pool.req_to_token, eng.page_size
         beam_scores, beam_tokens = self.top_scores[rows], self.top_tokens[rows]
@@ -347,6 +385,13 @@ class EagleStrategy(Strategy):
         root_block = eng.constant(("eagle_root_block", K), lambda: torch.cat(
             [torch.full((1,), -1, dtype=torch.int64, device=eng.device), eng.arange(K)]))
         blocks = [root_block[None].expand(bs, K + 1)]
+        fused = draft_ops is not None and S > 1
+        if fused:  # eagle_beam_step writes each step's block here (step 1 also the root's top-k)
+            n_cand = ops.num_tree_candidates(K, S)
+            all_scores = torch.empty(bs, n_cand, dtype=torch.float32, device=eng.device)
+            all_tokens = torch.empty(bs, n_cand, dtype=torch.int64, device=eng.device)
+            parent_list = torch.empty(bs, K * (S - 1) + 1, dtype=torch.int64, device=eng.device)
+            parent_list[:, :K + 1] = blocks[0]
         src_rows = rows[:, None].expand(bs, K)
         src_hidden = self.hidden[rows][:, None, :].expand(bs, K, -1) if self.eagle3 else None
         if K > 1 and S > 1:
@@ -386,24 +431,39 @@ class EagleStrategy(Strategy):
             o = eng.forward("draft", beam_tokens.reshape(-1), batch,
                             hidden_in=src_hidden.reshape(bs * K, -1) if self.eagle3 else None)
             child_scores, child_tokens = self._top(o.logits)                 # [bs*K, K]
-            child_scores = beam_scores[..., None] + child_scores.view(bs, K, K)
-            child_tokens = child_tokens.view(bs, K, K)
-            cand_scores.append(child_scores.flatten(1))
-            cand_tokens.append(child_tokens.flatten(1))
-            if s < S - 1:
-                beam_scores, best = child_scores.flatten(1).topk(K, dim=-1)
-                beam_tokens = child_tokens.flatten(1).gather(1, best)
-                parent = best // K
-                if K > 1:
-                    src_rows = cur.gather(1, parent)
-                if self.eagle3:
-                    h = o.hidden.view(bs, K, -1)
-                    src_hidden = h.gather(1, parent[..., None].expand(bs, K, h.shape[-1]))
-                blocks.append(best + (K + (s - 1) * K * K))
+            if fused:  # one launch: this step's candidates, the next beams, their parent block
+                nxt = s < S - 1
+                step = ops.eagle_beam_step(
+                    beam_scores, child_scores, child_tokens, all_scores, all_tokens, K + (s - 1) * K * K,
+                    beam_tokens=beam_tokens if s == 1 else None, beam_offset=0 if s == 1 else None,
+                    select=nxt, cur_rows=cur if nxt and K > 1 else None,
+                    parent_list=parent_list if nxt else None,
+                    parent_offset=K + 1 + (s - 1) * K if nxt else None, impl=draft_ops)
+                if nxt:
+                    beam_scores, beam_tokens, parent = step.scores, step.tokens, step.parents
+                    if K > 1:
+                        src_rows = step.src_rows
+            else:
+                child_scores = beam_scores[..., None] + child_scores.view(bs, K, K)
+                child_tokens = child_tokens.view(bs, K, K)
+                cand_scores.append(child_scores.flatten(1))
+                cand_tokens.append(child_tokens.flatten(1))
+                if s < S - 1:
+                    beam_scores, best = child_scores.flatten(1).topk(K, dim=-1)
+                    beam_tokens = child_tokens.flatten(1).gather(1, best)
+                    parent = best // K
+                    if K > 1:
+                        src_rows = cur.gather(1, parent)
+                    blocks.append(best + (K + (s - 1) * K * K))
+            if s < S - 1 and self.eagle3:
+                h = o.hidden.view(bs, K, -1)
+                src_hidden = h.gather(1, parent[..., None].expand(bs, K, h.shape[-1]))
         if K > 1 and S > 1:  # undo the scratch rows' columns: the next round's prefix is there
             width = (-(-(S - 1) // ps) + 1) * ps
             cols = (c0[:, None] + eng.arange(width)).clamp(max=eng.max_context - 1)
             rtt[scratch_rows[:, :, None], cols[:, None, :]] = rtt[rows[:, None, None], cols[:, None, :]]
+        if fused:
+            return parent_list, all_scores, all_tokens
         parent_list = torch.cat(blocks, 1) if S > 1 else \
             torch.full((bs, 1), -1, dtype=torch.int64, device=eng.device)
         return parent_list, torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1)
@@ -413,9 +473,18 @@ class EagleStrategy(Strategy):
         rows, rtt = rb.rows, eng.req_pool.req_to_token
         bs = rows.shape[0]
         P = eng.prefix_lens[rows]
-        parent_list, scores, tokens = self._draft(eng, rb, rows, P)
-        selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
-        draft_tokens = torch.cat([eng.roots[rows][:, None], tokens.gather(1, selected)], 1)
+        # the draft's bookkeeping: fused ops (eagle_beam_step per step, select_draft_tokens;
+        # Triton) on CUDA, PyTorch ops elsewhere and beyond the ops' limits (draft_ops_impl)
+        draft_ops = self.draft_ops_impl or ("auto" if rows.is_cuda else "torch")
+        if draft_ops == "torch" or K > ops.EAGLE_MAX_TOPK or \
+                ops.num_tree_candidates(K, S) > ops.EAGLE_MAX_CANDIDATES:
+            draft_ops = None
+        parent_list, scores, tokens = self._draft(eng, rb, rows, P, draft_ops)
+        if draft_ops is None:
+            selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
+            draft_tokens = torch.cat([eng.roots[rows][:, None], tokens.gather(1, selected)], 1)
+        else:
+            selected, draft_tokens = ops.select_draft_tokens(scores, tokens, eng.roots[rows], D, impl=draft_ops)
         tree = ops.build_tree(parent_list, selected, P.to(torch.int32), K, S, D)
         out_cache_loc = rtt[rows[:, None], P[:, None] + eng.arange(D)].long().flatten()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,

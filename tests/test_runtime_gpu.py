@@ -101,3 +101,35 @@ def test_real_model_shipped_drafter_graph_lossless(gguf_loaded, chat_ids, gpu_ta
                       max_batch=3, draft_model=drafter_factory(path, "cuda", torch.float32))
     res = _graphed(eng, spec).generate(chat_ids, SamplingParams(max_new_tokens=32))
     assert res.tokens == gpu_target
+
+
+@pytest.mark.parametrize("algo", ["none", "eagle3", "dflash", "ngram"])
+def test_prefill_graphs_match_eager(tmp_path, algo, backend_name):
+    """Prefills replayed from CUDA graphs (padded requests and tokens; the graph of a padded
+    size reused for other prompt sets; a prompt set past ``prefill_graph_tokens`` prefilled
+    eagerly) generate exactly what the eager engine does, float32."""
+    from specattn.spec_runtime.eagle3 import Eagle3Drafter
+    from specattn.spec_runtime.model import LlamaModel
+    from tiny_models import tiny_llama
+    seed = random.randrange(2**31)
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=4)
+    target = LlamaModel(cfg, dict(w), "cuda")
+    rng = random.Random(seed)
+    spec = {"none": SpecConfig(), "eagle3": SpecConfig("eagle", 2, 3, 6), "ngram": SpecConfig("ngram"),
+            "dflash": SpecConfig("dflash", block_size=4)}[algo]
+    drafter = Eagle3Drafter.from_target(target, seed=seed) if algo == "eagle3" else None
+    kw = dict(spec=spec, max_context=160, max_batch=6, draft_model=drafter)
+    eager = make_engine(backend_name, target, cuda_graph=False, **kw)
+    graph = make_engine(backend_name, target, cuda_graph=True, prefill_graph_tokens=64, **kw)
+    if not graph.whole_round_graphs:
+        pytest.skip(f"--backend {backend_name} plans on the host: no prefill graphs")
+    assert graph.prefill_graphs_on
+    p = SamplingParams(max_new_tokens=12)
+    for n, lo, hi in ((3, 1, 9), (1, 34, 40), (5, 8, 12), (3, 1, 9), (6, 14, 30)):   # the last: > 64 tokens
+        prompts = [[rng.randrange(96) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+        want = eager.generate(prompts, p)
+        got = graph.generate(prompts, p)
+        assert got.tokens == want.tokens, f"seed={seed} {algo} {n} prompts"
+        assert got.accept_lengths == want.accept_lengths
+    assert {k[:2] for k in graph.prefill_graphs} == {(4, 32), (1, 64), (6, 64)}   # padded_sizes(6): 1, 2, 4, 6
+    check_rows_restored(graph)

@@ -57,7 +57,7 @@ def paged_inputs(bs, P, n, Hkv, Dk, Dv, dtype, device, page_size=1, shared_kv=Fa
 
 
 def mha_point(kind, bs, P, n, dtype=torch.bfloat16, H=32, Hkv=8, hd=128, device="cuda"):
-    MAX_KV_SPLITS, MIN_SPLIT_KEYS = 16, 256  # TritonBackend's split heuristic
+    from specattn.backends.triton_backend import MAX_KV_SPLITS, split_keys_mha  # its split heuristic
     from specattn.triton_kernels.attention import choose_block_m, paged_attention
     k, v, rtt = paged_inputs(bs, P, n, Hkv, hd, hd, dtype, device)
     q = torch.randn(bs * n, H, hd, dtype=dtype, device=device)
@@ -69,7 +69,7 @@ def mha_point(kind, bs, P, n, dtype=torch.bfloat16, H=32, Hkv=8, hd=128, device=
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = -(-n * G // choose_block_m(n * G)) * Hkv * bs
     split_default = 1 if kind == "extend" else min(MAX_KV_SPLITS, max(1, 2 * sms // programs),
-                                                   max(1, P // MIN_SPLIT_KEYS))
+                                                   max(1, P // split_keys_mha(programs, n * G, choose_block_m(n * G))))
 
     def fn(cfg):
         cfg = dict(cfg)
