@@ -74,7 +74,8 @@ class E2EConfig:
     ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_draft_tokens=16))
     ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))
     drafter: Optional[str] = None           # EAGLE drafter folder (default: the shipped one)
-    draft_vocab: int = 0                    # EAGLE-3: draft from the N most frequent tokens (0: all)
+    draft_vocab: Optional[int] = None       # EAGLE-3: draft from the N most frequent tokens (0: all;
+                                            # None: eagle3.default_draft_vocab_size of the drafter)
     dflash_drafter: Optional[str] = None    # DFlash drafter folder (default: the shipped one)
     prompts: Optional[str] = None           # prompt file (default: the chat eval set)
     repetitive_prompts: Optional[str] = None  # the copy-heavy set (default: the packaged one)
@@ -269,6 +270,10 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
     target = LlamaModel(cfg_model, weights, cfg.device, dtype)
     drafter_path = cfg.drafter or default_drafter(cfg_model)
     dflash_path = cfg.dflash_drafter or default_drafter(cfg_model, "dflash")
+    draft_vocab = cfg.draft_vocab
+    if draft_vocab is None and drafter_path is not None:
+        from specattn.spec_runtime.eagle3 import default_draft_vocab_size
+        draft_vocab = default_draft_vocab_size(drafter_path)
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     say("measuring the ceilings")
     ceilings = harness.measure_ceilings() if cfg.device.startswith("cuda") else None
@@ -314,7 +319,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
             draft = None
             if spec.algo == "eagle" and drafter_path is not None:
                 from specattn.spec_runtime.eagle3 import Eagle3Drafter
-                draft = Eagle3Drafter.load(drafter_path, target, draft_vocab_size=cfg.draft_vocab or None)
+                draft = Eagle3Drafter.load(drafter_path, target, draft_vocab_size=draft_vocab or None)
             elif spec.algo == "dflash" and dflash_path is not None:
                 from specattn.spec_runtime.dflash import DFlashDrafter
                 draft = DFlashDrafter.load(dflash_path, target)
@@ -330,6 +335,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                                 if draft is not None else
                                 ("self-speculative" if spec.algo == "eagle" else
                                  ("random-init" if spec.algo == "dflash" else None))),
+                       draft_vocab=(draft_vocab or None) if spec.algo == "eagle" and draft is not None else None,
                        whole_round_graphs=eng.whole_round_graphs)
             if algo == "none":
                 base_out[set_name, bs], base_tps[set_name, bs] = outs, row["tokens_per_s"]
@@ -389,6 +395,17 @@ def _cell(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _eagle_settings(report: dict) -> str:
+    """" EAGLE chain / tree (topk, num_steps, num_draft_tokens)[, draft vocabulary]." or ""."""
+    st = report.get("settings") or {}
+    if "chain" not in st or not any(r.get("algo", "").startswith("eagle") for r in report["rows"]):
+        return ""
+    fmt = lambda c: f"({c['topk']}, {c['num_steps']}, {c['num_draft_tokens']})"   # noqa: E731
+    dv = next((r["draft_vocab"] for r in report["rows"] if r.get("draft_vocab")), None)
+    return (f" EAGLE chain {fmt(st['chain'])}, tree {fmt(st['tree'])} (topk, num_steps, num_draft_tokens)"
+            + (f", drafting from the {dv:,} most frequent tokens." if dv else "."))
+
+
 def markdown(report: dict) -> str:
     """The report as a markdown table (one row per measured pair)."""
     dev = report["device"]["name"]
@@ -397,7 +414,7 @@ def markdown(report: dict) -> str:
              f"{report['timestamp']}, commit `{(report.get('commit') or 'unknown')[:12]}`, "
              f"torch {report['versions']['torch']}, triton {report['versions']['triton']}; "
              f"{report['settings']['max_new_tokens']} new tokens per request, "
-             f"{_prompt_counts(report)}, CUDA graphs, greedy.",
+             f"{_prompt_counts(report)}, CUDA graphs, greedy.{_eagle_settings(report)}",
              "",
              "| prompts | algo | bs | dtype | backend | tokens/s | speedup | accept length | step ms | "
              "kernels/step | kernel ms/step | gpu_busy | lossless |",

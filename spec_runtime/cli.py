@@ -350,13 +350,13 @@ def _given(ctx: typer.Context, name: str) -> bool:
 def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_steps, num_draft_tokens,
                         draft_layers, block_size, backend, page_size, device, dtype, temperature, top_k,
                         top_p, model, draft_model, self_draft, cuda_graph, threads, ngram_size=4,
-                        draft_vocab=0) -> List[str]:
+                        draft_vocab=None) -> List[str]:
     """Check ``specattn generate``'s arguments before anything loads; returns the prompts.
     Every problem ends the command with one line (:func:`fail`, exit status 2)."""
     def bad(msg: str) -> None:
         fail("generate", msg)
 
-    if draft_vocab < 0:
+    if draft_vocab is not None and draft_vocab < 0:
         bad(f"--draft-vocab must be >= 0 (0: the full vocabulary), got {draft_vocab}")
     if draft_vocab and self_draft:
         bad("--draft-vocab applies to EAGLE-3 drafters, not to --self-draft")
@@ -479,9 +479,11 @@ def generate(
                                                  "topk + (num_steps - 1) * topk^2 + 1)."),
     draft_layers: Optional[int] = typer.Option(None, help="Drafter layers (EAGLE default 3/4 of the target; DFlash 2)."),
     block_size: int = typer.Option(16, help="DFlash block: root + block_size - 1 drafts per round."),
-    draft_vocab: int = typer.Option(0, "--draft-vocab", help="EAGLE-3: draft only from the N most frequent "
-                                                             "tokens of the drafter's token_frequencies.json "
-                                                             "(FR-Spec; a cheaper draft LM head); 0 = all."),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab",
+                                              help="EAGLE-3: draft only from the N most frequent tokens of "
+                                                   "the drafter's token_frequencies.json (FR-Spec; a cheaper "
+                                                   "draft LM head); 0 = all.  Default: 16384 for a drafter "
+                                                   "that ships token counts over a larger vocabulary, else all."),
     backend: str = typer.Option("torch_reference", help="Attention backend (see `specattn info`)."),
     page_size: int = typer.Option(1, help=f"KV page size, 1 .. {MAX_PAGE_SIZE} (FlashMLA: 64)."),
     device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cuda:N"),
@@ -530,7 +532,7 @@ def generate(
 
 def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, backend,
               page_size, device, dtype, max_new_tokens, temperature, top_k, top_p, seed, model, draft_model,
-              self_draft, chat, cuda_graph, warmup, as_json, threads, ngram_size=4, draft_vocab=0) -> None:
+              self_draft, chat, cuda_graph, warmup, as_json, threads, ngram_size=4, draft_vocab=None) -> None:
     """``specattn generate`` once its arguments are checked: load, build the engine, run,
     report."""
     from . import loader
@@ -550,6 +552,9 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
     drafter_path = None
     if algo == "eagle" and not self_draft:
         drafter_path = draft_model or default_drafter(cfg)
+        if draft_vocab is None and drafter_path is not None and is_eagle3_dir(drafter_path):
+            from .eagle3 import default_draft_vocab_size
+            draft_vocab = default_draft_vocab_size(drafter_path)
     elif algo == "dflash":
         drafter_path = draft_model or default_drafter(cfg, "dflash")
     try:

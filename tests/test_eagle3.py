@@ -476,3 +476,20 @@ def test_draft_vocab(tmp_path, seed):
     (tmp_path / "dr" / TOKEN_FREQUENCIES_FILE).write_text('{"vocab_size": 3, "counts": [1, 2]}')
     with pytest.raises(ValueError, match="counts must be"):
         Eagle3Drafter.load(tmp_path / "dr", target, draft_vocab_size=5)
+
+
+def test_default_draft_vocab_size(tmp_path):
+    """The commands' default draft vocabulary: DEFAULT_DRAFT_VOCAB for a folder with token
+    counts over a larger vocabulary (the shipped drafter), else None (the full vocabulary)."""
+    from specattn.spec_runtime.cli import default_drafter
+    from specattn.spec_runtime.eagle3 import DEFAULT_DRAFT_VOCAB, default_draft_vocab_size
+    from specattn.spec_runtime.loader import LlamaConfig as Cfg
+    shipped = default_drafter(Cfg(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                  num_attention_heads=9, num_key_value_heads=3, head_dim=64))
+    assert shipped is not None and default_draft_vocab_size(shipped) == DEFAULT_DRAFT_VOCAB
+    assert default_draft_vocab_size(tmp_path) is None                       # no counts
+    for vocab, want in ((DEFAULT_DRAFT_VOCAB, None), (DEFAULT_DRAFT_VOCAB + 1, DEFAULT_DRAFT_VOCAB)):
+        (tmp_path / TOKEN_FREQUENCIES_FILE).write_text(json.dumps({"vocab_size": vocab, "counts": [1] * vocab}))
+        assert default_draft_vocab_size(tmp_path) == want
+    (tmp_path / TOKEN_FREQUENCIES_FILE).write_text("not json")
+    assert default_draft_vocab_size(tmp_path) is None

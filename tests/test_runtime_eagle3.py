@@ -91,7 +91,8 @@ def test_eagle3_graphs_lossless(tmp_path, seed, spec, backend_name):
 @pytest.mark.slow
 def test_shipped_drafter_generate_equals_none(gguf_path, backend_name, monkeypatch):
     """``specattn generate --algo eagle`` picks the shipped EAGLE-3 drafter for the default
-    model and emits exactly ``--algo none``'s tokens (float32, CPU)."""
+    model (drafting from its 16,384 most frequent tokens unless ``--draft-vocab 0``) and emits
+    exactly ``--algo none``'s tokens (float32, CPU)."""
     from specattn import cli
     from specattn.spec_runtime import cli as rcli
     skip_real_model_if_interpreted(backend_name)
@@ -104,11 +105,11 @@ def test_shipped_drafter_generate_equals_none(gguf_path, backend_name, monkeypat
     none = runner.invoke(cli.app, args)
     eagle = runner.invoke(cli.app, args + ["--algo", "eagle", "--topk", "1", "--num-steps", "4",
                                            "--num-draft-tokens", "5"])
-    small = runner.invoke(cli.app, args + ["--algo", "eagle", "--topk", "1", "--num-steps", "4",
-                                           "--num-draft-tokens", "5", "--draft-vocab", "16384"])
-    assert none.exit_code == 0 and eagle.exit_code == 0 and small.exit_code == 0, (none.output, eagle.output,
-                                                                                   small.output)
-    a, b, c = json.loads(none.stdout), json.loads(eagle.stdout), json.loads(small.stdout)
-    assert b["drafter"] == "eagle3" and c["draft_vocab"] == 16384
+    full = runner.invoke(cli.app, args + ["--algo", "eagle", "--topk", "1", "--num-steps", "4",
+                                          "--num-draft-tokens", "5", "--draft-vocab", "0"])
+    assert none.exit_code == 0 and eagle.exit_code == 0 and full.exit_code == 0, (none.output, eagle.output,
+                                                                                  full.output)
+    a, b, c = json.loads(none.stdout), json.loads(eagle.stdout), json.loads(full.stdout)
+    assert b["drafter"] == "eagle3" and b["draft_vocab"] == 16384 and c["draft_vocab"] is None   # default: FR-Spec
     assert a["outputs"][0]["tokens"] == b["outputs"][0]["tokens"] == c["outputs"][0]["tokens"]
     assert b["mean_accept_length"] > 1.0 and c["mean_accept_length"] > 1.0
