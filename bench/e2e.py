@@ -5,9 +5,12 @@ DFlash at batch 1, 4, 16, 64) the suite builds the runtime's engine on one GPU, 
 process (CUDA graphs on, the ``triton`` backend, bf16 by default), runs every generation once
 untimed (warm-up: a new prompt length can trigger a Triton compile), then times generations
 of the committed eval prompts
-(``spec_runtime/data/eval_prompts.txt``, never used for training).  Batch size ``b`` runs
-``max(1, min_requests // b)`` consecutive batches of ``b`` prompts (so batch 1 averages over
-several prompts) with ``max_new_tokens`` each.
+(``spec_runtime/data/eval_prompts.txt``, never used for training).  Batch size ``b`` serves
+``n = max(min_requests, requests_per_row * b)`` prompts (rounded down to a multiple of ``b``
+and to the prompt set) with ``max_new_tokens`` each through ``b`` request rows: one
+``generate`` call whose waiting prompts take the rows of finished requests (continuous
+batching), so batch 1 averages over several prompts and a speculative batch does not idle
+while its slowest request finishes.
 
 One row per pair (the JSON's ``rows``):
 
@@ -30,7 +33,8 @@ One row per pair (the JSON's ``rows``):
   (:mod:`specattn.spec_runtime.near_greedy`), else ``"FAIL"``.
 
 Peers (``--peers``): HF transformers' ``generate`` with a static cache on the same weights
-(``algo = "hf_static"``), greedy, same prompts and token counts, at batch sizes 1 and 16.
+(``algo = "hf_static"``), greedy, same prompts and token counts, at batch sizes 1 and 16, in
+consecutive static batches of ``b`` prompts (its ``generate`` has no continuous batching).
 
 The JSON also holds ``device``, ``versions``, ``commit``, ``timestamp``, ``settings`` and
 ``ceilings`` (the bf16 matmul and copy ceilings, measured).  :func:`write_results` writes it
@@ -68,6 +72,7 @@ class E2EConfig:
     dtype: str = "bfloat16"
     max_new_tokens: int = 128
     min_requests: int = 4
+    requests_per_row: int = 4               # prompts per request row (continuous batching)
     chain: Dict[str, int] = field(default_factory=lambda: dict(topk=1, num_steps=5, num_draft_tokens=6))
     tree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=5, num_draft_tokens=16))
     block_size: int = 16
@@ -305,12 +310,11 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
     base_tps: Dict[Tuple[str, int], float] = {}
     for bs, set_name in ((bs, name) for bs in cfg.batch_sizes for name in sets):
         ids_all, algos = set_ids[set_name], sets[set_name][1]
-        n_batches = max(1, cfg.min_requests // bs)
-        if bs * n_batches > len(ids_all):
-            say(f"{set_name}: batch size {bs} needs {bs * n_batches} prompts, the set has "
-                f"{len(ids_all)}: skipped")
+        n_batches = min(max(1, cfg.min_requests // bs, cfg.requests_per_row), len(ids_all) // bs)
+        if n_batches < 1:
+            say(f"{set_name}: batch size {bs} needs {bs} prompts, the set has {len(ids_all)}: skipped")
             continue
-        batches = [ids_all[i * bs:(i + 1) * bs] for i in range(n_batches)]
+        batches = [ids_all[i * bs:(i + 1) * bs] for i in range(n_batches)]   # (HF static: one by one)
         longest = max(len(p) for b in batches for p in b)
         for algo in algos:
             fields = spec_fields(algo, cfg)
@@ -328,7 +332,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
             eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
                          eos_token_ids=(), cuda_graph=cfg.device.startswith("cuda"), draft_model=draft)
             say(f"{tag}: warm-up, timing" + (", profiling" if cfg.profile else ""))
-            row, outs = measure_engine(eng, batches, cfg.max_new_tokens, cfg.profile)
+            row, outs = measure_engine(eng, [[p for b in batches for p in b]], cfg.max_new_tokens, cfg.profile)
             row.update(algo=algo, prompt_set=set_name, backend=cfg.backend, dtype=cfg.dtype, bs=bs,
                        config=fields,
                        drafter=(Path(dflash_path if spec.algo == "dflash" else drafter_path).name

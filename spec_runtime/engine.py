@@ -713,13 +713,16 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = None,
                  progress=None, max_new_tokens: Optional[Sequence[int]] = None) -> GenerateResult:
-        """Generate for all prompts at once; each request stops at EOS or its token limit
-        (``max_new_tokens[i]`` if given, else ``params.max_new_tokens``).  ``progress`` is
-        called with the number of tokens generated so far after every round.
+        """Generate for every prompt; each request stops at EOS or its token limit
+        (``max_new_tokens[i]`` if given, else ``params.max_new_tokens``).  Up to
+        ``max_batch`` requests run at once; the others wait in order and each takes the row
+        of a request that finished (continuous batching: its prefill runs between two
+        rounds).  ``progress`` is called with the number of tokens generated so far after
+        every round.
 
         Raises:
-            ValueError: no prompts, an empty prompt, one too long for ``max_context``, more
-                prompts than ``max_batch``, or bad ``max_new_tokens``.
+            ValueError: no prompts, an empty prompt, one too long for ``max_context``, or bad
+                ``max_new_tokens``.
         """
         params = params or SamplingParams()
         limits = list(max_new_tokens) if max_new_tokens is not None else [params.max_new_tokens] * len(prompts)
@@ -727,9 +730,7 @@ class Engine:
             raise ValueError("max_new_tokens needs one limit >= 1 per prompt")
         if not prompts:
             raise ValueError("no prompts")
-        if len(prompts) > self.max_batch:
-            raise ValueError(f"{len(prompts)} prompts but max_batch is {self.max_batch}")
-        reqs = [Request(i, list(p), row=i, max_new_tokens=m) for i, (p, m) in enumerate(zip(prompts, limits))]
+        reqs = [Request(i, list(p), row=-1, max_new_tokens=m) for i, (p, m) in enumerate(zip(prompts, limits))]
         need = max(len(r.prompt) + r.max_new_tokens for r in reqs)
         if any(not r.prompt for r in reqs) or need + self._margin(False) > self.max_context:
             r = next(r for r in reqs if not r.prompt or len(r.prompt) + r.max_new_tokens + self._margin(False)
@@ -742,14 +743,29 @@ class Engine:
         self.num_forward_target = 0
         self._rows_now = None
         t0 = time.perf_counter()
-        self._prefill(reqs)
+        waiting, free, running = deque(reqs), list(range(self.max_batch)), []
+
+        def admit() -> None:  # waiting requests into free rows, prefilled together
+            while waiting and free:
+                new = [waiting.popleft() for _ in range(min(len(waiting), len(free)))]
+                for r in new:
+                    r.row = free.pop(0)
+                self._prefill(new)
+                for r in new:
+                    if r.finished:          # at its first token
+                        free.append(r.row)
+                    else:
+                        running.append(r)
+
+        admit()
         # per round: [count, tokens...] of each request, copied to pinned memory (3 in rotation)
         host = [torch.zeros(self.max_batch, 1 + self.strategy.emit_width, dtype=torch.int64).pin_memory()
                 for _ in range(3)] if self.device.type == "cuda" else None
         pending: deque = deque()
         n_rounds, k, waited = 0, 0, 0.0
-        running = [r for r in reqs if not r.finished]
-        while running or pending:
+        while running or pending or waiting:
+            if waiting and free:   # a row is reused only after the rounds in flight (stream order)
+                admit()
             if progress is not None:
                 progress(sum(len(r.output) for r in reqs))
             if running and len(pending) < (2 if overlap else 1):
@@ -761,6 +777,8 @@ class Engine:
                 n_rounds += 1
                 if overlap and len(pending) < 2:
                     continue
+            if not pending:
+                continue
             snap, (emitted, ev) = pending.popleft()
             if ev is not None:
                 tw = time.perf_counter()
@@ -772,6 +790,7 @@ class Engine:
                 if self.strategy.records_accept_length:
                     r.accept_lengths.append(c - 1)
                 self._emit(r, t[:c])
+            free += [r.row for r in running if r.finished]
             running = [r for r in running if not r.finished]
         if self.device.type == "cuda":
             torch.cuda.synchronize()

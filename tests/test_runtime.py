@@ -138,3 +138,28 @@ def test_shipped_drafter_lossless(gguf_loaded, chat_ids, target_greedy, spec, ba
     res = eng.generate(chat_ids, SamplingParams(max_new_tokens=NEW))
     assert res.tokens == target_greedy
     assert res.mean_accept_length > (1.5 if spec.algo == "eagle" else 1.3), res.mean_accept_length
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("eagle", 1, 3, 4), SpecConfig("eagle", 3, 3, 8, 2),
+                                  SpecConfig("dflash", block_size=4), SpecConfig("ngram", 2, 2, 5)], ids=str)
+def test_more_prompts_than_rows(tmp_path, spec, backend_name):
+    """More prompts than ``max_batch``: the waiting ones take the rows of finished requests
+    (continuous batching) and every request gets exactly what a batch of its own would:
+    different lengths and limits (some finish at their first token), rows reused several
+    times, and the rows restored afterwards."""
+    seed = random.randrange(2**31)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=True, eos_token_ids=[])
+    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed))
+    rng = random.Random(seed)
+    n = rng.randint(5, 9)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(n)]
+    limits = [rng.choice([1, 2, 7, 20]) for _ in range(n)]
+    want = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=n).generate(
+        prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=2)
+    got = eng.generate(prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
+    assert got.tokens == want.tokens, f"seed={seed}"
+    assert [len(t) for t in got.tokens] == limits and got.finish_reasons == ["length"] * n
+    check_rows_restored(eng)

@@ -133,3 +133,32 @@ def test_prefill_graphs_match_eager(tmp_path, algo, backend_name):
         assert got.accept_lengths == want.accept_lengths
     assert {k[:2] for k in graph.prefill_graphs} == {(4, 32), (1, 64), (6, 64)}   # padded_sizes(6): 1, 2, 4, 6
     check_rows_restored(graph)
+
+
+@pytest.mark.parametrize("algo", ["none", "eagle3", "dflash", "ngram"])
+def test_more_prompts_than_rows_graphs(tmp_path, algo, backend_name):
+    """Continuous batching under whole-round graphs and the overlapped host loop: rows freed
+    while the next round is in flight are prefilled again; every request's tokens equal an
+    eager engine's with a row per prompt (float32)."""
+    from specattn.spec_runtime.eagle3 import Eagle3Drafter
+    from specattn.spec_runtime.model import LlamaModel
+    from tiny_models import tiny_llama
+    seed = random.randrange(2**31)
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=3)
+    target = LlamaModel(cfg, dict(w), "cuda")
+    rng = random.Random(seed)
+    spec = {"none": SpecConfig(), "eagle3": SpecConfig("eagle", 2, 3, 6), "ngram": SpecConfig("ngram"),
+            "dflash": SpecConfig("dflash", block_size=4)}[algo]
+    drafter = Eagle3Drafter.from_target(target, seed=seed) if algo == "eagle3" else None
+    n = 11
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 20))] for _ in range(n)]
+    limits = [rng.choice([1, 3, 9, 24]) for _ in range(n)]
+    p = SamplingParams(max_new_tokens=24)
+    want = make_engine(backend_name, target, spec=spec, max_context=128, max_batch=n, draft_model=drafter
+                       ).generate(prompts, p, max_new_tokens=limits)
+    eng = make_engine(backend_name, target, spec=spec, max_context=128, max_batch=3, draft_model=drafter,
+                      cuda_graph=True)
+    for _ in range(2):   # the second run replays graphs captured in the first
+        got = eng.generate(prompts, p, max_new_tokens=limits)
+        assert got.tokens == want.tokens, f"seed={seed} {algo}"
+    check_rows_restored(eng)
