@@ -93,6 +93,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def nan_empty():
+    """Fresh outputs (``torch.empty``) come filled with NaN / the largest int (deterministic
+    mode), so an element a kernel leaves unwritten shows."""
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(old)
+
+
+@pytest.fixture
 def seed():
     """A fresh seed per test run (printed on failure) so inputs are new each time."""
     s = int.from_bytes(os.urandom(4), "little")

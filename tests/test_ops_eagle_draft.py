@@ -31,16 +31,6 @@ IMPLS = ("reference", "triton")
 POISON_S, POISON_T = float("nan"), -12345
 
 
-@pytest.fixture
-def nan_empty():
-    """Fresh outputs (``torch.empty``) come filled with NaN / the largest int, so an
-    unwritten element shows."""
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(old)
-
-
 # ------------------------------------------------------------------ helpers and oracles
 def bits(x: torch.Tensor) -> torch.Tensor:
     """float32 as int32 bits (NaN == NaN, -0.0 != +0.0), other dtypes unchanged."""

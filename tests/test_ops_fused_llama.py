@@ -48,15 +48,6 @@ SHAPES = [(1, 64, 64), (5, 100, 130), (17, 40, 96), (33, 64, 130)]
 QKV_SHAPES = [(1, 64, 3, 1, 32), (5, 100, 4, 2, 64), (17, 40, 3, 1, 32), (33, 64, 4, 2, 64)]
 
 
-@pytest.fixture
-def nan_empty():
-    """Fresh outputs (``torch.empty``) come filled with NaN, so an unwritten element shows."""
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(old)
-
-
 # ------------------------------------------------------------------ inputs and float64 truth
 def act(M, K, dt, scale=3.0):
     """Activations with a spread of row scales (an un-normalized residual stream)."""

@@ -30,16 +30,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered:Runt
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 
-@pytest.fixture
-def nan_empty():
-    """Fresh outputs (``torch.empty``) come filled with NaN / the largest int, so an
-    unwritten element shows."""
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(old)
-
-
 # ------------------------------------------------------------------ inputs and the oracle
 def make_logits(N, V, kind="randn", dtype=torch.float32):
     """``[N, V]`` logits of ``kind``: ``randn`` (scaled normal), ``ties`` (integers in a small

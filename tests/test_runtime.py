@@ -147,11 +147,9 @@ def test_more_prompts_than_rows(tmp_path, spec, backend_name):
     (continuous batching) and every request gets exactly what a batch of its own would:
     different lengths and limits (some finish at their first token), rows reused several
     times, and the rows restored afterwards."""
+    from tiny_models import tiny_llama
     seed = random.randrange(2**31)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      tie_word_embeddings=True, eos_token_ids=[])
-    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed))
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=3)
     rng = random.Random(seed)
     n = rng.randint(5, 9)
     prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(n)]

@@ -103,21 +103,27 @@ def test_real_model_shipped_drafter_graph_lossless(gguf_loaded, chat_ids, gpu_ta
     assert res.tokens == gpu_target
 
 
+def _tiny_algo(tmp_path, algo: str, layers: int):
+    """``(seed, rng, target on cuda, SpecConfig, drafter or None)`` of a fresh tiny random
+    model for ``algo`` in none | eagle3 (a random EAGLE-3 drafter) | dflash | ngram."""
+    from specattn.spec_runtime.eagle3 import Eagle3Drafter
+    from specattn.spec_runtime.model import LlamaModel
+    from tiny_models import tiny_llama
+    seed = random.randrange(2**31)
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=layers)
+    target = LlamaModel(cfg, dict(w), "cuda")
+    spec = {"none": SpecConfig(), "eagle3": SpecConfig("eagle", 2, 3, 6), "ngram": SpecConfig("ngram"),
+            "dflash": SpecConfig("dflash", block_size=4)}[algo]
+    drafter = Eagle3Drafter.from_target(target, seed=seed) if algo == "eagle3" else None
+    return seed, random.Random(seed), target, spec, drafter
+
+
 @pytest.mark.parametrize("algo", ["none", "eagle3", "dflash", "ngram"])
 def test_prefill_graphs_match_eager(tmp_path, algo, backend_name):
     """Prefills replayed from CUDA graphs (padded requests and tokens; the graph of a padded
     size reused for other prompt sets; a prompt set past ``prefill_graph_tokens`` prefilled
     eagerly) generate exactly what the eager engine does, float32."""
-    from specattn.spec_runtime.eagle3 import Eagle3Drafter
-    from specattn.spec_runtime.model import LlamaModel
-    from tiny_models import tiny_llama
-    seed = random.randrange(2**31)
-    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=4)
-    target = LlamaModel(cfg, dict(w), "cuda")
-    rng = random.Random(seed)
-    spec = {"none": SpecConfig(), "eagle3": SpecConfig("eagle", 2, 3, 6), "ngram": SpecConfig("ngram"),
-            "dflash": SpecConfig("dflash", block_size=4)}[algo]
-    drafter = Eagle3Drafter.from_target(target, seed=seed) if algo == "eagle3" else None
+    seed, rng, target, spec, drafter = _tiny_algo(tmp_path, algo, layers=4)
     kw = dict(spec=spec, max_context=160, max_batch=6, draft_model=drafter)
     eager = make_engine(backend_name, target, cuda_graph=False, **kw)
     graph = make_engine(backend_name, target, cuda_graph=True, prefill_graph_tokens=64, **kw)
@@ -140,16 +146,7 @@ def test_more_prompts_than_rows_graphs(tmp_path, algo, backend_name):
     """Continuous batching under whole-round graphs and the overlapped host loop: rows freed
     while the next round is in flight are prefilled again; every request's tokens equal an
     eager engine's with a row per prompt (float32)."""
-    from specattn.spec_runtime.eagle3 import Eagle3Drafter
-    from specattn.spec_runtime.model import LlamaModel
-    from tiny_models import tiny_llama
-    seed = random.randrange(2**31)
-    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=3)
-    target = LlamaModel(cfg, dict(w), "cuda")
-    rng = random.Random(seed)
-    spec = {"none": SpecConfig(), "eagle3": SpecConfig("eagle", 2, 3, 6), "ngram": SpecConfig("ngram"),
-            "dflash": SpecConfig("dflash", block_size=4)}[algo]
-    drafter = Eagle3Drafter.from_target(target, seed=seed) if algo == "eagle3" else None
+    seed, rng, target, spec, drafter = _tiny_algo(tmp_path, algo, layers=3)
     n = 11
     prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 20))] for _ in range(n)]
     limits = [rng.choice([1, 3, 9, 24]) for _ in range(n)]

@@ -44,23 +44,11 @@ import triton
 import triton.language as tl
 
 from ._util import on_tensor_device
+from .topk import KEY_MAX, KEY_MIN, order_keys
 
 __all__ = ["eagle_beam_step", "select_draft_tokens"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-_KEY_MIN = tl.constexpr(-(2 ** 63))     # padding for a max: below every real key
-_KEY_MAX = tl.constexpr(2 ** 63 - 1)    # padding for a min: above every real key
-
-
-@triton.jit
-def _keys(x, cols, mask):
-    """int64 order keys of float32 ``x`` at columns ``cols`` (padding: ``_KEY_MIN``)."""
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0
-    b = x.to(tl.int32, bitcast=True)
-    o = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
-    key = (o.to(tl.int64) << 32) | (cols ^ 0x7FFFFFFF).to(tl.int64)  # 0x7FFFFFFF - cols
-    return tl.where(mask, key, _KEY_MIN)
 
 
 @triton.jit
@@ -96,12 +84,12 @@ def _beam_step_kernel(beam_s_ptr, beam_s_s0, beam_s_s1, child_s_ptr, child_s_s0,
         tl.store(cand_s_ptr + b * cand_s_s0 + bcol * cand_s_s1, bsc, mask=km)
         tl.store(cand_t_ptr + b * cand_t_s0 + bcol * cand_t_s1, btk, mask=km)
     if SELECT:
-        key = _keys(score, cc, live)
-        top_keys = tl.full([KP], _KEY_MIN, tl.int64)
+        key = order_keys(score, cc, live)
+        top_keys = tl.full([KP], KEY_MIN, tl.int64)
         for r in tl.static_range(K):
             top = tl.max(key, axis=0)
             top_keys = tl.where(kk == r, top, top_keys)
-            key = tl.where(key == top, _KEY_MIN, key)
+            key = tl.where(key == top, KEY_MIN, key)
         best = tl.where(km, (top_keys & 0x7FFFFFFF) ^ 0x7FFFFFFF, 0)      # [KP], in [0, K*K)
         hit = best[:, None] == cc[None, :].to(tl.int64)                   # [KP, KKP] one-hot rows
         bits = score.to(tl.int32, bitcast=True)
@@ -128,19 +116,19 @@ def _select_kernel(score_ptr, score_s0, score_s1, tok_ptr, tok_s0, tok_s1, root_
     cc = tl.arange(0, NP)
     live = cc < N
     x = tl.load(score_ptr + b * score_s0 + cc * score_s1, mask=live, other=0.0)
-    key = _keys(x, cc, live)
+    key = order_keys(x, cc, live)
     # hi: the NSEL-th largest key (TOP_ROUNDS = NSEL rounds), or the padding key
-    hi = tl.full((), _KEY_MIN, tl.int64)
+    hi = tl.full((), KEY_MIN, tl.int64)
     k = key
     for r in range(TOP_ROUNDS):
         hi = tl.max(k, axis=0)
-        k = tl.where(k == hi, _KEY_MIN, k)
+        k = tl.where(k == hi, KEY_MIN, k)
     # lo: the (N - NSEL)-th smallest key (BOTTOM_ROUNDS = N - NSEL rounds), or the padding key
-    lo = tl.full((), _KEY_MIN, tl.int64)
-    k = tl.where(live, key, _KEY_MAX)
+    lo = tl.full((), KEY_MIN, tl.int64)
+    k = tl.where(live, key, KEY_MAX)
     for r in range(BOTTOM_ROUNDS):
         lo = tl.min(k, axis=0)
-        k = tl.where(k == lo, _KEY_MAX, k)
+        k = tl.where(k == lo, KEY_MAX, k)
     keep = live & (key >= hi) & (key > lo)
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1                        # ascending columns
     tok = tl.load(tok_ptr + b * tok_s0 + cc * tok_s1, mask=keep, other=0)

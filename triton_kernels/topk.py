@@ -58,7 +58,8 @@ import triton.language as tl
 
 from ._util import on_tensor_device
 
-__all__ = ["topk_log_probs", "chunk_config", "MAX_K", "MAX_CHUNKS", "MAX_BLOCK"]
+__all__ = ["topk_log_probs", "chunk_config", "order_keys", "MAX_K", "MAX_CHUNKS", "MAX_BLOCK", "KEY_MIN",
+           "KEY_MAX"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -66,8 +67,8 @@ MAX_K = 16
 MAX_CHUNKS = 64   # C <= 64 programs per row in kernel 1 (and C * k <= 1024 keys in kernel 2)
 MAX_BLOCK = 2048  # columns per tile
 
-_KEY_MIN = tl.constexpr(-(2 ** 63))     # padding: below every real key
-_KEY_MAX = tl.constexpr(2 ** 63 - 1)    # candidate slots >= k: never the smallest
+KEY_MIN = tl.constexpr(-(2 ** 63))     # padding: below every real key
+KEY_MAX = tl.constexpr(2 ** 63 - 1)    # padding for a min: above every real key
 
 
 def chunk_config(V: int) -> Tuple[int, int, int]:
@@ -80,13 +81,14 @@ def chunk_config(V: int) -> Tuple[int, int, int]:
 
 
 @triton.jit
-def _keys(x, cols, mask):
-    """int64 order keys of float32 ``x`` at columns ``cols`` (padding: ``_KEY_MIN``)."""
+def order_keys(x, cols, mask):
+    """int64 order keys of float32 ``x`` at columns ``cols`` (padding: ``KEY_MIN``); the order
+    :func:`specattn.ops.topk.order_keys` defines: by value, then the lower column."""
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0
     b = x.to(tl.int32, bitcast=True)
     o = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
     key = (o.to(tl.int64) << 32) | (cols ^ 0x7FFFFFFF).to(tl.int64)  # 0x7FFFFFFF - cols
-    return tl.where(mask, key, _KEY_MIN)
+    return tl.where(mask, key, KEY_MIN)
 
 
 @triton.jit
@@ -111,7 +113,7 @@ def _chunk_kernel(x_ptr, stride_row, V, K, C, TILES, ws_key_ptr, ws_m_ptr, ws_s_
     lane = tl.arange(0, BLOCK)
     kk = tl.arange(0, KP)
     # k distinct sentinels below every real key; slots >= k never take part
-    cand = tl.where(kk < K, kk.to(tl.int64) + _KEY_MIN, _KEY_MAX)
+    cand = tl.where(kk < K, kk.to(tl.int64) + KEY_MIN, KEY_MAX)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.full((), 0.0, tl.float32)
     for t in range(TILES):
@@ -124,12 +126,12 @@ def _chunk_kernel(x_ptr, stride_row, V, K, C, TILES, ws_key_ptr, ws_m_ptr, ws_s_
         s = _rescale(s, m, shift) + tl.sum(tl.exp(x - shift), axis=0)
         m = m_new
         # merge the tile into the candidates: replace the smallest while the tile beats it
-        key = _keys(x, cols, mask)
+        key = order_keys(x, cols, mask)
         top = tl.max(key, axis=0)
         worst = tl.min(cand, axis=0)
         while top > worst:
             cand = tl.where(cand == worst, top, cand)
-            key = tl.where(key == top, _KEY_MIN, key)
+            key = tl.where(key == top, KEY_MIN, key)
             top = tl.max(key, axis=0)
             worst = tl.min(cand, axis=0)
     part = row.to(tl.int64) * C + c
@@ -149,13 +151,13 @@ def _merge_kernel(ws_key_ptr, ws_m_ptr, ws_s_ptr, val_ptr, idx_ptr, K, C,
     lse = tl.log(tl.sum(_rescale(s, m, shift), axis=0)) + shift
 
     j = tl.arange(0, CP * KP)
-    key = tl.load(ws_key_ptr + row * C * K + j, mask=j < C * K, other=_KEY_MIN)
+    key = tl.load(ws_key_ptr + row * C * K + j, mask=j < C * K, other=KEY_MIN)
     kk = tl.arange(0, KP)
-    out = tl.full([KP], _KEY_MIN, tl.int64)
+    out = tl.full([KP], KEY_MIN, tl.int64)
     for r in range(K):
         top = tl.max(key, axis=0)
         out = tl.where(kk == r, top, out)
-        key = tl.where(key == top, _KEY_MIN, key)
+        key = tl.where(key == top, KEY_MIN, key)
     o = (out >> 32).to(tl.int32)
     x = tl.where(o >= 0, o, o ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
     idx = (out & 0x7FFFFFFF) ^ 0x7FFFFFFF
