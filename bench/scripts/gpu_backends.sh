@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repo root, after `source .device/setup.sh` (FlashInfer,
-# sgl-flash-mla, their JIT cache):
+# On a GPU machine, from the repo root, with FlashInfer and sgl-flash-mla installed (pip extras
+# `flashinfer`, `flashmla`; a saved FlashInfer JIT cache in ~/.cache/flashinfer saves compiles):
 #   bash bench/scripts/gpu_backends.sh $OUT
 # The backends' GPU tests (~4 min on an H100 with the FlashInfer cache; phases share a
 # deadline of GB_BUDGET_S, default 540 s):
@@ -37,5 +37,5 @@ for b in triton flashinfer flashmla; do
 done
 python3 bench/scripts/junit_table.py "$out/summary.md" backends=/tmp/gb_backends.xml \
   triton=/tmp/gb_rt_triton.xml flashinfer=/tmp/gb_rt_flashinfer.xml flashmla=/tmp/gb_rt_flashmla.xml
-# the FlashInfer JIT cache, for .device/flashinfer-cache.tgz (new shapes compile once)
+# the FlashInfer JIT cache, to restore into ~/.cache/flashinfer next time (new shapes compile once)
 tar czf "$out/flashinfer-cache.tgz" -C ~/.cache flashinfer 2>/dev/null

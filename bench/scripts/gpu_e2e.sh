@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU machine without network, from the repo root, with the model's GGUF staged on the
-# machine and the gguf wheel in .whl:
+# On a GPU machine without network, from the repo root, with the model's GGUF on the machine
+# and gguf importable (or its wheel in the folder $SPECATTN_WHEELS, installed offline here):
 #   SPECATTN_MODEL_PATH=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf bash bench/scripts/gpu_e2e.sh OUT [PHASES]
 # PHASES (default "tests e2e"), any of:
 #   tests   the fused-op, top-k, EAGLE draft-op and n-gram op GPU tests, then the runtime's lossless GPU tests on the triton backend
@@ -19,8 +19,9 @@ out=${1:?output dir}; phases=${2:-tests e2e}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 SPECATTN_MODEL_PATH=${SPECATTN_MODEL_PATH:?set SPECATTN_MODEL_PATH to the GGUF (the machine has no network)}
 export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ SPECATTN_BUILD_EXT=${SPECATTN_BUILD_EXT:-0} SPECATTN_REQUIRE_MODEL=1
 log="$out/log.txt"
-if ! python3 -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+wheels=${SPECATTN_WHEELS:-}
+if ! python3 -c "import gguf" 2>/dev/null && [ -n "$wheels" ] && ls "$wheels"/gguf-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/gguf-*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repo root, after the model's two parts were put
-# (bash .model-a/put.sh; bash .model-b/put.sh) and gguf is importable (`source
-# .device/setup.sh`, or the gguf wheel alone carried in .whl: this script installs it):
+# On a GPU machine without network, from the repo root, with the model's GGUF on the machine
+# (SPECATTN_MODEL_PATH) and gguf importable (or its wheel in the folder $SPECATTN_WHEELS):
 #   bash bench/scripts/gpu_runtime.sh $OUT
 # Builds specattn._C, then (~7.5 min on a fresh H100; the phases share a deadline of RT_BUDGET_S,
-# default 540 s from the start, so one call stays inside the device tool's 10 minutes):
+# default 540 s from the start, so a run stays within 10 minutes):
 #  1. the runtime's lossless GPU tests (CUDA graphs on, float32) with --backend torch_reference
 #     (plus the reference backend's own GPU tests and the engine's graph-routing test) and with
 #     --backend triton: target and drafter on that backend; real model == HF greedy, EAGLE
@@ -15,14 +14,12 @@
 #     tree / DFlash (random-init drafter) x torch_reference / triton x float32 / bfloat16.
 # Backends: RT_BACKENDS (default "torch_reference triton") for the tests, RT_MATRIX_BACKENDS
 # (default the same) and RT_MATRIX_PAGES (page size per matrix backend, default 1 each) for
-# phase 2.  flashinfer / flashmla need their packages: carry .device in a THIRD call (the
-# model's two parts and .device do not fit one 64 MiB carry): call 1 `bash .model-a/put.sh`,
-# call 2 `bash .model-b/put.sh`, call 3 (carry .device) `source .device/setup.sh;
-# RT_BACKENDS="flashinfer flashmla" RT_MATRIX_BACKENDS="triton flashinfer"
-# RT_MATRIX_PAGES="1 16" RT_DTYPES=bfloat16 bash bench/scripts/gpu_runtime.sh $OUT` (the real
-# model is a Llama: FlashMLA, MLA only, runs in the tests on the random MLA model).
+# phase 2.  flashinfer / flashmla need their packages (pip extras `flashinfer`, `flashmla`), e.g.
+# RT_BACKENDS="flashinfer flashmla" RT_MATRIX_BACKENDS="triton flashinfer" RT_MATRIX_PAGES="1 16"
+# RT_DTYPES=bfloat16 bash bench/scripts/gpu_runtime.sh $OUT (the real model is a Llama: FlashMLA,
+# MLA only, runs in the tests on the random MLA model).
 # Phase 1 also runs the bf16 near-greedy checks (tests/test_runtime_lowp.py) per backend.
-# Files in $OUT (7, the device tool returns at most 8):
+# Files in $OUT (7):
 #   device.txt               GPU, versions, phase timings
 #   gpu_tests_summary.md     the GPU tests, one column per backend (pass/FAIL/skip + reason, s)
 #   gpu_tests_torch_reference.log, gpu_tests_triton.log   pytest output
@@ -34,8 +31,9 @@ set -u
 out=${1:?output dir}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 SPECATTN_MODEL_PATH=${SPECATTN_MODEL_PATH:?set SPECATTN_MODEL_PATH to the GGUF (the machine has no network)}
 export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ SPECATTN_BUILD_EXT=1 SPECATTN_REQUIRE_MODEL=1
-if ! python3 -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
+wheels=${SPECATTN_WHEELS:-}
+if ! python3 -c "import gguf" 2>/dev/null && [ -n "$wheels" ] && ls "$wheels"/gguf-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/gguf-*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 t0=$SECONDS; budget=${RT_BUDGET_S:-540}
