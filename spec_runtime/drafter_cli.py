@@ -119,6 +119,9 @@ def train_cmd(
     loss_chunk: int = typer.Option(2048, help="Rows per LM-head chunk in the loss (bounds memory)."),
     time_budget_s: float = typer.Option(385.0, help="Stop training after this many seconds (0 = no limit)."),
     amp: bool = typer.Option(True, "--amp/--no-amp", help="bf16 autocast on cuda."),
+    init_from: Optional[Path] = typer.Option(None, "--init-from", help="Start from this drafter folder's "
+                                             "weights (the same kind and shapes, e.g. an earlier run's --out) "
+                                             "instead of a random init: a longer training in several runs."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars."),
 ):
     """Generate data with the target, train a drafter on it (EAGLE-3: training-time test; DFlash:
@@ -194,6 +197,8 @@ def train_cmd(
         _fail(f"--model {model}: no such file or folder")
     if out.exists() and not out.is_dir():
         _fail(f"--out {out} exists and is not a folder")
+    if init_from is not None and not (init_from / "config.json").is_file():
+        _fail(f"--init-from {init_from}: no drafter folder there (config.json missing)")
 
     gen = GenConfig(gen_batch=gen_batch, max_new_tokens=max_new_tokens, greedy=greedy,
                     samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -202,7 +207,8 @@ def train_cmd(
     tc = TrainConfig(kind=kind, seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr,
                      min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps, weight_decay=weight_decay,
                      grad_clip=grad_clip, seed=seed, eval_frac=eval_frac, eval_every=eval_every,
-                     eval_batches=eval_batches, loss_chunk=loss_chunk, time_budget_s=time_budget_s, amp=amp, **opt)
+                     eval_batches=eval_batches, loss_chunk=loss_chunk, time_budget_s=time_budget_s, amp=amp,
+                     init_from=None if init_from is None else str(init_from), **opt)
     opts = RunOptions(out=out, model=model, prompts=prompts, data=data, num_seeds=num_seeds, device=dev,
                       dtype=DTYPES[dtype], gen=gen, train=tc, command=_command_line(ctx), progress=progress)
     console = Console(stderr=True)

@@ -698,7 +698,9 @@ class TrainConfig:
     ``num_context_layers`` (taps), ``draft_intermediate_size`` (0 = fit
     ``max_checkpoint_mib``; ``max_checkpoint_mib`` 0 = no size limit), ``num_anchors`` per
     row, ``loss_decay_gamma`` (0 = uniform position weights), ``mask_token_id`` (None = the
-    default for the target's vocabulary)."""
+    default for the target's vocabulary).  ``init_from``: a drafter folder of the same kind
+    and shapes whose weights replace the random init (a training continued in a second run;
+    the schedule and the optimizer start afresh)."""
 
     kind: str = "eagle3"
     seq_len: int = 512
@@ -726,6 +728,7 @@ class TrainConfig:
     loss_chunk: int = 2048
     time_budget_s: float = 0.0
     amp: bool = True
+    init_from: Optional[str] = None    # a drafter folder whose weights start the training
 
     def validate(self) -> None:
         if self.kind not in DRAFTER_KINDS:
@@ -951,6 +954,23 @@ def _new_drafter(target: LlamaModel, tc: TrainConfig, target_model: Optional[str
     return Eagle3Drafter.from_target(target, seed=tc.seed, dtype=torch.float32, target_model=target_model)
 
 
+def _load_init(drafter, target: LlamaModel, tc: TrainConfig) -> None:
+    """Copy the weights of the drafter folder ``tc.init_from`` into ``drafter`` (float32).
+
+    Raises:
+        FileNotFoundError / ValueError: from the drafter's ``load`` (missing files, another
+            kind or target); ValueError: a weight missing or of another shape."""
+    cls = DFlashDrafter if tc.kind == "dflash" else Eagle3Drafter
+    src = cls.load(tc.init_from, target, dtype=torch.float32)
+    for name, t in drafter.w.items():
+        s = src.w.get(name)
+        if s is None or s.shape != t.shape:
+            raise ValueError(f"init_from {tc.init_from}: weight {name} is "
+                             f"{None if s is None else tuple(s.shape)}, the drafter's is {tuple(t.shape)}")
+        with torch.no_grad():
+            t.copy_(s.to(t.device, t.dtype))
+
+
 def _bar_info(loss: float, acc: Sequence[Optional[float]]) -> str:
     shown = [a for a in acc if a is not None]
     text = f"loss {loss:.3f}  acc " + " ".join(f"{a:.2f}" for a in shown[:7]) + (" ..." if len(shown) > 7 else "")
@@ -986,6 +1006,8 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
     if not train_rows:
         raise ValueError("no training sequence (need sequences of >= 3 tokens)")
     drafter = _new_drafter(target, tc, target_model)
+    if tc.init_from:
+        _load_init(drafter, target, tc)
     params = drafter.trainable_parameters()
     decay = [p for n, p in params.items() if p.dim() >= 2 and "norm" not in n]
     groups = [{"params": decay, "weight_decay": tc.weight_decay},
@@ -1142,7 +1164,9 @@ def _run_lines(full_log: dict) -> List[str]:
         + f"; stopped by: {full_log['stop_reason']}), batch {tc['batch_size']} rows x {tc['seq_len']} tokens "
         "(sequences packed, attention never crosses them)",
         f"- AdamW lr {tc['lr']:g} (warm-up {tc['warmup_steps']}, cosine to {tc['min_lr_ratio']:g}x), weight decay "
-        f"{tc['weight_decay']:g}, gradient clip {tc['grad_clip']:g}, seed {tc['seed']}",
+        f"{tc['weight_decay']:g}, gradient clip {tc['grad_clip']:g}, seed {tc['seed']}"
+        + (f"; initialized from the weights of `{Path(tc['init_from']).name}` (an earlier run), not at random"
+           if tc.get("init_from") else ""),
         f"- {_fmt_s(full_log.get('train_seconds'))} on {full_log.get('device_name')} ({full_log.get('device')}), "
         f"target in {full_log.get('target_dtype')}" + (", bf16 autocast" if tc["amp"] and
                                                        str(full_log.get("device", "")).startswith("cuda") else ""),

@@ -426,3 +426,18 @@ def test_cli_errors(tmp_path, tiny_run):
         assert r.exit_code == 2, (bad, r.output)
         lines = [l for l in r.output.splitlines() if l.strip()]
         assert len(lines) == 1 and word in lines[0], (bad, r.output)
+
+
+def test_init_from_a_trained_drafter(tiny_run):
+    """``TrainConfig.init_from``: a fresh DFlash drafter (another seed) takes every weight of
+    a trained folder, the stacked context K/V projection included."""
+    from specattn.spec_runtime.train_drafter import _load_init, _new_drafter
+    tmp, _, (a, _) = tiny_run
+    cfg, w = load_hf_dir(tmp / "target")
+    target = LlamaModel(cfg, dict(w))
+    trained = DFlashDrafter.load(a, target, dtype=torch.float32)
+    tc = TrainConfig(kind="dflash", block_size=4, seed=123, init_from=str(a))
+    fresh = _new_drafter(target, tc, None)
+    assert any(not torch.equal(fresh.w[k], trained.w[k]) for k in trained.w)
+    _load_init(fresh, target, tc)
+    assert set(fresh.w) == set(trained.w) and all(torch.equal(fresh.w[k], trained.w[k]) for k in trained.w)

@@ -493,3 +493,34 @@ def test_default_draft_vocab_size(tmp_path):
         assert default_draft_vocab_size(tmp_path) == want
     (tmp_path / TOKEN_FREQUENCIES_FILE).write_text("not json")
     assert default_draft_vocab_size(tmp_path) is None
+
+
+def test_training_continues_from_a_drafter(tmp_path):
+    """``--init-from``: a second run starts from the first run's weights (its initial
+    held-out agreement is the first run's final one, not a random init's) and says so in its
+    card; a missing folder is refused before anything loads."""
+    from specattn.spec_runtime.train_drafter import TrainConfig, _load_init, _new_drafter
+    cfg, w = tiny_llama(tmp_path / "target", 5)
+    data_file = _tiny_data(tmp_path, cfg, w)
+    args = ["train", "--model", str(tmp_path / "target"), "--data", str(data_file), "--device", "cpu",
+            "--batch-size", "4", "--seq-len", "40", "--ttt-steps", "2", "--lr", "3e-3", "--warmup-steps", "2",
+            "--eval-every", "0", "--eval-batches", "1", "--time-budget-s", "0", "--no-progress", "--seed", "3"]
+    runner = CliRunner()
+    r = runner.invoke(drafter_app, args + ["--steps", "20", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    target = LlamaModel(cfg, dict(w))
+    tc = TrainConfig(init_from=str(tmp_path / "a"), seed=99)
+    fresh = _new_drafter(target, tc, None)
+    _load_init(fresh, target, tc)
+    trained = Eagle3Drafter.load(tmp_path / "a", target, dtype=torch.float32)
+    assert all(torch.equal(fresh.w[k], trained.w[k]) for k in trained.w)
+    r = runner.invoke(drafter_app, args + ["--steps", "1", "--lr", "1e-9", "--init-from", str(tmp_path / "a"),
+                                           "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    first = json.loads((tmp_path / "a" / "train_log.json").read_text())["final_eval"]["acc"]
+    second = json.loads((tmp_path / "b" / "train_log.json").read_text())["final_eval"]["acc"]
+    assert second == pytest.approx(first, abs=0.02)         # one step at lr 1e-9: the same drafter
+    assert "initialized from the weights of `a`" in (tmp_path / "b" / "README.md").read_text()
+    r = runner.invoke(drafter_app, args + ["--steps", "1", "--init-from", str(tmp_path / "nowhere"),
+                                           "--out", str(tmp_path / "c")])
+    assert r.exit_code != 0 and "--init-from" in r.output
