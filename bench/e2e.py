@@ -19,9 +19,10 @@ One row per pair (the JSON's ``rows``):
 - ``accept_length``: tokens emitted per target verify, bonus included (1 without spec);
 - ``step_ms``: wall time per round (a plain step, or a speculative round), prefill excluded
   (timed generations minus prefill-only generations of the same prompts, over the rounds);
-- ``kernels_per_step`` and ``kernel_ms_per_step``: from a ``torch.profiler`` run of the same
-  generations, minus a profiled prefill-only run, over the rounds (every kernel, CUDA-graph
-  replays included; memcpy/memset are not kernels);
+- ``kernels_per_step`` and ``kernel_ms_per_step``: from a ``torch.profiler`` run of the first
+  ``max(2, 2 b)`` prompts (after one unprofiled run of them), minus a profiled prefill-only
+  run, over its rounds (every kernel, CUDA-graph replays included; memcpy/memset are not
+  kernels);
 - ``gpu_busy``: ``kernel_ms_per_step / step_ms`` (kernel time per step of the profiled run
   over the wall time per step of the unprofiled one);
 - ``host_wait_ms_per_step``: how long per step the host loop sat waiting for a round's
@@ -134,12 +135,14 @@ def gpu_slug(name: str) -> str:
 
 # ---------------------------------------------------------------------- measurement
 def _profile_kernels(fn: Callable[[], object]):
-    """Run ``fn`` under ``torch.profiler``; returns ``(kernels launched, kernel ms)``."""
+    """Run ``fn`` under ``torch.profiler``; returns ``(kernels launched, kernel ms, what fn
+    returned)`` (no kernels without CUDA)."""
     from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+        res = fn()
+        sync()
     count, us = 0, 0.0
     for e in prof.key_averages():
         dev_us = getattr(e, "self_device_time_total", None)
@@ -149,7 +152,7 @@ def _profile_kernels(fn: Callable[[], object]):
             continue
         count += e.count
         us += dev_us
-    return count, us / 1e3
+    return count, us / 1e3, res
 
 
 @dataclass
@@ -195,11 +198,14 @@ def measure_engine(eng, batches: List[List[List[int]]], max_new_tokens: int, pro
                accept_length=timed.accept, rounds=timed.rounds, step_ms=step_ms,
                host_wait_ms_per_step=(timed.wait - pre.wait) * 1e3 / rounds,
                kernels_per_step=None, kernel_ms_per_step=None, gpu_busy=None)
-    if profile:
-        k_full, ms_full = _profile_kernels(lambda: _run_batches(eng, batches, params, full))
-        k_pre, ms_pre = _profile_kernels(lambda: _run_batches(eng, batches, params, one))
-        row["kernels_per_step"] = (k_full - k_pre) / rounds
-        row["kernel_ms_per_step"] = (ms_full - ms_pre) / rounds
+    if profile:  # on the first prompts only (a profiled kernel costs host time to record)
+        sub = [[p for b in batches for p in b][:max(2, 2 * eng.max_batch)]]
+        _run_batches(eng, sub, params, full)          # any graph this subset's shapes need
+        k_full, ms_full, t_full = _profile_kernels(lambda: _run_batches(eng, sub, params, full))
+        k_pre, ms_pre, t_pre = _profile_kernels(lambda: _run_batches(eng, sub, params, one))
+        n = max(t_full.rounds - t_pre.rounds, 1)
+        row["kernels_per_step"] = (k_full - k_pre) / n
+        row["kernel_ms_per_step"] = (ms_full - ms_pre) / n
         row["gpu_busy"] = row["kernel_ms_per_step"] / step_ms if step_ms > 0 else None
     return row, timed.outputs
 

@@ -38,7 +38,8 @@ def test_gpu_slug():
 
 
 def test_measure_engine_on_a_tiny_model(tmp_path, seed):
-    """Rounds, tokens and step time add up (profiling needs CUDA and is off here)."""
+    """Rounds, tokens and step time add up (profiling records no kernel on the CPU); more
+    prompts than rows go through one generate call."""
     cfg, w = tiny_llama(tmp_path, seed, vocab=96)
     prompts = random_prompts(seed, 96, n=4)
     eng = Engine(cfg, dict(w), spec=SpecConfig("eagle", 1, 3, 4, 2), max_batch=2, max_context=64)
@@ -47,6 +48,8 @@ def test_measure_engine_on_a_tiny_model(tmp_path, seed):
     assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
     assert 1.0 <= row["accept_length"] <= 4.0 and row["rounds"] >= 2 * 9 // 4
     assert row["gpu_busy"] is None and row["kernels_per_step"] is None
+    row, _ = e2e.measure_engine(eng, [prompts], 9, profile=True)   # on the CPU: no kernels recorded
+    assert row["kernels_per_step"] == 0 and row["kernel_ms_per_step"] == 0 and row["tokens"] == 4 * 9
 
 
 def _report(rows):
