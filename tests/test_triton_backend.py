@@ -495,3 +495,22 @@ def test_engine_cuda_graphs_lossless_with_triton(tmp_path, seed):
     for spec in (None, SpecConfig("eagle", 1, 3, 4, 2), SpecConfig("eagle", 3, 3, 8, 3)):
         got = _engine_tokens(cfg, w, prompts, 24, "triton", spec, device="cuda", cuda_graph=True)
         assert got == want, f"seed={seed} {spec}"
+
+
+def test_graph_prefix_bound_reaches_the_split_rule(seed):
+    """``graph_prefix_bound`` set around a capture becomes the graph metadata's ``max_prefix``
+    (None when unset), and ``split_keys_mha`` asks longer splits of fuller batches: 32 keys up
+    to a bs-1 16-token verify's 144 query rows in flight, proportionally more above."""
+    from specattn.backends.triton_backend import MIN_SPLIT_KEYS_MHA, SPLIT_WORK_UNIT, split_keys_mha
+    sc = make_scenario(ForwardMode.DECODE, bs=2, device="cpu", rng=random.Random(seed), max_prefix=20)
+    be = TritonBackend(sc.req_pool, sc.kv_pool)
+    be.init_cuda_graph_state(2, 2)
+    be.init_forward_metadata_capture_cuda_graph(sc.batch)
+    assert be.forward_metadata.max_prefix is None
+    be.graph_prefix_bound = 256
+    be.init_forward_metadata_replay_cuda_graph(sc.batch)
+    assert be.forward_metadata.max_prefix == 256
+    assert split_keys_mha(3, 48, 64) == MIN_SPLIT_KEYS_MHA                   # bs-1 16-token verify, 3 KV heads
+    assert split_keys_mha(3, 3, 16) == MIN_SPLIT_KEYS_MHA                    # bs-1 decode (rows padded to 16)
+    assert split_keys_mha(48, 48, 64) == MIN_SPLIT_KEYS_MHA * (48 * 48 // SPLIT_WORK_UNIT)   # bs 16 verify
+    assert split_keys_mha(192, 3, 16) > split_keys_mha(48, 3, 16) > split_keys_mha(12, 3, 16)
