@@ -98,6 +98,16 @@ class GenerateResult:
 
 
 @dataclass
+class _Admission:
+    """A prefill whose roots the host has not read yet: ``roots`` int64 CPU ``[rows]`` (by
+    request row; pinned and filled by a copy that ``event`` marks on a GPU)."""
+
+    reqs: List[Request]
+    roots: torch.Tensor
+    event: Optional[torch.cuda.Event]
+
+
+@dataclass
 class ForwardOut:
     """What :meth:`Engine.forward` returns: float32 ``logits [T, V]``; ``hidden [T, H]`` (the
     drafter's pre-norm state for its next step, EAGLE-3; the final normed hidden for plain
@@ -572,11 +582,13 @@ class Engine:
         tokens (two with the overlapped loop, which runs one round more) + 2."""
         return (2 if overlap else 1) * self.strategy.tokens_per_round + 2
 
-    def _prefill(self, reqs: List[Request]) -> None:
+    def _prefill(self, reqs: List[Request], defer: bool = False) -> Optional["_Admission"]:
         """The target's EXTEND over the prompts, the roots' sampling and the strategy's
         prefill: replaying a prefill graph when the engine has whole-round graphs, the
         strategy's prefill is device work (``Strategy.graph_prefill``) and the padded token
-        count fits ``prefill_graph_tokens``; else eagerly.  Emits the roots."""
+        count fits ``prefill_graph_tokens``; else eagerly.  Emits the roots, or with
+        ``defer`` returns an :class:`_Admission` that emits them later (a replayed graph's
+        roots then travel in a pinned copy: no host sync here)."""
         rows = [r.row for r in reqs]
         lens = [len(r.prompt) for r in reqs]
         T, bs = sum(lens), len(reqs)
@@ -601,6 +613,12 @@ class Engine:
             tail[2, :bs] = torch.cumsum(torch.tensor(lens), 0) - 1
             inp.copy_(host.pin_memory(), non_blocking=True)
             g.replay()
+            if defer:
+                adm = _Admission(reqs, torch.empty(self.roots.shape[0], dtype=torch.int64).pin_memory(),
+                                 torch.cuda.Event())
+                adm.roots.copy_(self.roots, non_blocking=True)
+                adm.event.record()
+                return adm
             roots = self.roots.tolist()
             roots = [roots[r] for r in rows]
         else:
@@ -613,8 +631,20 @@ class Engine:
             last = torch.cumsum(torch.tensor(lens, device=dev), 0) - 1
             token_rows = torch.repeat_interleave(rows_t, torch.tensor(lens, device=dev))
             roots = self._prefill_device(rows_t, ids, batch, last, token_rows, lens).tolist()
+            if defer:
+                by_row = torch.zeros(self.roots.shape[0], dtype=torch.int64)
+                by_row[rows] = torch.tensor(roots, dtype=torch.int64)
+                return _Admission(reqs, by_row, None)
         for r, t in zip(reqs, roots):
             self._emit(r, [t])
+        return None
+
+    def _emit_admission(self, adm: "_Admission") -> None:
+        """Emit the roots of a deferred prefill (waiting for its copy)."""
+        if adm.event is not None:
+            adm.event.synchronize()
+        for r in adm.reqs:
+            self._emit(r, [int(adm.roots[r.row])])
 
     def _prefill_device(self, rows: torch.Tensor, ids: torch.Tensor, batch: ForwardBatch, last: torch.Tensor,
                         token_rows: torch.Tensor, lens: Optional[List[int]]) -> torch.Tensor:
@@ -744,18 +774,27 @@ class Engine:
         self._rows_now = None
         t0 = time.perf_counter()
         waiting, free, running = deque(reqs), list(range(self.max_batch)), []
+        # admitted prefills whose roots are read with the first round launched after them
+        # (no host sync at admission: the overlapped rounds keep the GPU busy meanwhile)
+        admissions: deque = deque()
+        n_admitted = 0
 
         def admit() -> None:  # waiting requests into free rows, prefilled together
+            nonlocal n_admitted
             while waiting and free:
                 new = [waiting.popleft() for _ in range(min(len(waiting), len(free)))]
                 for r in new:
                     r.row = free.pop(0)
-                self._prefill(new)
-                for r in new:
-                    if r.finished:          # at its first token
-                        free.append(r.row)
-                    else:
-                        running.append(r)
+                admissions.append((n_admitted, self._prefill(new, defer=True)))
+                n_admitted += 1
+                # a request of one token is done at its root: it joins no round
+                running.extend(r for r in new if r.max_new_tokens > 1)
+
+        def emit_roots(before: int) -> None:  # the roots of admissions numbered below `before`
+            while admissions and admissions[0][0] < before:
+                adm = admissions.popleft()[1]
+                self._emit_admission(adm)
+                free.extend(r.row for r in adm.reqs if r.max_new_tokens == 1)
 
         admit()
         # per round: [count, tokens...] of each request, copied to pinned memory (3 in rotation)
@@ -763,7 +802,7 @@ class Engine:
                 for _ in range(3)] if self.device.type == "cuda" else None
         pending: deque = deque()
         n_rounds, k, waited = 0, 0, 0.0
-        while running or pending or waiting:
+        while running or pending or waiting or admissions:
             if waiting and free:   # a row is reused only after the rounds in flight (stream order)
                 admit()
             if progress is not None:
@@ -773,17 +812,19 @@ class Engine:
                 k += 1
                 # the device may be up to two rounds past what the host has read
                 bound = max(len(r.prompt) + len(r.output) for r in running) + 2 * self.strategy.tokens_per_round + 2
-                pending.append((list(running), self._launch([r.row for r in running], buf, bound)))
+                pending.append((list(running), n_admitted, self._launch([r.row for r in running], buf, bound)))
                 n_rounds += 1
                 if overlap and len(pending) < 2:
                     continue
             if not pending:
+                emit_roots(n_admitted)
                 continue
-            snap, (emitted, ev) = pending.popleft()
+            snap, before, (emitted, ev) = pending.popleft()
             if ev is not None:
                 tw = time.perf_counter()
                 ev.synchronize()
                 waited += time.perf_counter() - tw
+            emit_roots(before)     # their copies precede this round's: no extra wait
             for r, (c, *t) in zip(snap, emitted[:len(snap)].tolist()):   # the round's one read
                 if r.finished:
                     continue

@@ -161,3 +161,13 @@ def test_more_prompts_than_rows(tmp_path, spec, backend_name):
     assert got.tokens == want.tokens, f"seed={seed}"
     assert [len(t) for t in got.tokens] == limits and got.finish_reasons == ["length"] * n
     check_rows_restored(eng)
+    # an EOS that request 0 samples as its root: it (and any other) stops there, rounds queued
+    # for it before its root was read are dropped
+    eos = [want.tokens[0][0]]
+    kw = dict(spec=spec, max_context=128, eos_token_ids=eos)
+    want = make_engine(backend_name, cfg, dict(w), max_batch=n, **kw).generate(
+        prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
+    got = make_engine(backend_name, cfg, dict(w), max_batch=2, **kw).generate(
+        prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
+    assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons, f"seed={seed}"
+    assert got.tokens[0] == eos and got.finish_reasons[0] == "eos"
