@@ -425,31 +425,41 @@ class Engine:
         ``prefix_bound``."""
         rb = RoundBatch(self._static.rows[:pbs], self._static.emitted[:pbs])
         rb.rows.fill_(self.dummy_row)
-        saved, self.params = self.params, params
-        self._graph_mode = True
         backends = [b for b in (self.target_backend, self.draft_backend) if b is not None]
         for b in backends:
             b.graph_prefix_bound = prefix_bound
         try:
+            g = self._capture(lambda: self.strategy.round(self, rb), params)
+        finally:
+            self._rows_now = None  # the static rows now point at the dummy row
+            for b in backends:
+                b.graph_prefix_bound = None
+        self.round_graphs[(pbs, self._sampling_key(params), prefix_bound)] = g
+
+    def _capture(self, body, params: SamplingParams) -> torch.cuda.CUDAGraph:
+        """``body()`` + the dummy row's reset, run once on a side stream (JIT compiles,
+        allocator, lazy inits) and then captured in the engine's graph pool under the sampling
+        configuration ``params`` (graph-mode metadata builders; the engine's generator
+        registered for sampling)."""
+        saved, self.params = self.params, params
+        self._graph_mode = True
+        try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: JIT compiles, allocator, lazy inits
-                self.strategy.round(self, rb)
+            with torch.cuda.stream(stream):
+                body()
                 self._reset_dummy()
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             if not params.greedy:
                 g.register_generator_state(self.generator)
             with torch.cuda.graph(g, pool=self._graph_pool):
-                self.strategy.round(self, rb)
+                body()
                 self._reset_dummy()
         finally:
             self._graph_mode = False
             self.params = saved
-            self._rows_now = None  # the static rows now point at the dummy row
-            for b in backends:
-                b.graph_prefix_bound = None
-        self.round_graphs[(pbs, self._sampling_key(params), prefix_bound)] = g
+        return g
 
     @staticmethod
     def _graphs_can_sample(params: SamplingParams) -> bool:
@@ -677,25 +687,8 @@ class Engine:
             loc = self.req_pool.req_to_token[token_rows, pos].long()
             batch = ForwardBatch(ForwardMode.EXTEND, rows, zeros, lens.to(torch.int32), loc, pos)
             self._prefill_device(rows, ids, batch, last, token_rows, None)
-            self._reset_dummy()
 
-        saved, self.params = self.params, params
-        self._graph_mode = True
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: JIT compiles, allocator, lazy inits
-                body()
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            if not params.greedy:
-                g.register_generator_state(self.generator)
-            with torch.cuda.graph(g, pool=self._graph_pool):
-                body()
-        finally:
-            self._graph_mode = False
-            self.params = saved
-        self.prefill_graphs[(pbs, PT, self._sampling_key(params))] = (g, inp)
+        self.prefill_graphs[(pbs, PT, self._sampling_key(params))] = (self._capture(body, params), inp)
 
     def _emit(self, req: Request, tokens: Sequence[int]) -> None:
         for t in tokens:
