@@ -66,10 +66,13 @@ tiles), ~1 wave for MLA (its 128-row x 256-value tiles hold about one 8-warp pro
 sets one) bounds them to one split per :func:`split_keys_mha` keys for MHA (32 keys while the
 batch's query rows in flight stay within a bs-1 16-token verify's 144, proportionally more
 above), 256 for MLA.  On an H200 in CUDA graphs (SmolLM2's 9 / 3 heads of 64, bf16, merge
-included): a bs-1 16-token verify over 256 keys takes 9.1 us in one pass and 7.7 in eight;
-at bs 16 the same verify takes 9.2 us in one pass and 12.3 in the four that SM occupancy
-alone picks (over 1,024 keys: 18.8 in one, 15.5 in two, 15.0 in four); a bs-1 decode over
-512 keys takes 8.4 us in one pass and 5.3 in eight.
+included, the pipelined tiles the rule was fitted with): a bs-1 16-token verify over 256
+keys takes 9.1 us in one pass and 7.7 in eight; at bs 16 the same verify takes 9.2 us in
+one pass and 12.3 in the four that SM occupancy alone picks (over 1,024 keys: 18.8 in one,
+15.5 in two, 15.0 in four); a bs-1 decode over 512 keys takes 8.4 us in one pass and 5.3 in
+eight.  The split count is chosen with those tiles' program count; the kernel then runs
+the short-loop tiles that ``max_prefix`` allows (MHA's ``default_config``: the bs-1 verify
+over 200 keys in eight splits 4.5 us).
 ``num_kv_splits=`` forces a count (tests, sweeps).  EXTEND never splits.
 
 Kernel config: ``kernel_config={"block_m": .., "block_n": .., "num_warps": .., "num_stages":
@@ -376,7 +379,7 @@ class TritonBackend(AttentionBackend):
                                self.kv_pool.get_value_buffer(layer.layer_id), rtt,
                                md.req_pool_indices, md.prefix_lens, md.qo_indptr, md.tree_mask,
                                md.max_q, layer.scaling, num_splits=splits, page_size=page_size,
-                               check_bounds=False, **self._config(md.mode))
+                               check_bounds=False, max_prefix=md.max_prefix, **self._config(md.mode))
 
     def _config(self, mode: ForwardMode) -> dict:
         """The kernel config for ``mode``: MHA's ``"sm90"`` and ``"pingpong"`` name the Gluon

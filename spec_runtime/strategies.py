@@ -394,19 +394,29 @@ class EagleStrategy(Strategy):
             parent_list[:, :K + 1] = blocks[0]
         src_rows = rows[:, None].expand(bs, K)
         src_hidden = self.hidden[rows][:, None, :].expand(bs, K, -1) if self.eagle3 else None
+        # the fused path forks the beams' scratch rows with one launch per step (page size 1)
+        fork = fused and K > 1 and ps == 1
         if K > 1 and S > 1:
             scratch_rows = eng.scratch_rows[rows]                            # [bs, 2K]
             scratch_units = eng.scratch_pages[rows]                          # [bs, K(S-1)]
-            if ps == 1:
+            if fork:  # each parity's K rows contiguous: [2, bs, K]
+                parity_rows = scratch_rows.view(bs, 2, K).transpose(0, 1).contiguous()
+            elif ps == 1:
                 scratch_slots = scratch_units.to(rtt.dtype)                  # (one cast a round)
             c0 = P + (1 - sh) if ps == 1 else (P + (1 - sh)) // ps * ps      # first page of the drafts
-            if S > 2:  # every step's ancestor columns: step s copies the first s - 1 + ps of them
+            if S > 2 and not fork:  # every step's ancestor columns: step s copies the first s - 1 + ps
                 cols_all = (c0[:, None, None] + eng.arange(S - 2 + ps)).clamp(max=eng.max_context - 1)
         for s in range(1, S):
             idx = P + (s - sh)                                # the beams' new entries [bs]
+            prefix = None
             if K == 1:
                 cur = rows[:, None]
                 slots = rtt[rows, idx][:, None].long()
+            elif fork:  # ancestors' columns from the source beams' rows, then the new slot
+                cur = parity_rows[s % 2]
+                prefix, slots = ops.fork_req_to_token_rows(
+                    rtt, src_rows, cur, c0, s - 1, new_col=idx, new_slots=scratch_units[:, s - 1::S - 1],
+                    check_values=False, impl=draft_ops)
             else:
                 cur = scratch_rows[:, (s % 2) * K:(s % 2) * K + K]           # [bs, K] (ping-pong)
                 if s > 1:  # the ancestors' entries, whole pages of them, from the source beams
@@ -425,7 +435,8 @@ class EagleStrategy(Strategy):
                                                  check_values=False)
                     rtt[cur[..., None], start[..., None] + offs] = page_slots.to(rtt.dtype)
                     slots = page_slots.gather(2, (idx % ps)[:, None, None].expand(bs, K, 1)).squeeze(2)
-            prefix = idx[:, None].expand(bs, K).reshape(-1)
+            if prefix is None:
+                prefix = idx[:, None].expand(bs, K).reshape(-1)
             batch = eng.batch(ForwardMode.DECODE, cur.reshape(-1), prefix, 1, slots.reshape(-1),
                               host_prefix_lens=rb.host(s - sh, repeat=K))
             o = eng.forward("draft", beam_tokens.reshape(-1), batch,
@@ -460,8 +471,12 @@ class EagleStrategy(Strategy):
                 src_hidden = h.gather(1, parent[..., None].expand(bs, K, h.shape[-1]))
         if K > 1 and S > 1:  # undo the scratch rows' columns: the next round's prefix is there
             width = (-(-(S - 1) // ps) + 1) * ps
-            cols = (c0[:, None] + eng.arange(width)).clamp(max=eng.max_context - 1)
-            rtt[scratch_rows[:, :, None], cols[:, None, :]] = rtt[rows[:, None, None], cols[:, None, :]]
+            if fused:
+                ops.fork_req_to_token_rows(rtt, rows[:, None].expand(bs, 2 * K), scratch_rows, c0, width,
+                                           check_values=False, impl=draft_ops)
+            else:
+                cols = (c0[:, None] + eng.arange(width)).clamp(max=eng.max_context - 1)
+                rtt[scratch_rows[:, :, None], cols[:, None, :]] = rtt[rows[:, None, None], cols[:, None, :]]
         if fused:
             return parent_list, all_scores, all_tokens
         parent_list = torch.cat(blocks, 1) if S > 1 else \

@@ -1,11 +1,14 @@
-"""``ops.eagle_beam_step`` and ``ops.select_draft_tokens``: the references against the
+"""``ops.eagle_beam_step``, ``ops.select_draft_tokens`` and ``ops.fork_req_to_token_rows``:
+the references against the
 PyTorch ops they replace (EAGLE's ``topk`` / gathers / ``cat`` bookkeeping) on fresh random
 scores (the ``seed`` fixture: ties have probability ~0), the documented tie rule (lower
 candidate column first, ``-0.0 == +0.0``) against a stable-sort oracle, the Triton kernels
 against the references exactly (bits of every output, and of every buffer element the op
 must not write, after poisoning), edges (``K = 1``, ``bs = 1`` and ``0``, ``D - 1 ==
 n_cand``, strided inputs), validation errors, and the runtime's EAGLE round with the fused
-ops forced (same tokens and accept lengths as its PyTorch path).
+ops forced (same tokens and accept lengths as its PyTorch path).  The row fork against a
+per-element loop (columns off the table's edges, the new column inside the copied range,
+strided and int32 indices, an empty batch) and its validation.
 
 On a CPU-only machine the Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
 set below before triton is imported) on small shapes.  The ``gpu``-marked tests compare the
@@ -408,6 +411,101 @@ def test_triton_impl_needs_interpreter_or_gpu(monkeypatch):
                             torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.int64), 0, impl="triton")
 
 
+# ------------------------------------------------------------------ fork_req_to_token_rows
+def fork_oracle(rtt, src, dst, first, num_cols, new_col, new_slots):
+    """Element by element, from a snapshot (every read before any write)."""
+    out, W = rtt.clone(), rtt.shape[1]
+    for b in range(dst.shape[0]):
+        for j in range(dst.shape[1]):
+            for c in range(num_cols):
+                col = int(first[b]) + c
+                if 0 <= col < W and (new_col is None or col != int(new_col[b])):
+                    out[dst[b, j], col] = rtt[src[b, j], col]
+            if new_col is not None and 0 <= int(new_col[b]) < W:
+                out[dst[b, j], int(new_col[b])] = int(new_slots[b, j])
+    return out
+
+
+def fork_case(gen, bs, R, W, num_cols, new=True, rows_extra=3):
+    """Random disjoint src / dst rows (int32 src, strided dst), first columns and new columns
+    reaching past both edges of the table, strided new slots."""
+    rows = 2 * bs * R + rows_extra
+    perm = torch.randperm(rows, generator=gen)
+    src = perm[:bs * R].view(bs, R).int()
+    dst = perm[bs * R:2 * bs * R].view(R, bs).t()                  # strided
+    rtt = torch.randint(0, 10**6, (rows, W), generator=gen, dtype=torch.int32)
+    first = torch.randint(-3, W + 2, (bs,), generator=gen)
+    new_col = (first + torch.randint(-1, num_cols + 2, (bs,), generator=gen)) if new else None
+    new_slots = torch.randint(0, 10**6, (bs, 2 * R), generator=gen)[:, ::2] if new else None
+    to = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    return to(rtt), to(src), to(dst), to(first), num_cols, to(new_col), to(new_slots)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bs,R,W,num_cols", [(1, 1, 8, 0), (1, 4, 16, 3), (3, 2, 9, 7), (2, 8, 40, 20),
+                                             (4, 3, 5, 9)])
+def test_fork_rows_matches_oracle(impl, bs, R, W, num_cols, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for new in (True, False):
+        rtt, src, dst, first, n, new_col, new_slots = fork_case(gen, bs, R, W, num_cols, new)
+        want = fork_oracle(rtt.cpu(), src.cpu(), dst.cpu(), first.cpu(), n,
+                           None if new_col is None else new_col.cpu(),
+                           None if new_slots is None else new_slots.cpu())
+        out = ops.fork_req_to_token_rows(rtt, src, dst, first, n, new_col=new_col, new_slots=new_slots,
+                                         impl=impl)
+        assert torch.equal(rtt.cpu(), want), (impl, new)
+        if new:
+            prefix, loc = out
+            assert prefix.dtype == loc.dtype == torch.int64
+            assert torch.equal(prefix.cpu(), new_col.cpu().long()[:, None].expand(bs, R).reshape(-1))
+            assert torch.equal(loc.cpu(), new_slots.cpu().reshape(-1))
+        else:
+            assert out is None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fork_rows_empty_batch(impl):
+    rtt = torch.arange(12, dtype=torch.int32, device=DEV).view(3, 4)
+    e = torch.zeros(0, 2, dtype=torch.int64, device=DEV)
+    e1 = torch.zeros(0, dtype=torch.int64, device=DEV)
+    prefix, loc = ops.fork_req_to_token_rows(rtt, e, e, e1, 3, new_col=e1, new_slots=e, impl=impl)
+    assert prefix.shape == loc.shape == (0,)
+    assert torch.equal(rtt.cpu(), torch.arange(12, dtype=torch.int32).view(3, 4))
+
+
+def test_fork_rows_validation_errors():
+    rtt = torch.zeros(8, 6, dtype=torch.int32, device=DEV)
+    src = torch.tensor([[0, 1]], device=DEV)
+    dst = torch.tensor([[2, 3]], device=DEV)
+    first = torch.tensor([1], device=DEV)
+    fork = ops.fork_req_to_token_rows
+    with pytest.raises(ValueError, match="dtype"):
+        fork(rtt.float(), src, dst, first, 2)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        fork(rtt.t(), src, dst, first, 2)
+    with pytest.raises(ValueError, match="src_rows must have shape"):
+        fork(rtt, src[:, :1], dst, first, 2)
+    with pytest.raises(ValueError, match="first_col must have shape"):
+        fork(rtt, src, dst, first.repeat(2), 2)
+    with pytest.raises(TypeError, match="num_cols must be an int"):
+        fork(rtt, src, dst, first, 2.0)
+    with pytest.raises(ValueError, match="num_cols must be in"):
+        fork(rtt, src, dst, first, -1)
+    with pytest.raises(ValueError, match="go together"):
+        fork(rtt, src, dst, first, 2, new_col=first)
+    with pytest.raises(ValueError, match="new_slots must have shape"):
+        fork(rtt, src, dst, first, 2, new_col=first, new_slots=src[:, :1])
+    with pytest.raises(IndexError, match="dst_rows"):
+        fork(rtt, src, dst + 6, first, 2)
+    with pytest.raises(IndexError, match="src_rows"):
+        fork(rtt, src - 1, dst, first, 2)
+    with pytest.raises(ValueError, match="repeats a row"):
+        fork(rtt, src, torch.tensor([[2, 2]], device=DEV), first, 2)
+    with pytest.raises(ValueError, match="also a src row"):
+        fork(rtt, src, torch.tensor([[2, 0]], device=DEV), first, 2)
+    assert torch.equal(rtt, torch.zeros_like(rtt)), "a rejected call wrote the table"
+
+
 # ------------------------------------------------------------------ the runtime's round
 @pytest.mark.parametrize("algo", ["self", "eagle3"])
 @pytest.mark.parametrize("spec,page_size", [((3, 3, 8), 1), ((2, 4, 6), 4), ((1, 3, 4), 1)],
@@ -417,7 +515,7 @@ def test_eagle_round_with_the_fused_ops(tmp_path, seed, spec, page_size, algo, m
     kernels, in the interpreter on a CPU, and their references) emits the same tokens and
     accept lengths as its PyTorch path, and stays lossless against target-only greedy."""
     calls = []
-    for name in ("eagle_beam_step", "select_draft_tokens"):
+    for name in ("eagle_beam_step", "select_draft_tokens", "fork_req_to_token_rows"):
         def spy(*args, _fn=getattr(ops, name), _name=name, **kw):
             calls.append((_name, kw.get("impl")))
             return _fn(*args, **kw)
@@ -446,7 +544,9 @@ def test_eagle_round_with_the_fused_ops(tmp_path, seed, spec, page_size, algo, m
         runs[impl] = eng.generate(prompts, p)
         assert runs[impl].tokens == base.tokens, (impl, f"seed={seed}")
         rounds = calls.count(("select_draft_tokens", impl))   # one per round, S - 1 steps each
-        assert len(calls) == rounds * spec[1] and (rounds > 0) == (impl != "torch"), calls
+        K, S = spec[0], spec[1]
+        forks = 0 if K == 1 else (S if page_size == 1 else 1)  # per step + the restore; paged: restore
+        assert len(calls) == rounds * (S + forks) and (rounds > 0) == (impl != "torch"), calls
     assert runs["triton"].accept_lengths == runs["torch"].accept_lengths == runs["reference"].accept_lengths
 
 
@@ -566,3 +666,36 @@ def test_gpu_no_host_sync_and_cuda_graph(seed):
         assert torch.equal(g_sel, e_sel) and torch.equal(g_draft, e_draft)
         ref = ops.select_draft_tokens(all_s, all_t, roots, D, impl="reference")
         assert torch.equal(g_sel, ref[0]) and torch.equal(g_draft, ref[1])
+
+
+@gpu
+def test_gpu_fork_rows_graph_replay(seed):
+    """The Triton fork equals the reference on a large case, never syncs with the host
+    (``check_values=False``) and replays from a CUDA graph on new inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    rtt, src, dst, first, n, new_col, new_slots = fork_case(gen, 64, 8, 2048, 300)
+    ref = rtt.clone()
+    want = ops.fork_req_to_token_rows(ref, src, dst, first, n, new_col=new_col, new_slots=new_slots,
+                                      impl="reference")
+    got = ops.fork_req_to_token_rows(rtt, src, dst, first, n, new_col=new_col, new_slots=new_slots)
+    assert torch.equal(rtt, ref) and all(torch.equal(a, b) for a, b in zip(got, want))
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.fork_req_to_token_rows(rtt, src, dst, first, n, new_col=new_col, new_slots=new_slots,
+                                   check_values=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_prefix, g_loc = ops.fork_req_to_token_rows(rtt, src, dst, first, n, new_col=new_col,
+                                                     new_slots=new_slots, check_values=False)
+    first.copy_(torch.randint(-3, 2050, first.shape, generator=gen).to(DEV))
+    new_col.copy_(first + 5)
+    new_slots.copy_(torch.randint(0, 10**6, new_slots.shape, generator=gen).to(DEV))
+    ref = rtt.clone()
+    want = ops.fork_req_to_token_rows(ref, src, dst, first, n, new_col=new_col, new_slots=new_slots,
+                                      impl="reference")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(rtt, ref) and torch.equal(g_prefix, want[0]) and torch.equal(g_loc, want[1])

@@ -119,6 +119,61 @@ def test_kernel_writes_every_row_and_no_key_gives_zero():
         assert out[2].abs().sum() > 0                    # request 0 row 2 still sees its prefix
 
 
+def test_default_config_short_loop_tiles():
+    """With a prefix bound and < 128 rows, each program's key count picks the tiles: one
+    stage and the smallest ``block_n`` covering the keys in two iterations up to
+    ``SHORT_LOOP_KEYS`` keys, 128-key three-stage tiles past it, 16-row tiles throughout;
+    without a bound (or for fp32, or 128+ rows) the configs do not depend on it."""
+    from specattn.triton_kernels.attention import SHORT_LOOP_KEYS, default_config
+    cfg = lambda rows, splits, bound: default_config(rows, 64, False, splits, bound)  # noqa: E731
+    assert cfg(48, 8, 200) == dict(block_m=16, block_n=32, num_warps=4, num_stages=1)     # 25 keys
+    assert cfg(48, 8, 900) == dict(block_m=16, block_n=64, num_warps=4, num_stages=1)     # 113 keys
+    assert cfg(3, 1, 200)["block_n"] == 128 and cfg(3, 1, 200)["num_stages"] == 1
+    assert cfg(3, 1, SHORT_LOOP_KEYS + 1) == dict(block_m=16, block_n=128, num_warps=4, num_stages=3)
+    assert cfg(48, 1, 0)["block_n"] == 32
+    assert cfg(3, 8, None) == dict(block_m=16, block_n=128, num_warps=4, num_stages=4)
+    assert cfg(48, 8, None) == cfg(96, 1, None) == dict(block_m=64, block_n=64, num_warps=4, num_stages=4)
+    assert cfg(128, 1, 200) == cfg(128, 1, None)
+    assert default_config(48, 64, True, 8, 200) == default_config(48, 64, True, 8, None)
+
+
+@pytest.mark.parametrize("bound", [-1, 2.0, True, "8"])
+def test_paged_attention_rejects_bad_max_prefix(bound):
+    sc = make_scenario(ForwardMode.TARGET_VERIFY, bs=1, head_dim=16, rng=random.Random(0))
+    with pytest.raises(ValueError, match="max_prefix must be None or an int"):
+        paged_attention(torch.zeros(4, 4, 16), torch.zeros(8, 2, 16), torch.zeros(8, 2, 16),
+                        sc.req_pool.req_to_token, torch.zeros(1, dtype=torch.int64),
+                        torch.zeros(1, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
+                        None, 4, 0.25, max_prefix=bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,tree", [(1, False), (6, False), (16, True), (32, True)])
+def test_gpu_max_prefix_changes_tiles_not_results(D, tree, seed):
+    """bf16, GQA 3: the short-loop tiles that a prefix bound selects give the pipelined
+    tiles' result (fp32 accumulation: within bf16 rounding), for bounds below, at and above
+    the true prefixes and several split counts; output rows poisoned first."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, Hkv, G, Dh = 3, 3, 3, 64
+    P = torch.tensor([200, 37, 900], dtype=torch.int32)
+    W = int(P.max()) + D + 8
+    slots = bs * W + 16
+    rtt = torch.randperm(slots, generator=gen)[:bs * W].view(bs, W).int().cuda()
+    kc = torch.randn(slots, Hkv, Dh, generator=gen).to(torch.bfloat16).cuda()
+    vc = torch.randn(slots, Hkv, Dh, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(bs * D, Hkv * G, Dh, generator=gen).to(torch.bfloat16).cuda()
+    qo = torch.arange(0, bs * D + 1, D, dtype=torch.int32).cuda()
+    dense = torch.tril(torch.rand(bs, D, D, generator=gen) < 0.4) | torch.eye(D, dtype=torch.bool)
+    tm = pack_tree_mask(dense).cuda() if tree else None
+    args = (q, kc, vc, rtt, torch.arange(bs).cuda(), P.cuda(), qo, tm, D, 0.125)
+    for splits in (1, 4, 8):
+        ref = paged_attention(*args, num_splits=splits, sm90=False).float()
+        for bound in (0, 64, 200, 900, 4096):
+            out = torch.full_like(q, float("nan"))
+            got = paged_attention(*args, num_splits=splits, sm90=False, max_prefix=bound, out=out)
+            assert torch.isfinite(got).all() and rel_err(got.float(), ref) < 1e-2, (splits, bound)
+
+
 @pytest.mark.parametrize("page_size", [0, -64, True, 64.0, "64"])
 def test_paged_attention_rejects_bad_page_size(page_size):
     """``page_size`` must be an int >= 1 (a promise about ``req_to_token``, checked first)."""

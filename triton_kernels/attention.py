@@ -65,7 +65,7 @@ from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draf
 from .attention_sm90 import SM90_BLOCK_M, sm90_tree_verify, sm90_tree_verify_supported
 
 __all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_config",
-           "MHA_CONFIG_KEYS"]
+           "MHA_CONFIG_KEYS", "SHORT_LOOP_KEYS"]
 
 
 @triton.jit
@@ -181,20 +181,41 @@ def choose_block_m(max_rows: int) -> int:
 MHA_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "sm90", "pingpong")
 
 
-def default_config(max_rows: int, block_d: int, ieee: bool, num_splits: int = 1) -> dict:
+SHORT_LOOP_KEYS = 256   # prefix keys per program up to which one unpipelined stage wins
+
+
+def default_config(max_rows: int, block_d: int, ieee: bool, num_splits: int = 1,
+                   max_prefix: Optional[int] = None) -> dict:
     """Kernel config for ``max_rows = max_q * G`` packed rows per (request, KV head), the
-    padded head width ``block_d``, fp32 (``ieee``) inputs and the split-KV factor:
-    ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` (from the H100 sweep of
-    ``bench/scripts/attention_sweep.py``, Triton 3.6).  The launch lowers
-    ``num_stages`` where a Triton version's pipelining of a config outgrows shared memory
-    (:func:`~specattn.triton_kernels._util.launch_fitting`; offline, Triton 3.9 sizes the
-    128 x 128 four-stage tile at 288 KB, over the H100's 227 KB)."""
+    padded head width ``block_d``, fp32 (``ieee``) inputs, the split-KV factor and, when
+    known, a host bound ``max_prefix`` of the prefix lengths: ``block_m``, ``block_n``,
+    ``num_warps``, ``num_stages``.
+
+    With a bound and fewer than 128 rows (decode, verify and draft-extend sizes), each
+    program reads about ``keys = cdiv(max_prefix, num_splits)`` prefix keys, and the loop is
+    latency-bound: 16-row tiles (more programs share each K/V tile through L2), and for
+    ``keys <= SHORT_LOOP_KEYS`` one pipeline stage with the smallest ``block_n`` (32 to 128)
+    that covers the keys in two iterations; past that 128-key tiles in three stages.  An
+    H200 sweep in CUDA graphs (SmolLM2's 9 / 3 heads of 64, bf16, merge included): a bs-1
+    16-token tree verify over 200 keys in 8 splits 7.8 -> 4.5 us, over 900 keys 8.8 -> 6.1
+    us; a 6-token draft extend 5.7 -> 4.4 us; a bs-1 decode 5.4 -> 4.3 us; a bs-16
+    16-token verify in one pass 10.0 -> 8.4 us.  Without a bound, and for 128 rows and
+    more, the configs of the H100 sweep of ``bench/scripts/attention_sweep.py`` (Triton
+    3.6).  The launch lowers ``num_stages`` where a Triton version's pipelining of a config
+    outgrows shared memory (:func:`~specattn.triton_kernels._util.launch_fitting`; offline,
+    Triton 3.9 sizes the 128 x 128 four-stage tile at 288 KB, over the H100's 227 KB)."""
     if ieee or block_d > 128:
         return dict(block_m=min(64, choose_block_m(max_rows)), block_n=32, num_warps=4, num_stages=2)
     if max_rows >= 128:  # compute-bound rows (tree verify, extend)
         if num_splits > 1:  # short loops per program: a shallower pipeline
             return dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
         return dict(block_m=128, block_n=128, num_warps=8, num_stages=4)
+    if max_prefix is not None:
+        keys = -(-max(int(max_prefix), 1) // max(num_splits, 1))
+        if keys <= SHORT_LOOP_KEYS:
+            return dict(block_m=16, block_n=min(128, max(32, next_pow2(-(-keys // 2)))), num_warps=4,
+                        num_stages=1)
+        return dict(block_m=16, block_n=128, num_warps=4, num_stages=3)
     return dict(block_m=choose_block_m(max_rows), block_n=128 if max_rows <= 16 else 64,
                 num_warps=4, num_stages=4)
 
@@ -209,7 +230,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                     off32: Optional[bool] = None, sm90: Optional[bool] = None,
                     pingpong: Optional[bool] = None, page_size: int = 1,
-                    check_bounds: bool = True) -> torch.Tensor:
+                    check_bounds: bool = True, max_prefix: Optional[int] = None) -> torch.Tensor:
     """Attention of ``q`` over the paged cache (module docstring: semantics, layout).
 
     Args:
@@ -255,6 +276,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             skipped during CUDA-graph capture; see
             :func:`~specattn.triton_kernels._util.check_paged_metadata`).  Backends that
             validated the batch pass False.
+        max_prefix: a host bound of ``prefix_lens`` (None: unknown), used only to pick the
+            default tiles (:func:`default_config`); results never depend on it, and a
+            prefix past it is still read whole.
     Returns:
         ``[T, H, Dv]`` in ``q.dtype`` (or ``out``).  With ``num_splits == 1`` rows of no
         request are left untouched; with splits the merge writes all ``T`` rows, so every row
@@ -263,10 +287,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         ValueError: inconsistent shapes, dtypes or devices; a ``tree_mask`` smaller than
             ``[bs, max_q, ceil(max_q/32)]``; with ``check_bounds``, an index out of range
             (a request with more than ``max_q`` new tokens, rows or slots outside the tables);
-            ``sm90=True`` where its needs are not met; ``page_size`` not an int >= 1.
+            ``sm90=True`` where its needs are not met; ``page_size`` not an int >= 1;
+            ``max_prefix`` neither None nor an int >= 0.
     """
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if max_prefix is not None and (not isinstance(max_prefix, int) or isinstance(max_prefix, bool)
+                                   or max_prefix < 0):
+        raise ValueError(f"max_prefix must be None or an int >= 0, got {max_prefix!r}")
     T, H, Dqk = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
     bs = req_pool_indices.shape[0]
@@ -286,7 +314,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     upcast = q.dtype != k_cache.dtype
     ieee = upcast or k_cache.dtype == torch.float32
     BLOCK_D, BLOCK_DV = next_pow2(Dqk), next_pow2(Dv)
-    cfg = default_config(max_q * G, max(BLOCK_D, BLOCK_DV), ieee, num_splits)
+    cfg = default_config(max_q * G, max(BLOCK_D, BLOCK_DV), ieee, num_splits, max_prefix)
     overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     check_kernel_config({**overrides, "sm90": sm90, "pingpong": pingpong}, MHA_CONFIG_KEYS)
     if sm90 or (sm90 is None and tree_mask is not None and max_q * G >= SM90_BLOCK_M):

@@ -1,7 +1,8 @@
-"""Triton implementations of :func:`specattn.ops.eagle_beam_step` and
-:func:`specattn.ops.select_draft_tokens` (registered as ``impl="triton"`` there; the
-launchers have the references' positional signatures).  One launch each, one program per
-request row, everything in register vectors.
+"""Triton implementations of :func:`specattn.ops.eagle_beam_step`,
+:func:`specattn.ops.select_draft_tokens` and :func:`specattn.ops.fork_req_to_token_rows`
+(registered as ``impl="triton"`` there; the launchers have the references' positional
+signatures).  One launch each, one program per request row (per beam for the fork),
+everything in register vectors.
 
 Order key (as :mod:`.topk`'s): a score ``x`` at column ``c`` becomes the int64 key
 ``(o << 32) | (0x7FFFFFFF - c)``, ``o`` the float32 bits of ``x`` (``-0.0`` read as
@@ -29,6 +30,14 @@ are above the padding key ``-2^63``).
   stores its column and token (``draft_tokens[b, 1 + pos]``); lane 0 of the row stores the
   root.
 
+- ``_fork_rows_kernel``, grid ``(bs * R,)``: program ``b * R + j`` reads its beam's source
+  and destination rows, copies the columns ``first_col[b] + [0, NUM_COLS)`` that lie inside
+  the table (and are not ``new_col[b]``) in ``BLOCK_C``-wide vectors, then stores the new
+  slot and the flat ``prefix_lens`` / ``out_cache_loc`` entries.  Within a program the
+  copy and the new slot never touch the same address, so no barrier is needed; across
+  programs the wrapper's contract (no ``dst`` row is a ``src`` row) keeps reads ahead of
+  writes.
+
 No host sync and no allocation but the outputs (``torch.empty``): CUDA-graph capturable.
 The launchers trust the wrapper's validation (shapes, dtypes, ``K <= 8``, ``n_cand <=
 4096``, column ranges inside the buffers).  CPU interpreter (``TRITON_INTERPRET=1``): the
@@ -46,7 +55,7 @@ import triton.language as tl
 from ._util import on_tensor_device
 from .topk import KEY_MAX, KEY_MIN, order_keys
 
-__all__ = ["eagle_beam_step", "select_draft_tokens"]
+__all__ = ["eagle_beam_step", "select_draft_tokens", "fork_req_to_token_rows"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -138,6 +147,40 @@ def _select_kernel(score_ptr, score_s0, score_s1, tok_ptr, tok_s0, tok_s1, root_
     tl.store(draft_ptr + b * (NSEL + 1) + cc, root, mask=cc == 0)
 
 
+@triton.jit
+def _fork_rows_kernel(rtt_ptr, rtt_s0, W, src_ptr, src_s0, src_s1, dst_ptr, dst_s0, dst_s1,
+                      first_ptr, first_s0, new_col_ptr, new_col_s0, new_slot_ptr, ns_s0, ns_s1,
+                      prefix_ptr, loc_ptr, NUM_COLS, R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      HAS_NEW: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // R
+    j = pid % R
+    cc = tl.arange(0, BLOCK_C)
+    lane0 = cc == 0
+    # per-beam scalars, loaded as lane-0 vectors and reduced (vector masks only)
+    src = tl.sum(tl.load(src_ptr + b * src_s0 + j * src_s1 + cc * 0, mask=lane0, other=0).to(tl.int64), axis=0)
+    dst = tl.sum(tl.load(dst_ptr + b * dst_s0 + j * dst_s1 + cc * 0, mask=lane0, other=0).to(tl.int64), axis=0)
+    c0 = tl.sum(tl.load(first_ptr + b * first_s0 + cc * 0, mask=lane0, other=0).to(tl.int64), axis=0)
+    if HAS_NEW:
+        ncol = tl.sum(tl.load(new_col_ptr + b * new_col_s0 + cc * 0, mask=lane0, other=0).to(tl.int64), axis=0)
+    else:
+        ncol = -1
+    src_row = rtt_ptr + src * rtt_s0
+    dst_row = rtt_ptr + dst * rtt_s0
+    for start in range(0, NUM_COLS, BLOCK_C):
+        col = c0 + start + cc
+        ok = (start + cc < NUM_COLS) & (col >= 0) & (col < W) & (col != ncol)
+        v = tl.load(src_row + col, mask=ok, other=0)
+        tl.store(dst_row + col, v, mask=ok)
+    if HAS_NEW:
+        slot = tl.load(new_slot_ptr + b * ns_s0 + j * ns_s1 + cc * 0, mask=lane0, other=0)
+        nv = ncol + cc * 0
+        ok = lane0 & (nv >= 0) & (nv < W)
+        tl.store(dst_row + nv, slot.to(rtt_ptr.dtype.element_ty), mask=ok)
+        tl.store(prefix_ptr + pid + cc * 0, nv, mask=lane0)
+        tl.store(loc_ptr + pid + cc * 0, slot.to(tl.int64), mask=lane0)
+
+
 # ----------------------------------------------------------------------------- host side
 def _require_device(t: torch.Tensor, op: str) -> None:
     if t.device.type != "cuda" and not _INTERPRET:
@@ -212,3 +255,31 @@ def select_draft_tokens(scores: torch.Tensor, tokens: torch.Tensor, roots: torch
                           top_rounds, bottom_rounds, NP=np2,
                           num_warps=1 if np2 <= 128 else (2 if np2 <= 512 else 4))
     return selected, draft_tokens
+
+
+@on_tensor_device
+def fork_req_to_token_rows(req_to_token: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+                           first_col: torch.Tensor, num_cols: int, new_col: Optional[torch.Tensor],
+                           new_slots: Optional[torch.Tensor]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Triton :func:`specattn.ops.fork_req_to_token_rows` (one launch; arguments validated
+    by the wrapper).  Returns ``(prefix_lens, out_cache_loc)`` (int64 ``[bs * R]``) with
+    ``new_col``, else None."""
+    _require_device(req_to_token, "fork_req_to_token_rows")
+    bs, R = dst_rows.shape
+    dev = req_to_token.device
+    has_new = new_col is not None
+    outs = (torch.empty(bs * R, dtype=torch.int64, device=dev),
+            torch.empty(bs * R, dtype=torch.int64, device=dev)) if has_new else None
+    if bs * R == 0:
+        return outs
+    # absent operands: pass a tensor that is never read (its branch is compiled out)
+    nc = new_col if has_new else first_col
+    ns = new_slots if has_new else dst_rows
+    pre, loc = outs if has_new else (first_col, first_col)
+    block_c = max(16, min(128, triton.next_power_of_2(max(int(num_cols), 1))))
+    _fork_rows_kernel[(bs * R,)](
+        req_to_token, req_to_token.stride(0), req_to_token.shape[1],
+        src_rows, src_rows.stride(0), src_rows.stride(1), dst_rows, dst_rows.stride(0), dst_rows.stride(1),
+        first_col, first_col.stride(0), nc, nc.stride(0), ns, ns.stride(0), ns.stride(1),
+        pre, loc, int(num_cols), R=R, BLOCK_C=block_c, HAS_NEW=has_new, num_warps=1)
+    return outs

@@ -12,13 +12,15 @@ implementation (``impl=`` forces one):
 - :func:`topk_log_probs`: per-row top-k log-probabilities (and argmax) of logits;
 - :func:`ngram_candidates`: n-gram drafts from each request's own history;
 - :func:`eagle_beam_step`, :func:`select_draft_tokens`: an EAGLE draft step's candidates and
-  next beams, and the draft tree's tokens from all candidates.
+  next beams, and the draft tree's tokens from all candidates;
+- :func:`fork_req_to_token_rows`: the ``req_to_token`` rows of beams drafted on scratch rows.
 """
 from . import registry
 from .compaction import CompactedPath, compact_accepted_path, compact_accepted_path_reference
 from .eagle_draft import MAX_CANDIDATES as EAGLE_MAX_CANDIDATES
 from .eagle_draft import MAX_TOPK as EAGLE_MAX_TOPK
-from .eagle_draft import (BeamStep, eagle_beam_step, eagle_beam_step_reference, select_draft_tokens,
+from .eagle_draft import (BeamStep, eagle_beam_step, eagle_beam_step_reference,
+                          fork_req_to_token_rows, fork_req_to_token_rows_reference, select_draft_tokens,
                           select_draft_tokens_reference)
 from .fused_llama import (llama_rms_norm_reference, matmul_residual, matmul_residual_reference,
                           qkv_rope_store, qkv_rope_store_reference, rms_norm_matmul,
@@ -46,5 +48,6 @@ __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
            "rms_norm_swiglu", "rms_norm_swiglu_reference", "llama_rms_norm_reference",
            "topk_log_probs", "topk_log_probs_reference", "TOPK_MAX_K", "ngram_candidates",
            "ngram_candidates_reference", "BeamStep", "eagle_beam_step", "eagle_beam_step_reference",
-           "select_draft_tokens", "select_draft_tokens_reference", "EAGLE_MAX_TOPK",
+           "select_draft_tokens", "select_draft_tokens_reference", "fork_req_to_token_rows",
+           "fork_req_to_token_rows_reference", "EAGLE_MAX_TOPK",
            "EAGLE_MAX_CANDIDATES"]

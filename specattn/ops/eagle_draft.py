@@ -1,4 +1,5 @@
-"""EAGLE drafting's bookkeeping, fused: :func:`eagle_beam_step` and :func:`select_draft_tokens`.
+"""EAGLE drafting's bookkeeping, fused: :func:`eagle_beam_step`, :func:`select_draft_tokens`
+and :func:`fork_req_to_token_rows`.
 
 An EAGLE draft (SGLang's ``draft_forward`` / ``select_top_k_tokens``) keeps ``topk = K``
 beams per request.  At every step the drafter scores the ``K`` best children of each beam;
@@ -15,6 +16,12 @@ tokens.  In plain PyTorch this is several small kernels per step (add, ``topk``,
   the step's ``parent_list`` block ``best + offset``.  One launch.
 - :func:`select_draft_tokens`: the ``D - 1`` best candidates of each row in ascending index
   order and ``draft_tokens = [root, tokens[selected]]``.  One launch.
+- :func:`fork_req_to_token_rows`: the ``req_to_token`` bookkeeping of beams drafted on
+  scratch rows (``topk > 1``): each beam's row takes its source beam's ancestor columns and
+  its own new slot, and the step's DECODE ``prefix_lens`` / ``out_cache_loc`` come back
+  flat (SGLang assigns the draft's ``out_cache_loc`` and builds per-beam ``kv_indices`` for
+  the same purpose).  In PyTorch, gathers, two ``index_put`` and the copies their strided
+  indices need, about ten kernels a step; one launch here.
 
 Order rule (both ops, both implementations): candidates rank by score descending and, among
 equal scores, by LOWER candidate column first (``-0.0`` ties with ``+0.0``; a NaN ranks by
@@ -43,11 +50,12 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import registry
-from .checks import INDEX_DTYPES, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
 from .topk import order_keys
 
 __all__ = ["BeamStep", "eagle_beam_step", "eagle_beam_step_reference", "select_draft_tokens",
-           "select_draft_tokens_reference", "MAX_TOPK", "MAX_CANDIDATES"]
+           "select_draft_tokens_reference", "fork_req_to_token_rows",
+           "fork_req_to_token_rows_reference", "MAX_TOPK", "MAX_CANDIDATES"]
 
 MAX_TOPK = 8            # K * K <= 64 candidates per step: one program's register vectors
 MAX_CANDIDATES = 4096   # n_cand of select_draft_tokens: one program's register vectors
@@ -110,12 +118,40 @@ def select_draft_tokens_reference(scores, tokens, roots, num_draft_tokens
     return selected, draft_tokens
 
 
+def fork_req_to_token_rows_reference(req_to_token, src_rows, dst_rows, first_col, num_cols, new_col,
+                                     new_slots) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """PyTorch :func:`fork_req_to_token_rows` (no validation; every argument positional).
+    Boolean masks pick the columns inside the table, so it syncs with the host: eager use."""
+    bs, R = dst_rows.shape
+    W = req_to_token.shape[1]
+    dst = dst_rows.long()[:, :, None]
+    if num_cols > 0:
+        cols = first_col.long()[:, None] + torch.arange(num_cols, device=req_to_token.device)
+        ok = (cols >= 0) & (cols < W)
+        if new_col is not None:
+            ok &= cols != new_col.long()[:, None]
+        cols = cols.clamp(0, W - 1)[:, None, :].expand(bs, R, num_cols)
+        vals = req_to_token[src_rows.long()[:, :, None], cols]      # every read before a write
+        ok = ok[:, None, :].expand(bs, R, num_cols)
+        req_to_token[dst.expand_as(cols)[ok], cols[ok]] = vals[ok]
+    if new_col is None:
+        return None
+    col = new_col.long()[:, None].expand(bs, R)
+    slots = new_slots.long()
+    ok = (col >= 0) & (col < W)
+    req_to_token[dst[..., 0][ok], col[ok]] = slots[ok].to(req_to_token.dtype)
+    return col.reshape(-1).clone(), slots.reshape(-1).clone()
+
+
 registry.register("eagle_beam_step", "reference", lambda: eagle_beam_step_reference)
 registry.register("eagle_beam_step", "triton",
                   registry.from_module(_TRITON_MODULE, "eagle_beam_step", "Triton"))
 registry.register("select_draft_tokens", "reference", lambda: select_draft_tokens_reference)
 registry.register("select_draft_tokens", "triton",
                   registry.from_module(_TRITON_MODULE, "select_draft_tokens", "Triton"))
+registry.register("fork_req_to_token_rows", "reference", lambda: fork_req_to_token_rows_reference)
+registry.register("fork_req_to_token_rows", "triton",
+                  registry.from_module(_TRITON_MODULE, "fork_req_to_token_rows", "Triton"))
 
 
 def _int_arg(name: str, v, lo: int, hi: int) -> int:
@@ -255,3 +291,81 @@ def select_draft_tokens(scores: torch.Tensor, tokens: torch.Tensor, roots: torch
         return (torch.empty(0, D - 1, dtype=torch.int64, device=dev),
                 torch.empty(0, D, dtype=torch.int64, device=dev))
     return fn(scores, tokens, roots, D)
+
+
+def fork_req_to_token_rows(req_to_token: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+                           first_col: torch.Tensor, num_cols: int, *,
+                           new_col: Optional[torch.Tensor] = None, new_slots: Optional[torch.Tensor] = None,
+                           check_values: bool = True, impl: str = "auto"
+                           ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Fork ``req_to_token`` rows: for every request ``b`` and beam ``j``, row
+    ``dst_rows[b, j]`` takes the slots of row ``src_rows[b, j]`` at columns ``first_col[b] +
+    [0, num_cols)`` and then, with ``new_col``, slot ``new_slots[b, j]`` at column
+    ``new_col[b]``::
+
+        req_to_token[dst_rows[b, j], c] = req_to_token[src_rows[b, j], c]   c in first_col[b] + [0, num_cols)
+        req_to_token[dst_rows[b, j], new_col[b]] = new_slots[b, j]
+
+    Columns outside ``[0, width)`` are skipped (neither read nor written), as is the copy of
+    column ``new_col[b]`` (the new slot wins).  An EAGLE draft step with ``topk > 1`` runs
+    each beam on a scratch row holding the request's prefix: step ``s`` forks the beams'
+    rows from their parents' rows (the ``s - 1`` ancestor columns) and gives each beam the
+    slot of its new entry; after the last step the same op with ``src_rows`` = the request
+    rows restores the scratch rows' drafted columns.
+
+    Args:
+        req_to_token: int32 / int64 ``[rows, width]``, contiguous last dim (written in place).
+        src_rows, dst_rows: int32 / int64 ``[bs, R]``, any strides: rows of ``req_to_token``.
+            Every read happens before any write only where no ``dst`` row is also a ``src``
+            row and the ``dst`` rows are distinct (checked with ``check_values``).
+        first_col: int32 / int64 ``[bs]``: each request's first copied column.
+        num_cols: columns copied per row, ``>= 0``.
+        new_col: int32 / int64 ``[bs]`` or None: each request's new column (the beams'
+            DECODE prefix length: the entry's position in the row).
+        new_slots: int32 / int64 ``[bs, R]``, any strides, with ``new_col`` only: each
+            beam's new slot.
+        check_values: check row indices (and that no ``dst`` row repeats or is a ``src``
+            row) with one host sync, skipped while a CUDA graph is being captured.
+        impl: ``"auto"`` | ``"triton"`` | ``"reference"`` (the reference syncs: eager only).
+
+    Returns:
+        With ``new_col``: ``(prefix_lens, out_cache_loc)``, new int64 ``[bs * R]`` tensors,
+        ``new_col[b]`` and ``new_slots[b, j]`` at ``b * R + j`` (the beams' DECODE batch).
+        Else None.  One launch on the Triton path.
+
+    Raises:
+        TypeError: a non-tensor or a non-int ``num_cols``.  ValueError: ranks, dtypes,
+        devices or shapes that do not match, ``new_slots`` without ``new_col`` or the other
+        way round, repeated ``dst`` rows or one that is also a ``src`` row (with
+        ``check_values``).  IndexError: a row outside ``req_to_token`` (with
+        ``check_values``).  RuntimeError: a forced ``impl`` unavailable here.
+    """
+    check_tensor("req_to_token", req_to_token, dim=2, dtypes=INDEX_DTYPES)
+    dev = req_to_token.device
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token needs a contiguous last dim")
+    check_tensor("dst_rows", dst_rows, dim=2, dtypes=INDEX_DTYPES, device=dev)
+    bs, R = dst_rows.shape
+    check_tensor("src_rows", src_rows, dtypes=INDEX_DTYPES, device=dev, shape=[bs, R])
+    check_tensor("first_col", first_col, dtypes=INDEX_DTYPES, device=dev, shape=[bs])
+    num_cols = _int_arg("num_cols", num_cols, 0, 1 << 30)
+    if (new_col is None) != (new_slots is None):
+        raise ValueError("new_col and new_slots go together (both or neither)")
+    if new_col is not None:
+        check_tensor("new_col", new_col, dtypes=INDEX_DTYPES, device=dev, shape=[bs])
+        check_tensor("new_slots", new_slots, dtypes=INDEX_DTYPES, device=dev, shape=[bs, R])
+    if check_values and bs * R and not capturing():
+        rows = req_to_token.shape[0]
+        check_index_range("src_rows", src_rows, rows)
+        check_index_range("dst_rows", dst_rows, rows)
+        d = dst_rows.flatten().long()
+        if d.unique().numel() != d.numel():
+            raise ValueError("dst_rows repeats a row: the forked rows would race")
+        if torch.isin(d, src_rows.flatten().long()).any():
+            raise ValueError("a dst row is also a src row: it could be written before it is read")
+    fn = registry.dispatch("fork_req_to_token_rows", impl, dev)
+    if bs * R == 0:
+        if new_col is None:
+            return None
+        return tuple(torch.empty(0, dtype=torch.int64, device=dev) for _ in range(2))
+    return fn(req_to_token, src_rows, dst_rows, first_col, num_cols, new_col, new_slots)
