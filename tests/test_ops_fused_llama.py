@@ -545,7 +545,8 @@ def test_every_tile_config(dt, seed):
     for cfg in [(16, 64, 64, 4), (32, 64, 32, 4), (64, 64, 64, 4), (16, 32, 128, 4),
                 (32, 32, 64, 4), (16, 16, 32, 2), (64, 16, 32, 4), (16, 128, 64, 4),
                 (64, 128, 64, 4), (1, 16, 64, 2), (2, 64, 64, 2), (8, 16, 32, 2),
-                (16, 16, 256, 2, 4), (16, 16, 128, 2, 3), (64, 16, 128, 4, 4), (64, 32, 256, 4, 4)]:
+                (16, 16, 256, 2, 4), (16, 16, 128, 2, 3), (64, 16, 128, 4, 4), (64, 32, 256, 4, 4),
+                (16, 32, 128, 2, 4)]:
         M = min(2 * cfg[0] + 1, 19)  # a row tail, and several row blocks where cheap
         x, g = act(M, K, dt), gain(K, dt)
         w, w2, r = lin(N, K, dt), lin(N, K, dt), act(M, N, dt)
@@ -590,6 +591,13 @@ def test_tile_choice():
     assert tile_config(192, 576, 1536, bf16) == (64, 32, 256, 4, 4)    # 27 programs at BLOCK_N 64
     assert tile_config(192, 576, 1536, fp32) == (64, 16, 32, 4, 3)
     assert tile_config(33, 4096, 576, bf16) == (64, 64, 64, 4, 3)
+    # a 24 / 32-token verify: two 16-row tiles; gate/up past 96 programs of 16 columns: 32
+    assert tile_config(32, 576, 576, bf16) == (16, 16, 256, 2, 4)      # o_proj: 72 programs
+    assert tile_config(24, 576, 1536, bf16) == (16, 16, 256, 2, 4)
+    assert tile_config(32, 1536, 576, bf16, 2) == (16, 32, 128, 2, 4)  # 96 programs
+    assert tile_config(16, 1536, 576, bf16, 2) == (16, 16, 128, 2, 3)
+    assert tile_config(32, 576, 576, fp32)[0] == 32
+    assert qkv_tile_config(32, bf16)[:3] == (16, 64, 4)
     assert qkv_tile_config(1, bf16)[:3] == (16, 64, 4)
     assert qkv_tile_config(3, fp32)[:3] == (4, 64, 2)
     assert qkv_tile_config(17, fp32)[:3] == (32, 32, 4)

@@ -69,6 +69,7 @@ __all__ = ["rms_norm_matmul", "qkv_rope_store", "matmul_residual", "rms_norm_swi
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 SMALL_GRID = 64  # programs; see tile_config
+SMALL_GRID_TWO_WEIGHTS = 96  # gate/up programs at 16 columns past which 32-column tiles win
 NUM_WARPS = 4
 NUM_STAGES = 3
 QKV_MIN_HEAD_DIM = 32  # D/2 >= 16: the smallest N of a tl.dot
@@ -78,9 +79,11 @@ _STORE, _RESIDUAL, _SWIGLU = 0, 1, 2
 
 
 def _block_m(M: int, dtype: torch.dtype) -> int:
-    if dtype == torch.float32 and M <= 16:
-        return triton.next_power_of_2(max(M, 1))  # FMA dot: its work scales with BLOCK_M
-    return 16 if M <= 16 else 32 if M <= 32 else 64
+    if dtype == torch.float32:
+        if M <= 16:
+            return triton.next_power_of_2(max(M, 1))  # FMA dot: its work scales with BLOCK_M
+        return 32 if M <= 32 else 64
+    return 16 if M <= 32 else 64  # 16-bit: two 16-row tiles beat one of 32 (more programs)
 
 
 def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
@@ -89,18 +92,20 @@ def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
     ``x [M, K]`` of ``dtype``, ``N`` output columns and ``num_weights`` weight matrices (2 for
     SwiGLU's gate and up).
 
-    - ``BLOCK_M``: 16 / 32 / 64 for ``M`` <= 16 / <= 32 / more; float32 with ``M <= 16``:
-      ``next_pow2(M)`` (its dots run on FMA units, whose work scales with ``BLOCK_M``;
-      16-bit dots run on tensor cores, which pad small tiles to 16 rows anyway);
+    - ``BLOCK_M``: 16-bit 16 / 64 for ``M`` <= 32 / more (at ``M`` 24-32 two 16-row tiles
+      beat one of 32: twice the programs on the same weight); float32 ``next_pow2(M)`` up to
+      16 (its dots run on FMA units, whose work scales with ``BLOCK_M``; 16-bit dots run on
+      tensor cores, which pad small tiles to 16 rows anyway), then 32 / 64;
     - default: ``BLOCK_N`` 64, ``BLOCK_K`` 64 (32 for float32, whose tiles weigh double), 3
       pipeline stages;
     - small grids (fewer than ``SMALL_GRID`` programs at ``BLOCK_N`` 64: o_proj, down_proj
       and the MLP at decode and verify sizes) are latency-bound: the weight must stream
       through as many SMs as possible in as few dependent K steps as possible.  16-bit, one
-      weight: ``BLOCK_N`` 16 (32 when that grid exceeds ``SMALL_GRID`` programs),
-      ``BLOCK_K`` 256 (128 for ``BLOCK_M`` 64 and ``K < 1024``), 4 stages, 2 warps for
-      16 x 16 tiles; two weights: ``BLOCK_N`` 16, ``BLOCK_K`` 128, 2 warps at ``BLOCK_M``
-      16.  float32: ``BLOCK_N`` 16.
+      weight: ``BLOCK_N`` 16 (32 when that grid exceeds ``SMALL_GRID`` programs, twice
+      that for 16-row tiles), ``BLOCK_K`` 256 (128 for ``BLOCK_M`` 64 and ``K < 1024``), 4
+      stages, 2 warps for 16 x 16 tiles; two weights: ``BLOCK_N`` 16, ``BLOCK_K`` 128, 2
+      warps at ``BLOCK_M`` 16 (past ``SMALL_GRID_TWO_WEIGHTS`` programs of 16-row tiles:
+      ``BLOCK_N`` 32, 4 stages).  float32: ``BLOCK_N`` 16.
     - wide outputs (``N >= 16384``: the LM head), 16-bit: ``BLOCK_N`` 128;
     - float32 with ``BLOCK_M <= 8``: ``BLOCK_K`` 64 (small tiles); ``num_warps`` 2 for
       float32 with ``M <= 16``, else 4.
@@ -108,7 +113,9 @@ def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
     The small-grid tiles come from a sweep at SmolLM2-135M's shapes (H200, bf16, 120
     distinct weights per op so every launch streams its weight from HBM, in a CUDA graph):
     per launch at ``M = 1`` o_proj 4.3 -> 3.5 us, down_proj 7.0 -> 4.5 us, gate/up 7.3 ->
-    6.2 us against 32-column tiles (``docs/fused_llama.md``).
+    6.2 us against 32-column tiles; at ``M = 32`` (a 32-token verify) the 16-row tiles take
+    gate/up 8.1 -> 6.0 us, o_proj 3.8 -> 3.3, down_proj 4.6 -> 4.3, the QKV kernel 8.8 ->
+    7.4 (``docs/fused_llama.md``).
     """
     block_m = _block_m(M, dtype)
     small = triton.cdiv(M, block_m) * triton.cdiv(N, 64) < SMALL_GRID
@@ -116,11 +123,14 @@ def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
         warps = 2 if M <= 16 else NUM_WARPS
         block_k = 64 if block_m <= 8 else 32
         return block_m, 16 if small else 64, block_k, warps, NUM_STAGES
+    row_tiles = triton.cdiv(M, block_m)
     if small and num_weights == 1:
-        block_n = 16 if triton.cdiv(M, block_m) * triton.cdiv(N, 16) <= SMALL_GRID else 32
+        block_n = 16 if row_tiles * triton.cdiv(N, 16) <= (2 * SMALL_GRID if block_m <= 16 else SMALL_GRID) else 32
         block_k = 256 if block_m <= 16 or K >= 1024 else 128
         return block_m, block_n, block_k, 2 if block_m <= 16 and block_n == 16 else NUM_WARPS, 4
     if small:
+        if block_m <= 16 and row_tiles * triton.cdiv(N, 16) > SMALL_GRID_TWO_WEIGHTS:
+            return block_m, 32, 128, 2, 4
         return block_m, 16, 128, 2 if block_m <= 16 else NUM_WARPS, NUM_STAGES
     if N >= 16384:
         return block_m, 128, 64, NUM_WARPS, NUM_STAGES
