@@ -563,7 +563,7 @@ def test_every_tile_config(dt, seed):
         tk._launch_gemm(x, None, w, None, res, 0.0, tk._RESIDUAL, config=cfg)
         check(f"config {cfg} residual", res, r.double() + x.double() @ w.double().T, dt)
     for cfg in [(16, 64, 4), (32, 32, 2), (64, 128, 4), (1, 64, 2), (4, 32, 2), (16, 64, 4, 16, 4),
-                (1, 64, 2, 16, 2)]:
+                (1, 64, 2, 16, 2), (32, 64, 4, 32, 4)]:
         M = min(2 * cfg[0] + 1, 19)
         inp = qkv_inputs(M, K, 3, 1, 32, dt, dt)
         q_exact, _, _ = qkv_exact(inp)
@@ -598,6 +598,10 @@ def test_tile_choice():
     assert tile_config(16, 1536, 576, bf16, 2) == (16, 16, 128, 2, 3)
     assert tile_config(32, 576, 576, fp32)[0] == 32
     assert qkv_tile_config(32, bf16)[:3] == (16, 64, 4)
+    assert [qkv_tile_config(m, bf16)[0] for m in (128, 129, 256, 257)] == [16, 32, 32, 64]
+    assert tile_config(64, 1536, 576, bf16, 2) == (32, 32, 64, 4, 3)   # gate/up: 96 programs
+    assert tile_config(128, 1536, 576, bf16, 2) == (64, 32, 64, 4, 3)
+    assert tile_config(256, 1536, 576, bf16, 2) == (64, 64, 64, 4, 3)
     assert qkv_tile_config(1, bf16)[:3] == (16, 64, 4)
     assert qkv_tile_config(3, fp32)[:3] == (4, 64, 2)
     assert qkv_tile_config(17, fp32)[:3] == (32, 32, 4)
