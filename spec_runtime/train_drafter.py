@@ -954,6 +954,16 @@ def _new_drafter(target: LlamaModel, tc: TrainConfig, target_model: Optional[str
     return Eagle3Drafter.from_target(target, seed=tc.seed, dtype=torch.float32, target_model=target_model)
 
 
+def _init_seed(folder: str) -> Optional[int]:
+    """The training seed recorded in a drafter folder's ``config.json`` (None: not recorded)."""
+    try:
+        with open(Path(folder) / "config.json") as f:
+            seed = json.load(f)["specattn"]["training"]["seed"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return seed if isinstance(seed, int) else None
+
+
 def _load_init(drafter, target: LlamaModel, tc: TrainConfig) -> None:
     """Copy the weights of the drafter folder ``tc.init_from`` into ``drafter`` (float32).
 
@@ -1072,6 +1082,7 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
         console.print(f"training time budget ({tc.time_budget_s:.0f} s) reached after {step} of {planned} steps")
     t1 = time.perf_counter()
     final = evaluate(drafter, target, data, eval_rows, tc) if eval_rows else None
+    log.update(init_seed=_init_seed(tc.init_from) if tc.init_from else None)
     log.update(steps_done=step, train_seconds=train_s, final_eval=final, final_eval_seconds=time.perf_counter() - t1,
                train_sequences=len(train_idx), heldout_sequences=len(eval_idx), train_rows=len(train_rows),
                heldout_rows=len(eval_rows), config=asdict(tc), device=str(dev),
@@ -1150,9 +1161,23 @@ def _data_lines(full_log: dict) -> List[str]:
         f"{_fmt_s(meta.get('generation_seconds'))}"
         + ("; the data time budget cut generation short" if meta.get("truncated_by_time_budget") else ""),
         f"- held out: {full_log.get('heldout_sequences', 0)} sequences (all samples of "
-        f"{int(round(tc['eval_frac'] * 100))} % of the prompts / seeds, unseen in training)",
+        f"{int(round(tc['eval_frac'] * 100))} % of the prompts / seeds, {_heldout_note(full_log)})",
         "",
     ]
+
+
+def _heldout_note(full_log: dict) -> str:
+    """Whether the held-out prompts were unseen by every training the weights went through: a
+    run initialized from another drafter split its prompts by that run's seed."""
+    tc = full_log["config"]
+    if not tc.get("init_from"):
+        return "unseen in training"
+    seed0 = full_log.get("init_seed")
+    if seed0 == tc["seed"]:
+        return "unseen in training, here and in the run these weights start from (same seed, same split)"
+    return (f"unseen in this run, but the run these weights start from split the prompts with seed "
+            f"{'unknown' if seed0 is None else seed0}, so it trained on most of them: the held-out figures "
+            "below are optimistic")
 
 
 def _run_lines(full_log: dict) -> List[str]:

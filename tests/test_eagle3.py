@@ -520,7 +520,14 @@ def test_training_continues_from_a_drafter(tmp_path):
     first = json.loads((tmp_path / "a" / "train_log.json").read_text())["final_eval"]["acc"]
     second = json.loads((tmp_path / "b" / "train_log.json").read_text())["final_eval"]["acc"]
     assert second == pytest.approx(first, abs=0.02)         # one step at lr 1e-9: the same drafter
-    assert "initialized from the weights of `a`" in (tmp_path / "b" / "README.md").read_text()
+    card = (tmp_path / "b" / "README.md").read_text()
+    assert "initialized from the weights of `a`" in card
+    assert "same seed, same split" in card and "optimistic" not in card     # both runs: --seed 3
+    r = runner.invoke(drafter_app, args[:-2] + ["--seed", "4", "--steps", "1", "--lr", "1e-9",
+                                                "--init-from", str(tmp_path / "a"), "--out", str(tmp_path / "d")])
+    assert r.exit_code == 0, r.output
+    card = (tmp_path / "d" / "README.md").read_text()     # another split: held-out figures flagged
+    assert "split the prompts with seed 3" in card and "optimistic" in card
     r = runner.invoke(drafter_app, args + ["--steps", "1", "--init-from", str(tmp_path / "nowhere"),
                                            "--out", str(tmp_path / "c")])
     assert r.exit_code != 0 and "--init-from" in r.output
