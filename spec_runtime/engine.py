@@ -368,7 +368,7 @@ class Engine:
             for pbs in reversed(padded_sizes(self.max_batch)):
                 self._capture_round(pbs, SamplingParams(), self.max_context)
             return
-        plan = self.graph_plan(self.strategy.per_mode_graph_plan(self.max_batch))
+        plan = self.graph_plan(self.strategy.per_mode_graph_plan(self))
         sizes: Dict[int, Tuple[int, int]] = {}
         for role, model, backend, mode, D, bs in plan:  # one static state per backend, sized for all
             mb, mt = sizes.get(id(backend), (0, 0))

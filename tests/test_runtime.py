@@ -171,3 +171,36 @@ def test_more_prompts_than_rows(tmp_path, spec, backend_name):
         prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
     assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons, f"seed={seed}"
     assert got.tokens[0] == eos and got.finish_reasons[0] == "eos"
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("eagle", 1, 3, 4), SpecConfig("eagle", 3, 3, 8, 2),
+                                  SpecConfig("dflash", block_size=4), SpecConfig("ngram", 2, 2, 5)], ids=str)
+def test_per_mode_graph_plan(tmp_path, spec, monkeypatch):
+    """Backends that plan on the host (FlashInfer, FlashMLA) get per-mode graphs: the engine
+    asks the strategy for its plan, sizes each backend's graph state for every entry and
+    makes one runner per (model, mode).  Run on a CPU with the capture itself stubbed out:
+    every plan entry names a model, a backend of its role, a capturable mode and sizes."""
+    import specattn.spec_runtime.engine as engine_mod
+    from specattn.spec_runtime.engine import Engine
+    from tiny_models import tiny_llama
+    cfg, w = tiny_llama(tmp_path, 0, vocab=96, layers=3)
+    from specattn.spec_runtime.model import LlamaModel
+    eng = Engine(LlamaModel(cfg, dict(w), "cpu"), spec=spec, max_context=64, max_batch=3)
+    runners, states = [], []
+    monkeypatch.setattr(engine_mod.GraphRunner, "__init__",
+                        lambda self, model, backend, mode, D, sizes, pool: runners.append((model, backend, mode, D,
+                                                                                            list(sizes))))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    for role in ("target", "draft"):
+        be = eng.backend_of(role) if role == "target" or eng.draft is not None else None
+        if be is not None:
+            monkeypatch.setattr(be, "device_metadata", False, raising=False)
+            monkeypatch.setattr(be, "init_cuda_graph_state", lambda bs, nt, _be=be: states.append((_be, bs, nt)))
+    eng._plan_graphs()
+    assert not eng.whole_round_graphs
+    plan = eng.strategy.per_mode_graph_plan(eng)
+    assert len(runners) == len(plan) and eng.graph_modes
+    for (role, model, backend, mode, D, bs), got in zip(plan, runners):
+        assert backend is eng.backend_of(role) and model in (eng.target, eng.draft) and D >= 1 and bs >= 3
+        assert got == (model, backend, mode, D, [s for s in got[4] if s <= bs]) and got[4][-1] >= bs
+        assert any(b is backend and n >= D for b, _, n in states)
