@@ -137,16 +137,6 @@ def test_default_config_short_loop_tiles():
     assert default_config(48, 64, True, 8, 200) == default_config(48, 64, True, 8, None)
 
 
-@pytest.mark.parametrize("bound", [-1, 2.0, True, "8"])
-def test_paged_attention_rejects_bad_max_prefix(bound):
-    sc = make_scenario(ForwardMode.TARGET_VERIFY, bs=1, head_dim=16, rng=random.Random(0))
-    with pytest.raises(ValueError, match="max_prefix must be None or an int"):
-        paged_attention(torch.zeros(4, 4, 16), torch.zeros(8, 2, 16), torch.zeros(8, 2, 16),
-                        sc.req_pool.req_to_token, torch.zeros(1, dtype=torch.int64),
-                        torch.zeros(1, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
-                        None, 4, 0.25, max_prefix=bound)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,tree", [(1, False), (6, False), (16, True), (32, True)])
 def test_gpu_max_prefix_changes_tiles_not_results(D, tree, seed):
@@ -174,15 +164,19 @@ def test_gpu_max_prefix_changes_tiles_not_results(D, tree, seed):
             assert torch.isfinite(got).all() and rel_err(got.float(), ref) < 1e-2, (splits, bound)
 
 
-@pytest.mark.parametrize("page_size", [0, -64, True, 64.0, "64"])
-def test_paged_attention_rejects_bad_page_size(page_size):
-    """``page_size`` must be an int >= 1 (a promise about ``req_to_token``, checked first)."""
+@pytest.mark.parametrize("kw,msg", [(dict(page_size=v), "page_size must be an int >= 1")
+                                    for v in (0, -64, True, 64.0, "64")]
+                         + [(dict(max_prefix=v), "max_prefix must be None or an int")
+                            for v in (-1, 2.0, True, "8")])
+def test_paged_attention_rejects_bad_page_size_and_max_prefix(kw, msg):
+    """``page_size`` must be an int >= 1 (a promise about ``req_to_token``), ``max_prefix``
+    None or an int >= 0 (a tile hint): both checked first."""
     sc = make_scenario(ForwardMode.TARGET_VERIFY, bs=1, head_dim=16, rng=random.Random(0))
-    with pytest.raises(ValueError, match="page_size must be an int >= 1"):
+    with pytest.raises(ValueError, match=msg):
         paged_attention(torch.zeros(4, 4, 16), torch.zeros(8, 2, 16), torch.zeros(8, 2, 16),
                         sc.req_pool.req_to_token, torch.zeros(1, dtype=torch.int64),
                         torch.zeros(1, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
-                        None, 4, 0.25, page_size=page_size)
+                        None, 4, 0.25, **kw)
 
 
 def test_sm90_tree_verify_errors_and_eligibility():

@@ -149,7 +149,7 @@ def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
 def qkv_tile_config(M: int, dtype: torch.dtype) -> Tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_K, num_warps, HB, num_stages)`` of the QKV kernel (each program
     computes ``HB`` columns of both halves of one head; ``HB`` larger than ``head_dim / 2``
-    means the whole head): BLOCK_M as :func:`tile_config`, ``BLOCK_K`` 64 (float32 with
+    means the whole head): float32 ``BLOCK_M`` as :func:`tile_config`, ``BLOCK_K`` 64 (float32 with
     ``BLOCK_M > 8``: 32), ``num_warps`` 2 for float32 with ``M <= 16``, else 4; whole heads
     (half heads were no faster in the sweep); 16-bit: 4 stages, ``BLOCK_M`` 16 up to ``M =
     128`` and 32 up to 256 (the 15 head programs stream the weight; more row tiles put it
