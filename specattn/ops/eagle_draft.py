@@ -323,7 +323,8 @@ def fork_req_to_token_rows(req_to_token: torch.Tensor, src_rows: torch.Tensor, d
         new_col: int32 / int64 ``[bs]`` or None: each request's new column (the beams'
             DECODE prefix length: the entry's position in the row).
         new_slots: int32 / int64 ``[bs, R]``, any strides, with ``new_col`` only: each
-            beam's new slot.
+            beam's new slot, written as given (the KV pools it indexes are not the op's:
+            the attention backends check slots against them).
         check_values: check row indices (and that no ``dst`` row repeats or is a ``src``
             row) with one host sync, skipped while a CUDA graph is being captured.
         impl: ``"auto"`` | ``"triton"`` | ``"reference"`` (the reference syncs: eager only).
