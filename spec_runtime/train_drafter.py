@@ -1082,8 +1082,8 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
         console.print(f"training time budget ({tc.time_budget_s:.0f} s) reached after {step} of {planned} steps")
     t1 = time.perf_counter()
     final = evaluate(drafter, target, data, eval_rows, tc) if eval_rows else None
-    log.update(init_seed=_init_seed(tc.init_from) if tc.init_from else None)
     log.update(steps_done=step, train_seconds=train_s, final_eval=final, final_eval_seconds=time.perf_counter() - t1,
+               init_seed=_init_seed(tc.init_from) if tc.init_from else None,
                train_sequences=len(train_idx), heldout_sequences=len(eval_idx), train_rows=len(train_rows),
                heldout_rows=len(eval_rows), config=asdict(tc), device=str(dev),
                device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

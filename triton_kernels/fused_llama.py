@@ -26,8 +26,9 @@ since ``x * norm_weight`` un-normalized can overflow float16's range where the n
 value does not.
 
 Tiles (:func:`tile_config`, :func:`qkv_tile_config`; chosen from ``M``, ``N``, ``K`` and the
-dtype, so each op compiles a handful of variants): ``BLOCK_M`` 16 / 32 / 64 for ``M`` <= 16 /
-<= 32 / more (float32 with ``M <= 16``: ``next_pow2(M)``, since its dots run on FMA units);
+dtype, so each op compiles a handful of variants): 16-bit ``BLOCK_M`` 16 / 64 for ``M`` <= 32
+/ more (the QKV kernel 16 / 32 / 64 up to 128 / 256 / more, gate/up 32-row tiles up to 64;
+float32 ``next_pow2(M)`` up to 16, since its dots run on FMA units, then 32 / 64);
 ``BLOCK_N`` 64 by default, 128 for the LM head (16-bit, ``N >= 16384``), 16 where the grid
 would have fewer than ``SMALL_GRID`` programs (o_proj, down_proj, the MLP at decode and
 verify sizes: latency-bound weight streams, so as many programs and as few dependent K
