@@ -303,21 +303,40 @@ class Eagle3Drafter(TargetSharingDrafter):
                                            for k in config.param_shapes()}
         self.layer = AttentionLayer.mha(0, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.cos_sin_cache: Optional[torch.Tensor] = None   # set by reserve_positions: the fused path
-        self._w_qkv: Optional[torch.Tensor] = None
+        self._w_qkv: Optional[torch.Tensor] = None         # fused path: norms folded in (reserve_positions)
+        self._w_gate_up: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._head_folded: Optional[torch.Tensor] = None
         self.draft_vocab: Optional[torch.Tensor] = None     # set_draft_vocab: a reduced draft vocabulary
         self._draft_head: Optional[torch.Tensor] = None
 
     def reserve_positions(self, n: int) -> None:
         """Enable the fused inference path (one :func:`specattn.ops.qkv_rope_store` launch
         for the norms, Q/K/V, RoPE and the KV store) for positions ``0 .. n-1``: the RoPE
-        table and ``cat(q, k, v)`` projection weights it reads (built from :attr:`w` now:
-        call it again after changing the weights).  The engine calls it with its
-        ``max_context``."""
-        c, p = self.config, "midlayer.self_attn."
+        table, and the weights the fused ops read with the RMSNorm weights folded in
+        (:func:`specattn.ops.fold_rms_norm_weight`: ``cat(q, k, v)`` times both input
+        norms, gate / up times the post-attention norm, the LM head times the final norm),
+        built from :attr:`w` now: call it again after changing the weights.  The engine
+        calls it with its ``max_context``."""
+        c, p, w = self.config, "midlayer.", self.w
         if self.cos_sin_cache is None or self.cos_sin_cache.shape[0] < n:
             self.cos_sin_cache = ops.make_cos_sin_cache(max(int(n), 1), c.head_dim, c.rope_theta, device=self.device)
-        self._w_qkv = torch.cat([self.w[p + "q_proj.weight"], self.w[p + "k_proj.weight"],
-                                 self.w[p + "v_proj.weight"]]).detach().contiguous()
+        with torch.no_grad():
+            qkv = torch.cat([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).detach()
+            H = c.hidden_size
+            qkv = ops.fold_rms_norm_weight(qkv, w[p + "input_layernorm.weight"], slice(0, H))
+            self._w_qkv = ops.fold_rms_norm_weight(qkv, w[p + "hidden_norm.weight"], slice(H, 2 * H))
+            self._w_gate_up = tuple(ops.fold_rms_norm_weight(w[p + f"mlp.{x}_proj.weight"],
+                                                             w[p + "post_attention_layernorm.weight"])
+                                    for x in ("gate", "up"))
+        self._fold_head()
+
+    def _fold_head(self) -> None:
+        """The LM head (the draft vocabulary's rows when set) times the final norm's weight,
+        for :meth:`logits` on the fused path."""
+        if self._w_qkv is not None:
+            head = self.lm_head if self._draft_head is None else self._draft_head
+            with torch.no_grad():
+                self._head_folded = ops.fold_rms_norm_weight(head, self.w["norm.weight"])
 
     # ------------------------------------------------------------------ construction / io
     @classmethod
@@ -430,6 +449,9 @@ class Eagle3Drafter(TargetSharingDrafter):
         (:meth:`set_draft_vocab`; column ``j`` is token ``draft_vocab[j]``): final norm + LM
         head in one fused op on CUDA (:func:`specattn.ops.rms_norm_matmul`, its reference
         elsewhere; inference only, no autograd: training reads :meth:`head_hidden`)."""
+        if self._head_folded is not None and not self.w["norm.weight"].requires_grad:
+            return ops.rms_norm_matmul(prenorm, None, self._head_folded, self.config.rms_norm_eps,
+                                       out_dtype=torch.float32)
         head = self.lm_head if self._draft_head is None else self._draft_head
         return ops.rms_norm_matmul(prenorm, self.w["norm.weight"], head, self.config.rms_norm_eps,
                                    out_dtype=torch.float32)
@@ -452,6 +474,7 @@ class Eagle3Drafter(TargetSharingDrafter):
         """
         if token_ids is None:
             self.draft_vocab = self._draft_head = None
+            self._fold_head()
             return
         ids = torch.as_tensor(token_ids)
         if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
@@ -465,6 +488,7 @@ class Eagle3Drafter(TargetSharingDrafter):
             raise ValueError("token_ids holds repeated ids")
         self.draft_vocab = ids.to(self.device)
         self._draft_head = self.lm_head[self.draft_vocab].contiguous()
+        self._fold_head()
 
     def draft_token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """Target token ids of logits ``columns`` (int64, any shape): ``draft_vocab[columns]``
@@ -502,15 +526,15 @@ class Eagle3Drafter(TargetSharingDrafter):
             raise ValueError(f"hidden_in must be [T={T}, 3H or H], got {tuple(hidden_in.shape)}")
         h = self.project_hidden(hidden_in.to(self.dtype))
         e = self.embed_tokens[input_ids].to(self.dtype)
-        if self._w_qkv is not None and not self.w["fc.weight"].requires_grad:
-            # norms of both inputs, Q/K/V, RoPE and the KV store in one launch (positions
-            # are the engine's, inside the table reserve_positions built)
-            pool, p = backend.kv_pool, "midlayer."
-            q = ops.qkv_rope_store(e, self.w[p + "input_layernorm.weight"], self._w_qkv, c.rms_norm_eps,
+        fused = self._w_qkv is not None and not self.w["fc.weight"].requires_grad
+        if fused:
+            # norms of both inputs (folded into _w_qkv), Q/K/V, RoPE and the KV store in one
+            # launch (positions are the engine's, inside the table reserve_positions built)
+            pool = backend.kv_pool
+            q = ops.qkv_rope_store(e, None, self._w_qkv, c.rms_norm_eps,
                                    batch.positions, self.cos_sin_cache, batch.out_cache_loc,
                                    pool.get_key_buffer(0), pool.get_value_buffer(0), c.num_attention_heads,
-                                   c.num_key_value_heads, c.head_dim, x2=h,
-                                   norm_weight2=self.w[p + "hidden_norm.weight"], check_values=False)
+                                   c.num_key_value_heads, c.head_dim, x2=h, check_values=False)
             o = backend.forward(q, None, None, self.layer, batch, save_kv_cache=False)
         else:
             q, k, v = self._qkv(e, h)
@@ -522,8 +546,11 @@ class Eagle3Drafter(TargetSharingDrafter):
         p, w = "midlayer.", self.w
         res = h.clone() if h.data_ptr() == hidden_in.data_ptr() else h
         ops.matmul_residual(o.reshape(T, -1), w[p + "self_attn.o_proj.weight"], res)
-        act = ops.rms_norm_swiglu(res, w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_proj.weight"],
-                                  w[p + "mlp.up_proj.weight"], c.rms_norm_eps)
+        if fused:
+            act = ops.rms_norm_swiglu(res, None, *self._w_gate_up, c.rms_norm_eps)
+        else:
+            act = ops.rms_norm_swiglu(res, w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_proj.weight"],
+                                      w[p + "mlp.up_proj.weight"], c.rms_norm_eps)
         ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], res)
         return res, self.logits(res if logit_rows is None else res[logit_rows])
 

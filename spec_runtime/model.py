@@ -14,7 +14,10 @@ Two forward paths compute the same function:
   + RoPE + KV-cache store, attention (``save_kv_cache=False``: the KV is already stored),
   o_proj + residual add, RMSNorm + gate/up projection + SiLU-and-multiply, down_proj +
   residual add; then RMSNorm + LM head in one op.  The Q/K/V weights are stacked once into
-  ``self_attn.qkv_proj.weight`` (the per-projection entries become views of it).
+  ``self_attn.qkv_proj.weight`` (the per-projection entries become views of it), and the
+  RMSNorm weights are folded once into the GEMM weights that read the norms
+  (``*.folded_weight`` entries: QKV, gate/up, LM head; :func:`specattn.ops.fold_rms_norm_weight`),
+  so the fused kernels feed the activations to the tensor cores as loaded.
 """
 from __future__ import annotations
 
@@ -80,6 +83,24 @@ def _stack_qkv(w: Dict[str, torch.Tensor], config: LlamaConfig) -> None:
         w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"] = qkv.split([hq, hkv, hkv])
 
 
+def _fold_norm_weights(w: Dict[str, torch.Tensor], config: LlamaConfig) -> None:
+    """Add the ``*.folded_weight`` entries (once per weights dict): each layer's stacked QKV
+    weight times ``input_layernorm``, gate and up times ``post_attention_layernorm``, and the
+    LM head times ``model.norm`` (a copy: the embedding it may be tied to stays as is)."""
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        if p + "self_attn.qkv_proj.folded_weight" in w:
+            continue
+        w[p + "self_attn.qkv_proj.folded_weight"] = ops.fold_rms_norm_weight(
+            w[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"])
+        for proj in ("gate_proj", "up_proj"):
+            w[f"{p}mlp.{proj}.folded_weight"] = ops.fold_rms_norm_weight(
+                w[f"{p}mlp.{proj}.weight"], w[p + "post_attention_layernorm.weight"])
+    if "lm_head.folded_weight" not in w:
+        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+        w["lm_head.folded_weight"] = ops.fold_rms_norm_weight(head, w["model.norm.weight"])
+
+
 class LlamaModel:
     """Llama decoder over ``num_layers`` (default all) layers of ``weights``.
 
@@ -109,6 +130,7 @@ class LlamaModel:
         self.cos_sin_cache: Optional[torch.Tensor] = None
         if self.fused:
             _stack_qkv(self.w, config)
+            _fold_norm_weights(self.w, config)
             self.reserve_positions(config.max_position_embeddings)
 
     def reserve_positions(self, n: int) -> None:
@@ -164,20 +186,20 @@ class LlamaModel:
         captured = []
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            q = ops.qkv_rope_store(h, w[p + "input_layernorm.weight"], w[p + "self_attn.qkv_proj.weight"], eps,
+            q = ops.qkv_rope_store(h, None, w[p + "self_attn.qkv_proj.folded_weight"], eps,
                                    batch.positions, self.cos_sin_cache, batch.out_cache_loc,
                                    pool.get_key_buffer(i), pool.get_value_buffer(i), c.num_attention_heads,
                                    c.num_key_value_heads, c.head_dim, check_values=False)
             o = backend.forward(q, None, None, layer, batch, save_kv_cache=False)
             ops.matmul_residual(o.reshape(T, -1), w[p + "self_attn.o_proj.weight"], h)
-            act = ops.rms_norm_swiglu(h, w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_proj.weight"],
-                                      w[p + "mlp.up_proj.weight"], eps)
+            act = ops.rms_norm_swiglu(h, None, w[p + "mlp.gate_proj.folded_weight"],
+                                      w[p + "mlp.up_proj.folded_weight"], eps)
             ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], h)
             if i in capture_layers:
                 captured.append(h.clone())
         if logit_rows is not None:
             h = h[logit_rows]
-        logits = ops.rms_norm_matmul(h, w["model.norm.weight"], self.lm_head, eps, out_dtype=torch.float32)
+        logits = ops.rms_norm_matmul(h, None, w["lm_head.folded_weight"], eps, out_dtype=torch.float32)
         return logits, captured
 
     def make_kv_pool(self, size: int, page_size: int = 1, num_layers: Optional[int] = None):

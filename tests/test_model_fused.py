@@ -52,13 +52,17 @@ def test_fused_forward_equals_reference(models, seed):
                              torch.cat([rtt[0, 6:9], rtt[1, 4:7]]), positions=pos, tree_mask=mask)
     ids = [torch.randint(0, V, (n,), generator=g) for n in (8, 2, 6)]
     (a, pool_a), (b, pool_b) = _run(ref, [ext, dec, ver], ids), _run(fused, [ext, dec, ver], ids)
+    # float32 rounding only: the fused path folds the norm weights into the GEMM weights
+    # (one rounding of W * g) and sums in another order; bound relative to each tensor's scale
+    close = lambda got, want: torch.testing.assert_close(  # noqa: E731
+        got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     for (la, ca), (lb, cb) in zip(a, b):
-        torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+        close(lb, la)
         for x, y in zip(ca, cb):
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+            close(y, x)
     written = torch.cat([rtt[0, :9], rtt[1, :7]])
     for ka, kb in zip(pool_a.k_buffer + pool_a.v_buffer, pool_b.k_buffer + pool_b.v_buffer):
-        torch.testing.assert_close(kb[written], ka[written], rtol=1e-5, atol=1e-5)
+        close(kb[written], ka[written])
 
 
 def test_fused_qkv_weights_are_views(models):

@@ -29,8 +29,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from specattn.ops import (make_cos_sin_cache, matmul_residual, qkv_rope_store,  # noqa: E402
-                          registry, rms_norm_matmul, rms_norm_swiglu)
+from specattn.ops import (fold_rms_norm_weight, make_cos_sin_cache, matmul_residual,  # noqa: E402
+                          qkv_rope_store, registry, rms_norm_matmul, rms_norm_swiglu)
 from specattn.ops import fused_llama as fl  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -203,6 +203,48 @@ def test_rms_norm_swiglu(M, K, N, dt, impl, seed, nan_empty):
     check(f"rms_norm_swiglu[{impl}]", out, exact, dt, ref, swiglu_scale(gate, up))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N", [(5, 100, 130), (70, 64, 96)])
+def test_folded_norm_weight(M, K, N, dt, impl, seed, nan_empty):
+    """``norm_weight=None`` with the norm weight folded into the GEMM weights computes the
+    same function as the unfolded op, within the same contract (the fold rounds each weight
+    once, as the unfolded kernel rounds ``x * g``)."""
+    x, g = act(M, K, dt), gain(K, dt)
+    w, wu = lin(N, K, dt), lin(N, K, dt)
+    n = exact_norm(x, g)
+    out = rms_norm_matmul(x, None, fold_rms_norm_weight(w, g), EPS, out_dtype=torch.float32, impl=impl)
+    err = plain_err(out, n @ w.double().T)
+    assert err <= TOL[dt], f"rms_norm_matmul folded: {err}"
+    gate, up = n @ w.double().T, n @ wu.double().T
+    out = rms_norm_swiglu(x, None, fold_rms_norm_weight(w, g), fold_rms_norm_weight(wu, g), EPS, impl=impl)
+    check(f"rms_norm_swiglu folded[{impl}]", out, gate * torch.sigmoid(gate) * up, dt,
+          scale=swiglu_scale(gate, up))
+    inp = qkv_inputs(M, K, 3, 1, 32, dt, dt)
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    q_exact, k_exact, v_exact = qkv_exact(inp)
+    q = run_qkv(dict(inp, norm_weight=None, w_qkv=fold_rms_norm_weight(inp["w_qkv"], inp["norm_weight"])), impl)
+    check(f"qkv_rope_store folded[{impl}] q", q, q_exact, dt)
+    check_caches(inp, before, k_exact, v_exact, dt, f"qkv_rope_store folded[{impl}]")
+
+
+def test_fold_rms_norm_weight(seed):
+    """Column-wise product rounded once; ``columns`` folds one K-range and copies the rest;
+    shape / dtype errors."""
+    w, g = lin(7, 10, torch.bfloat16), gain(10, torch.bfloat16)
+    f = fold_rms_norm_weight(w, g)
+    assert f.dtype == w.dtype and f.is_contiguous() and f.data_ptr() != w.data_ptr()
+    assert torch.equal(f, (w.float() * g.float()).bfloat16())
+    part = fold_rms_norm_weight(w, g[:4], slice(6, 10))
+    assert torch.equal(part[:, :6], w[:, :6]) and torch.equal(part[:, 6:], (w[:, 6:].float() * g[:4].float()).bfloat16())
+    with pytest.raises(ValueError, match="norm_weight"):
+        fold_rms_norm_weight(w, g[:9])
+    with pytest.raises(ValueError, match="weight"):
+        fold_rms_norm_weight(w[0], g)
+    with pytest.raises(TypeError):
+        fold_rms_norm_weight(w, [1.0] * 10)
+
+
 def qkv_inputs(M, K, H, Hkv, D, dt, cache_dt, idx_dt=torch.int64, num_slots=None, max_pos=50):
     num_slots = num_slots or 2 * M + 3
     return dict(
@@ -272,6 +314,19 @@ def test_qkv_rope_store_two_inputs(M, K, K2, H, Hkv, D, dt, impl, seed):
     check_caches(inp, before, k_exact, y[:, H + Hkv:], dt, f"qkv_rope_store two inputs[{impl}]")
     with pytest.raises(ValueError, match="go together"):
         run_qkv(inp, impl, x2=x2)
+    with pytest.raises(ValueError, match="needs x2"):
+        run_qkv(inp, impl, norm_weight2=g2)
+    # both norms folded into w_qkv (the EAGLE-3 drafter's fused path)
+    for c in (inp["k_cache"], inp["v_cache"]):
+        c.copy_(poisoned_cache(c.shape[0], Hkv, D, dt))
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    folded = fold_rms_norm_weight(fold_rms_norm_weight(inp["w_qkv"], inp["norm_weight"], slice(0, K)),
+                                  g2, slice(K, K + K2))
+    q = run_qkv(dict(inp, norm_weight=None, w_qkv=folded), impl, x2=x2)
+    check(f"qkv_rope_store two inputs folded[{impl}] q", q, q_exact, dt)
+    check_caches(inp, before, k_exact, y[:, H + Hkv:], dt, f"qkv_rope_store two inputs folded[{impl}]")
+    with pytest.raises(ValueError, match="go together"):
+        run_qkv(dict(inp, norm_weight=None, w_qkv=folded), impl, x2=x2, norm_weight2=g2)
     with pytest.raises(ValueError, match="w_qkv"):
         run_qkv(dict(inp, w_qkv=inp["w_qkv"][:, :K]), impl, x2=x2, norm_weight2=g2)
 
@@ -605,6 +660,12 @@ def test_tile_choice():
     assert qkv_tile_config(1, bf16)[:3] == (16, 64, 4)
     assert qkv_tile_config(3, fp32)[:3] == (4, 64, 2)
     assert qkv_tile_config(17, fp32)[:3] == (32, 32, 4)
+    # norm weights folded into W: 64-row tiles at verify sizes
+    assert [qkv_tile_config(m, bf16, folded=True)[0] for m in (1, 32, 256)] == [64, 64, 64]
+    assert tile_config(64, 1536, 576, bf16, 2, folded=True) == (64, 32, 64, 4, 3)    # 48 programs
+    assert tile_config(128, 1536, 576, bf16, 2, folded=True) == (64, 32, 64, 4, 3)   # 96
+    assert tile_config(256, 1536, 576, bf16, 2, folded=True) == (64, 64, 64, 4, 3)
+    assert tile_config(16, 1536, 576, bf16, 2, folded=True) == (16, 32, 128, 2, 3)
 
 
 def test_triton_impl_needs_interpreter_or_gpu(seed, monkeypatch):

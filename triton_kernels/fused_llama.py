@@ -88,10 +88,11 @@ def _block_m(M: int, dtype: torch.dtype) -> int:
 
 
 def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
-                num_weights: int = 1) -> Tuple[int, int, int, int, int]:
+                num_weights: int = 1, folded: bool = False) -> Tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` of the GEMM kernel for
     ``x [M, K]`` of ``dtype``, ``N`` output columns and ``num_weights`` weight matrices (2 for
-    SwiGLU's gate and up).
+    SwiGLU's gate and up); ``folded``: an RMSNorm prologue whose weight is folded into the
+    GEMM weight (``x`` feeds the dot as loaded).
 
     - ``BLOCK_M``: 16-bit 16 / 64 for ``M`` <= 32 / more (at ``M`` 24-32 two 16-row tiles
       beat one of 32: twice the programs on the same weight); float32 ``next_pow2(M)`` up to
@@ -110,7 +111,10 @@ def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
     - two weights, 16-bit, ``M > 32``: 32-row tiles up to ``M = 64``, then 64, and the
       narrowest ``BLOCK_N`` of 16 / 32 / 64 that keeps the grid within
       ``SMALL_GRID_TWO_WEIGHTS`` programs, ``BLOCK_K`` 64, 3 stages (gate/up at ``M = 64`` 9.9
-      -> 8.7 us, ``M = 128`` 14.6 -> 10.5; ``M = 256`` unchanged at 12.0);
+      -> 8.7 us, ``M = 128`` 14.6 -> 10.5; ``M = 256`` unchanged at 12.0); folded: 64-row
+      tiles and the narrowest ``BLOCK_N`` of 32 / 64 within those programs (``M = 64`` /
+      128 / 256: 7.2 / 7.2 / 7.4 us), and up to ``M = 32`` 16 x 32 tiles, ``BLOCK_K`` 128,
+      2 warps, 3 stages (``M = 1`` / 16 / 32: 6.5 / 5.9 / 6.0 us);
     - wide outputs (``N >= 16384``: the LM head), 16-bit: ``BLOCK_N`` 128;
     - float32 with ``BLOCK_M <= 8``: ``BLOCK_K`` 64 (small tiles); ``num_warps`` 2 for
       float32 with ``M <= 16``, else 4.
@@ -128,10 +132,13 @@ def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
         warps = 2 if M <= 16 else NUM_WARPS
         block_k = 64 if block_m <= 8 else 32
         return block_m, 16 if small else 64, block_k, warps, NUM_STAGES
+    if num_weights == 2 and folded and M <= 32:
+        return 16, 32, 128, 2, NUM_STAGES
     if num_weights == 2 and M > 32:  # gate/up: about SMALL_GRID_TWO_WEIGHTS programs of 32 / 64 rows
-        block_m = 32 if M <= 64 else 64
+        block_m = 32 if M <= 64 and not folded else 64
         rt = triton.cdiv(M, block_m)
-        block_n = next((b for b in (16, 32) if rt * triton.cdiv(N, b) <= SMALL_GRID_TWO_WEIGHTS), 64)
+        widths = (32,) if folded else (16, 32)
+        block_n = next((b for b in widths if rt * triton.cdiv(N, b) <= SMALL_GRID_TWO_WEIGHTS), 64)
         return block_m, block_n, 64, NUM_WARPS, NUM_STAGES
     row_tiles = triton.cdiv(M, block_m)
     if small and num_weights == 1:
@@ -147,7 +154,7 @@ def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
     return block_m, 64, 64, NUM_WARPS, NUM_STAGES
 
 
-def qkv_tile_config(M: int, dtype: torch.dtype) -> Tuple[int, int, int, int, int]:
+def qkv_tile_config(M: int, dtype: torch.dtype, folded: bool = False) -> Tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_K, num_warps, HB, num_stages)`` of the QKV kernel (each program
     computes ``HB`` columns of both halves of one head; ``HB`` larger than ``head_dim / 2``
     means the whole head): float32 ``BLOCK_M`` as :func:`tile_config`, ``BLOCK_K`` 64 (float32 with
@@ -156,10 +163,15 @@ def qkv_tile_config(M: int, dtype: torch.dtype) -> Tuple[int, int, int, int, int
     128`` and 32 up to 256 (the 15 head programs stream the weight; more row tiles put it
     on more SMs: at ``M = 64`` / 128 / 256, 64-row tiles 10.7 us, 16-row 7.5 / 7.6, 32-row
     at 256 9.0; the EAGLE-3 drafter's 1,152-wide input at ``M = 64`` 20.4 -> 11.3 us), then
-    64."""
+    64.  ``folded`` (the norm weight folded into ``w_qkv``: ``x`` feeds the dot as loaded):
+    16-bit ``BLOCK_M`` 64 at every ``M`` (``M`` = 1 / 16 / 64 / 256: 5.9 / 6.1 / 6.2 / 6.3 us,
+    16-row tiles 6.7 / 6.7 / 6.7 / 8.4 with 32 rows at 256; the drafter's two inputs at
+    ``M`` = 1-64 10.4-10.9 us against 11.1-11.3 unfolded)."""
     if dtype == torch.float32:
         block_m = _block_m(M, dtype)
         return block_m, 64 if block_m <= 8 else 32, 2 if M <= 16 else NUM_WARPS, 1 << 30, NUM_STAGES
+    if folded:
+        return 64, 64, NUM_WARPS, 1 << 30, 4
     return 16 if M <= 128 else 32 if M <= 256 else 64, 64, NUM_WARPS, 1 << 30, 4
 
 
@@ -207,7 +219,8 @@ def _inv_rms(x_rows, rmask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 
 @triton.jit
 def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N, K, eps,
-                 HAS_NORM: tl.constexpr, PRESCALE: tl.constexpr, EPILOGUE: tl.constexpr,
+                 HAS_NORM: tl.constexpr, HAS_G: tl.constexpr, PRESCALE: tl.constexpr,
+                 EPILOGUE: tl.constexpr,
                  IEEE: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
@@ -234,16 +247,16 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < K
         x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        a = x
         if HAS_NORM:
             xf = x.to(tl.float32)
-            g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
             if PRESCALE:
                 xf = xf * inv[:, None]
             else:
                 ss += tl.sum(xf * xf, axis=1)
-            a = _cast(xf * g[None, :], x.dtype, INTERP)
-        else:
-            a = x
+            if HAS_G:  # else the norm weight is folded into W: x feeds the dot as loaded
+                g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                a = _cast(xf * g[None, :], x.dtype, INTERP)
         wm = km[:, None] & cmask[None, :]
         w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)
         acc = _dot(a, w, acc, IEEE, INTERP)
@@ -265,22 +278,43 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
 
 @triton.jit
 def _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, acc_lo, acc_hi, eps,
-                      IEEE: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    """Accumulate ``RMSNorm(x2) @ W[:, K:K+K2]^T`` into both half-head accumulators (the row
-    scale applied before the dot: the two inputs are normalized each on its own)."""
+                      HAS_G: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HB: tl.constexpr):
+    """Add ``RMSNorm(x2) @ W[:, K:K+K2]^T`` to both half-head accumulators (the two inputs
+    are normalized each on its own).  With ``HAS_G`` the row scale is applied to ``x2``
+    before the dot (a pre-pass over the cache-resident rows); without (the norm weight
+    folded into ``W``) ``x2`` feeds the dot as loaded into accumulators of its own, scaled
+    after the loop."""
     x2_rows = x2_ptr + rows64[:, None] * ldx2
-    inv2 = _inv_rms(x2_rows, rmask, K2, eps, BLOCK_M, BLOCK_K)
-    for k0 in range(0, K2, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        km = kk < K2
-        x = tl.load(x2_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        g = tl.load(g2_ptr + kk, mask=km, other=0.0).to(tl.float32)
-        a = _cast(x.to(tl.float32) * inv2[:, None] * g[None, :], x.dtype, INTERP)
-        wl = tl.load(w_lo + (K + kk)[:, None], mask=km[:, None], other=0.0)
-        wh = tl.load(w_hi + (K + kk)[:, None], mask=km[:, None], other=0.0)
-        acc_lo = _dot(a, wl, acc_lo, IEEE, INTERP)
-        acc_hi = _dot(a, wh, acc_hi, IEEE, INTERP)
+    if HAS_G:
+        inv2 = _inv_rms(x2_rows, rmask, K2, eps, BLOCK_M, BLOCK_K)
+        for k0 in range(0, K2, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < K2
+            x = tl.load(x2_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+            g = tl.load(g2_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            a = _cast(x.to(tl.float32) * inv2[:, None] * g[None, :], x.dtype, INTERP)
+            wl = tl.load(w_lo + (K + kk)[:, None], mask=km[:, None], other=0.0)
+            wh = tl.load(w_hi + (K + kk)[:, None], mask=km[:, None], other=0.0)
+            acc_lo = _dot(a, wl, acc_lo, IEEE, INTERP)
+            acc_hi = _dot(a, wh, acc_hi, IEEE, INTERP)
+    else:
+        ss2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        lo2 = tl.zeros([BLOCK_M, HB], dtype=tl.float32)
+        hi2 = tl.zeros([BLOCK_M, HB], dtype=tl.float32)
+        for k0 in range(0, K2, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < K2
+            x = tl.load(x2_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+            xf = x.to(tl.float32)
+            ss2 += tl.sum(xf * xf, axis=1)
+            wl = tl.load(w_lo + (K + kk)[:, None], mask=km[:, None], other=0.0)
+            wh = tl.load(w_hi + (K + kk)[:, None], mask=km[:, None], other=0.0)
+            lo2 = _dot(x, wl, lo2, IEEE, INTERP)
+            hi2 = _dot(x, wh, hi2, IEEE, INTERP)
+        inv2 = tl.div_rn(1.0, tl.sqrt_rn(ss2 / K2 + eps))
+        acc_lo += lo2 * inv2[:, None]
+        acc_hi += hi2 * inv2[:, None]
     return acc_lo, acc_hi
 
 
@@ -288,7 +322,8 @@ def _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, ac
 def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s0, cs_s1,
                      loc_ptr, loc_s, q_ptr, ldq, k_ptr, v_ptr, M, K, num_heads, num_kv_heads,
                      num_slots, max_pos, eps, x2_ptr, ldx2, g2_ptr, K2,
-                     PRESCALE: tl.constexpr, TWO_INPUTS: tl.constexpr, IEEE: tl.constexpr,
+                     HAS_G: tl.constexpr, PRESCALE: tl.constexpr, TWO_INPUTS: tl.constexpr,
+                     IEEE: tl.constexpr,
                      INTERP: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -312,8 +347,12 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
     sin = tl.load(cs_row + (HALF + j)[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
     slot = tl.load(loc_ptr + rows64 * loc_s, mask=rmask & (h_rows >= num_heads), other=-1).to(tl.int64)
 
+    # the row scale before the dot (a pre-pass over the rows) where a norm weight multiplies
+    # x in registers for float16, and for two inputs (each scaled by its own norm); else (and
+    # always with the norm weight folded into W) on the accumulator
+    SCALE_FIRST: tl.constexpr = PRESCALE or (TWO_INPUTS and HAS_G)
     inv = tl.full([BLOCK_M], 1.0, tl.float32)
-    if PRESCALE or TWO_INPUTS:  # two inputs: each scaled by its own norm before the dot
+    if SCALE_FIRST:
         inv = _inv_rms(x_rows, rmask, K, eps, BLOCK_M, BLOCK_K)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_lo = tl.zeros([BLOCK_M, HB], dtype=tl.float32)
@@ -323,23 +362,26 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
         km = kk < K
         x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         xf = x.to(tl.float32)
-        g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
-        if PRESCALE or TWO_INPUTS:
+        if SCALE_FIRST:
             xf = xf * inv[:, None]
         else:
             ss += tl.sum(xf * xf, axis=1)
-        a = _cast(xf * g[None, :], x.dtype, INTERP)
+        a = x  # folded norm weight: x feeds the dot as loaded
+        if HAS_G:
+            g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            a = _cast(xf * g[None, :], x.dtype, INTERP)
         wl = tl.load(w_lo + kk[:, None], mask=km[:, None], other=0.0)
         wh = tl.load(w_hi + kk[:, None], mask=km[:, None], other=0.0)
         acc_lo = _dot(a, wl, acc_lo, IEEE, INTERP)
         acc_hi = _dot(a, wh, acc_hi, IEEE, INTERP)
-    if TWO_INPUTS:
-        acc_lo, acc_hi = _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, acc_lo,
-                                           acc_hi, eps, IEEE, INTERP, BLOCK_M, BLOCK_K)
-    elif not PRESCALE:
+    if not SCALE_FIRST:
         inv = tl.div_rn(1.0, tl.sqrt_rn(ss / K + eps))
         acc_lo = acc_lo * inv[:, None]
         acc_hi = acc_hi * inv[:, None]
+    if TWO_INPUTS:
+        acc_lo, acc_hi = _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, acc_lo,
+                                           acc_hi, eps, HAS_G, IEEE, INTERP, BLOCK_M,
+                                           BLOCK_K, HB)
 
     if is_rope:  # Q and K heads: neox RoPE, rotate-half pairs in registers
         lo = acc_lo * cos - acc_hi * sin
@@ -384,33 +426,39 @@ def _interp(x: torch.Tensor) -> bool:
 
 def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
                  weight2: Optional[torch.Tensor], out: torch.Tensor, eps: float,
-                 epilogue: int, config: Optional[Tuple[int, ...]] = None) -> None:
+                 epilogue: int, config: Optional[Tuple[int, ...]] = None,
+                 has_norm: Optional[bool] = None) -> None:
+    """``has_norm`` (default: ``norm_weight`` given): the RMSNorm prologue; with it and no
+    ``norm_weight`` the norm's weight is folded into ``weight`` (and ``weight2``)."""
     M, K = x.shape
     N = weight.shape[0]
     if M == 0 or N == 0:
         return
-    cfg = config or tile_config(M, N, K, x.dtype, 1 if weight2 is None else 2)
+    has_norm = norm_weight is not None if has_norm is None else has_norm
+    has_g = has_norm and norm_weight is not None
+    cfg = config or tile_config(M, N, K, x.dtype, 1 if weight2 is None else 2,
+                                folded=has_norm and not has_g)
     block_m, block_n, block_k, warps = cfg[:4]
     stages = cfg[4] if len(cfg) > 4 else NUM_STAGES
-    has_norm = norm_weight is not None
     w2 = weight if weight2 is None else weight2
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     args = (x, x.stride(0), weight if norm_weight is None else norm_weight, weight,
             weight.stride(0), w2, w2.stride(0), out, out.stride(0), M, N, K, float(eps))
-    kwargs = dict(HAS_NORM=has_norm, PRESCALE=has_norm and x.dtype == torch.float16,
+    kwargs = dict(HAS_NORM=has_norm, HAS_G=has_g, PRESCALE=has_g and x.dtype == torch.float16,
                   EPILOGUE=epilogue, IEEE=x.dtype == torch.float32, INTERP=_interp(x),
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     launch_fitting(_gemm_kernel, grid, args, kwargs, stages)
 
 
 @on_tensor_device
-def rms_norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+def rms_norm_matmul(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
                     eps: float, *, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Triton :func:`specattn.ops.rms_norm_matmul` (one launch)."""
+    """Triton :func:`specattn.ops.rms_norm_matmul` (one launch; ``norm_weight`` None: folded
+    into ``weight``)."""
     _require_device(x, "rms_norm_matmul")
     out = torch.empty(x.shape[0], weight.shape[0], device=x.device,
                       dtype=x.dtype if out_dtype is None else out_dtype)
-    _launch_gemm(x, norm_weight, weight, None, out, eps, _STORE)
+    _launch_gemm(x, norm_weight, weight, None, out, eps, _STORE, has_norm=True)
     return out
 
 
@@ -424,24 +472,26 @@ def matmul_residual(x: torch.Tensor, weight: torch.Tensor,
 
 
 @on_tensor_device
-def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor,
+def rms_norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gate: torch.Tensor,
                     w_up: torch.Tensor, eps: float) -> torch.Tensor:
-    """Triton :func:`specattn.ops.rms_norm_swiglu` (one launch)."""
+    """Triton :func:`specattn.ops.rms_norm_swiglu` (one launch; ``norm_weight`` None: folded
+    into ``w_gate`` and ``w_up``)."""
     _require_device(x, "rms_norm_swiglu")
     out = torch.empty(x.shape[0], w_gate.shape[0], device=x.device, dtype=x.dtype)
-    _launch_gemm(x, norm_weight, w_gate, w_up, out, eps, _SWIGLU)
+    _launch_gemm(x, norm_weight, w_gate, w_up, out, eps, _SWIGLU, has_norm=True)
     return out
 
 
 @on_tensor_device
-def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tensor, eps: float,
+def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: torch.Tensor, eps: float,
                    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                    out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, head_dim: int,
                    x2: Optional[torch.Tensor] = None, norm_weight2: Optional[torch.Tensor] = None
                    ) -> torch.Tensor:
     """Triton :func:`specattn.ops.qkv_rope_store` (one launch; ``x2``: the second input of an
-    EAGLE-3 draft layer, normalized on its own).
+    EAGLE-3 draft layer, normalized on its own; ``norm_weight`` (and ``norm_weight2``) None:
+    folded into ``w_qkv``).
 
     Raises:
         ValueError: ``head_dim`` not a power of two >= 32 (the two half-head accumulators
@@ -464,20 +514,22 @@ def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_
     num_kv_heads = k_cache.shape[1]
     if M == 0:
         return
-    cfg = config or qkv_tile_config(M, x.dtype)
+    has_g = norm_weight is not None
+    cfg = config or qkv_tile_config(M, x.dtype, folded=not has_g)
     block_m, block_k, warps = cfg[:3]
     hb = min(cfg[3], head_dim // 2) if len(cfg) > 3 else head_dim // 2
     if (head_dim // 2) % hb or not is_pow2(hb) or hb < 16:
         raise ValueError(f"HB={hb} must be a power of two >= 16 dividing head_dim / 2 = {head_dim // 2}")
     stages = cfg[4] if len(cfg) > 4 else NUM_STAGES
     grid = (triton.cdiv(M, block_m), num_heads + 2 * num_kv_heads, head_dim // 2 // hb)
-    args = (x, x.stride(0), norm_weight, w_qkv, w_qkv.stride(0), positions, positions.stride(0),
+    g = norm_weight if has_g else x  # (an unread pointer when folded)
+    args = (x, x.stride(0), g, w_qkv, w_qkv.stride(0), positions, positions.stride(0),
             cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1), out_cache_loc,
             out_cache_loc.stride(0), q, num_heads * head_dim, k_cache, v_cache, M, K, num_heads,
             num_kv_heads, k_cache.shape[0], cos_sin_cache.shape[0], float(eps),
             x if x2 is None else x2, x.stride(0) if x2 is None else x2.stride(0),
-            norm_weight if norm_weight2 is None else norm_weight2, 0 if x2 is None else x2.shape[1])
-    kwargs = dict(PRESCALE=x.dtype == torch.float16, TWO_INPUTS=x2 is not None, IEEE=x.dtype == torch.float32,
+            g if norm_weight2 is None else norm_weight2, 0 if x2 is None else x2.shape[1])
+    kwargs = dict(HAS_G=has_g, PRESCALE=has_g and x.dtype == torch.float16, TWO_INPUTS=x2 is not None, IEEE=x.dtype == torch.float32,
                   INTERP=_interp(x), HALF=head_dim // 2, HB=hb, BLOCK_M=block_m, BLOCK_K=block_k,
                   num_warps=warps)
     launch_fitting(_qkv_rope_kernel, grid, args, kwargs, stages)

@@ -24,7 +24,8 @@ from .eagle_draft import (BeamStep, eagle_beam_step, eagle_beam_step_reference,
                           select_draft_tokens_reference)
 from .fused_llama import (llama_rms_norm_reference, matmul_residual, matmul_residual_reference,
                           qkv_rope_store, qkv_rope_store_reference, rms_norm_matmul,
-                          rms_norm_matmul_reference, rms_norm_swiglu, rms_norm_swiglu_reference)
+                          rms_norm_matmul_reference, rms_norm_swiglu, rms_norm_swiglu_reference,
+                          fold_rms_norm_weight)
 from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, materialize_kv,
                              materialize_kv_reference, rms_norm_reference, stack_kv_proj_weights)
 from .kv_move import move_kv_cache, move_kv_cache_reference
@@ -45,7 +46,7 @@ __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
            "rms_norm_reference", "apply_rope_neox_reference", "stack_kv_proj_weights",
            "rms_norm_matmul", "rms_norm_matmul_reference", "qkv_rope_store",
            "qkv_rope_store_reference", "matmul_residual", "matmul_residual_reference",
-           "rms_norm_swiglu", "rms_norm_swiglu_reference", "llama_rms_norm_reference",
+           "rms_norm_swiglu", "rms_norm_swiglu_reference", "llama_rms_norm_reference", "fold_rms_norm_weight",
            "topk_log_probs", "topk_log_probs_reference", "TOPK_MAX_K", "ngram_candidates",
            "ngram_candidates_reference", "BeamStep", "eagle_beam_step", "eagle_beam_step_reference",
            "select_draft_tokens", "select_draft_tokens_reference", "fork_req_to_token_rows",
