@@ -303,7 +303,7 @@ class Eagle3Drafter(TargetSharingDrafter):
                                            for k in config.param_shapes()}
         self.layer = AttentionLayer.mha(0, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.cos_sin_cache: Optional[torch.Tensor] = None   # set by reserve_positions: the fused path
-        self._w_qkv: Optional[torch.Tensor] = None         # fused path: norms folded in (reserve_positions)
+        self._w_qkv: Optional[torch.Tensor] = None         # fused path (reserve_positions)
         self._w_gate_up: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._head_folded: Optional[torch.Tensor] = None
         self.draft_vocab: Optional[torch.Tensor] = None     # set_draft_vocab: a reduced draft vocabulary
@@ -312,19 +312,16 @@ class Eagle3Drafter(TargetSharingDrafter):
     def reserve_positions(self, n: int) -> None:
         """Enable the fused inference path (one :func:`specattn.ops.qkv_rope_store` launch
         for the norms, Q/K/V, RoPE and the KV store) for positions ``0 .. n-1``: the RoPE
-        table, and the weights the fused ops read with the RMSNorm weights folded in
-        (:func:`specattn.ops.fold_rms_norm_weight`: ``cat(q, k, v)`` times both input
-        norms, gate / up times the post-attention norm, the LM head times the final norm),
-        built from :attr:`w` now: call it again after changing the weights.  The engine
-        calls it with its ``max_context``."""
+        table, ``cat(q, k, v)``, and the gate / up and LM-head weights with the norm that
+        reads them folded in (:func:`specattn.ops.fold_rms_norm_weight`: the residual GEMM
+        before each hands it the rows' sums of squares), built from :attr:`w` now: call it
+        again after changing the weights.  The engine calls it with its ``max_context``."""
         c, p, w = self.config, "midlayer.", self.w
         if self.cos_sin_cache is None or self.cos_sin_cache.shape[0] < n:
             self.cos_sin_cache = ops.make_cos_sin_cache(max(int(n), 1), c.head_dim, c.rope_theta, device=self.device)
         with torch.no_grad():
-            qkv = torch.cat([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).detach()
-            H = c.hidden_size
-            qkv = ops.fold_rms_norm_weight(qkv, w[p + "input_layernorm.weight"], slice(0, H))
-            self._w_qkv = ops.fold_rms_norm_weight(qkv, w[p + "hidden_norm.weight"], slice(H, 2 * H))
+            # (the two QKV inputs have no producer to hand their norms over: unfolded)
+            self._w_qkv = torch.cat([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).detach().contiguous()
             self._w_gate_up = tuple(ops.fold_rms_norm_weight(w[p + f"mlp.{x}_proj.weight"],
                                                              w[p + "post_attention_layernorm.weight"])
                                     for x in ("gate", "up"))
@@ -449,9 +446,12 @@ class Eagle3Drafter(TargetSharingDrafter):
         (:meth:`set_draft_vocab`; column ``j`` is token ``draft_vocab[j]``): final norm + LM
         head in one fused op on CUDA (:func:`specattn.ops.rms_norm_matmul`, its reference
         elsewhere; inference only, no autograd: training reads :meth:`head_hidden`)."""
+        return self._logits(prenorm)
+
+    def _logits(self, prenorm: torch.Tensor, row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self._head_folded is not None and not self.w["norm.weight"].requires_grad:
             return ops.rms_norm_matmul(prenorm, None, self._head_folded, self.config.rms_norm_eps,
-                                       out_dtype=torch.float32)
+                                       out_dtype=torch.float32, row_sumsq=row_sumsq)
         head = self.lm_head if self._draft_head is None else self._draft_head
         return ops.rms_norm_matmul(prenorm, self.w["norm.weight"], head, self.config.rms_norm_eps,
                                    out_dtype=torch.float32)
@@ -528,13 +528,14 @@ class Eagle3Drafter(TargetSharingDrafter):
         e = self.embed_tokens[input_ids].to(self.dtype)
         fused = self._w_qkv is not None and not self.w["fc.weight"].requires_grad
         if fused:
-            # norms of both inputs (folded into _w_qkv), Q/K/V, RoPE and the KV store in one
-            # launch (positions are the engine's, inside the table reserve_positions built)
-            pool = backend.kv_pool
-            q = ops.qkv_rope_store(e, None, self._w_qkv, c.rms_norm_eps,
+            # norms of both inputs, Q/K/V, RoPE and the KV store in one launch (positions are
+            # the engine's, inside the table reserve_positions built)
+            pool, p = backend.kv_pool, "midlayer."
+            q = ops.qkv_rope_store(e, self.w[p + "input_layernorm.weight"], self._w_qkv, c.rms_norm_eps,
                                    batch.positions, self.cos_sin_cache, batch.out_cache_loc,
                                    pool.get_key_buffer(0), pool.get_value_buffer(0), c.num_attention_heads,
-                                   c.num_key_value_heads, c.head_dim, x2=h, check_values=False)
+                                   c.num_key_value_heads, c.head_dim, x2=h,
+                                   norm_weight2=self.w[p + "hidden_norm.weight"], check_values=False)
             o = backend.forward(q, None, None, self.layer, batch, save_kv_cache=False)
         else:
             q, k, v = self._qkv(e, h)
@@ -545,12 +546,17 @@ class Eagle3Drafter(TargetSharingDrafter):
         # _finish): h += o @ Wo^T; act = SwiGLU(norm(h)); h += act @ Wd^T
         p, w = "midlayer.", self.w
         res = h.clone() if h.data_ptr() == hidden_in.data_ptr() else h
+        if fused:  # norm weights folded in; each residual GEMM hands its rows' sums of squares on
+            _, ss = ops.matmul_residual(o.reshape(T, -1), w[p + "self_attn.o_proj.weight"], res,
+                                        return_row_sumsq=True)
+            act = ops.rms_norm_swiglu(res, None, *self._w_gate_up, c.rms_norm_eps, row_sumsq=ss)
+            _, ss = ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], res, return_row_sumsq=True)
+            if logit_rows is None:
+                return res, self._logits(res, ss)
+            return res, self._logits(res[logit_rows])
         ops.matmul_residual(o.reshape(T, -1), w[p + "self_attn.o_proj.weight"], res)
-        if fused:
-            act = ops.rms_norm_swiglu(res, None, *self._w_gate_up, c.rms_norm_eps)
-        else:
-            act = ops.rms_norm_swiglu(res, w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_proj.weight"],
-                                      w[p + "mlp.up_proj.weight"], c.rms_norm_eps)
+        act = ops.rms_norm_swiglu(res, w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_proj.weight"],
+                                  w[p + "mlp.up_proj.weight"], c.rms_norm_eps)
         ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], res)
         return res, self.logits(res if logit_rows is None else res[logit_rows])
 

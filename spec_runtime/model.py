@@ -16,8 +16,10 @@ Two forward paths compute the same function:
   residual add; then RMSNorm + LM head in one op.  The Q/K/V weights are stacked once into
   ``self_attn.qkv_proj.weight`` (the per-projection entries become views of it), and the
   RMSNorm weights are folded once into the GEMM weights that read the norms
-  (``*.folded_weight`` entries: QKV, gate/up, LM head; :func:`specattn.ops.fold_rms_norm_weight`),
-  so the fused kernels feed the activations to the tensor cores as loaded.
+  (``*.folded_weight`` entries: QKV, gate/up, LM head; :func:`specattn.ops.fold_rms_norm_weight`).
+  Each residual GEMM also hands the next norm its rows' sums of squares
+  (``matmul_residual(..., return_row_sumsq=True)``), so the GEMMs that read a norm run a
+  pure loop over the activations as loaded.
 """
 from __future__ import annotations
 
@@ -184,22 +186,25 @@ class LlamaModel:
         pool = backend.kv_pool
         h = w["model.embed_tokens.weight"][input_ids]
         captured = []
+        ss = None  # the rows' sums of squares of h, from the residual GEMM that wrote it
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             q = ops.qkv_rope_store(h, None, w[p + "self_attn.qkv_proj.folded_weight"], eps,
                                    batch.positions, self.cos_sin_cache, batch.out_cache_loc,
                                    pool.get_key_buffer(i), pool.get_value_buffer(i), c.num_attention_heads,
-                                   c.num_key_value_heads, c.head_dim, check_values=False)
+                                   c.num_key_value_heads, c.head_dim, row_sumsq=ss, check_values=False)
             o = backend.forward(q, None, None, layer, batch, save_kv_cache=False)
-            ops.matmul_residual(o.reshape(T, -1), w[p + "self_attn.o_proj.weight"], h)
+            _, ss = ops.matmul_residual(o.reshape(T, -1), w[p + "self_attn.o_proj.weight"], h,
+                                        return_row_sumsq=True)
             act = ops.rms_norm_swiglu(h, None, w[p + "mlp.gate_proj.folded_weight"],
-                                      w[p + "mlp.up_proj.folded_weight"], eps)
-            ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], h)
+                                      w[p + "mlp.up_proj.folded_weight"], eps, row_sumsq=ss)
+            _, ss = ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], h, return_row_sumsq=True)
             if i in capture_layers:
                 captured.append(h.clone())
         if logit_rows is not None:
-            h = h[logit_rows]
-        logits = ops.rms_norm_matmul(h, None, w["lm_head.folded_weight"], eps, out_dtype=torch.float32)
+            h, ss = h[logit_rows], None
+        logits = ops.rms_norm_matmul(h, None, w["lm_head.folded_weight"], eps, out_dtype=torch.float32,
+                                     row_sumsq=ss)
         return logits, captured
 
     def make_kv_pool(self, size: int, page_size: int = 1, num_layers: Optional[int] = None):

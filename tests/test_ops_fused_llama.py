@@ -228,6 +228,55 @@ def test_folded_norm_weight(M, K, N, dt, impl, seed, nan_empty):
     check_caches(inp, before, k_exact, v_exact, dt, f"qkv_rope_store folded[{impl}]")
 
 
+def row_sumsq_of(x, impl):
+    """``x``'s partial sums of squares as a residual GEMM hands them on: ``x + 0 @ 0^T``
+    (exact) through :func:`matmul_residual` with ``return_row_sumsq``."""
+    M, K = x.shape
+    zeros = torch.zeros(M, 16, dtype=x.dtype, device=DEV)
+    res, ss = matmul_residual(zeros, torch.zeros(K, 16, dtype=x.dtype, device=DEV), x.clone(),
+                              return_row_sumsq=True, impl=impl)
+    assert torch.equal(res, x)
+    return ss
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N", SHAPES + [(70, 64, 96)])
+def test_row_sumsq_handoff(M, K, N, dt, impl, seed):
+    """``matmul_residual(return_row_sumsq=True)`` returns ``[P, M]`` float32 partial sums whose
+    column sums are the updated rows' sums of squares (of the stored values); every norm
+    consumer given them (folded or not) computes what it computes from ``x`` itself."""
+    x, w = act(M, K, dt, scale=1.0), lin(N, K, dt)
+    residual = act(M, N, dt)
+    out, ss = matmul_residual(x, w, residual, return_row_sumsq=True, impl=impl)
+    assert out is residual and ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[1] == M
+    assert ss.shape[0] >= 1
+    exact = residual.double().pow(2).sum(-1)
+    assert torch.allclose(ss.double().sum(0), exact, rtol=1e-5, atol=1e-30)
+    h, g = residual, gain(N, dt)
+    n = exact_norm(h, g)
+    wg, wu, wl = lin(40, N, dt), lin(40, N, dt), lin(48, N, dt)
+    gate, up = n @ wg.double().T, n @ wu.double().T
+    for nw, fold in ((g, lambda t: t), (None, lambda t: fold_rms_norm_weight(t, g))):
+        out = rms_norm_swiglu(h, nw, fold(wg), fold(wu), EPS, row_sumsq=ss, impl=impl)
+        check(f"swiglu row_sumsq[{impl}]", out, gate * torch.sigmoid(gate) * up, dt,
+              scale=swiglu_scale(gate, up))
+        out = rms_norm_matmul(h, nw, fold(wl), EPS, out_dtype=torch.float32, row_sumsq=ss, impl=impl)
+        assert plain_err(out, n @ wl.double().T) <= TOL[dt]
+    inp = qkv_inputs(M, N, 3, 1, 32, dt, dt)
+    inp["x"] = h
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    q_exact, k_exact, v_exact = qkv_exact(inp)
+    q = run_qkv(dict(inp, norm_weight=None, w_qkv=fold_rms_norm_weight(inp["w_qkv"], inp["norm_weight"])),
+                impl, row_sumsq=ss)
+    check(f"qkv row_sumsq[{impl}] q", q, q_exact, dt)
+    check_caches(inp, before, k_exact, v_exact, dt, f"qkv row_sumsq[{impl}]")
+    # refused before any kernel: wrong rows, dtype, rank
+    for bad in (ss[:, :M - 1] if M > 1 else ss[:, :0], ss.double(), ss[0]):
+        with pytest.raises(ValueError, match="row_sumsq"):
+            rms_norm_swiglu(h, g, wg, wu, EPS, row_sumsq=bad, impl=impl)
+
+
 def test_fold_rms_norm_weight(seed):
     """Column-wise product rounded once; ``columns`` folds one K-range and copies the rest;
     shape / dtype errors."""
@@ -662,10 +711,10 @@ def test_tile_choice():
     assert qkv_tile_config(17, fp32)[:3] == (32, 32, 4)
     # norm weights folded into W: 64-row tiles at verify sizes
     assert [qkv_tile_config(m, bf16, folded=True)[0] for m in (1, 32, 256)] == [64, 64, 64]
-    assert tile_config(64, 1536, 576, bf16, 2, folded=True) == (64, 32, 64, 4, 3)    # 48 programs
     assert tile_config(128, 1536, 576, bf16, 2, folded=True) == (64, 32, 64, 4, 3)   # 96
     assert tile_config(256, 1536, 576, bf16, 2, folded=True) == (64, 64, 64, 4, 3)
     assert tile_config(16, 1536, 576, bf16, 2, folded=True) == (16, 32, 128, 2, 3)
+    assert tile_config(64, 1536, 576, bf16, 2, folded=True) == (16, 32, 128, 2, 3)
 
 
 def test_triton_impl_needs_interpreter_or_gpu(seed, monkeypatch):
@@ -683,30 +732,38 @@ SMOL = dict(K=576, H=9, Hkv=3, D=64, I=1536, V=49152)
 
 
 @gpu
+@pytest.mark.parametrize("folded", [False, True], ids=["g", "folded"])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("M", [1, 16, 192])
-def test_gpu_smollm_shapes(M, dt, seed):
+@pytest.mark.parametrize("M", [1, 16, 64, 192, 256])
+def test_gpu_smollm_shapes(M, dt, folded, seed):
+    """Every tile variant the model's shapes pick, decode to verify sizes, with the norm
+    weights given and folded into the GEMM weights (the model's path)."""
     K, H, Hkv, D, I, V = (SMOL[k] for k in ("K", "H", "Hkv", "D", "I", "V"))
     x, g = act(M, K, dt), gain(K, dt)
+    fold = (lambda w: fold_rms_norm_weight(w, g)) if folded else (lambda w: w)  # noqa: E731
+    gk = None if folded else g
+    ss = row_sumsq_of(x, "triton") if folded else None   # the model's path: handed on
     # LM head: float32 logits
     w = lin(V, K, dt)
     exact = exact_norm(x, g) @ w.double().T
     ref = rms_norm_matmul(x, g, w, EPS, out_dtype=torch.float32, impl="reference")
-    out = rms_norm_matmul(x, g, w, EPS, out_dtype=torch.float32, impl="triton")
-    check("smollm lm_head[triton]", out, exact, dt, ref)
-    assert plain_err(out, exact) <= plain_err(ref, exact) * 1.5 + 0.1 * TOL[dt]
+    for rs in ((ss, None) if folded else (None,)):   # handed-on sums, or the kernel's pre-pass
+        out = rms_norm_matmul(x, gk, fold(w), EPS, out_dtype=torch.float32, row_sumsq=rs, impl="triton")
+        check("smollm lm_head[triton]", out, exact, dt, ref)
+        assert plain_err(out, exact) <= plain_err(ref, exact) * 1.5 + 0.1 * TOL[dt]
     # QKV + RoPE + store
     inp = qkv_inputs(M, K, H, Hkv, D, dt, dt, num_slots=4 * M + 8, max_pos=4096)
     before = (inp["k_cache"].clone(), inp["v_cache"].clone())
     q_exact, k_exact, v_exact = qkv_exact(inp)
-    q = run_qkv(inp, "triton")
+    q = run_qkv(dict(inp, norm_weight=None, w_qkv=fold_rms_norm_weight(inp["w_qkv"], inp["norm_weight"]))
+                if folded else inp, "triton", row_sumsq=row_sumsq_of(inp["x"], "triton") if folded else None)
     check("smollm qkv[triton] q", q, q_exact, dt)
     check_caches(inp, before, k_exact, v_exact, dt, "smollm qkv[triton]")
     # MLP: norm + gate/up + SwiGLU, then down + residual; o_proj + residual
     wg, wu, wd, wo = lin(I, K, dt), lin(I, K, dt), lin(K, I, dt), lin(K, H * D, dt)
     n = exact_norm(x, g)
     gate, up = n @ wg.double().T, n @ wu.double().T
-    check("smollm swiglu[triton]", rms_norm_swiglu(x, g, wg, wu, EPS, impl="triton"),
+    check("smollm swiglu[triton]", rms_norm_swiglu(x, gk, fold(wg), fold(wu), EPS, row_sumsq=ss, impl="triton"),
           gate * torch.sigmoid(gate) * up, dt, rms_norm_swiglu(x, g, wg, wu, EPS, impl="reference"),
           swiglu_scale(gate, up))
     for a, wt in ((act(M, I, dt, 1.0), wd), (act(M, H * D, dt, 1.0), wo)):

@@ -8,22 +8,37 @@ grid of ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))`` programs, each looping over ``K
 
 - ``_gemm_kernel``: the RMSNorm prologue (optional), then one of three epilogues: store
   (``rms_norm_matmul``; any output dtype), add the residual tile in float32 and store it back
-  in place (``matmul_residual``), or SwiGLU over two accumulators fed by the gate and up
-  weights (``rms_norm_swiglu``: ``silu(g) * u`` in float32).
+  in place (``matmul_residual``; optionally also each row's share of the stored tile's sum
+  of squares, ``SS_OUT``), or SwiGLU over two accumulators fed by the gate and up weights
+  (``rms_norm_swiglu``: ``silu(g) * u`` in float32).
 - ``_qkv_rope_kernel``: the RMSNorm prologue, one head (``head_dim`` columns of the fused
   QKV weight) per N-program, kept as two accumulators (the first and the second half of
   the head's columns) so the rotate-half pairs ``(i, i + D/2)`` of neox RoPE meet in
   registers; Q and K heads are rotated, V heads are not; Q goes to the returned tensor, K
   and V to ``k_cache[out_cache_loc[m]]`` / ``v_cache[out_cache_loc[m]]``.
 
-RMSNorm prologue (bf16 / float32 activations): while each ``x`` tile is loaded, its
-per-row ``sum(x^2)`` accumulates in float32 and the tile is multiplied by ``norm_weight``
-(float32) and rounded to the activation dtype for the dot; after the K loop the
-accumulator rows are scaled by ``1 / sqrt(sum / K + eps)``.  So ``x`` is read once and the
-normalized activations never exist in memory.  float16 activations take a second pass
-instead (``PRESCALE``): the row scale is computed first and applied before the rounding,
-since ``x * norm_weight`` un-normalized can overflow float16's range where the normalized
-value does not.
+RMSNorm prologue, three forms.  The row scale ``1 / sqrt(sum(x^2) / K + eps)`` always
+multiplies the float32 accumulator after the K loop (except float16 with a norm weight,
+below); the normalized activations never exist in memory.
+
+- Norm weight folded into ``W`` (``norm_weight`` None, :func:`specattn.ops.fold_rms_norm_weight`)
+  and the sums of squares handed over (``row_sumsq``: the ``[P, M]`` partial sums that the
+  ``matmul_residual`` which wrote ``x`` returned): one ``[BLOCK_M, P]`` load before the
+  loop, and the K loop is a pure GEMM over ``x`` as loaded, the fastest form (the model's
+  path).
+- Folded, no sums handed over: a pre-pass over the (cache-resident) rows sums ``x^2``, then
+  the same pure loop.
+- With a norm weight: while each ``x`` tile is loaded its ``sum(x^2)`` accumulates and the
+  tile is multiplied by ``norm_weight`` in float32 and rounded to the activation dtype for
+  the dot (registers feed the tensor cores; 1.5-5 us slower per launch at verify sizes);
+  float16 computes the row scale first (``PRESCALE``) and applies it before the rounding,
+  since ``x * norm_weight`` un-normalized can overflow float16's range.
+
+A folded loop must not read its ``x`` tile for anything but the dot: summing ``x^2`` from
+the same tile inside the loop ran faster still but gave wrong results with 64-row,
+4-warp tiles (wgmma) for some shapes under Triton 3.6 (the LM head at every ``M``,
+gate/up at ``M = 192 / 256`` with 32-column tiles), so the sums come from the producer or
+a pre-pass.
 
 Tiles (:func:`tile_config`, :func:`qkv_tile_config`; chosen from ``M``, ``N``, ``K`` and the
 dtype, so each op compiles a handful of variants): 16-bit ``BLOCK_M`` 16 / 64 for ``M`` <= 32
@@ -111,10 +126,11 @@ def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
     - two weights, 16-bit, ``M > 32``: 32-row tiles up to ``M = 64``, then 64, and the
       narrowest ``BLOCK_N`` of 16 / 32 / 64 that keeps the grid within
       ``SMALL_GRID_TWO_WEIGHTS`` programs, ``BLOCK_K`` 64, 3 stages (gate/up at ``M = 64`` 9.9
-      -> 8.7 us, ``M = 128`` 14.6 -> 10.5; ``M = 256`` unchanged at 12.0); folded: 64-row
-      tiles and the narrowest ``BLOCK_N`` of 32 / 64 within those programs (``M = 64`` /
-      128 / 256: 7.2 / 7.2 / 7.4 us), and up to ``M = 32`` 16 x 32 tiles, ``BLOCK_K`` 128,
-      2 warps, 3 stages (``M = 1`` / 16 / 32: 6.5 / 5.9 / 6.0 us);
+      -> 8.7 us, ``M = 128`` 14.6 -> 10.5; ``M = 256`` unchanged at 12.0); folded: up to
+      ``M = 64`` 16 x 32 tiles, ``BLOCK_K`` 128, 2 warps, 3 stages, then 64-row tiles and
+      the narrowest ``BLOCK_N`` of 32 / 64 within those programs (with the sums handed
+      over, ``M`` = 1 / 16 / 64 / 128 / 256: 6.5 / 5.3 / 5.6 / 7.4 / 7.5 us against 6.1 /
+      6.2 / 8.7 / 10.4 / 12.1 with the norm weight in registers);
     - wide outputs (``N >= 16384``: the LM head), 16-bit: ``BLOCK_N`` 128;
     - float32 with ``BLOCK_M <= 8``: ``BLOCK_K`` 64 (small tiles); ``num_warps`` 2 for
       float32 with ``M <= 16``, else 4.
@@ -132,7 +148,7 @@ def tile_config(M: int, N: int, K: int, dtype: torch.dtype,
         warps = 2 if M <= 16 else NUM_WARPS
         block_k = 64 if block_m <= 8 else 32
         return block_m, 16 if small else 64, block_k, warps, NUM_STAGES
-    if num_weights == 2 and folded and M <= 32:
+    if num_weights == 2 and folded and M <= 64:
         return 16, 32, 128, 2, NUM_STAGES
     if num_weights == 2 and M > 32:  # gate/up: about SMALL_GRID_TWO_WEIGHTS programs of 32 / 64 rows
         block_m = 32 if M <= 64 and not folded else 64
@@ -164,9 +180,9 @@ def qkv_tile_config(M: int, dtype: torch.dtype, folded: bool = False) -> Tuple[i
     on more SMs: at ``M = 64`` / 128 / 256, 64-row tiles 10.7 us, 16-row 7.5 / 7.6, 32-row
     at 256 9.0; the EAGLE-3 drafter's 1,152-wide input at ``M = 64`` 20.4 -> 11.3 us), then
     64.  ``folded`` (the norm weight folded into ``w_qkv``: ``x`` feeds the dot as loaded):
-    16-bit ``BLOCK_M`` 64 at every ``M`` (``M`` = 1 / 16 / 64 / 256: 5.9 / 6.1 / 6.2 / 6.3 us,
-    16-row tiles 6.7 / 6.7 / 6.7 / 8.4 with 32 rows at 256; the drafter's two inputs at
-    ``M`` = 1-64 10.4-10.9 us against 11.1-11.3 unfolded)."""
+    16-bit ``BLOCK_M`` 64 at every ``M`` (with the sums of squares handed over, ``M`` = 1 /
+    16 / 64 / 256: 5.2 / 5.7 / 5.8 / 6.2 us against 7.4 / 7.5 / 7.5 / 9.0 with the norm
+    weight in registers)."""
     if dtype == torch.float32:
         block_m = _block_m(M, dtype)
         return block_m, 64 if block_m <= 8 else 32, 2 if M <= 16 else NUM_WARPS, 1 << 30, NUM_STAGES
@@ -218,8 +234,21 @@ def _inv_rms(x_rows, rmask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 
 
 @triton.jit
+def _inv_rms_from_parts(ss_ptr, ld_ss, n_parts, rows, rmask, K, eps, NP: tl.constexpr):
+    """``1 / sqrt(sum / K + eps)`` of the rows from the ``[n_parts, M]`` float32 partial sums
+    of squares that a ``matmul_residual`` producing ``x`` wrote (one load, issued before
+    the K loop)."""
+    pp = tl.arange(0, NP)
+    parts = tl.load(ss_ptr + pp.to(tl.int64)[None, :] * ld_ss + rows[:, None],
+                    mask=rmask[:, None] & (pp < n_parts)[None, :], other=0.0)
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.sum(parts, axis=1) / K + eps))
+
+
+@triton.jit
 def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N, K, eps,
+                 ss_ptr, ld_ss, n_parts,
                  HAS_NORM: tl.constexpr, HAS_G: tl.constexpr, PRESCALE: tl.constexpr,
+                 HAS_SS: tl.constexpr, SS_OUT: tl.constexpr, NP: tl.constexpr,
                  EPILOGUE: tl.constexpr,
                  IEEE: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr,
@@ -238,7 +267,9 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
         res = tl.load(optrs, mask=omask, other=0.0).to(tl.float32)
     inv = tl.full([BLOCK_M], 1.0, tl.float32)
     if HAS_NORM:
-        if PRESCALE:
+        if HAS_SS:  # the producer's partial sums of squares: one load
+            inv = _inv_rms_from_parts(ss_ptr, ld_ss, n_parts, rows, rmask, K, eps, NP)
+        elif PRESCALE or not HAS_G:  # the row scale from a pre-pass over the rows
             inv = _inv_rms(x_rows, rmask, K, eps, BLOCK_M, BLOCK_K)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -247,16 +278,15 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < K
         x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        a = x
-        if HAS_NORM:
+        a = x  # the norm weight folded into W (or no norm): x feeds the dot as loaded
+        if HAS_NORM and HAS_G:
             xf = x.to(tl.float32)
             if PRESCALE:
                 xf = xf * inv[:, None]
-            else:
+            elif not HAS_SS:
                 ss += tl.sum(xf * xf, axis=1)
-            if HAS_G:  # else the norm weight is folded into W: x feeds the dot as loaded
-                g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
-                a = _cast(xf * g[None, :], x.dtype, INTERP)
+            g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            a = _cast(xf * g[None, :], x.dtype, INTERP)
         wm = km[:, None] & cmask[None, :]
         w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)
         acc = _dot(a, w, acc, IEEE, INTERP)
@@ -264,16 +294,21 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
             w2 = tl.load(w2_cols + kk[:, None], mask=wm, other=0.0)
             acc2 = _dot(a, w2, acc2, IEEE, INTERP)
 
-    if HAS_NORM:
-        if not PRESCALE:
+    if HAS_NORM and not PRESCALE:
+        if HAS_G and not HAS_SS:
             inv = tl.div_rn(1.0, tl.sqrt_rn(ss / K + eps))
-            acc = acc * inv[:, None]
-            acc2 = acc2 * inv[:, None]
+        acc = acc * inv[:, None]
+        acc2 = acc2 * inv[:, None]
     if EPILOGUE == 1:
         acc += res
     if EPILOGUE == 2:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
-    tl.store(optrs, _cast(acc, out_ptr.dtype.element_ty, INTERP), mask=omask)
+    out = _cast(acc, out_ptr.dtype.element_ty, INTERP)
+    tl.store(optrs, out, mask=omask)
+    if SS_OUT:  # this tile's share of each row's sum of squares, of the values as stored
+        of = out.to(tl.float32)
+        of = tl.where(omask, of, 0.0)
+        tl.store(ss_ptr + tl.program_id(1).to(tl.int64) * ld_ss + rows, tl.sum(of * of, axis=1), mask=rmask)
 
 
 @triton.jit
@@ -281,10 +316,10 @@ def _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, ac
                       HAS_G: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HB: tl.constexpr):
     """Add ``RMSNorm(x2) @ W[:, K:K+K2]^T`` to both half-head accumulators (the two inputs
-    are normalized each on its own).  With ``HAS_G`` the row scale is applied to ``x2``
-    before the dot (a pre-pass over the cache-resident rows); without (the norm weight
-    folded into ``W``) ``x2`` feeds the dot as loaded into accumulators of its own, scaled
-    after the loop."""
+    are normalized each on its own; the row scale from a pre-pass over the cache-resident
+    rows).  With ``HAS_G`` the scale and the weight are applied to ``x2`` before the dot;
+    without (the norm weight folded into ``W``) ``x2`` feeds the dot as loaded into
+    accumulators of its own, scaled after the loop."""
     x2_rows = x2_ptr + rows64[:, None] * ldx2
     if HAS_G:
         inv2 = _inv_rms(x2_rows, rmask, K2, eps, BLOCK_M, BLOCK_K)
@@ -299,20 +334,17 @@ def _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, ac
             acc_lo = _dot(a, wl, acc_lo, IEEE, INTERP)
             acc_hi = _dot(a, wh, acc_hi, IEEE, INTERP)
     else:
-        ss2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        inv2 = _inv_rms(x2_rows, rmask, K2, eps, BLOCK_M, BLOCK_K)
         lo2 = tl.zeros([BLOCK_M, HB], dtype=tl.float32)
         hi2 = tl.zeros([BLOCK_M, HB], dtype=tl.float32)
         for k0 in range(0, K2, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < K2
             x = tl.load(x2_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            xf = x.to(tl.float32)
-            ss2 += tl.sum(xf * xf, axis=1)
             wl = tl.load(w_lo + (K + kk)[:, None], mask=km[:, None], other=0.0)
             wh = tl.load(w_hi + (K + kk)[:, None], mask=km[:, None], other=0.0)
             lo2 = _dot(x, wl, lo2, IEEE, INTERP)
             hi2 = _dot(x, wh, hi2, IEEE, INTERP)
-        inv2 = tl.div_rn(1.0, tl.sqrt_rn(ss2 / K2 + eps))
         acc_lo += lo2 * inv2[:, None]
         acc_hi += hi2 * inv2[:, None]
     return acc_lo, acc_hi
@@ -321,8 +353,8 @@ def _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, ac
 @triton.jit
 def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s0, cs_s1,
                      loc_ptr, loc_s, q_ptr, ldq, k_ptr, v_ptr, M, K, num_heads, num_kv_heads,
-                     num_slots, max_pos, eps, x2_ptr, ldx2, g2_ptr, K2,
-                     HAS_G: tl.constexpr, PRESCALE: tl.constexpr, TWO_INPUTS: tl.constexpr,
+                     num_slots, max_pos, eps, x2_ptr, ldx2, g2_ptr, K2, ss_ptr, ld_ss, n_parts,
+                     HAS_SS: tl.constexpr, NP: tl.constexpr, HAS_G: tl.constexpr, PRESCALE: tl.constexpr, TWO_INPUTS: tl.constexpr,
                      IEEE: tl.constexpr,
                      INTERP: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -347,12 +379,17 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
     sin = tl.load(cs_row + (HALF + j)[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
     slot = tl.load(loc_ptr + rows64 * loc_s, mask=rmask & (h_rows >= num_heads), other=-1).to(tl.int64)
 
-    # the row scale before the dot (a pre-pass over the rows) where a norm weight multiplies
-    # x in registers for float16, and for two inputs (each scaled by its own norm); else (and
-    # always with the norm weight folded into W) on the accumulator
+    # the row scale before the dot (from a pre-pass over the rows) where a norm weight
+    # multiplies x in registers, for float16 and for two inputs (each scaled by its own
+    # norm); else on the accumulator: summed in the loop with a norm weight, from the
+    # pre-pass with the weight folded into W (then x feeds the dot as loaded and is read by
+    # nothing else in the loop: a pure dot loop, both the fastest and the one the compiler
+    # pipelines safely)
     SCALE_FIRST: tl.constexpr = PRESCALE or (TWO_INPUTS and HAS_G)
     inv = tl.full([BLOCK_M], 1.0, tl.float32)
-    if SCALE_FIRST:
+    if HAS_SS:  # the producer's partial sums of squares: one load
+        inv = _inv_rms_from_parts(ss_ptr, ld_ss, n_parts, rows, rmask, K, eps, NP)
+    elif SCALE_FIRST or not HAS_G:  # the row scale from a pre-pass over the rows
         inv = _inv_rms(x_rows, rmask, K, eps, BLOCK_M, BLOCK_K)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_lo = tl.zeros([BLOCK_M, HB], dtype=tl.float32)
@@ -361,13 +398,13 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < K
         x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        xf = x.to(tl.float32)
-        if SCALE_FIRST:
-            xf = xf * inv[:, None]
-        else:
-            ss += tl.sum(xf * xf, axis=1)
         a = x  # folded norm weight: x feeds the dot as loaded
         if HAS_G:
+            xf = x.to(tl.float32)
+            if SCALE_FIRST:
+                xf = xf * inv[:, None]
+            elif not HAS_SS:
+                ss += tl.sum(xf * xf, axis=1)
             g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
             a = _cast(xf * g[None, :], x.dtype, INTERP)
         wl = tl.load(w_lo + kk[:, None], mask=km[:, None], other=0.0)
@@ -375,7 +412,8 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
         acc_lo = _dot(a, wl, acc_lo, IEEE, INTERP)
         acc_hi = _dot(a, wh, acc_hi, IEEE, INTERP)
     if not SCALE_FIRST:
-        inv = tl.div_rn(1.0, tl.sqrt_rn(ss / K + eps))
+        if HAS_G and not HAS_SS:
+            inv = tl.div_rn(1.0, tl.sqrt_rn(ss / K + eps))
         acc_lo = acc_lo * inv[:, None]
         acc_hi = acc_hi * inv[:, None]
     if TWO_INPUTS:
@@ -427,13 +465,18 @@ def _interp(x: torch.Tensor) -> bool:
 def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
                  weight2: Optional[torch.Tensor], out: torch.Tensor, eps: float,
                  epilogue: int, config: Optional[Tuple[int, ...]] = None,
-                 has_norm: Optional[bool] = None) -> None:
+                 has_norm: Optional[bool] = None, row_sumsq: Optional[torch.Tensor] = None,
+                 want_sumsq: bool = False) -> Optional[torch.Tensor]:
     """``has_norm`` (default: ``norm_weight`` given): the RMSNorm prologue; with it and no
-    ``norm_weight`` the norm's weight is folded into ``weight`` (and ``weight2``)."""
+    ``norm_weight`` the norm's weight is folded into ``weight`` (and ``weight2``).
+    ``row_sumsq``: the ``[P, M]`` partial sums of squares of ``x`` (the norm reads them
+    instead of summing ``x``).  ``want_sumsq`` (residual epilogue): also return the
+    ``[P, M]`` float32 partial sums of squares of the updated output, ``P`` its column
+    tiles."""
     M, K = x.shape
     N = weight.shape[0]
     if M == 0 or N == 0:
-        return
+        return torch.zeros(1, M, device=x.device, dtype=torch.float32) if want_sumsq else None
     has_norm = norm_weight is not None if has_norm is None else has_norm
     has_g = has_norm and norm_weight is not None
     cfg = config or tile_config(M, N, K, x.dtype, 1 if weight2 is None else 2,
@@ -442,43 +485,55 @@ def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: t
     stages = cfg[4] if len(cfg) > 4 else NUM_STAGES
     w2 = weight if weight2 is None else weight2
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    ss = row_sumsq if has_norm else None
+    if want_sumsq:
+        ss = torch.empty(grid[1], M, device=x.device, dtype=torch.float32)
+    n_parts = 1 if ss is None else ss.shape[0]
     args = (x, x.stride(0), weight if norm_weight is None else norm_weight, weight,
-            weight.stride(0), w2, w2.stride(0), out, out.stride(0), M, N, K, float(eps))
+            weight.stride(0), w2, w2.stride(0), out, out.stride(0), M, N, K, float(eps),
+            out if ss is None else ss, 0 if ss is None else ss.stride(0), n_parts)
     kwargs = dict(HAS_NORM=has_norm, HAS_G=has_g, PRESCALE=has_g and x.dtype == torch.float16,
+                  HAS_SS=has_norm and ss is not None, SS_OUT=want_sumsq,
+                  NP=max(triton.next_power_of_2(n_parts), 2),
                   EPILOGUE=epilogue, IEEE=x.dtype == torch.float32, INTERP=_interp(x),
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     launch_fitting(_gemm_kernel, grid, args, kwargs, stages)
+    return ss if want_sumsq else None
 
 
 @on_tensor_device
 def rms_norm_matmul(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
-                    eps: float, *, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                    eps: float, *, out_dtype: Optional[torch.dtype] = None,
+                    row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton :func:`specattn.ops.rms_norm_matmul` (one launch; ``norm_weight`` None: folded
     into ``weight``)."""
     _require_device(x, "rms_norm_matmul")
     out = torch.empty(x.shape[0], weight.shape[0], device=x.device,
                       dtype=x.dtype if out_dtype is None else out_dtype)
-    _launch_gemm(x, norm_weight, weight, None, out, eps, _STORE, has_norm=True)
+    _launch_gemm(x, norm_weight, weight, None, out, eps, _STORE, has_norm=True, row_sumsq=row_sumsq)
     return out
 
 
 @on_tensor_device
-def matmul_residual(x: torch.Tensor, weight: torch.Tensor,
-                    residual: torch.Tensor) -> torch.Tensor:
-    """Triton :func:`specattn.ops.matmul_residual` (one launch, in place)."""
+def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
+                    return_row_sumsq: bool = False):
+    """Triton :func:`specattn.ops.matmul_residual` (one launch, in place; with
+    ``return_row_sumsq`` also the ``[P, M]`` partial sums of squares of the updated rows, one
+    row per column tile of the launch)."""
     _require_device(x, "matmul_residual")
-    _launch_gemm(x, None, weight, None, residual, 0.0, _RESIDUAL)
-    return residual
+    ss = _launch_gemm(x, None, weight, None, residual, 0.0, _RESIDUAL, want_sumsq=return_row_sumsq)
+    return (residual, ss) if return_row_sumsq else residual
 
 
 @on_tensor_device
 def rms_norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gate: torch.Tensor,
-                    w_up: torch.Tensor, eps: float) -> torch.Tensor:
+                    w_up: torch.Tensor, eps: float, *,
+                    row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton :func:`specattn.ops.rms_norm_swiglu` (one launch; ``norm_weight`` None: folded
     into ``w_gate`` and ``w_up``)."""
     _require_device(x, "rms_norm_swiglu")
     out = torch.empty(x.shape[0], w_gate.shape[0], device=x.device, dtype=x.dtype)
-    _launch_gemm(x, norm_weight, w_gate, w_up, out, eps, _SWIGLU, has_norm=True)
+    _launch_gemm(x, norm_weight, w_gate, w_up, out, eps, _SWIGLU, has_norm=True, row_sumsq=row_sumsq)
     return out
 
 
@@ -487,8 +542,8 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
                    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                    out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, head_dim: int,
-                   x2: Optional[torch.Tensor] = None, norm_weight2: Optional[torch.Tensor] = None
-                   ) -> torch.Tensor:
+                   x2: Optional[torch.Tensor] = None, norm_weight2: Optional[torch.Tensor] = None,
+                   row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton :func:`specattn.ops.qkv_rope_store` (one launch; ``x2``: the second input of an
     EAGLE-3 draft layer, normalized on its own; ``norm_weight`` (and ``norm_weight2``) None:
     folded into ``w_qkv``).
@@ -503,12 +558,13 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
                          f"{QKV_MIN_HEAD_DIM}, got {head_dim}; use impl='reference'")
     q = torch.empty(x.shape[0], num_heads, head_dim, device=x.device, dtype=x.dtype)
     _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
-                v_cache, q, x2=x2, norm_weight2=norm_weight2)
+                v_cache, q, x2=x2, norm_weight2=norm_weight2, row_sumsq=row_sumsq)
     return q
 
 
 def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
-                v_cache, q, config: Optional[Tuple[int, ...]] = None, x2=None, norm_weight2=None) -> None:
+                v_cache, q, config: Optional[Tuple[int, ...]] = None, x2=None, norm_weight2=None,
+                row_sumsq: Optional[torch.Tensor] = None) -> None:
     M, K = x.shape
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -528,8 +584,12 @@ def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_
             out_cache_loc.stride(0), q, num_heads * head_dim, k_cache, v_cache, M, K, num_heads,
             num_kv_heads, k_cache.shape[0], cos_sin_cache.shape[0], float(eps),
             x if x2 is None else x2, x.stride(0) if x2 is None else x2.stride(0),
-            g if norm_weight2 is None else norm_weight2, 0 if x2 is None else x2.shape[1])
-    kwargs = dict(HAS_G=has_g, PRESCALE=has_g and x.dtype == torch.float16, TWO_INPUTS=x2 is not None, IEEE=x.dtype == torch.float32,
+            g if norm_weight2 is None else norm_weight2, 0 if x2 is None else x2.shape[1],
+            q if row_sumsq is None else row_sumsq, 0 if row_sumsq is None else row_sumsq.stride(0),
+            1 if row_sumsq is None else row_sumsq.shape[0])
+    kwargs = dict(HAS_SS=row_sumsq is not None,
+                  NP=max(triton.next_power_of_2(1 if row_sumsq is None else row_sumsq.shape[0]), 2),
+                  HAS_G=has_g, PRESCALE=has_g and x.dtype == torch.float16, TWO_INPUTS=x2 is not None, IEEE=x.dtype == torch.float32,
                   INTERP=_interp(x), HALF=head_dim // 2, HB=hb, BLOCK_M=block_m, BLOCK_K=block_k,
                   num_warps=warps)
     launch_fitting(_qkv_rope_kernel, grid, args, kwargs, stages)

@@ -12,6 +12,10 @@ launches plus attention::
     matmul_residual(a, w_down, h)                                     # h += a @ w_down.T
 
 and the final norm + LM head is ``rms_norm_matmul(h, norm, lm_head, eps, out_dtype=float32)``.
+The fast form folds each norm weight into the GEMM weight that reads the norm once
+(:func:`fold_rms_norm_weight`, then ``norm_weight=None``) and has each residual GEMM hand
+the next norm its rows' sums of squares (``_, ss = matmul_residual(..., return_row_sumsq=True)``,
+then ``row_sumsq=ss``).
 
 Implementations (registry ops of the same names; each takes its reference's signature):
 
@@ -32,7 +36,9 @@ functions with float32 accumulation and fewer roundings:
   ``norm_weight * that`` to ``dt`` again before the GEMM; the bf16 / float32 kernels round
   ``x * norm_weight`` to ``dt`` once and apply the row scale to the float32 accumulator
   after the K loop (float16: the row scale first, then one rounding, so un-normalized
-  products cannot overflow float16).  Mathematically the same ``RMSNorm(x) @ W^T``.
+  products cannot overflow float16).  With the norm weight folded into ``W``
+  (``norm_weight=None``) ``x`` enters the dot unrounded and ``W * norm_weight`` was rounded
+  to ``dt`` once, at fold time.  Mathematically the same ``RMSNorm(x) @ W^T``.
 - Epilogues run in float32 with ONE rounding to the output dtype at the store: the RoPE
   rotation (with the float32 cos/sin of ``cos_sin_cache``; the reference rounds cos/sin and
   every product to ``dt``), ``silu(g) * u`` (the reference rounds ``g``, ``u``, ``silu(g)``
@@ -87,13 +93,16 @@ _TRITON_MODULE = "specattn.triton_kernels.fused_llama"
 # references: the model's unfused sequence, in the activation dtype
 # ------------------------------------------------------------------------------------------
 
-def llama_rms_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+def llama_rms_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                             row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Llama RMSNorm over the last dim: ``weight * (x.float() * rsqrt(mean(x.float()^2) +
     eps)).to(x.dtype)``, returned in ``x.dtype`` (HF ``LlamaRMSNorm``; the same operations
     as ``spec_runtime.model.rms_norm``); ``weight`` None: no weight (folded into the next
-    GEMM, :func:`fold_rms_norm_weight`)."""
+    GEMM, :func:`fold_rms_norm_weight`); ``row_sumsq`` ``[P, M]``: ``sum(x^2)`` per row as
+    partial sums (:func:`matmul_residual` ``return_row_sumsq``)."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    ms = xf.pow(2).mean(-1, keepdim=True) if row_sumsq is None else (row_sumsq.sum(0) / x.shape[-1])[:, None]
+    xf = xf * torch.rsqrt(ms + eps)
     return xf.to(x.dtype) if weight is None else weight * xf.to(x.dtype)
 
 
@@ -104,9 +113,11 @@ def fold_rms_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor,
     fold_rms_norm_weight(W, g)^T`` (exact in real arithmetic).  Pass the result with
     ``norm_weight=None`` to :func:`rms_norm_matmul`, :func:`rms_norm_swiglu` and
     :func:`qkv_rope_store`: their kernels then feed ``x`` to the tensor cores as loaded
-    instead of multiplying it by ``g`` in registers first (at verify sizes, ``M`` = 64-256
-    rows on an H200: gate/up 8.8-12.0 -> 7.2-7.4 us, QKV 7.5-9.1 -> 6.3 us, the LM head at
-    ``M = 256`` 89.8 -> 51.8 us).  Done once, where the weights are loaded.
+    instead of multiplying it by ``g`` in registers first.  With the rows' sums of squares
+    handed over as well (:func:`matmul_residual` ``return_row_sumsq``; H200, bf16, SmolLM2
+    shapes, ``M`` = 16 / 256 rows): gate/up 6.2 -> 5.3 / 12.1 -> 7.5 us, QKV 7.5 -> 5.7 /
+    9.0 -> 6.2, the LM head 19.5 -> 18.8 / 89.0 -> 49.6.  Done once, where the weights are
+    loaded.
 
     Args:
         weight: ``[N, K]`` float tensor (``torch.nn.Linear`` layout).
@@ -136,11 +147,11 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def rms_norm_matmul_reference(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
-                              eps: float, *, out_dtype: Optional[torch.dtype] = None
-                              ) -> torch.Tensor:
+                              eps: float, *, out_dtype: Optional[torch.dtype] = None,
+                              row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Reference of :func:`rms_norm_matmul`: ``(RMSNorm(x) @ weight.T).to(out_dtype)``, the
     GEMM in ``x.dtype`` (no validation)."""
-    y = llama_rms_norm_reference(x, norm_weight, eps) @ weight.T
+    y = llama_rms_norm_reference(x, norm_weight, eps, row_sumsq) @ weight.T
     return y if out_dtype is None else y.to(out_dtype)
 
 
@@ -149,13 +160,14 @@ def qkv_rope_store_reference(x: torch.Tensor, norm_weight: Optional[torch.Tensor
                              out_cache_loc: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                              head_dim: int, x2: Optional[torch.Tensor] = None,
-                             norm_weight2: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             norm_weight2: Optional[torch.Tensor] = None,
+                             row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Reference of :func:`qkv_rope_store` (no validation): the model's sequence in
     ``x.dtype``: norm (each input on its own, then concatenated, when ``x2`` is given), the
     Q / K / V projections (slices of ``w_qkv``), RoPE with cos/sin cast to ``x.dtype``, then
     ``k_cache[out_cache_loc] = k`` / ``v_cache[...] = v``."""
     T, H, Hkv, D = x.shape[0], num_heads, num_kv_heads, head_dim
-    n = llama_rms_norm_reference(x, norm_weight, eps)
+    n = llama_rms_norm_reference(x, norm_weight, eps, row_sumsq)
     if x2 is not None:
         n = torch.cat([n, llama_rms_norm_reference(x2, norm_weight2, eps)], dim=-1)
     q = (n @ w_qkv[:H * D].T).view(T, H, D)
@@ -172,19 +184,23 @@ def qkv_rope_store_reference(x: torch.Tensor, norm_weight: Optional[torch.Tensor
     return q
 
 
-def matmul_residual_reference(x: torch.Tensor, weight: torch.Tensor,
-                              residual: torch.Tensor) -> torch.Tensor:
+def matmul_residual_reference(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
+                              return_row_sumsq: bool = False):
     """Reference of :func:`matmul_residual`: ``residual += x @ weight.T`` (in ``x.dtype``, in
-    place); returns ``residual`` (no validation)."""
+    place); returns ``residual``, with ``return_row_sumsq`` also ``[1, M]`` float32
+    ``sum(residual^2)`` per row (no validation)."""
     residual += x @ weight.T
+    if return_row_sumsq:
+        return residual, residual.float().pow(2).sum(-1)[None, :]
     return residual
 
 
 def rms_norm_swiglu_reference(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gate: torch.Tensor,
-                              w_up: torch.Tensor, eps: float) -> torch.Tensor:
+                              w_up: torch.Tensor, eps: float, *,
+                              row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Reference of :func:`rms_norm_swiglu`: ``silu(n @ w_gate.T) * (n @ w_up.T)`` with
     ``n = RMSNorm(x)``, in ``x.dtype`` (no validation)."""
-    n = llama_rms_norm_reference(x, norm_weight, eps)
+    n = llama_rms_norm_reference(x, norm_weight, eps, row_sumsq)
     return F.silu(n @ w_gate.T) * (n @ w_up.T)
 
 
@@ -235,6 +251,17 @@ def _check_norm_weight(norm_weight, x: torch.Tensor) -> Optional[torch.Tensor]:
     return norm_weight if norm_weight.stride(0) == 1 else norm_weight.contiguous()
 
 
+def _check_row_sumsq(row_sumsq, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """``[P >= 1, M]`` float32 on ``x``'s device, unit stride along ``M`` (or None)."""
+    if row_sumsq is None:
+        return None
+    check_tensor("row_sumsq", row_sumsq, dim=2, dtypes=(torch.float32,), device=x.device,
+                 shape=(None, x.shape[0]))
+    if row_sumsq.shape[0] < 1:
+        raise ValueError(f"row_sumsq must be [P >= 1, M], got {list(row_sumsq.shape)}")
+    return row_sumsq if row_sumsq.stride(1) == 1 or x.shape[0] <= 1 else row_sumsq.contiguous()
+
+
 def _span(t: torch.Tensor):
     if t.numel() == 0:
         return None
@@ -266,7 +293,7 @@ def _run(name: str, impl: str, dev: torch.device):
 
 def rms_norm_matmul(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
                     eps: float, *, out_dtype: Optional[torch.dtype] = None,
-                    impl: str = "auto") -> torch.Tensor:
+                    row_sumsq: Optional[torch.Tensor] = None, impl: str = "auto") -> torch.Tensor:
     """``RMSNorm(x, norm_weight) @ weight.T`` in one launch (final norm + LM head).
 
     ``RMSNorm(x, g) = g * (x.float() * rsqrt(mean(x.float()^2, -1) + eps)).to(x.dtype)``
@@ -281,6 +308,8 @@ def rms_norm_matmul(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight
         eps: RMSNorm epsilon, a finite float > 0.
         out_dtype: dtype of the result, one of the three float dtypes (default ``x.dtype``;
             the LM head asks ``torch.float32`` logits).
+        row_sumsq: optional ``[P, M]`` float32 partial sums of ``x^2`` per row (see
+            :func:`rms_norm_swiglu`).
         impl: ``"auto"`` | ``"triton"`` | ``"reference"`` (see the module docstring).
     Returns:
         ``[M, N]`` in ``out_dtype``, a new tensor.
@@ -296,14 +325,20 @@ def rms_norm_matmul(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be None or one of {[str(d) for d in FLOAT_DTYPES]}, "
                          f"got {out_dtype!r}")
+    row_sumsq = _check_row_sumsq(row_sumsq, x)
     return _run("rms_norm_matmul", impl, x.device)(x, norm_weight, weight, eps,
-                                                    out_dtype=out_dtype)
+                                                    out_dtype=out_dtype, row_sumsq=row_sumsq)
 
 
 def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
-                    impl: str = "auto") -> torch.Tensor:
+                    return_row_sumsq: bool = False, impl: str = "auto"):
     """``residual += x @ weight.T`` in place, in one launch (o_proj / down_proj with the
-    residual add).
+    residual add).  With ``return_row_sumsq`` the same launch also returns each updated
+    row's sum of squares (of the values as stored), as ``P`` float32 partial sums
+    ``[P, M]`` (one per column tile of the kernel; ``P = 1`` for the reference), for the
+    RMSNorm that reads this residual next (``row_sumsq=`` of :func:`qkv_rope_store`,
+    :func:`rms_norm_swiglu`, :func:`rms_norm_matmul`): the residual-add-then-norm fusion of
+    serving engines, split across the two GEMMs so the consumer's loop stays a pure GEMM.
 
     Args:
         x: ``[M, K]`` float32 / bfloat16 / float16 (a last dim that is not contiguous is
@@ -311,9 +346,10 @@ def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
         weight: ``[N, K]``, ``x.dtype``, contiguous last dim.
         residual: ``[M, N]``, ``x.dtype``, contiguous last dim, rows not overlapping each
             other, disjoint from ``x`` and ``weight``; updated in place.
+        return_row_sumsq: also return the partial sums of squares.
         impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
     Returns:
-        ``residual``.
+        ``residual``, or ``(residual, row_sumsq [P, M] float32)``.
     Raises:
         TypeError: a non-tensor argument.  ValueError: wrong ranks, shapes, dtypes or devices,
         ``K == 0``, a weight or residual without a contiguous last dim, a residual whose rows
@@ -329,11 +365,13 @@ def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
                          f"got strides {list(residual.stride())}")
     _check_disjoint("residual", residual, "x", x)
     _check_disjoint("residual", residual, "weight", weight)
-    return _run("matmul_residual", impl, x.device)(x, weight, residual)
+    return _run("matmul_residual", impl, x.device)(x, weight, residual,
+                                                    return_row_sumsq=bool(return_row_sumsq))
 
 
 def rms_norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gate: torch.Tensor,
-                    w_up: torch.Tensor, eps: float, *, impl: str = "auto") -> torch.Tensor:
+                    w_up: torch.Tensor, eps: float, *, row_sumsq: Optional[torch.Tensor] = None,
+                    impl: str = "auto") -> torch.Tensor:
     """``silu(n @ w_gate.T) * (n @ w_up.T)`` with ``n = RMSNorm(x, norm_weight)``, in one
     launch (post-attention norm + the MLP's gate and up projections).
 
@@ -343,6 +381,11 @@ def rms_norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gate
             (:func:`fold_rms_norm_weight`: faster).
         w_gate, w_up: ``[I, K]`` each, ``x.dtype``, contiguous last dims.
         eps: RMSNorm epsilon, a finite float > 0.
+        row_sumsq: optional ``[P, M]`` float32: ``sum(x^2)`` of each row as ``P`` partial sums,
+            as :func:`matmul_residual` returns them for the ``x`` it just updated
+            (``return_row_sumsq=True``); the norm then reads them instead of summing ``x``
+            itself, so the kernel's loop over ``x`` is a pure GEMM.  Not checked against
+            ``x``: sums of another tensor give a wrong norm.
         impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
     Returns:
         ``[M, I]`` in ``x.dtype``, a new tensor.
@@ -356,7 +399,8 @@ def rms_norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gate
     _check_weight("w_gate", w_gate, x)
     _check_weight("w_up", w_up, x, rows=w_gate.shape[0])
     eps = _check_eps(eps)
-    return _run("rms_norm_swiglu", impl, x.device)(x, norm_weight, w_gate, w_up, eps)
+    row_sumsq = _check_row_sumsq(row_sumsq, x)
+    return _run("rms_norm_swiglu", impl, x.device)(x, norm_weight, w_gate, w_up, eps, row_sumsq=row_sumsq)
 
 
 def _qkv_impl(impl: str, device: torch.device, head_dim: int) -> str:
@@ -375,7 +419,8 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
                    out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, head_dim: int, *,
                    x2: Optional[torch.Tensor] = None, norm_weight2: Optional[torch.Tensor] = None,
-                   check_values: bool = True, impl: str = "auto") -> torch.Tensor:
+                   row_sumsq: Optional[torch.Tensor] = None, check_values: bool = True,
+                   impl: str = "auto") -> torch.Tensor:
     """Input RMSNorm + fused QKV projection + neox RoPE on Q and K + K/V cache store, in one
     launch.  Returns Q.
 
@@ -411,6 +456,8 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
         x2, norm_weight2: optional second input ``[M, K2]`` (``x.dtype``) and its RMSNorm
             weight ``[K2]``: given with ``x2`` exactly when ``norm_weight`` is given (both
             norms folded into ``w_qkv``, or neither).
+        row_sumsq: optional ``[P, M]`` float32 partial sums of ``x^2`` per row (of ``x``,
+            not ``x2``; see :func:`rms_norm_swiglu`).
         check_values: run the value checks under Raises (default; one host sync each);
             ``False`` skips them so the call never syncs (a runtime's hot path, whose slots and
             positions come from its own allocator).  The Triton kernel then skips the cache
@@ -475,6 +522,7 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
         if not c.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     _check_disjoint("k_cache", k_cache, "v_cache", v_cache)
+    row_sumsq = _check_row_sumsq(row_sumsq, x)
     impl = _qkv_impl(impl, dev, D)
     fn = _run("qkv_rope_store", impl, dev)
     if impl == "triton":
@@ -487,8 +535,5 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
         check_index_range("positions", positions, max_pos)
         if not capturing() and torch.unique(out_cache_loc).numel() != M:
             raise ValueError("out_cache_loc repeats a slot; the cache write would be ambiguous")
-    if x2 is None:
-        return fn(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
-                  v_cache, H, Hkv, D)
     return fn(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
-              v_cache, H, Hkv, D, x2, norm_weight2)
+              v_cache, H, Hkv, D, x2, norm_weight2, row_sumsq=row_sumsq)
