@@ -245,6 +245,25 @@ def _inv_rms_from_parts(ss_ptr, ld_ss, n_parts, rows, rmask, K, eps, NP: tl.cons
 
 
 @triton.jit
+def _norm_operand(x, g_ptr, kk, km, inv, ss, HAS_G: tl.constexpr, SCALE_FIRST: tl.constexpr,
+                  HAS_SS: tl.constexpr, INTERP: tl.constexpr):
+    """The dot's A operand from the ``x`` tile and the running row sums of squares: ``x``
+    as loaded (norm weight folded into W), or ``x * norm_weight`` rounded to ``x``'s dtype
+    (scaled by ``inv`` first with ``SCALE_FIRST``; else ``x^2`` summed here unless the sums
+    were handed over)."""
+    a = x
+    if HAS_G:
+        xf = x.to(tl.float32)
+        if SCALE_FIRST:
+            xf = xf * inv[:, None]
+        elif not HAS_SS:
+            ss += tl.sum(xf * xf, axis=1)
+        g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        a = _cast(xf * g[None, :], x.dtype, INTERP)
+    return a, ss
+
+
+@triton.jit
 def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N, K, eps,
                  ss_ptr, ld_ss, n_parts,
                  HAS_NORM: tl.constexpr, HAS_G: tl.constexpr, PRESCALE: tl.constexpr,
@@ -278,15 +297,7 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < K
         x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        a = x  # the norm weight folded into W (or no norm): x feeds the dot as loaded
-        if HAS_NORM and HAS_G:
-            xf = x.to(tl.float32)
-            if PRESCALE:
-                xf = xf * inv[:, None]
-            elif not HAS_SS:
-                ss += tl.sum(xf * xf, axis=1)
-            g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            a = _cast(xf * g[None, :], x.dtype, INTERP)
+        a, ss = _norm_operand(x, g_ptr, kk, km, inv, ss, HAS_NORM and HAS_G, PRESCALE, HAS_SS, INTERP)
         wm = km[:, None] & cmask[None, :]
         w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)
         acc = _dot(a, w, acc, IEEE, INTERP)
@@ -398,15 +409,7 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < K
         x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        a = x  # folded norm weight: x feeds the dot as loaded
-        if HAS_G:
-            xf = x.to(tl.float32)
-            if SCALE_FIRST:
-                xf = xf * inv[:, None]
-            elif not HAS_SS:
-                ss += tl.sum(xf * xf, axis=1)
-            g = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            a = _cast(xf * g[None, :], x.dtype, INTERP)
+        a, ss = _norm_operand(x, g_ptr, kk, km, inv, ss, HAS_G, SCALE_FIRST, HAS_SS, INTERP)
         wl = tl.load(w_lo + kk[:, None], mask=km[:, None], other=0.0)
         wh = tl.load(w_hi + kk[:, None], mask=km[:, None], other=0.0)
         acc_lo = _dot(a, wl, acc_lo, IEEE, INTERP)
