@@ -30,8 +30,9 @@ below); the normalized activations never exist in memory.
   the same pure loop.
 - With a norm weight: while each ``x`` tile is loaded its ``sum(x^2)`` accumulates and the
   tile is multiplied by ``norm_weight`` in float32 and rounded to the activation dtype for
-  the dot (gate/up and QKV 1.7-4.6 us slower per launch at ``M`` = 64-256); float16 computes the row scale first (``PRESCALE``) and applies it before the rounding,
-  since ``x * norm_weight`` un-normalized can overflow float16's range.
+  the dot (gate/up and QKV 1.7-4.6 us slower per launch at ``M`` = 64-256); float16
+  computes the row scale first (``PRESCALE``) and applies it before the rounding, since
+  ``x * norm_weight`` un-normalized can overflow float16's range.
 
 A folded loop must not read its ``x`` tile for anything but the dot: summing ``x^2`` from
 the same tile inside the loop ran faster still but gave wrong results with 64-row,
