@@ -292,6 +292,8 @@ def test_fold_rms_norm_weight(seed):
         fold_rms_norm_weight(w[0], g)
     with pytest.raises(TypeError):
         fold_rms_norm_weight(w, [1.0] * 10)
+    with pytest.raises(TypeError, match="columns"):
+        fold_rms_norm_weight(w, g[:4], (6, 10))
 
 
 def qkv_inputs(M, K, H, Hkv, D, dt, cache_dt, idx_dt=torch.int64, num_slots=None, max_pos=50):

@@ -245,6 +245,21 @@ def _inv_rms_from_parts(ss_ptr, ld_ss, n_parts, rows, rmask, K, eps, NP: tl.cons
 
 
 @triton.jit
+def _row_scale(x_rows, ss_ptr, ld_ss, n_parts, rows, rmask, K, eps, HAS_SS: tl.constexpr,
+               PREPASS: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """The row scale known before the K loop: from the handed-over partial sums
+    (``HAS_SS``), else from a pre-pass over the rows (``PREPASS``), else 1 (summed in the
+    loop)."""
+    inv = tl.full([BLOCK_M], 1.0, tl.float32)
+    if HAS_SS:  # the producer's partial sums of squares: one load
+        inv = _inv_rms_from_parts(ss_ptr, ld_ss, n_parts, rows, rmask, K, eps, NP)
+    elif PREPASS:
+        inv = _inv_rms(x_rows, rmask, K, eps, BLOCK_M, BLOCK_K)
+    return inv
+
+
+@triton.jit
 def _norm_operand(x, g_ptr, kk, km, inv, ss, HAS_G: tl.constexpr, SCALE_FIRST: tl.constexpr,
                   HAS_SS: tl.constexpr, INTERP: tl.constexpr):
     """The dot's A operand from the ``x`` tile and the running row sums of squares: ``x``
@@ -284,12 +299,11 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
     optrs = out_ptr + rows.to(tl.int64)[:, None] * ldo + cols[None, :]
     if EPILOGUE == 1:  # the residual tile, loaded before the K loop so its latency hides there
         res = tl.load(optrs, mask=omask, other=0.0).to(tl.float32)
-    inv = tl.full([BLOCK_M], 1.0, tl.float32)
-    if HAS_NORM:
-        if HAS_SS:  # the producer's partial sums of squares: one load
-            inv = _inv_rms_from_parts(ss_ptr, ld_ss, n_parts, rows, rmask, K, eps, NP)
-        elif PRESCALE or not HAS_G:  # the row scale from a pre-pass over the rows
-            inv = _inv_rms(x_rows, rmask, K, eps, BLOCK_M, BLOCK_K)
+    NORM_SS: tl.constexpr = HAS_NORM and HAS_SS
+    NORM_PREPASS: tl.constexpr = HAS_NORM and (PRESCALE or not HAS_G)
+    NORM_G: tl.constexpr = HAS_NORM and HAS_G
+    inv = _row_scale(x_rows, ss_ptr, ld_ss, n_parts, rows, rmask, K, eps, NORM_SS, NORM_PREPASS, NP,
+                     BLOCK_M, BLOCK_K)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -297,7 +311,7 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < K
         x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        a, ss = _norm_operand(x, g_ptr, kk, km, inv, ss, HAS_NORM and HAS_G, PRESCALE, HAS_SS, INTERP)
+        a, ss = _norm_operand(x, g_ptr, kk, km, inv, ss, NORM_G, PRESCALE, HAS_SS, INTERP)
         wm = km[:, None] & cmask[None, :]
         w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)
         acc = _dot(a, w, acc, IEEE, INTERP)
@@ -397,11 +411,9 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
     # nothing else in the loop: a pure dot loop, both the fastest and the one the compiler
     # pipelines safely)
     SCALE_FIRST: tl.constexpr = PRESCALE or (TWO_INPUTS and HAS_G)
-    inv = tl.full([BLOCK_M], 1.0, tl.float32)
-    if HAS_SS:  # the producer's partial sums of squares: one load
-        inv = _inv_rms_from_parts(ss_ptr, ld_ss, n_parts, rows, rmask, K, eps, NP)
-    elif SCALE_FIRST or not HAS_G:  # the row scale from a pre-pass over the rows
-        inv = _inv_rms(x_rows, rmask, K, eps, BLOCK_M, BLOCK_K)
+    PREPASS: tl.constexpr = SCALE_FIRST or not HAS_G
+    inv = _row_scale(x_rows, ss_ptr, ld_ss, n_parts, rows, rmask, K, eps, HAS_SS, PREPASS, NP,
+                     BLOCK_M, BLOCK_K)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_lo = tl.zeros([BLOCK_M, HB], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, HB], dtype=tl.float32)

@@ -128,9 +128,12 @@ def fold_rms_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor,
         a new contiguous ``[N, K]`` tensor in ``weight``'s dtype (the product taken in
         float32, rounded once); the columns outside ``columns`` are copied unchanged.
     Raises:
-        TypeError: non-tensors.  ValueError: mismatched shapes or devices, non-float dtypes.
+        TypeError: non-tensors, a ``columns`` that is not a slice.  ValueError: mismatched
+        shapes or devices, non-float dtypes.
     """
     check_tensor("weight", weight, dim=2, dtypes=FLOAT_DTYPES)
+    if columns is not None and not isinstance(columns, slice):
+        raise TypeError(f"columns must be a slice of the K columns, got {type(columns).__name__}")
     cols = columns if columns is not None else slice(0, weight.shape[1])
     width = len(range(*cols.indices(weight.shape[1])))
     check_tensor("norm_weight", norm_weight, dtypes=FLOAT_DTYPES, device=weight.device, shape=(width,))
@@ -315,7 +318,8 @@ def rms_norm_matmul(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight
         ``[M, N]`` in ``out_dtype``, a new tensor.
     Raises:
         TypeError: a non-tensor argument.  ValueError: wrong ranks, shapes, dtypes or devices,
-        ``K == 0``, a weight without a contiguous last dim, bad ``eps`` / ``out_dtype``.
+        ``K == 0``, a weight without a contiguous last dim, bad ``eps`` / ``out_dtype``, a
+        ``row_sumsq`` not float32 ``[P >= 1, M]`` on ``x``'s device.
         RuntimeError: a forced ``impl`` unavailable here.
     """
     x = _check_x(x)
@@ -392,7 +396,8 @@ def rms_norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gate
     Raises:
         TypeError: a non-tensor argument.  ValueError: wrong ranks, shapes, dtypes or devices,
         ``K == 0``, gate and up shapes that differ, a weight without a contiguous last dim,
-        bad ``eps``.  RuntimeError: a forced ``impl`` unavailable here.
+        bad ``eps``, a ``row_sumsq`` not float32 ``[P >= 1, M]`` on ``x``'s device.
+        RuntimeError: a forced ``impl`` unavailable here.
     """
     x = _check_x(x)
     norm_weight = _check_norm_weight(norm_weight, x)
@@ -471,8 +476,9 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
         TypeError: a non-tensor argument.  ValueError: wrong ranks, shapes, dtypes or devices,
         ``K == 0``, bad head counts / ``head_dim`` / ``eps``, a ``w_qkv`` without a contiguous
         last dim, caches not contiguous or overlapping, a ``cos_sin_cache`` not
-        ``[>= 1, D]``, repeated slots in ``out_cache_loc``; ``impl="triton"`` with a head dim
-        it does not take.
+        ``[>= 1, D]``, repeated slots in ``out_cache_loc``, a ``row_sumsq`` not float32
+        ``[P >= 1, M]``, ``x2`` and the norm weights not given together;
+        ``impl="triton"`` with a head dim it does not take.
         IndexError: a slot outside ``[0, num_slots)`` or a position outside ``[0, max_pos)``.
         RuntimeError: a forced ``impl`` unavailable here.
         The value checks (IndexError, repeated slots) cost host syncs and are skipped with
