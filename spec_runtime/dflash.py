@@ -889,8 +889,9 @@ class DFlashStrategy(Strategy):
         out_cache_loc = eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
-        t = eng.forward("target", draft_tokens.flatten(), batch, capture_layers=self.target_capture_layers)
-        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t.logits, num_steps, out_cache_loc,
+        t = eng.forward("target", draft_tokens.flatten(), batch, capture_layers=self.target_capture_layers,
+                        top_k=eng.greedy_top_k)
+        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t, num_steps, out_cache_loc,
                                            hidden_states=t.features)
         # context KV of root + accepted drafts, compacted to rows 0 .. a (positions P .. P+a);
         # the other rows land past the new prefix and are rewritten before any read

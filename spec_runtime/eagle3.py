@@ -448,8 +448,15 @@ class Eagle3Drafter(TargetSharingDrafter):
         elsewhere; inference only, no autograd: training reads :meth:`head_hidden`)."""
         return self._logits(prenorm)
 
-    def _logits(self, prenorm: torch.Tensor, row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _logits(self, prenorm: torch.Tensor, row_sumsq: Optional[torch.Tensor] = None,
+                top_k: Optional[int] = None):
+        """float32 logits, or with ``top_k`` (the folded head only) the top-``k`` ``(values,
+        token ids)`` of :func:`specattn.ops.rms_norm_matmul_topk` (a draft vocabulary's
+        columns mapped to token ids in its merge)."""
         if self._head_folded is not None and not self.w["norm.weight"].requires_grad:
+            if top_k is not None and top_k <= min(ops.TOPK_MAX_K, self._head_folded.shape[0]):
+                return ops.rms_norm_matmul_topk(prenorm, None, self._head_folded, self.config.rms_norm_eps,
+                                                top_k, row_sumsq=row_sumsq, column_ids=self.draft_vocab)
             return ops.rms_norm_matmul(prenorm, None, self._head_folded, self.config.rms_norm_eps,
                                        out_dtype=torch.float32, row_sumsq=row_sumsq)
         head = self.lm_head if self._draft_head is None else self._draft_head
@@ -497,8 +504,8 @@ class Eagle3Drafter(TargetSharingDrafter):
 
     # ------------------------------------------------------------------ inference
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
-                hidden_in: torch.Tensor, logit_rows: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+                hidden_in: torch.Tensor, logit_rows: Optional[torch.Tensor] = None,
+                top_k: Optional[int] = None):
         """One drafter forward through the attention backend (any mode; CUDA-graph safe: no
         host syncs, shapes fixed by the inputs).
 
@@ -513,9 +520,14 @@ class Eagle3Drafter(TargetSharingDrafter):
             hidden_in: ``[T, 3H]`` target features (aux layers concatenated) or ``[T, H]``
                 the drafter's previous prenorm output.
             logit_rows: int64 ``[R]``: run the final norm + LM head on those rows only.
+            top_k: on the fused path (CUDA, inference), return the ``top_k`` (1-16) best
+                log-probabilities per row and their token ids in place of the logits
+                (:func:`specattn.ops.rms_norm_matmul_topk`).
 
         Returns:
-            ``(prenorm [T, H] in the drafter's dtype, logits [T or R, V] float32)``.
+            ``(prenorm [T, H] in the drafter's dtype, logits [T or R, V] float32)`` (``V``:
+            the draft vocabulary's size when one is set), or with ``top_k`` on the fused path
+            ``(prenorm, (values float32 [T or R, top_k], token ids int64 [T or R, top_k]))``.
 
         Raises:
             ValueError: ``hidden_in`` of the wrong shape.
@@ -552,8 +564,8 @@ class Eagle3Drafter(TargetSharingDrafter):
             act = ops.rms_norm_swiglu(res, None, *self._w_gate_up, c.rms_norm_eps, row_sumsq=ss)
             _, ss = ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], res, return_row_sumsq=True)
             if logit_rows is None:
-                return res, self._logits(res, ss)
-            return res, self._logits(res[logit_rows])
+                return res, self._logits(res, ss, top_k)
+            return res, self._logits(res[logit_rows], None, top_k)
         ops.matmul_residual(o.reshape(T, -1), w[p + "self_attn.o_proj.weight"], res)
         act = ops.rms_norm_swiglu(res, w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_proj.weight"],
                                   w[p + "mlp.up_proj.weight"], c.rms_norm_eps)

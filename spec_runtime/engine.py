@@ -112,11 +112,22 @@ class ForwardOut:
     """What :meth:`Engine.forward` returns: float32 ``logits [T, V]``; ``hidden [T, H]`` (the
     drafter's pre-norm state for its next step, EAGLE-3; the final normed hidden for plain
     models, None from a per-mode graph); ``features [T, n * H]``: the residual stream after
-    each requested layer, concatenated (None when none were asked)."""
+    each requested layer, concatenated (None when none were asked); ``top``: ``(values
+    float32 [T, k], token ids int64 [T, k])``, the ``k`` best log-probabilities per row, when
+    the forward was asked ``top_k=k`` and the model's LM head computed them without the
+    logits (``logits`` is None then; a drafter's draft-vocabulary columns are already token
+    ids here)."""
 
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]
     hidden: Optional[torch.Tensor] = None
     features: Optional[torch.Tensor] = None
+    top: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    def greedy_tokens(self) -> torch.Tensor:
+        """int64 ``[T]``: each row's argmax (the lowest token id among ties)."""
+        if self.top is not None and self.top[0].shape[1] == 1:
+            return self.top[1][:, 0]
+        return greedy_tokens(self.logits)
 
 
 @dataclass
@@ -515,13 +526,15 @@ class Engine:
 
     def forward(self, role: str, input_ids: torch.Tensor, batch: ForwardBatch,
                 hidden_in: Optional[torch.Tensor] = None, capture_layers: Sequence[int] = (),
-                logit_rows: Optional[torch.Tensor] = None) -> ForwardOut:
+                logit_rows: Optional[torch.Tensor] = None, top_k: Optional[int] = None) -> ForwardOut:
         """One forward of ``role``'s model over ``batch`` (metadata built here: eagerly, by
         the graph builders inside a whole-round capture, or by a per-mode graph's replay).
         ``hidden_in [T, *]`` feeds an EAGLE-3 drafter; ``capture_layers`` asks the model for
         the residual stream after those layers (``ForwardOut.features``); ``logit_rows``
         (int64 ``[R]``): return the logits of those token rows only (``[R, V]``; an EAGLE-3
-        drafter then runs its LM head on those rows alone)."""
+        drafter then runs its LM head on those rows alone); ``top_k``: the caller reads only
+        the ``top_k`` best log-probabilities per row, so a fused LM head may return those
+        (``ForwardOut.top``) instead of the logits."""
         model, backend = self.model_of(role), self.backend_of(role)
         plain = hidden_in is None and not capture_layers
         runner = self.runners.get((id(model), batch.forward_mode)) if plain else None
@@ -533,19 +546,23 @@ class Engine:
             else:
                 backend.init_forward_metadata(batch)
             if hidden_in is not None:  # an EAGLE-3 drafter: its LM head runs on logit_rows only
-                hidden, logits = model.forward(input_ids, batch, backend, hidden_in, logit_rows=logit_rows)
-                return ForwardOut(logits, hidden)
-            return self._forward_plain(model, backend, input_ids, batch, capture_layers, logit_rows)
+                hidden, logits = model.forward(input_ids, batch, backend, hidden_in, logit_rows=logit_rows,
+                                               top_k=top_k)
+                return ForwardOut(None, hidden, top=logits) if isinstance(logits, tuple) else ForwardOut(logits, hidden)
+            return self._forward_plain(model, backend, input_ids, batch, capture_layers, logit_rows, top_k)
         if logit_rows is not None:
             out.logits = out.logits[logit_rows]
         return out
 
     @staticmethod
-    def _forward_plain(model, backend, input_ids, batch, capture_layers, logit_rows) -> ForwardOut:
+    def _forward_plain(model, backend, input_ids, batch, capture_layers, logit_rows, top_k) -> ForwardOut:
         if hasattr(model, "forward_logits"):
             logits, caps = model.forward_logits(input_ids, batch, backend, capture_layers=capture_layers,
-                                                logit_rows=logit_rows)
-            return ForwardOut(logits, None, torch.cat(caps, -1) if caps else None)
+                                                logit_rows=logit_rows, top_k=top_k)
+            feats = torch.cat(caps, -1) if caps else None
+            if isinstance(logits, tuple):
+                return ForwardOut(None, None, feats, top=logits)
+            return ForwardOut(logits, None, feats)
         hidden, caps = model.forward(input_ids, batch, backend, capture_layers=capture_layers)
         logits = model.logits(hidden if logit_rows is None else hidden[logit_rows])
         return ForwardOut(logits, hidden, torch.cat(caps, -1) if caps else None)
@@ -555,19 +572,33 @@ class Engine:
         sampling parameters (greedy: argmax); graph-safe."""
         return sample(logits, self.params, self.generator)
 
-    def verify_and_compact(self, draft_tokens: torch.Tensor, tree: ops.TreeInfo, logits: torch.Tensor,
+    @property
+    def greedy_top_k(self) -> Optional[int]:
+        """``top_k`` for a forward whose output only picks tokens (:meth:`next_tokens`,
+        :meth:`verify_and_compact`): 1 when greedy (the LM head then returns the argmax
+        without the logits), else None (sampling reads the logits)."""
+        return 1 if self.params.greedy else None
+
+    def next_tokens(self, out: ForwardOut) -> torch.Tensor:
+        """int64 ``[N]`` tokens from a forward's output under the current sampling parameters
+        (greedy: the argmax, from ``out.top`` when the forward had ``top_k=greedy_top_k``)."""
+        return out.greedy_tokens() if self.params.greedy else self.sample(out.logits)
+
+    def verify_and_compact(self, draft_tokens: torch.Tensor, tree: ops.TreeInfo, target: ForwardOut,
                            num_steps: int, out_cache_loc: torch.Tensor,
                            hidden_states: Optional[torch.Tensor] = None):
         """Greedy or lossless stochastic tree verify of ``draft_tokens [bs, n]`` against the
-        target's ``logits [bs*n, V]``, then accepted-path compaction (tokens and, when given,
-        ``hidden_states [bs*n, *]``) and one KV move for all target layers.  Returns
-        ``(CompactedPath, accept_length int64 [bs])``; device work only."""
+        target's forward over them (``target``: float32 ``logits [bs*n, V]``, or when greedy
+        the argmax of a forward asked ``top_k=greedy_top_k``), then accepted-path
+        compaction (tokens and, when given, ``hidden_states [bs*n, *]``) and one KV move for
+        all target layers.  Returns ``(CompactedPath, accept_length int64 [bs])``; device
+        work only."""
         bs, n = draft_tokens.shape
         args = (draft_tokens, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
         if self.params.greedy:
-            res = ops.verify_tree_greedy(*args, greedy_tokens(logits).view(bs, n), num_steps)
+            res = ops.verify_tree_greedy(*args, target.greedy_tokens().view(bs, n), num_steps)
         else:
-            probs = logits_to_probs(logits, self.params).view(bs, n, -1)
+            probs = logits_to_probs(target.logits, self.params).view(bs, n, -1)
             res = ops.tree_speculative_sampling(*args, probs, num_steps, generator=self.generator)
         cp = ops.compact_accepted_path(res.accept_index, res.accept_length, out_cache_loc, n,
                                        predicts=res.predicts, hidden_states=hidden_states)
@@ -661,8 +692,8 @@ class Engine:
         """Device work of a prefill (:class:`~specattn.spec_runtime.strategies.PrefillBatch`
         for the arguments); returns the roots, int64 ``[bs]``."""
         out = self.forward("target", ids, batch, capture_layers=self.strategy.target_capture_layers,
-                           logit_rows=last)
-        roots = self.sample(out.logits)
+                           logit_rows=last, top_k=self.greedy_top_k)
+        roots = self.next_tokens(out)
         self.prefix_lens[rows] = batch.extend_lens.long()
         self.roots[rows] = roots
         self.strategy.prefill(self, PrefillBatch(rows, ids, batch, out, last, token_rows, lens))

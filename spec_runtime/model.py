@@ -170,13 +170,16 @@ class LlamaModel:
         return rms_norm(h, w["model.norm.weight"], c.rms_norm_eps), captured
 
     def forward_logits(self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
-                       capture_layers: Sequence[int] = (), logit_rows: Optional[torch.Tensor] = None
-                       ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                       capture_layers: Sequence[int] = (), logit_rows: Optional[torch.Tensor] = None,
+                       top_k: Optional[int] = None):
         """float32 logits ``[T, vocab]`` of ``input_ids [T]`` (``[R, vocab]`` of the token rows
         ``logit_rows``, int64 ``[R]``, when given: the final norm and LM head run on those
         rows only) and the residual stream after each layer in ``capture_layers`` (as
         :meth:`forward`), by the fused ops when ``self.fused`` (module docstring), else
-        ``logits(forward(...))``.  Writes the KV at ``batch.out_cache_loc`` of
+        ``logits(forward(...))``.  With ``top_k`` (1-16) on the fused path, the first item
+        is instead ``(values float32 [R, top_k], indices int64 [R, top_k])``, the best
+        log-probabilities per row from :func:`specattn.ops.rms_norm_matmul_topk` (the
+        logits are never written).  Writes the KV at ``batch.out_cache_loc`` of
         ``backend.kv_pool``; no host sync."""
         if not self.fused:
             hidden, captured = self.forward(input_ids, batch, backend, capture_layers)
@@ -203,6 +206,8 @@ class LlamaModel:
                 captured.append(h.clone())
         if logit_rows is not None:
             h, ss = h[logit_rows], None
+        if top_k is not None and top_k <= ops.TOPK_MAX_K:
+            return ops.rms_norm_matmul_topk(h, None, w["lm_head.folded_weight"], eps, top_k, row_sumsq=ss), captured
         logits = ops.rms_norm_matmul(h, None, w["lm_head.folded_weight"], eps, out_dtype=torch.float32,
                                      row_sumsq=ss)
         return logits, captured

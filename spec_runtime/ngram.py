@@ -121,8 +121,8 @@ class NgramStrategy(Strategy):
         out_cache_loc = eng.req_pool.req_to_token[rows[:, None], P[:, None] + j].long().flatten()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
-        t = eng.forward("target", draft_tokens.flatten(), batch)
-        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t.logits, S, out_cache_loc)
+        t = eng.forward("target", draft_tokens.flatten(), batch, top_k=eng.greedy_top_k)
+        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t, S, out_cache_loc)
         path = cp.predicts.view(bs, D).long()
         # every emitted token joins the history (positions past the new root are rewritten later)
         self.history[rows[:, None], P[:, None] + 1 + j] = path

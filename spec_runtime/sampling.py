@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -56,6 +56,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     if logits.shape[0] > FUSED_ARGMAX_MAX_ROWS:
         return logits.argmax(-1)
     return ops.topk_log_probs(logits, 1)[1][:, 0]
+
+
+def top_log_probs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest log-probabilities of ``logits [N, V]`` and their tokens (float32
+    ``[N, k]``, int64 ``[N, k]``; ties: lower token id first), by
+    :func:`specattn.ops.topk_log_probs` (one pass over the logits on a GPU, no ``[N, V]``
+    log-softmax; beyond its ``k <= 16``, ``torch.topk`` and ``logsumexp``)."""
+    if k <= min(logits.shape[-1], ops.TOPK_MAX_K):
+        return ops.topk_log_probs(logits, k)
+    x = logits.float()
+    top = x.topk(k, dim=-1)
+    return top.values - torch.logsumexp(x, -1, keepdim=True), top.indices
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: Optional[torch.Generator] = None

@@ -30,6 +30,8 @@ import torch
 from specattn import ops
 from specattn.backends import ForwardBatch, ForwardMode
 
+from .sampling import top_log_probs
+
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, ForwardOut, RoundBatch
 
@@ -94,18 +96,6 @@ class SpecConfig:
                                  f"2 <= num_draft_tokens <= {n_cand + 1}, got {self.num_draft_tokens}")
         if self.algo == "dflash" and self.block_size < 2:
             raise ValueError(f"dflash needs block_size >= 2, got {self.block_size}")
-
-
-def top_log_probs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest log-probabilities of ``logits [N, V]`` and their tokens (float32
-    ``[N, k]``, int64 ``[N, k]``; ties: lower token id first), by
-    :func:`specattn.ops.topk_log_probs` (one pass over the logits on a GPU, no ``[N, V]``
-    log-softmax; beyond its ``k <= 16``, ``torch.topk`` and ``logsumexp``)."""
-    if k <= min(logits.shape[-1], ops.TOPK_MAX_K):
-        return ops.topk_log_probs(logits, k)
-    x = logits.float()
-    top = x.topk(k, dim=-1)
-    return top.values - torch.logsumexp(x, -1, keepdim=True), top.indices
 
 
 @dataclass
@@ -220,7 +210,7 @@ class PlainDecoding(Strategy):
         P = eng.prefix_lens[rows]
         loc = eng.req_pool.req_to_token[rows, P]
         batch = eng.batch(ForwardMode.DECODE, rows, P, 1, loc, host_prefix_lens=rb.host())
-        nxt = eng.sample(eng.forward("target", eng.roots[rows], batch).logits)
+        nxt = eng.next_tokens(eng.forward("target", eng.roots[rows], batch, top_k=eng.greedy_top_k))
         rb.emit_tokens[:, 0] = nxt
         rb.emit_count.fill_(1)
         eng.prefix_lens[rows] = P + 1
@@ -325,15 +315,18 @@ class EagleStrategy(Strategy):
         if self.hidden is not None:
             self.hidden[row].zero_()
 
-    def _top(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The drafter's ``K`` best (log-probabilities, target token ids) per row of its
-        logits (columns of a draft vocabulary map back to token ids)."""
-        scores, cols = top_log_probs(logits, self.K)
+    def _top(self, o: "ForwardOut") -> Tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's ``K`` best (log-probabilities, target token ids) per row of a forward
+        asked for ``top_k=K``: its ``top``, else from its logits (columns of a draft
+        vocabulary map back to token ids)."""
+        if o.top is not None:
+            return o.top
+        scores, cols = top_log_probs(o.logits, self.K)
         to_ids = getattr(self.drafter, "draft_token_ids", None)
         return scores, (cols if to_ids is None else to_ids(cols))
 
-    def _keep_top(self, rows: torch.Tensor, logits: torch.Tensor, hidden: Optional[torch.Tensor]) -> None:
-        self.top_scores[rows], self.top_tokens[rows] = self._top(logits)
+    def _keep_top(self, rows: torch.Tensor, o: "ForwardOut", hidden: Optional[torch.Tensor]) -> None:
+        self.top_scores[rows], self.top_tokens[rows] = self._top(o)
         if self.hidden is not None:
             self.hidden[rows] = hidden.to(self.hidden.dtype)
 
@@ -348,8 +341,9 @@ class EagleStrategy(Strategy):
         if self.eagle3:  # each prompt shifted left by one, its root last: the prompts' shape
             d_ids = pb.ids.roll(-1)
             d_ids[pb.last] = roots
-            o = eng.forward("draft", d_ids, pb.batch, hidden_in=pb.out.features, logit_rows=pb.last)
-            self._keep_top(rows, o.logits, o.hidden[pb.last])
+            o = eng.forward("draft", d_ids, pb.batch, hidden_in=pb.out.features, logit_rows=pb.last,
+                            top_k=self.K)
+            self._keep_top(rows, o, o.hidden[pb.last])
             return
         lens = pb.lens
         starts = [0]
@@ -364,8 +358,8 @@ class EagleStrategy(Strategy):
         d_ids[last] = roots
         loc = torch.cat([rtt[r, :n] for r, n in zip(rows.tolist(), new_lens)]).long()
         d_batch = ForwardBatch.extend(rows, [0] * len(lens), new_lens, loc, device=dev)
-        o = eng.forward("draft", d_ids, d_batch, logit_rows=last)
-        self._keep_top(rows, o.logits, None)
+        o = eng.forward("draft", d_ids, d_batch, logit_rows=last, top_k=self.K)
+        self._keep_top(rows, o, None)
 
     # ---------------------------------------------------------------- round
     def _draft(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor,
@@ -440,8 +434,8 @@ class EagleStrategy(Strategy):
             batch = eng.batch(ForwardMode.DECODE, cur.reshape(-1), prefix, 1, slots.reshape(-1),
                               host_prefix_lens=rb.host(s - sh, repeat=K))
             o = eng.forward("draft", beam_tokens.reshape(-1), batch,
-                            hidden_in=src_hidden.reshape(bs * K, -1) if self.eagle3 else None)
-            child_scores, child_tokens = self._top(o.logits)                 # [bs*K, K]
+                            hidden_in=src_hidden.reshape(bs * K, -1) if self.eagle3 else None, top_k=K)
+            child_scores, child_tokens = self._top(o)                        # [bs*K, K]
             if fused:  # one launch: this step's candidates, the next beams, their parent block
                 nxt = s < S - 1
                 step = ops.eagle_beam_step(
@@ -504,9 +498,9 @@ class EagleStrategy(Strategy):
         out_cache_loc = rtt[rows[:, None], P[:, None] + eng.arange(D)].long().flatten()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
-        t = eng.forward("target", draft_tokens.flatten(), batch, capture_layers=self.target_capture_layers)
-        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t.logits, S, out_cache_loc,
-                                           hidden_states=t.features)
+        t = eng.forward("target", draft_tokens.flatten(), batch, capture_layers=self.target_capture_layers,
+                        top_k=eng.greedy_top_k)
+        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t, S, out_cache_loc, hidden_states=t.features)
         path = cp.predicts.view(bs, D).long()          # accepted drafts + bonus first
         first = P + (1 - sh)                            # the drafter entry of path[:, 0]
         ext_loc = rtt[rows[:, None], first[:, None] + eng.arange(L)].long().flatten()
@@ -515,8 +509,8 @@ class EagleStrategy(Strategy):
         hid = cp.hidden_states.view(bs, D, -1)[:, :L].reshape(bs * L, -1) if self.eagle3 else None
         row_starts = eng.constant(("row_starts", bs, L), lambda: eng.arange(bs) * L)
         at = row_starts + n_acc                         # the bonus token's entry
-        o = eng.forward("draft", path[:, :L].flatten(), batch, hidden_in=hid, logit_rows=at)
-        self._keep_top(rows, o.logits, None if o.hidden is None else o.hidden[at])
+        o = eng.forward("draft", path[:, :L].flatten(), batch, hidden_in=hid, logit_rows=at, top_k=K)
+        self._keep_top(rows, o, None if o.hidden is None else o.hidden[at])
         eng.commit(rb, rows, P, path, n_acc)
 
 

@@ -1,4 +1,5 @@
-"""Fused Llama-layer ops (rms_norm_matmul, qkv_rope_store, matmul_residual, rms_norm_swiglu):
+"""Fused Llama-layer ops (rms_norm_matmul, qkv_rope_store, matmul_residual, rms_norm_swiglu,
+and the LM head's rms_norm_matmul_topk):
 Triton and reference against a float64 computation written here (no shared code), on fresh
 random inputs (the ``seed`` fixture), with poisoned caches and NaN-filled fresh outputs.
 
@@ -34,7 +35,7 @@ from specattn.ops import (fold_rms_norm_weight, make_cos_sin_cache, matmul_resid
 from specattn.ops import fused_llama as fl  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-OPS = ("rms_norm_matmul", "qkv_rope_store", "matmul_residual", "rms_norm_swiglu")
+OPS = ("rms_norm_matmul", "rms_norm_matmul_topk", "qkv_rope_store", "matmul_residual", "rms_norm_swiglu")
 IMPLS = ("triton", "reference")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -870,3 +871,123 @@ def test_zz_error_summary():
     """Prints the worst errors of this run (``pytest -s``): the numbers of the contract."""
     for (name, dt), err in sorted(ERRORS.items()):
         print(f"{name:45s} {dt:15s} {err:.3g}")
+
+
+# ------------------------------------------------------------------ LM head top-k
+def topk_by_definition(logits, k):
+    """The k best log-probabilities of float32 logits, written here: a stable sort puts equal
+    values in column order (the lower column first)."""
+    x = logits.double()
+    idx = torch.argsort(-x, dim=-1, stable=True)[:, :k]
+    return (x.gather(1, idx) - torch.logsumexp(x, -1, keepdim=True)).float(), idx
+
+
+def check_topk(got, logits, k):
+    values, indices = got
+    want_v, want_i = topk_by_definition(logits, k)
+    assert values.dtype == torch.float32 and indices.dtype == torch.int64
+    assert values.shape == indices.shape == (logits.shape[0], k)
+    assert torch.equal(indices, want_i)
+    torch.testing.assert_close(values, want_v, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N,k", [(1, 64, 300, 1), (5, 100, 1000, 4), (17, 40, 513, 3), (3, 32, 20, 16),
+                                     (33, 64, 130, 16)])
+@pytest.mark.parametrize("form", ["g", "folded", "folded+sums"])
+def test_rms_norm_matmul_topk(M, K, N, k, dt, impl, form, seed, nan_empty):
+    """The top-k of the op's own float32 logits (same tiles, so the same values), by the
+    definition; the last column tile narrower than k where N allows."""
+    from specattn.ops import rms_norm_matmul_topk
+    x, g, w = act(M, K, dt), gain(K, dt), lin(N, K, dt)
+    wk, gk = (w, g) if form == "g" else (fold_rms_norm_weight(w, g), None)
+    ss = row_sumsq_of(x, impl) if form == "folded+sums" else None
+    logits = rms_norm_matmul(x, gk, wk, EPS, out_dtype=torch.float32, row_sumsq=ss, impl=impl)
+    check_topk(rms_norm_matmul_topk(x, gk, wk, EPS, k, row_sumsq=ss, impl=impl), logits, k)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rms_norm_matmul_topk_ties(impl, seed):
+    """Equal logits (identical weight rows, across column tiles): the lower column first."""
+    from specattn.ops import rms_norm_matmul_topk
+    x, w = act(2, 64, torch.float32), lin(700, 64, torch.float32)
+    for j in (650, 3, 90, 7):
+        w[j] = 4.0 * w[0].abs().max() * torch.sign(x[0])  # the best row of x[0], four times
+    values, indices = rms_norm_matmul_topk(x, None, w, EPS, 3, impl=impl)
+    assert indices[0].tolist() == [3, 7, 90]
+    assert torch.equal(values[0], values[0, :1].expand(3))
+
+
+def test_rms_norm_matmul_topk_two_step_path(seed):
+    """Past the merge's key budget the Triton launcher takes logits + the top-k op."""
+    from specattn.ops import rms_norm_matmul_topk
+    from specattn.triton_kernels import fused_llama as tk
+    M, K, N, k = 2, 32, 64 * 520, 16
+    assert not tk.topk_fusable(M, N, K, torch.float32, k) and tk.topk_fusable(M, N, K, torch.float32, 8)
+    x, w = act(M, K, torch.float32), lin(N, K, torch.float32)
+    logits = rms_norm_matmul(x, None, w, EPS, out_dtype=torch.float32, impl="triton")
+    for kk in (k, 8):
+        check_topk(rms_norm_matmul_topk(x, None, w, EPS, kk, impl="triton"), logits, kk)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rms_norm_matmul_topk_empty_and_errors(impl, seed):
+    from specattn.ops import rms_norm_matmul_topk
+    x, w = act(0, 64, torch.float32), lin(40, 64, torch.float32)
+    values, indices = rms_norm_matmul_topk(x, None, w, EPS, 4, impl=impl)
+    assert values.shape == indices.shape == (0, 4)
+    x = act(3, 64, torch.float32)
+    for bad in (0, 17, True, 2.0):
+        with pytest.raises(ValueError, match="k must be"):
+            rms_norm_matmul_topk(x, None, w, EPS, bad, impl=impl)
+    with pytest.raises(ValueError, match="k must be"):
+        rms_norm_matmul_topk(x, None, w[:5], EPS, 6, impl=impl)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_matmul_topk(x, None, lin(40, 32, torch.float32), EPS, 4, impl=impl)
+
+
+@gpu
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("M", [1, 4, 16, 64, 256])
+def test_gpu_smollm_topk(M, dt, seed):
+    """The LM heads of the runtime (49,152 and a 16,384-token draft vocabulary, folded, the
+    sums handed over or not) for k = 1 and 4, eager and replayed in a CUDA graph."""
+    from specattn.ops import rms_norm_matmul_topk, topk_log_probs
+    K = SMOL["K"]
+    for V, k in ((SMOL["V"], 1), (SMOL["V"], 4), (16384, 4)):
+        x, w = act(M, K, dt), fold_rms_norm_weight(lin(V, K, dt), gain(K, dt))
+        for ss in (row_sumsq_of(x, "triton"), None):
+            logits = rms_norm_matmul(x, None, w, EPS, out_dtype=torch.float32, row_sumsq=ss, impl="triton")
+            got = rms_norm_matmul_topk(x, None, w, EPS, k, row_sumsq=ss, impl="triton")
+            check_topk(got, logits, k)
+            two = topk_log_probs(logits, k)
+            assert torch.equal(got[1], two[1])
+            if V < SMOL["V"]:   # a draft vocabulary: its columns mapped to token ids in the merge
+                ids = torch.randperm(SMOL["V"], device=DEV)[:V]
+                mapped = rms_norm_matmul_topk(x, None, w, EPS, k, row_sumsq=ss, column_ids=ids, impl="triton")
+                assert torch.equal(mapped[1], ids[two[1]]) and torch.equal(mapped[0], got[0])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = rms_norm_matmul_topk(x, None, w, EPS, k)
+        x.copy_(act(M, K, dt))
+        graph.replay()
+        check_topk(static, rms_norm_matmul(x, None, w, EPS, out_dtype=torch.float32), k)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rms_norm_matmul_topk_column_ids(impl, seed):
+    """``column_ids`` maps the chosen columns (a draft vocabulary's token ids); the order is by
+    column, ties included."""
+    from specattn.ops import rms_norm_matmul_topk
+    M, K, N, k = 6, 64, 300, 4
+    x, w = act(M, K, torch.float32), lin(N, K, torch.float32)
+    ids = torch.randperm(5000, device=DEV)[:N]
+    plain = rms_norm_matmul_topk(x, None, w, EPS, k, impl=impl)
+    for dt in (torch.int64, torch.int32):
+        values, indices = rms_norm_matmul_topk(x, None, w, EPS, k, column_ids=ids.to(dt), impl=impl)
+        assert indices.dtype == torch.int64 and torch.equal(indices, ids[plain[1]])
+        assert torch.equal(values, plain[0])
+    for bad in (ids[:-1], ids.float(), ids[None]):
+        with pytest.raises(ValueError, match="column_ids"):
+            rms_norm_matmul_topk(x, None, w, EPS, k, column_ids=bad, impl=impl)

@@ -6,11 +6,14 @@ Two kernels, one GEMM shape: ``out[M, N] = epilogue(prologue(x[M, K]) @ W[N, K]^
 grid of ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))`` programs, each looping over ``K`` in
 ``BLOCK_K`` chunks with a float32 accumulator.
 
-- ``_gemm_kernel``: the RMSNorm prologue (optional), then one of three epilogues: store
+- ``_gemm_kernel``: the RMSNorm prologue (optional), then one of four epilogues: store
   (``rms_norm_matmul``; any output dtype), add the residual tile in float32 and store it back
   in place (``matmul_residual``; optionally also each row's share of the stored tile's sum
-  of squares, ``SS_OUT``), or SwiGLU over two accumulators fed by the gate and up weights
-  (``rms_norm_swiglu``: ``silu(g) * u`` in float32).
+  of squares, ``SS_OUT``), SwiGLU over two accumulators fed by the gate and up weights
+  (``rms_norm_swiglu``: ``silu(g) * u`` in float32), or top-k (``rms_norm_matmul_topk``:
+  no store; each row's ``k`` best order keys of the tile and its ``(max, sum exp)``, the
+  parts that the top-k op's merge kernel reduces, so an LM head hands a drafting step or a
+  greedy verify its top-k log-probabilities without writing the logits).
 - ``_qkv_rope_kernel``: the RMSNorm prologue, one head (``head_dim`` columns of the fused
   QKV weight) per N-program, kept as two accumulators (the first and the second half of
   the head's columns) so the rotate-half pairs ``(i, i + D/2)`` of neox RoPE meet in
@@ -78,9 +81,10 @@ import triton
 import triton.language as tl
 
 from ._util import is_pow2, launch_fitting, on_tensor_device
+from .topk import KEY_MIN, MAX_MERGE_KEYS, lse_shift, merge_topk_parts, order_keys, topk_log_probs
 
-__all__ = ["rms_norm_matmul", "qkv_rope_store", "matmul_residual", "rms_norm_swiglu",
-           "tile_config", "qkv_tile_config", "qkv_head_dim_supported", "NUM_WARPS", "NUM_STAGES"]
+__all__ = ["rms_norm_matmul", "rms_norm_matmul_topk", "topk_fusable", "qkv_rope_store", "matmul_residual",
+           "rms_norm_swiglu", "tile_config", "qkv_tile_config", "qkv_head_dim_supported", "NUM_WARPS", "NUM_STAGES"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -91,7 +95,7 @@ NUM_STAGES = 3
 QKV_MIN_HEAD_DIM = 32  # D/2 >= 16: the smallest N of a tl.dot
 
 # epilogues of _gemm_kernel
-_STORE, _RESIDUAL, _SWIGLU = 0, 1, 2
+_STORE, _RESIDUAL, _SWIGLU, _TOPK = 0, 1, 2, 3
 
 
 def _block_m(M: int, dtype: torch.dtype) -> int:
@@ -279,11 +283,32 @@ def _norm_operand(x, g_ptr, kk, km, inv, ss, HAS_G: tl.constexpr, SCALE_FIRST: t
 
 
 @triton.jit
+def _topk_parts(acc, rows, cols, rmask, cmask, key_ptr, m_ptr, s_ptr, TOPK: tl.constexpr):
+    """The ``_TOPK`` epilogue: for each row of the float32 tile, its ``TOPK`` largest order keys
+    (:func:`specattn.triton_kernels.topk.order_keys`, best first; ``KEY_MIN`` past the
+    tile's valid columns) to ``key_ptr [M, C, TOPK]`` and its max and ``sum(exp(x -
+    shift))`` to ``m_ptr / s_ptr [M, C]``, ``C`` = the column tiles: the parts that
+    :func:`specattn.triton_kernels.topk.merge_topk_parts` reduces."""
+    C = tl.num_programs(1)
+    x = tl.where(cmask[None, :], acc, float("-inf"))
+    m = tl.max(x, axis=1)
+    s = tl.sum(tl.exp(x - lse_shift(m)[:, None]), axis=1)
+    part = rows.to(tl.int64) * C + tl.program_id(1)
+    tl.store(m_ptr + part, m, mask=rmask)
+    tl.store(s_ptr + part, s, mask=rmask)
+    key = order_keys(x, cols[None, :], cmask[None, :])
+    for r in tl.static_range(TOPK):
+        top = tl.max(key, axis=1)
+        tl.store(key_ptr + part * TOPK + r, top, mask=rmask)
+        key = tl.where(key == top[:, None], KEY_MIN, key)
+
+
+@triton.jit
 def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N, K, eps,
-                 ss_ptr, ld_ss, n_parts,
+                 ss_ptr, ld_ss, n_parts, tk_m_ptr, tk_s_ptr,
                  HAS_NORM: tl.constexpr, HAS_G: tl.constexpr, PRESCALE: tl.constexpr,
                  HAS_SS: tl.constexpr, SS_OUT: tl.constexpr, NP: tl.constexpr,
-                 EPILOGUE: tl.constexpr,
+                 EPILOGUE: tl.constexpr, TOPK: tl.constexpr,
                  IEEE: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
@@ -328,8 +353,11 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
         acc += res
     if EPILOGUE == 2:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
-    out = _cast(acc, out_ptr.dtype.element_ty, INTERP)
-    tl.store(optrs, out, mask=omask)
+    if EPILOGUE == 3:  # no store: this column tile's top-TOPK keys and (max, sum exp) per row
+        _topk_parts(acc, rows, cols, rmask, cmask, out_ptr, tk_m_ptr, tk_s_ptr, TOPK)
+    else:
+        out = _cast(acc, out_ptr.dtype.element_ty, INTERP)
+        tl.store(optrs, out, mask=omask)
     if SS_OUT:  # this tile's share of each row's sum of squares, of the values as stored
         of = out.to(tl.float32)
         of = tl.where(omask, of, 0.0)
@@ -481,13 +509,15 @@ def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: t
                  weight2: Optional[torch.Tensor], out: torch.Tensor, eps: float,
                  epilogue: int, config: Optional[Tuple[int, ...]] = None,
                  has_norm: Optional[bool] = None, row_sumsq: Optional[torch.Tensor] = None,
-                 want_sumsq: bool = False) -> Optional[torch.Tensor]:
+                 want_sumsq: bool = False, topk_parts: Optional[Tuple[torch.Tensor, ...]] = None
+                 ) -> Optional[torch.Tensor]:
     """``has_norm`` (default: ``norm_weight`` given): the RMSNorm prologue; with it and no
     ``norm_weight`` the norm's weight is folded into ``weight`` (and ``weight2``).
     ``row_sumsq``: the ``[P, M]`` partial sums of squares of ``x`` (the norm reads them
     instead of summing ``x``).  ``want_sumsq`` (residual epilogue): also return the
     ``[P, M]`` float32 partial sums of squares of the updated output, ``P`` its column
-    tiles."""
+    tiles.  ``topk_parts`` (top-k epilogue; ``out`` only gives the key buffer's view):
+    ``(key [M, C, k], m, s [M, C])``, ``C`` the column tiles of ``config``."""
     M, K = x.shape
     N = weight.shape[0]
     if M == 0 or N == 0:
@@ -504,13 +534,15 @@ def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: t
     if want_sumsq:
         ss = torch.empty(grid[1], M, device=x.device, dtype=torch.float32)
     n_parts = 1 if ss is None else ss.shape[0]
+    tk = topk_parts if topk_parts is not None else (out, out, out)
     args = (x, x.stride(0), weight if norm_weight is None else norm_weight, weight,
-            weight.stride(0), w2, w2.stride(0), out, out.stride(0), M, N, K, float(eps),
-            out if ss is None else ss, 0 if ss is None else ss.stride(0), n_parts)
+            weight.stride(0), w2, w2.stride(0), tk[0], out.stride(0), M, N, K, float(eps),
+            out if ss is None else ss, 0 if ss is None else ss.stride(0), n_parts, tk[1], tk[2])
     kwargs = dict(HAS_NORM=has_norm, HAS_G=has_g, PRESCALE=has_g and x.dtype == torch.float16,
                   HAS_SS=has_norm and ss is not None, SS_OUT=want_sumsq,
                   NP=max(triton.next_power_of_2(n_parts), 2),
-                  EPILOGUE=epilogue, IEEE=x.dtype == torch.float32, INTERP=_interp(x),
+                  EPILOGUE=epilogue, TOPK=1 if topk_parts is None else topk_parts[0].shape[2],
+                  IEEE=x.dtype == torch.float32, INTERP=_interp(x),
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     launch_fitting(_gemm_kernel, grid, args, kwargs, stages)
     return ss if want_sumsq else None
@@ -527,6 +559,47 @@ def rms_norm_matmul(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight
                       dtype=x.dtype if out_dtype is None else out_dtype)
     _launch_gemm(x, norm_weight, weight, None, out, eps, _STORE, has_norm=True, row_sumsq=row_sumsq)
     return out
+
+
+def topk_fusable(M: int, N: int, K: int, dtype: torch.dtype, k: int) -> bool:
+    """Whether :func:`rms_norm_matmul_topk` takes these sizes: its merge loads
+    ``next_pow2(C) * next_pow2(k)`` keys per row (``C``: the GEMM's column tiles) in one
+    program, at most ``MAX_MERGE_KEYS``."""
+    block_n = tile_config(max(M, 1), N, K, dtype)[1]
+    return triton.next_power_of_2(triton.cdiv(N, block_n)) * triton.next_power_of_2(k) <= MAX_MERGE_KEYS
+
+
+@on_tensor_device
+def rms_norm_matmul_topk(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
+                         eps: float, k: int, *, row_sumsq: Optional[torch.Tensor] = None,
+                         column_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`specattn.ops.rms_norm_matmul_topk`: the GEMM of :func:`rms_norm_matmul`
+    (same tiles, so the same float32 logits) whose epilogue keeps each column tile's top-``k``
+    keys and log-sum-exp parts instead of storing the tile, then one merge launch
+    (:func:`specattn.triton_kernels.topk.merge_topk_parts`, which also maps the columns
+    through ``column_ids``).  Returns ``(values float32 [M, k], indices int64 [M, k])``.  Sizes past :func:`topk_fusable` take the two-step path
+    (float32 logits, then :func:`specattn.triton_kernels.topk.topk_log_probs`)."""
+    _require_device(x, "rms_norm_matmul_topk")
+    M, K = x.shape
+    N = weight.shape[0]
+    dev = x.device
+    if not topk_fusable(M, N, K, x.dtype, k):
+        values, indices = topk_log_probs(rms_norm_matmul(x, norm_weight, weight, eps, out_dtype=torch.float32,
+                                                         row_sumsq=row_sumsq), k)
+        return values, (indices if column_ids is None else column_ids[indices].long())
+    values = torch.empty(M, k, device=dev, dtype=torch.float32)
+    indices = torch.empty(M, k, device=dev, dtype=torch.int64)
+    if M == 0:
+        return values, indices
+    block_n = tile_config(M, N, K, x.dtype, 1, folded=norm_weight is None)[1]
+    C = triton.cdiv(N, block_n)
+    parts = (torch.empty(M, C, k, device=dev, dtype=torch.int64),
+             torch.empty(M, C, device=dev, dtype=torch.float32),
+             torch.empty(M, C, device=dev, dtype=torch.float32))
+    _launch_gemm(x, norm_weight, weight, None, parts[0].view(M, C * k), eps, _TOPK, has_norm=True,
+                 row_sumsq=row_sumsq, topk_parts=parts)
+    merge_topk_parts(*parts, values, indices, column_ids)
+    return values, indices
 
 
 @on_tensor_device

@@ -50,7 +50,7 @@ without it, CPU tensors raise RuntimeError.
 from __future__ import annotations
 
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -58,14 +58,15 @@ import triton.language as tl
 
 from ._util import on_tensor_device
 
-__all__ = ["topk_log_probs", "chunk_config", "order_keys", "MAX_K", "MAX_CHUNKS", "MAX_BLOCK", "KEY_MIN",
-           "KEY_MAX"]
+__all__ = ["topk_log_probs", "merge_topk_parts", "chunk_config", "order_keys", "lse_shift", "MAX_K",
+           "MAX_CHUNKS", "MAX_BLOCK", "MAX_MERGE_KEYS", "KEY_MIN", "KEY_MAX"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 MAX_K = 16
 MAX_CHUNKS = 64   # C <= 64 programs per row in kernel 1 (and C * k <= 1024 keys in kernel 2)
 MAX_BLOCK = 2048  # columns per tile
+MAX_MERGE_KEYS = 8192  # next_pow2(C) * next_pow2(k) keys that one merge program loads
 
 KEY_MIN = tl.constexpr(-(2 ** 63))     # padding: below every real key
 KEY_MAX = tl.constexpr(2 ** 63 - 1)    # padding for a min: above every real key
@@ -92,7 +93,7 @@ def order_keys(x, cols, mask):
 
 
 @triton.jit
-def _shift(m):
+def lse_shift(m):
     """torch.logsumexp's shift: ``m`` where finite, else 0."""
     return tl.where(tl.abs(m) == float("inf"), 0.0, m)
 
@@ -122,7 +123,7 @@ def _chunk_kernel(x_ptr, stride_row, V, K, C, TILES, ws_key_ptr, ws_m_ptr, ws_s_
         x = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         # online logsumexp
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        shift = _shift(m_new)
+        shift = lse_shift(m_new)
         s = _rescale(s, m, shift) + tl.sum(tl.exp(x - shift), axis=0)
         m = m_new
         # merge the tile into the candidates: replace the smallest while the tile beats it
@@ -141,13 +142,13 @@ def _chunk_kernel(x_ptr, stride_row, V, K, C, TILES, ws_key_ptr, ws_m_ptr, ws_s_
 
 
 @triton.jit
-def _merge_kernel(ws_key_ptr, ws_m_ptr, ws_s_ptr, val_ptr, idx_ptr, K, C,
-                  CP: tl.constexpr, KP: tl.constexpr):
+def _merge_kernel(ws_key_ptr, ws_m_ptr, ws_s_ptr, val_ptr, idx_ptr, ids_ptr, K, C,
+                  HAS_IDS: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cc = tl.arange(0, CP)
     m = tl.load(ws_m_ptr + row * C + cc, mask=cc < C, other=float("-inf"))
     s = tl.load(ws_s_ptr + row * C + cc, mask=cc < C, other=0.0)
-    shift = _shift(tl.max(m, axis=0))
+    shift = lse_shift(tl.max(m, axis=0))
     lse = tl.log(tl.sum(_rescale(s, m, shift), axis=0)) + shift
 
     j = tl.arange(0, CP * KP)
@@ -162,6 +163,8 @@ def _merge_kernel(ws_key_ptr, ws_m_ptr, ws_s_ptr, val_ptr, idx_ptr, K, C,
     x = tl.where(o >= 0, o, o ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
     idx = (out & 0x7FFFFFFF) ^ 0x7FFFFFFF
     om = kk < K
+    if HAS_IDS:  # columns -> the caller's ids (a draft vocabulary's token ids)
+        idx = tl.load(ids_ptr + idx, mask=om, other=0).to(tl.int64)
     tl.store(val_ptr + row * K + kk, x - lse, mask=om)
     tl.store(idx_ptr + row * K + kk, idx, mask=om)
 
@@ -195,7 +198,23 @@ def topk_log_probs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Te
     _chunk_kernel[(N, C)](logits, logits.stride(0), V, k, C, tiles, ws_key, ws_m, ws_s,
                           BLOCK=block, KP=kp,
                           num_warps=max(1, min(8, block // 256)))
-    cp = triton.next_power_of_2(C)
-    _merge_kernel[(N,)](ws_key, ws_m, ws_s, values, indices, k, C, CP=cp, KP=kp,
-                        num_warps=max(1, min(4, cp * kp // 256)))
+    merge_topk_parts(ws_key, ws_m, ws_s, values, indices)
     return values, indices
+
+
+def merge_topk_parts(ws_key: torch.Tensor, ws_m: torch.Tensor, ws_s: torch.Tensor,
+                     values: torch.Tensor, indices: torch.Tensor,
+                     column_ids: Optional[torch.Tensor] = None) -> None:
+    """The merge launch (one program per row) over per-part candidates of ``N`` rows, ``C``
+    parts each: ``ws_key`` int64 ``[N, C, k]`` (order keys, see the module docstring; a
+    part narrower than ``k`` pads with keys below every real one), ``ws_m`` / ``ws_s``
+    float32 ``[N, C]`` (each part's max and ``sum(exp(x - lse_shift(max)))``), all
+    contiguous.  Writes the row's ``k`` best ``values`` (float32 log-probabilities, ``[N,
+    k]``) and ``indices`` (int64 ``[N, k]``: the columns, or ``column_ids[column]`` when
+    ``column_ids``, an int32 / int64 ``[V]`` tensor, is given), best first.  The caller keeps
+    ``next_pow2(C) * next_pow2(k) <= MAX_MERGE_KEYS``."""
+    N, C, k = ws_key.shape
+    cp, kp = triton.next_power_of_2(C), triton.next_power_of_2(k)
+    _merge_kernel[(N,)](ws_key, ws_m, ws_s, values, indices, indices if column_ids is None else column_ids,
+                        k, C, HAS_IDS=column_ids is not None, CP=cp, KP=kp,
+                        num_warps=max(1, min(4, cp * kp // 256)))

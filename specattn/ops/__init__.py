@@ -10,6 +10,9 @@ implementation (``impl=`` forces one):
 - :func:`move_kv_cache`: KV slot moves for all layers at once;
 - :func:`materialize_kv`: DFlash drafter KV from target hidden states;
 - :func:`topk_log_probs`: per-row top-k log-probabilities (and argmax) of logits;
+- :func:`rms_norm_matmul`, :func:`qkv_rope_store`, :func:`matmul_residual`,
+  :func:`rms_norm_swiglu`: a Llama layer's GEMMs with the norm, RoPE + KV store, residual
+  and SwiGLU fused in; :func:`rms_norm_matmul_topk`: the LM head's top-k without the logits;
 - :func:`ngram_candidates`: n-gram drafts from each request's own history;
 - :func:`eagle_beam_step`, :func:`select_draft_tokens`: an EAGLE draft step's candidates and
   next beams, and the draft tree's tokens from all candidates;
@@ -24,7 +27,8 @@ from .eagle_draft import (BeamStep, eagle_beam_step, eagle_beam_step_reference,
                           select_draft_tokens_reference)
 from .fused_llama import (llama_rms_norm_reference, matmul_residual, matmul_residual_reference,
                           qkv_rope_store, qkv_rope_store_reference, rms_norm_matmul,
-                          rms_norm_matmul_reference, rms_norm_swiglu, rms_norm_swiglu_reference,
+                          rms_norm_matmul_reference, rms_norm_matmul_topk, rms_norm_matmul_topk_reference,
+                          rms_norm_swiglu, rms_norm_swiglu_reference,
                           fold_rms_norm_weight)
 from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, materialize_kv,
                              materialize_kv_reference, rms_norm_reference, stack_kv_proj_weights)
@@ -44,7 +48,8 @@ __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
            "CompactedPath", "compact_accepted_path", "compact_accepted_path_reference",
            "materialize_kv", "materialize_kv_reference", "make_cos_sin_cache",
            "rms_norm_reference", "apply_rope_neox_reference", "stack_kv_proj_weights",
-           "rms_norm_matmul", "rms_norm_matmul_reference", "qkv_rope_store",
+           "rms_norm_matmul", "rms_norm_matmul_reference", "rms_norm_matmul_topk",
+           "rms_norm_matmul_topk_reference", "qkv_rope_store",
            "qkv_rope_store_reference", "matmul_residual", "matmul_residual_reference",
            "rms_norm_swiglu", "rms_norm_swiglu_reference", "llama_rms_norm_reference", "fold_rms_norm_weight",
            "topk_log_probs", "topk_log_probs_reference", "TOPK_MAX_K", "ngram_candidates",

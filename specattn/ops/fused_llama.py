@@ -79,12 +79,14 @@ import torch.nn.functional as F
 
 from . import registry
 from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .topk import MAX_K as TOPK_MAX_K, topk_log_probs_reference
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-__all__ = ["rms_norm_matmul", "qkv_rope_store", "matmul_residual", "rms_norm_swiglu",
-           "rms_norm_matmul_reference", "qkv_rope_store_reference", "matmul_residual_reference",
-           "rms_norm_swiglu_reference", "llama_rms_norm_reference", "fold_rms_norm_weight"]
+__all__ = ["rms_norm_matmul", "rms_norm_matmul_topk", "qkv_rope_store", "matmul_residual", "rms_norm_swiglu",
+           "rms_norm_matmul_reference", "rms_norm_matmul_topk_reference", "qkv_rope_store_reference",
+           "matmul_residual_reference", "rms_norm_swiglu_reference", "llama_rms_norm_reference",
+           "fold_rms_norm_weight"]
 
 _TRITON_MODULE = "specattn.triton_kernels.fused_llama"
 
@@ -158,6 +160,17 @@ def rms_norm_matmul_reference(x: torch.Tensor, norm_weight: Optional[torch.Tenso
     return y if out_dtype is None else y.to(out_dtype)
 
 
+def rms_norm_matmul_topk_reference(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
+                                   eps: float, k: int, *, row_sumsq: Optional[torch.Tensor] = None,
+                                   column_ids: Optional[torch.Tensor] = None):
+    """Reference of :func:`rms_norm_matmul_topk`: :func:`specattn.ops.topk_log_probs_reference`
+    of ``rms_norm_matmul_reference(..., out_dtype=torch.float32)``, the columns mapped
+    through ``column_ids`` (no validation)."""
+    logits = rms_norm_matmul_reference(x, norm_weight, weight, eps, out_dtype=torch.float32, row_sumsq=row_sumsq)
+    values, indices = topk_log_probs_reference(logits, k)
+    return values, (indices if column_ids is None else column_ids[indices].long())
+
+
 def qkv_rope_store_reference(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: torch.Tensor,
                              eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                              out_cache_loc: torch.Tensor, k_cache: torch.Tensor,
@@ -209,6 +222,7 @@ def rms_norm_swiglu_reference(x: torch.Tensor, norm_weight: Optional[torch.Tenso
 
 _REFERENCES = {
     "rms_norm_matmul": rms_norm_matmul_reference,
+    "rms_norm_matmul_topk": rms_norm_matmul_topk_reference,
     "qkv_rope_store": qkv_rope_store_reference,
     "matmul_residual": matmul_residual_reference,
     "rms_norm_swiglu": rms_norm_swiglu_reference,
@@ -332,6 +346,52 @@ def rms_norm_matmul(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight
     row_sumsq = _check_row_sumsq(row_sumsq, x)
     return _run("rms_norm_matmul", impl, x.device)(x, norm_weight, weight, eps,
                                                     out_dtype=out_dtype, row_sumsq=row_sumsq)
+
+
+def rms_norm_matmul_topk(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
+                         eps: float, k: int, *, row_sumsq: Optional[torch.Tensor] = None,
+                         column_ids: Optional[torch.Tensor] = None, impl: str = "auto"):
+    """The ``k`` largest log-probabilities of each row of the float32 logits
+    ``RMSNorm(x, norm_weight) @ weight.T`` and their columns, without the logits in memory
+    (an LM head feeding a drafting step's top-k or a greedy verify's argmax).
+
+    Equals :func:`specattn.ops.topk_log_probs` of :func:`rms_norm_matmul` with
+    ``out_dtype=torch.float32`` (same tie rule: among equal logits the lower column first;
+    ``k = 1`` is the argmax).  Triton: the GEMM's epilogue keeps each column tile's top-``k``
+    order keys and ``(max, sum exp)`` per row, one merge launch reduces them (two launches in
+    all, against a GEMM, a chunked top-k and its merge; the float32 logits, ``4 M N`` bytes,
+    are never written); past ``next_pow2(column tiles) * next_pow2(k) = 8192`` merged keys
+    per row it takes that two-step path.
+
+    Args:
+        x, norm_weight, weight, eps, row_sumsq: as :func:`rms_norm_matmul`.
+        k: ``1 <= k <= min(N, 16)``.
+        column_ids: optional int32 / int64 ``[N]`` on ``x``'s device: return
+            ``column_ids[column]`` as the indices (a draft vocabulary's token ids); the order
+            (ties included) is still by column.  Values are not range-checked.
+        impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
+    Returns:
+        ``(values float32 [M, k], indices int64 [M, k])``, best first; ``values`` are
+        ``logit - logsumexp(row)``.
+    Raises:
+        TypeError / ValueError: as :func:`rms_norm_matmul`, ``k`` not an int in
+        ``[1, min(N, 16)]``, or ``column_ids`` not an int32 / int64 ``[N]`` tensor on
+        ``x``'s device.  RuntimeError: a forced ``impl`` unavailable here.
+    """
+    x = _check_x(x)
+    norm_weight = _check_norm_weight(norm_weight, x)
+    _check_weight("weight", weight, x)
+    eps = _check_eps(eps)
+    k = _check_int("k", k, 1)
+    if k > min(weight.shape[0], TOPK_MAX_K):
+        raise ValueError(f"k must be <= min(N, {TOPK_MAX_K}) = {min(weight.shape[0], TOPK_MAX_K)}, got {k}")
+    row_sumsq = _check_row_sumsq(row_sumsq, x)
+    if column_ids is not None:
+        check_tensor("column_ids", column_ids, dtypes=(torch.int32, torch.int64), device=x.device,
+                     shape=(weight.shape[0],))
+        column_ids = column_ids.contiguous()
+    return _run("rms_norm_matmul_topk", impl, x.device)(x, norm_weight, weight, eps, k, row_sumsq=row_sumsq,
+                                                         column_ids=column_ids)
 
 
 def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
