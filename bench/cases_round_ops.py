@@ -1,8 +1,9 @@
 """Bench cases of the small ops a speculative round runs besides attention and the tree ops:
-the drafter's top-k log-probabilities (and the greedy argmax) over the vocabulary, the
-n-gram lookup over each request's history, and EAGLE drafting's beam bookkeeping and draft
-token selection.  Run e.g.
+the drafter's top-k log-probabilities (and the greedy argmax) over the vocabulary, from
+logits or fused into the LM head, the n-gram lookup over each request's history, and EAGLE
+drafting's beam bookkeeping and draft token selection.  Run e.g.
 ``specattn bench topk_log_probs -p impl=triton -p rows=16``,
+``specattn bench lm_head_topk -p impl=fused|two_step -p rows=256``,
 ``specattn bench ngram_candidates -p impl=reference`` or
 ``specattn bench eagle_beam_steps -p impl=torch -p bs=16``.
 
@@ -17,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from specattn.ops import (eagle_beam_step, ngram_candidates, num_tree_candidates, select_draft_tokens,
-                          topk_log_probs)
+from specattn.ops import (eagle_beam_step, ngram_candidates, num_tree_candidates, rms_norm_matmul,
+                          rms_norm_matmul_topk, select_draft_tokens, topk_log_probs)
 
 from .cases import Workload, case
 
@@ -41,6 +42,29 @@ def _topk_log_probs(device, *, rows, vocab, k, impl, input_sets):
         return top.values - torch.logsumexp(x, -1, keepdim=True), top.indices
 
     return Workload(fn=run, bytes=4 * rows * vocab + 12 * rows * k, flops=0, input_sets=sets)
+
+
+@case("lm_head_topk", "an LM head's top-k log-probabilities from hidden rows [rows, hidden] "
+      "(folded final norm; k = 1: the greedy argmax)", rows=16, vocab=49152, hidden=576, k=1,
+      impl="fused", dtype="bfloat16", input_sets=8)
+def _lm_head_topk(device, *, rows, vocab, hidden, k, impl, dtype, input_sets):
+    """``fused``: ``rms_norm_matmul_topk`` (the GEMM's epilogue keeps the top-k); ``two_step``:
+    float32 logits from ``rms_norm_matmul``, then ``topk_log_probs``; ``reference``: the op's
+    PyTorch reference.  Each input set has its own weight, so the head streams from memory."""
+    if impl not in ("fused", "two_step", "reference"):
+        raise ValueError(f"impl must be fused | two_step | reference, got {impl!r}")
+    dt = getattr(torch, dtype)
+    sets = [(torch.randn(rows, hidden, device=device).to(dt),
+             (torch.randn(vocab, hidden, device=device) / hidden ** 0.5).to(dt)) for _ in range(input_sets)]
+
+    def run(x, w):
+        if impl == "two_step":
+            return topk_log_probs(rms_norm_matmul(x, None, w, 1e-5, out_dtype=torch.float32), k)
+        return rms_norm_matmul_topk(x, None, w, 1e-5, k, impl="triton" if impl == "fused" else "reference")
+
+    size = torch.finfo(dt).bits // 8
+    return Workload(fn=run, bytes=size * (vocab + rows) * hidden + 12 * rows * k,
+                    flops=2 * rows * vocab * hidden, input_sets=sets)
 
 
 @case("ngram_candidates", "n-gram drafts from each request's history [bs, context]",

@@ -991,3 +991,19 @@ def test_rms_norm_matmul_topk_column_ids(impl, seed):
     for bad in (ids[:-1], ids.float(), ids[None]):
         with pytest.raises(ValueError, match="column_ids"):
             rms_norm_matmul_topk(x, None, w, EPS, k, column_ids=bad, impl=impl)
+
+
+def test_lm_head_topk_bench_case(seed):
+    """The bench case's three implementations agree (tiny sizes, on this machine's device)."""
+    from bench.cases import get_case
+    c = get_case("lm_head_topk")
+    outs = []
+    for impl in ("fused", "two_step", "reference"):
+        torch.manual_seed(seed)
+        wl = c.build(DEV, rows=3, vocab=300, hidden=64, k=4, impl=impl, dtype="float32", input_sets=2)
+        outs.append(wl.fn(*wl.input_sets[1]))
+    for values, indices in outs[1:]:
+        assert torch.equal(indices, outs[0][1])
+        torch.testing.assert_close(values, outs[0][0], rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="impl"):
+        c.build(DEV, impl="fast")
