@@ -74,6 +74,7 @@ class E2EConfig:
     max_new_tokens: int = 128
     min_requests: int = 4
     requests_per_row: int = 4               # prompts per request row (continuous batching)
+    min_free_slots: int = 1                 # Engine(min_free_slots=min(this, bs)): admission batching
     chain: Dict[str, int] = field(default_factory=lambda: dict(topk=1, num_steps=5, num_draft_tokens=6))
     tree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=5, num_draft_tokens=16))
     block_size: int = 16
@@ -336,7 +337,8 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
             tag = f"{set_name} {algo} bs={bs}"
             say(f"{tag}: building the engine (CUDA graphs)")
             eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
-                         eos_token_ids=(), cuda_graph=cfg.device.startswith("cuda"), draft_model=draft)
+                         eos_token_ids=(), cuda_graph=cfg.device.startswith("cuda"), draft_model=draft,
+                         min_free_slots=min(cfg.min_free_slots, bs))
             say(f"{tag}: warm-up, timing" + (", profiling" if cfg.profile else ""))
             row, outs = measure_engine(eng, [[p for b in batches for p in b]], cfg.max_new_tokens, cfg.profile)
             row.update(algo=algo, prompt_set=set_name, backend=cfg.backend, dtype=cfg.dtype, bs=bs,
@@ -416,6 +418,12 @@ def _eagle_settings(report: dict) -> str:
             + (f", drafting from the {dv:,} most frequent tokens." if dv else "."))
 
 
+def _admission_settings(report: dict) -> str:
+    """The admission batching of the run, when on."""
+    n = (report.get("settings") or {}).get("min_free_slots", 1)
+    return f" Waiting requests are admitted once {n} rows are free." if n > 1 else ""
+
+
 def markdown(report: dict) -> str:
     """The report as a markdown table (one row per measured pair)."""
     dev = report["device"]["name"]
@@ -424,7 +432,8 @@ def markdown(report: dict) -> str:
              f"{report['timestamp']}, commit `{(report.get('commit') or 'unknown')[:12]}`, "
              f"torch {report['versions']['torch']}, triton {report['versions']['triton']}; "
              f"{report['settings']['max_new_tokens']} new tokens per request, "
-             f"{_prompt_counts(report)}, CUDA graphs, greedy.{_eagle_settings(report)}",
+             f"{_prompt_counts(report)}, CUDA graphs, greedy.{_eagle_settings(report)}"
+             f"{_admission_settings(report)}",
              "",
              "| prompts | algo | bs | dtype | backend | tokens/s | speedup | accept length | step ms | "
              "kernels/step | kernel ms/step | gpu_busy | lossless |",

@@ -192,6 +192,13 @@ class Engine:
             (padded) prompt tokens also replay CUDA graphs, one per padded batch size and
             token count (:func:`~specattn.spec_runtime.graph_runner.padded_tokens`),
             captured at first use; 0: prefills run eagerly.
+        min_free_slots: continuous batching's admission batching: while requests run, the
+            waiting ones are prefilled only once at least ``min(min_free_slots, waiting)``
+            rows are free, or a free row has waited ``max_admission_delay`` rounds, so
+            rows freed one at a time share one prefill (a speculative round's prefill also
+            runs the drafter's).  1 (default): every free row is filled at once.  SGLang's
+            ``min_free_slots`` delayer (its default for DFlash drafters) is the same rule.
+        max_admission_delay: the most rounds a free row waits for others (>= 0).
 
     Attributes:
         target_backend, draft_backend: the backends (``draft_backend`` only with a drafter).
@@ -208,7 +215,8 @@ class Engine:
 
     Raises:
         ValueError: bad ``spec``, ``draft_model``, ``page_size``, ``prefill_graph_tokens``,
-            ``cuda_graph`` off CUDA, or a ``device`` other than the ready model's.
+            ``min_free_slots`` / ``max_admission_delay``, ``cuda_graph`` off CUDA, or a
+            ``device`` other than the ready model's.
         KeyError, ImportError: from ``create_backend`` (unknown / unavailable backend).
         UnsupportedError: the backend does not support (eagerly) a mode the algorithm needs
             for the model's attention kind; the message names every missing (model, mode).
@@ -218,7 +226,7 @@ class Engine:
                  backend: str = "torch_reference", device=None, dtype=torch.float32,
                  max_batch: int = 8, max_context: int = 1024, eos_token_ids: Sequence[int] = (),
                  cuda_graph: bool = False, draft_model=None, page_size: int = 1,
-                 prefill_graph_tokens: int = 4096):
+                 prefill_graph_tokens: int = 4096, min_free_slots: int = 1, max_admission_delay: int = 16):
         self.spec = spec or SpecConfig()
         self.spec.validate()
         if page_size < 1 or max_context % page_size:
@@ -227,7 +235,12 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {prefill_graph_tokens}")
+        if not 1 <= min_free_slots <= max_batch:
+            raise ValueError(f"min_free_slots must be in [1, max_batch={max_batch}], got {min_free_slots}")
+        if max_admission_delay < 0:
+            raise ValueError(f"max_admission_delay must be >= 0, got {max_admission_delay}")
         self.prefill_graph_tokens = prefill_graph_tokens
+        self.min_free_slots, self.max_admission_delay = min_free_slots, max_admission_delay
         self.eos = set(eos_token_ids)
         if weights is not None:
             self.target = LlamaModel(config, weights, "cpu" if device is None else device, dtype)
@@ -721,6 +734,15 @@ class Engine:
 
         self.prefill_graphs[(pbs, PT, self._sampling_key(params))] = (self._capture(body, params), inp)
 
+    def admission_due(self, running: int, free: int, waiting: int, rounds_held: int) -> bool:
+        """Whether ``waiting`` (> 0) requests are prefilled into ``free`` (> 0) rows now, with
+        ``running`` requests in flight and the first free row held for ``rounds_held``
+        rounds: always with nothing running, else once ``min(min_free_slots, waiting)`` rows
+        are free or after ``max_admission_delay`` rounds."""
+        if running == 0 or free >= min(self.min_free_slots, waiting):
+            return True
+        return rounds_held >= self.max_admission_delay
+
     def _emit(self, req: Request, tokens: Sequence[int]) -> None:
         for t in tokens:
             req.output.append(int(t))
@@ -771,7 +793,8 @@ class Engine:
         (``max_new_tokens[i]`` if given, else ``params.max_new_tokens``).  Up to
         ``max_batch`` requests run at once; the others wait in order and each takes the row
         of a request that finished (continuous batching: its prefill runs between two
-        rounds).  ``progress`` is called with the number of tokens generated so far after
+        rounds; with ``min_free_slots > 1`` several freed rows share one prefill).
+        ``progress`` is called with the number of tokens generated so far after
         every round.
 
         Raises:
@@ -802,9 +825,17 @@ class Engine:
         # (no host sync at admission: the overlapped rounds keep the GPU busy meanwhile)
         admissions: deque = deque()
         n_admitted = 0
+        held_since = None   # the round count when a free row first waited for others
+
+        def admission_due() -> bool:
+            nonlocal held_since
+            if held_since is None:
+                held_since = n_rounds
+            return self.admission_due(len(running), len(free), len(waiting), n_rounds - held_since)
 
         def admit() -> None:  # waiting requests into free rows, prefilled together
-            nonlocal n_admitted
+            nonlocal n_admitted, held_since
+            held_since = None
             while waiting and free:
                 new = [waiting.popleft() for _ in range(min(len(waiting), len(free)))]
                 for r in new:
@@ -827,7 +858,7 @@ class Engine:
         pending: deque = deque()
         n_rounds, k, waited = 0, 0, 0.0
         while running or pending or waiting or admissions:
-            if waiting and free:   # a row is reused only after the rounds in flight (stream order)
+            if waiting and free and admission_due():   # a row is reused after the rounds in flight
                 admit()
             if progress is not None:
                 progress(sum(len(r.output) for r in reqs))

@@ -231,6 +231,8 @@ def bench_e2e(
     min_requests: int = typer.Option(4, min=1, help="Requests per batch size (batch 1: that many runs)."),
     requests_per_row: int = typer.Option(4, min=1, help="At least this many requests per request row: "
                                                         "waiting ones take the rows of finished ones."),
+    min_free_slots: int = typer.Option(1, min=1, help="Admission batching: prefill waiting requests once "
+                                                      "this many rows are free (capped by the batch size)."),
     chain: str = typer.Option("1,5,6", help="EAGLE chain: topk,num_steps,num_draft_tokens."),
     tree: str = typer.Option("4,5,16", help="EAGLE tree: topk,num_steps,num_draft_tokens."),
     block_size: int = typer.Option(16, min=2, help="DFlash block."),
@@ -271,7 +273,7 @@ def bench_e2e(
     rep_names = [a.strip() for a in repetitive_algos.split(",") if a.strip()]
     cfg = e2e.E2EConfig(algos=names, batch_sizes=sizes, backend=backend, dtype=dtype,
                         max_new_tokens=max_new_tokens, min_requests=min_requests,
-                        requests_per_row=requests_per_row,
+                        requests_per_row=requests_per_row, min_free_slots=min_free_slots,
                         chain=triple(chain, "--chain"), tree=triple(tree, "--tree"), block_size=block_size,
                         ddtree=ints(ddtree, "--ddtree", ("topk", "num_draft_tokens")),
                         ngram=ints(ngram, "--ngram", ("topk", "num_steps", "ngram_size")),

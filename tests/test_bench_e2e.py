@@ -108,8 +108,8 @@ class _Tok:
 
 def test_run_e2e_dry_run_on_cpu(tmp_path, seed, monkeypatch):
     """The whole suite on a tiny model on the CPU (no graphs, no profiler, no peers): one
-    row per (algo, bs), speedups against target-only decoding, every spec row lossless, and
-    the EAGLE rows on an EAGLE-3 drafter loaded from a folder."""
+    row per (algo, bs), speedups against target-only decoding, every spec row lossless (with
+    admission batching on), and the EAGLE rows on an EAGLE-3 drafter loaded from a folder."""
     from specattn.spec_runtime import cli as rcli
     from specattn.spec_runtime.eagle3 import Eagle3Drafter
     from specattn.spec_runtime.model import LlamaModel
@@ -125,7 +125,8 @@ def test_run_e2e_dry_run_on_cpu(tmp_path, seed, monkeypatch):
                          backend="torch_reference", prompts=str(prompts), drafter=str(drafter), peers=False,
                          profile=False, model="tiny", device="cpu", block_size=4,
                          tree=dict(topk=2, num_steps=3, num_draft_tokens=5),
-                         ddtree=dict(topk=2, num_draft_tokens=6), ngram=dict(topk=2, num_steps=3, ngram_size=2))
+                         ddtree=dict(topk=2, num_draft_tokens=6), ngram=dict(topk=2, num_steps=3, ngram_size=2),
+                         min_free_slots=2)
     report = e2e.run_e2e(conf, on_row=lambda r: seen.append(len(r["rows"])))
     rows = report["rows"]
     chat = [(r["algo"], r["bs"]) for r in rows if r["prompt_set"] == "chat"]
@@ -141,3 +142,4 @@ def test_run_e2e_dry_run_on_cpu(tmp_path, seed, monkeypatch):
     assert {r["drafter"] for r in rows if r["algo"].startswith("eagle")} == {drafter.name}
     paths = e2e.write_results(report, tmp_path / "out")
     assert (tmp_path / "out" / "e2e.md").read_text() == e2e.markdown(report)
+    assert "admitted once 2 rows are free" in e2e.markdown(report)

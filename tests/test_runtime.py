@@ -204,3 +204,44 @@ def test_per_mode_graph_plan(tmp_path, spec, monkeypatch):
         assert backend is eng.backend_of(role) and model in (eng.target, eng.draft) and D >= 1 and bs >= 3
         assert got == (model, backend, mode, D, [s for s in got[4] if s <= bs]) and got[4][-1] >= bs
         assert any(b is backend and n >= D for b, _, n in states)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("eagle", 3, 3, 8, 2), SpecConfig("ngram", 2, 2, 5)],
+                         ids=str)
+def test_admission_batching(tmp_path, spec, backend_name):
+    """``min_free_slots > 1``: freed rows wait for others before one shared prefill, and
+    every request still gets what a batch of its own would; ``max_admission_delay=0`` is the
+    schedule of ``min_free_slots=1``; the rule itself on its edges."""
+    from tiny_models import tiny_llama
+    seed = random.randrange(2**31)
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=3)
+    rng = random.Random(seed)
+    n = rng.randint(8, 12)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(n)]
+    limits = [rng.choice([1, 2, 7, 20]) for _ in range(n)]
+    want = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=n).generate(
+        prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
+    prefills = {}
+    for m, delay in ((1, 16), (3, 1000), (3, 2), (4, 0)):
+        eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=4,
+                          min_free_slots=m, max_admission_delay=delay)
+        sizes = []
+        orig = eng._prefill
+        eng._prefill = lambda reqs, defer=False: (sizes.append(len(reqs)), orig(reqs, defer))[1]
+        got = eng.generate(prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
+        assert got.tokens == want.tokens, f"seed={seed} min_free_slots={m} delay={delay}"
+        check_rows_restored(eng)
+        assert sum(sizes) == n and sizes[0] == 4
+        prefills[m, delay] = len(sizes)
+    assert prefills[4, 0] == prefills[1, 16], (f"seed={seed}", prefills)   # no delay: the same schedule
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=4, min_free_slots=3,
+                      max_admission_delay=5)
+    assert eng.admission_due(running=0, free=1, waiting=9, rounds_held=0)      # nothing runs: admit
+    assert not eng.admission_due(running=3, free=1, waiting=9, rounds_held=4)
+    assert eng.admission_due(running=3, free=1, waiting=9, rounds_held=5)      # waited long enough
+    assert eng.admission_due(running=1, free=3, waiting=9, rounds_held=0)
+    assert eng.admission_due(running=3, free=1, waiting=1, rounds_held=0)      # all the queue fits
+    assert not eng.admission_due(running=2, free=2, waiting=5, rounds_held=0)
+    for bad in (dict(min_free_slots=0), dict(min_free_slots=5), dict(max_admission_delay=-1)):
+        with pytest.raises(ValueError, match="min_free_slots|max_admission_delay"):
+            make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=4, **bad)
