@@ -140,6 +140,22 @@ def test_shipped_drafter_lossless(gguf_loaded, chat_ids, target_greedy, spec, ba
     assert res.mean_accept_length > (1.5 if spec.algo == "eagle" else 1.3), res.mean_accept_length
 
 
+def continuous_batching_case(tmp_path, spec, backend_name, lo, hi):
+    """A tiny random model, ``lo..hi`` random prompts with limits of 1-20 tokens (some finish
+    at their first token), and what a batch of their own gives: ``(seed, config, weights,
+    prompts, limits, GenerateResult)``."""
+    from tiny_models import tiny_llama
+    seed = random.randrange(2**31)
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=3)
+    rng = random.Random(seed)
+    n = rng.randint(lo, hi)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(n)]
+    limits = [rng.choice([1, 2, 7, 20]) for _ in range(n)]
+    want = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=n).generate(
+        prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
+    return seed, cfg, w, prompts, limits, want
+
+
 @pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("eagle", 1, 3, 4), SpecConfig("eagle", 3, 3, 8, 2),
                                   SpecConfig("dflash", block_size=4), SpecConfig("ngram", 2, 2, 5)], ids=str)
 def test_more_prompts_than_rows(tmp_path, spec, backend_name):
@@ -147,15 +163,8 @@ def test_more_prompts_than_rows(tmp_path, spec, backend_name):
     (continuous batching) and every request gets exactly what a batch of its own would:
     different lengths and limits (some finish at their first token), rows reused several
     times, and the rows restored afterwards."""
-    from tiny_models import tiny_llama
-    seed = random.randrange(2**31)
-    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=3)
-    rng = random.Random(seed)
-    n = rng.randint(5, 9)
-    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(n)]
-    limits = [rng.choice([1, 2, 7, 20]) for _ in range(n)]
-    want = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=n).generate(
-        prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
+    seed, cfg, w, prompts, limits, want = continuous_batching_case(tmp_path, spec, backend_name, 5, 9)
+    n = len(prompts)
     eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=2)
     got = eng.generate(prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
     assert got.tokens == want.tokens, f"seed={seed}"
@@ -212,15 +221,8 @@ def test_admission_batching(tmp_path, spec, backend_name):
     """``min_free_slots > 1``: freed rows wait for others before one shared prefill, and
     every request still gets what a batch of its own would; ``max_admission_delay=0`` is the
     schedule of ``min_free_slots=1``; the rule itself on its edges."""
-    from tiny_models import tiny_llama
-    seed = random.randrange(2**31)
-    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=3)
-    rng = random.Random(seed)
-    n = rng.randint(8, 12)
-    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(n)]
-    limits = [rng.choice([1, 2, 7, 20]) for _ in range(n)]
-    want = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=n).generate(
-        prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
+    seed, cfg, w, prompts, limits, want = continuous_batching_case(tmp_path, spec, backend_name, 8, 12)
+    n = len(prompts)
     prefills = {}
     for m, delay in ((1, 16), (3, 1000), (3, 2), (4, 0)):
         eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=4,
