@@ -620,15 +620,18 @@ class Engine:
         return cp, res.accept_length.long()
 
     def commit(self, rb: RoundBatch, rows: torch.Tensor, prefix_lens: torch.Tensor, path: torch.Tensor,
-               accept_length: torch.Tensor) -> None:
+               accept_length: torch.Tensor, also: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
         """Emit each request's accepted drafts + bonus (``path [bs, n]``, compacted, int64)
         into ``rb``, commit ``prefix_lens += accept_length + 1`` and make the bonus the new
-        root.  Device work only."""
+        root; ``also``: up to 6 more ``(state [rows, ...], new values [bs, ...])`` pairs the
+        strategy keeps per request row, written in the same :func:`ops.scatter_rows` launch.
+        Device work only."""
         bs, n = path.shape
         rb.emit_tokens[:, :n].copy_(path)
-        rb.emit_count.copy_(accept_length + 1)
-        self.prefix_lens[rows] = prefix_lens + accept_length + 1
-        self.roots[rows] = path.gather(1, accept_length[:, None]).squeeze(1)
+        torch.add(accept_length, 1, out=rb.emit_count)
+        roots = path.gather(1, accept_length[:, None]).squeeze(1)
+        ops.scatter_rows(rows, [(self.prefix_lens, prefix_lens + rb.emit_count), (self.roots, roots), *also],
+                         check_values=False)
 
     # ------------------------------------------------------------------ driver
     def _margin(self, overlap: bool) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -96,6 +96,18 @@ class SpecConfig:
                                  f"2 <= num_draft_tokens <= {n_cand + 1}, got {self.num_draft_tokens}")
         if self.algo == "dflash" and self.block_size < 2:
             raise ValueError(f"dflash needs block_size >= 2, got {self.block_size}")
+
+
+class _RoundRows(NamedTuple):
+    """An EAGLE round's per-request state at its rows (:meth:`EagleStrategy._row_state`)."""
+
+    P: torch.Tensor
+    roots: torch.Tensor
+    top_scores: torch.Tensor
+    top_tokens: torch.Tensor
+    hidden: Optional[torch.Tensor] = None
+    scratch_rows: Optional[torch.Tensor] = None
+    scratch_units: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -207,14 +219,13 @@ class PlainDecoding(Strategy):
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
         rows = rb.rows
-        P = eng.prefix_lens[rows]
+        P, roots = ops.gather_rows(rows, [eng.prefix_lens, eng.roots], check_values=False)
         loc = eng.req_pool.req_to_token[rows, P]
         batch = eng.batch(ForwardMode.DECODE, rows, P, 1, loc, host_prefix_lens=rb.host())
-        nxt = eng.next_tokens(eng.forward("target", eng.roots[rows], batch, top_k=eng.greedy_top_k))
+        nxt = eng.next_tokens(eng.forward("target", roots, batch, top_k=eng.greedy_top_k))
         rb.emit_tokens[:, 0] = nxt
         rb.emit_count.fill_(1)
-        eng.prefix_lens[rows] = P + 1
-        eng.roots[rows] = nxt
+        ops.scatter_rows(rows, [(eng.prefix_lens, P + 1), (eng.roots, nxt.contiguous())], check_values=False)
 
 
 class EagleStrategy(Strategy):
@@ -325,10 +336,17 @@ class EagleStrategy(Strategy):
         to_ids = getattr(self.drafter, "draft_token_ids", None)
         return scores, (cols if to_ids is None else to_ids(cols))
 
-    def _keep_top(self, rows: torch.Tensor, o: "ForwardOut", hidden: Optional[torch.Tensor]) -> None:
-        self.top_scores[rows], self.top_tokens[rows] = self._top(o)
+    def _kept(self, o: "ForwardOut", hidden: Optional[torch.Tensor]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(state, new rows)`` pairs of what a drafter forward leaves for the next round: its
+        top-``K`` (and the EAGLE-3 hidden state of the kept entries), for :func:`ops.scatter_rows`."""
+        scores, tokens = self._top(o)
+        pairs = [(self.top_scores, scores.contiguous()), (self.top_tokens, tokens.contiguous())]
         if self.hidden is not None:
-            self.hidden[rows] = hidden.to(self.hidden.dtype)
+            pairs.append((self.hidden, hidden.to(self.hidden.dtype).contiguous()))
+        return pairs
+
+    def _keep_top(self, rows: torch.Tensor, o: "ForwardOut", hidden: Optional[torch.Tensor]) -> None:
+        ops.scatter_rows(rows, self._kept(o, hidden), check_values=False)
 
     # ---------------------------------------------------------------- prefill
     def prefill(self, eng: "Engine", pb: PrefillBatch) -> None:
@@ -362,9 +380,22 @@ class EagleStrategy(Strategy):
         self._keep_top(rows, o, None)
 
     # ---------------------------------------------------------------- round
-    def _draft(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor,
+    def _row_state(self, eng: "Engine", rows: torch.Tensor, impl: str) -> "_RoundRows":
+        """The round's per-request state, read by request row in one :func:`ops.gather_rows`."""
+        names = ["P", "roots", "top_scores", "top_tokens"]
+        state = [eng.prefix_lens, eng.roots, self.top_scores, self.top_tokens]
+        if self.eagle3:
+            names.append("hidden")
+            state.append(self.hidden)
+        if self.K > 1 and self.S > 1:
+            names += ["scratch_rows", "scratch_units"]
+            state += [eng.scratch_rows, eng.scratch_pages]
+        got = dict(zip(names, ops.gather_rows(rows, state, check_values=False, impl=impl)))
+        return _RoundRows(**got)
+
+    def _draft(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, rs: "_RoundRows",
                draft_ops: Optional[str] = None):
-        """Steps ``1 .. S-1`` over the beams.  Returns ``(parent_list [bs, K(S-1)+1],
+        """Steps ``1 .. S-1`` over the beams (``rs``: the rows' state).  Returns ``(parent_list [bs, K(S-1)+1],
         candidate scores [bs, n_cand], candidate tokens [bs, n_cand])``.  Index patterns are
         the engine's kept constants or views, so a captured round launches only the kernels
         that depend on the round's values.  ``draft_ops``: None: each step's candidates and
@@ -374,7 +405,7 @@ class EagleStrategy(Strategy):
         equal scores go to the lower candidate index)."""
         K, S, sh = self.K, self.S, self.shift
         bs, rtt, ps = rows.shape[0], eng.req_pool.req_to_token, eng.page_size
-        beam_scores, beam_tokens = self.top_scores[rows], self.top_tokens[rows]
+        P, beam_scores, beam_tokens = rs.P, rs.top_scores, rs.top_tokens
         cand_scores, cand_tokens = [beam_scores], [beam_tokens]
         root_block = eng.constant(("eagle_root_block", K), lambda: torch.cat(
             [torch.full((1,), -1, dtype=torch.int64, device=eng.device), eng.arange(K)]))
@@ -387,12 +418,11 @@ class EagleStrategy(Strategy):
             parent_list = torch.empty(bs, K * (S - 1) + 1, dtype=torch.int64, device=eng.device)
             parent_list[:, :K + 1] = blocks[0]
         src_rows = rows[:, None].expand(bs, K)
-        src_hidden = self.hidden[rows][:, None, :].expand(bs, K, -1) if self.eagle3 else None
+        src_hidden = rs.hidden[:, None, :].expand(bs, K, -1) if self.eagle3 else None
         # the fused path forks the beams' scratch rows with one launch per step (page size 1)
         fork = fused and K > 1 and ps == 1
         if K > 1 and S > 1:
-            scratch_rows = eng.scratch_rows[rows]                            # [bs, 2K]
-            scratch_units = eng.scratch_pages[rows]                          # [bs, K(S-1)]
+            scratch_rows, scratch_units = rs.scratch_rows, rs.scratch_units  # [bs, 2K], [bs, K(S-1)]
             if fork:  # each parity's K rows contiguous: [2, bs, K]
                 parity_rows = scratch_rows.view(bs, 2, K).transpose(0, 1).contiguous()
             elif ps == 1:
@@ -481,19 +511,21 @@ class EagleStrategy(Strategy):
         K, S, D, L, sh = self.K, self.S, self.D, self.L, self.shift
         rows, rtt = rb.rows, eng.req_pool.req_to_token
         bs = rows.shape[0]
-        P = eng.prefix_lens[rows]
-        # the draft's bookkeeping: fused ops (eagle_beam_step per step, select_draft_tokens;
-        # Triton) on CUDA, PyTorch ops elsewhere and beyond the ops' limits (draft_ops_impl)
+        # the draft's bookkeeping: fused ops (eagle_beam_step per step, select_draft_tokens,
+        # the rows' state in one gather and one scatter; Triton) on CUDA, PyTorch ops
+        # elsewhere and beyond the ops' limits (draft_ops_impl)
         draft_ops = self.draft_ops_impl or ("auto" if rows.is_cuda else "torch")
         if draft_ops == "torch" or K > ops.EAGLE_MAX_TOPK or \
                 ops.num_tree_candidates(K, S) > ops.EAGLE_MAX_CANDIDATES:
             draft_ops = None
-        parent_list, scores, tokens = self._draft(eng, rb, rows, P, draft_ops)
+        rs = self._row_state(eng, rows, "reference" if draft_ops is None else draft_ops)
+        P = rs.P
+        parent_list, scores, tokens = self._draft(eng, rb, rows, rs, draft_ops)
         if draft_ops is None:
             selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
-            draft_tokens = torch.cat([eng.roots[rows][:, None], tokens.gather(1, selected)], 1)
+            draft_tokens = torch.cat([rs.roots[:, None], tokens.gather(1, selected)], 1)
         else:
-            selected, draft_tokens = ops.select_draft_tokens(scores, tokens, eng.roots[rows], D, impl=draft_ops)
+            selected, draft_tokens = ops.select_draft_tokens(scores, tokens, rs.roots, D, impl=draft_ops)
         tree = ops.build_tree(parent_list, selected, P.to(torch.int32), K, S, D)
         out_cache_loc = rtt[rows[:, None], P[:, None] + eng.arange(D)].long().flatten()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
@@ -503,15 +535,17 @@ class EagleStrategy(Strategy):
         cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t, S, out_cache_loc, hidden_states=t.features)
         path = cp.predicts.view(bs, D).long()          # accepted drafts + bonus first
         first = P + (1 - sh)                            # the drafter entry of path[:, 0]
-        ext_loc = rtt[rows[:, None], first[:, None] + eng.arange(L)].long().flatten()
+        if 1 - sh + L <= D:  # the verify's slots already hold these columns (req_to_token is unchanged since)
+            ext_loc = out_cache_loc.view(bs, D)[:, 1 - sh:1 - sh + L].flatten()
+        else:
+            ext_loc = rtt[rows[:, None], first[:, None] + eng.arange(L)].long().flatten()
         batch = eng.batch(ForwardMode.DRAFT_EXTEND_V2, rows, first, L, ext_loc,
                           host_prefix_lens=rb.host(1 - sh))
         hid = cp.hidden_states.view(bs, D, -1)[:, :L].reshape(bs * L, -1) if self.eagle3 else None
         row_starts = eng.constant(("row_starts", bs, L), lambda: eng.arange(bs) * L)
         at = row_starts + n_acc                         # the bonus token's entry
         o = eng.forward("draft", path[:, :L].flatten(), batch, hidden_in=hid, logit_rows=at, top_k=K)
-        self._keep_top(rows, o, None if o.hidden is None else o.hidden[at])
-        eng.commit(rb, rows, P, path, n_acc)
+        eng.commit(rb, rows, P, path, n_acc, also=self._kept(o, None if o.hidden is None else o.hidden[at]))
 
 
 def make_strategy(spec: SpecConfig, target, draft_model=None, max_context: int = 4096) -> Strategy:

@@ -16,7 +16,9 @@ implementation (``impl=`` forces one):
 - :func:`ngram_candidates`: n-gram drafts from each request's own history;
 - :func:`eagle_beam_step`, :func:`select_draft_tokens`: an EAGLE draft step's candidates and
   next beams, and the draft tree's tokens from all candidates;
-- :func:`fork_req_to_token_rows`: the ``req_to_token`` rows of beams drafted on scratch rows.
+- :func:`fork_req_to_token_rows`: the ``req_to_token`` rows of beams drafted on scratch rows;
+- :func:`gather_rows`, :func:`scatter_rows`: per-request state read / written by request row,
+  several tensors per launch.
 """
 from . import registry
 from .compaction import CompactedPath, compact_accepted_path, compact_accepted_path_reference
@@ -34,6 +36,7 @@ from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, mate
                              materialize_kv_reference, rms_norm_reference, stack_kv_proj_weights)
 from .kv_move import move_kv_cache, move_kv_cache_reference
 from .ngram import ngram_candidates, ngram_candidates_reference
+from .rows import MAX_ROW_TENSORS, gather_rows, gather_rows_reference, scatter_rows, scatter_rows_reference
 from .topk import MAX_K as TOPK_MAX_K, topk_log_probs, topk_log_probs_reference
 from .tree import (TreeInfo, build_tree, build_tree_reference, flashinfer_mask_bytes,
                    num_tree_candidates)
@@ -56,4 +59,5 @@ __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
            "ngram_candidates_reference", "BeamStep", "eagle_beam_step", "eagle_beam_step_reference",
            "select_draft_tokens", "select_draft_tokens_reference", "fork_req_to_token_rows",
            "fork_req_to_token_rows_reference", "EAGLE_MAX_TOPK",
-           "EAGLE_MAX_CANDIDATES"]
+           "EAGLE_MAX_CANDIDATES", "gather_rows", "gather_rows_reference", "scatter_rows",
+           "scatter_rows_reference", "MAX_ROW_TENSORS"]
