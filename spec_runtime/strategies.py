@@ -395,8 +395,9 @@ class EagleStrategy(Strategy):
 
     def _draft(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, rs: "_RoundRows",
                draft_ops: Optional[str] = None):
-        """Steps ``1 .. S-1`` over the beams (``rs``: the rows' state).  Returns ``(parent_list [bs, K(S-1)+1],
-        candidate scores [bs, n_cand], candidate tokens [bs, n_cand])``.  Index patterns are
+        """Steps ``1 .. S-1`` over the beams (``rs``: the rows' state).  Returns
+        ``(parent_list [bs, K(S-1)+1], candidate scores [bs, n_cand], candidate tokens [bs,
+        n_cand])``.  Index patterns are
         the engine's kept constants or views, so a captured round launches only the kernels
         that depend on the round's values.  ``draft_ops``: None: each step's candidates and
         next beams in PyTorch ops (``topk``, gathers), concatenated at the end; else the

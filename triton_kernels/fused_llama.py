@@ -577,8 +577,9 @@ def rms_norm_matmul_topk(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w
     (same tiles, so the same float32 logits) whose epilogue keeps each column tile's top-``k``
     keys and log-sum-exp parts instead of storing the tile, then one merge launch
     (:func:`specattn.triton_kernels.topk.merge_topk_parts`, which also maps the columns
-    through ``column_ids``).  Returns ``(values float32 [M, k], indices int64 [M, k])``.  Sizes past :func:`topk_fusable` take the two-step path
-    (float32 logits, then :func:`specattn.triton_kernels.topk.topk_log_probs`)."""
+    through ``column_ids``).  Returns ``(values float32 [M, k], indices int64 [M, k])``.
+    Sizes past :func:`topk_fusable` take the two-step path (float32 logits, then
+    :func:`specattn.triton_kernels.topk.topk_log_probs`)."""
     _require_device(x, "rms_norm_matmul_topk")
     M, K = x.shape
     N = weight.shape[0]
