@@ -422,17 +422,19 @@ class EagleStrategy(Strategy):
         src_hidden = rs.hidden[:, None, :].expand(bs, K, -1) if self.eagle3 else None
         # the fused path forks the beams' scratch rows with one launch per step (page size 1)
         fork = fused and K > 1 and ps == 1
+        # every step's new entries at once, [S - 1, bs] (row s - 1: step s's, contiguous)
+        step_idx = (P + (1 - sh))[None, :] + eng.arange(S - 1)[:, None] if S > 1 else None
         if K > 1 and S > 1:
             scratch_rows, scratch_units = rs.scratch_rows, rs.scratch_units  # [bs, 2K], [bs, K(S-1)]
             if fork:  # each parity's K rows contiguous: [2, bs, K]
                 parity_rows = scratch_rows.view(bs, 2, K).transpose(0, 1).contiguous()
             elif ps == 1:
                 scratch_slots = scratch_units.to(rtt.dtype)                  # (one cast a round)
-            c0 = P + (1 - sh) if ps == 1 else (P + (1 - sh)) // ps * ps      # first page of the drafts
+            c0 = step_idx[0] if ps == 1 else step_idx[0] // ps * ps          # first page of the drafts
             if S > 2 and not fork:  # every step's ancestor columns: step s copies the first s - 1 + ps
                 cols_all = (c0[:, None, None] + eng.arange(S - 2 + ps)).clamp(max=eng.max_context - 1)
         for s in range(1, S):
-            idx = P + (s - sh)                                # the beams' new entries [bs]
+            idx = step_idx[s - 1]                             # the beams' new entries [bs]
             prefix = None
             if K == 1:
                 cur = rows[:, None]
