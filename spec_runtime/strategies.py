@@ -423,7 +423,8 @@ class EagleStrategy(Strategy):
         # the fused path forks the beams' scratch rows with one launch per step (page size 1)
         fork = fused and K > 1 and ps == 1
         # every step's new entries at once, [S - 1, bs] (row s - 1: step s's, contiguous)
-        step_idx = (P + (1 - sh))[None, :] + eng.arange(S - 1)[:, None] if S > 1 else None
+        step_idx = P[None, :] + eng.constant(("eagle_step_offsets", S, sh), lambda: (
+            eng.arange(S - 1) + (1 - sh))[:, None]) if S > 1 else None
         if K > 1 and S > 1:
             scratch_rows, scratch_units = rs.scratch_rows, rs.scratch_units  # [bs, 2K], [bs, K(S-1)]
             if fork:  # each parity's K rows contiguous: [2, bs, K]
