@@ -74,7 +74,7 @@ class E2EConfig:
     max_new_tokens: int = 128
     min_requests: int = 4
     requests_per_row: int = 4               # prompts per request row (continuous batching)
-    min_free_slots: int = 1                 # Engine(min_free_slots=min(this, bs)): admission batching
+    min_free_slots: Optional[int] = None    # Engine(min_free_slots=min(this, bs)); None: the engine's default
     chain: Dict[str, int] = field(default_factory=lambda: dict(topk=1, num_steps=5, num_draft_tokens=6))
     tree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=5, num_draft_tokens=16))
     block_size: int = 16
@@ -338,7 +338,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
             say(f"{tag}: building the engine (CUDA graphs)")
             eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
                          eos_token_ids=(), cuda_graph=cfg.device.startswith("cuda"), draft_model=draft,
-                         min_free_slots=min(cfg.min_free_slots, bs))
+                         min_free_slots=None if cfg.min_free_slots is None else min(cfg.min_free_slots, bs))
             say(f"{tag}: warm-up, timing" + (", profiling" if cfg.profile else ""))
             row, outs = measure_engine(eng, [[p for b in batches for p in b]], cfg.max_new_tokens, cfg.profile)
             row.update(algo=algo, prompt_set=set_name, backend=cfg.backend, dtype=cfg.dtype, bs=bs,
@@ -348,7 +348,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                                 ("self-speculative" if spec.algo == "eagle" else
                                  ("random-init" if spec.algo == "dflash" else None))),
                        draft_vocab=(draft_vocab or None) if spec.algo == "eagle" and draft is not None else None,
-                       whole_round_graphs=eng.whole_round_graphs)
+                       whole_round_graphs=eng.whole_round_graphs, min_free_slots=eng.min_free_slots)
             if algo == "none":
                 base_out[set_name, bs], base_tps[set_name, bs] = outs, row["tokens_per_s"]
                 row["lossless"] = "reference"
@@ -419,9 +419,12 @@ def _eagle_settings(report: dict) -> str:
 
 
 def _admission_settings(report: dict) -> str:
-    """The admission batching of the run, when on."""
-    n = (report.get("settings") or {}).get("min_free_slots", 1)
-    return f" Waiting requests are admitted once {n} rows are free." if n > 1 else ""
+    """The admission batching of the run: rows free before waiting requests are prefilled."""
+    per_bs = {r["bs"]: r["min_free_slots"] for r in report["rows"] if r.get("min_free_slots")}
+    if all(n == 1 for n in per_bs.values()):
+        return ""
+    return (" Waiting requests are prefilled once "
+            + ", ".join(f"{n} (bs {bs})" for bs, n in sorted(per_bs.items())) + " rows are free.")
 
 
 def markdown(report: dict) -> str:

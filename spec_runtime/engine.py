@@ -162,6 +162,26 @@ class RoundBatch:
         return self.host_prefix_lens.repeat_interleave(repeat) + offset
 
 
+def default_min_free_slots(max_batch: int) -> int:
+    """The engine's default admission batching for ``max_batch`` request rows:
+    ``max(1, round(sqrt(max_batch)) - 1)`` rows free before waiting requests are prefilled
+    (1 up to batch 6, 2 at 8, 3 at 16, 7 at 64).
+
+    A freed row left idle costs ``1 / max_batch`` of a round per round it waits, while each
+    prefill it shares saves a whole small launch-bound forward (about 1 ms of kernels at
+    batch 1 on an H200 with the 135M model, near a bs-16 round), so the wait pays more the
+    more rows share a round.  Measured at batch 16 (EAGLE tree, H200, 64 chat requests x 128
+    tokens, speedup over plain decoding): 1 -> 1.25x / 1.26x, 2 -> 1.27x / 1.28x,
+    3 -> 1.32x / 1.29x / 1.32x, 4 -> 1.28x.
+
+    Raises:
+        ValueError: ``max_batch < 1``.
+    """
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return max(1, round(max_batch ** 0.5) - 1)
+
+
 class Engine:
     """Runs a Llama model (and its drafter) over the pools and backends.
 
@@ -196,8 +216,9 @@ class Engine:
             waiting ones are prefilled only once at least ``min(min_free_slots, waiting)``
             rows are free, or a free row has waited ``max_admission_delay`` rounds, so
             rows freed one at a time share one prefill (a speculative round's prefill also
-            runs the drafter's).  1 (default): every free row is filled at once.  SGLang's
-            ``min_free_slots`` delayer (its default for DFlash drafters) is the same rule.
+            runs the drafter's).  1: every free row is filled at once.  None (default):
+            :func:`default_min_free_slots` of ``max_batch``.  SGLang's ``min_free_slots``
+            delayer (its default for DFlash drafters) is the same rule.
         max_admission_delay: the most rounds a free row waits for others (>= 0).
 
     Attributes:
@@ -226,7 +247,8 @@ class Engine:
                  backend: str = "torch_reference", device=None, dtype=torch.float32,
                  max_batch: int = 8, max_context: int = 1024, eos_token_ids: Sequence[int] = (),
                  cuda_graph: bool = False, draft_model=None, page_size: int = 1,
-                 prefill_graph_tokens: int = 4096, min_free_slots: int = 1, max_admission_delay: int = 16):
+                 prefill_graph_tokens: int = 4096, min_free_slots: Optional[int] = None,
+                 max_admission_delay: int = 16):
         self.spec = spec or SpecConfig()
         self.spec.validate()
         if page_size < 1 or max_context % page_size:
@@ -235,6 +257,8 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {prefill_graph_tokens}")
+        if min_free_slots is None:
+            min_free_slots = default_min_free_slots(max_batch)
         if not 1 <= min_free_slots <= max_batch:
             raise ValueError(f"min_free_slots must be in [1, max_batch={max_batch}], got {min_free_slots}")
         if max_admission_delay < 0:

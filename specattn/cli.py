@@ -231,8 +231,9 @@ def bench_e2e(
     min_requests: int = typer.Option(4, min=1, help="Requests per batch size (batch 1: that many runs)."),
     requests_per_row: int = typer.Option(4, min=1, help="At least this many requests per request row: "
                                                         "waiting ones take the rows of finished ones."),
-    min_free_slots: int = typer.Option(1, min=1, help="Admission batching: prefill waiting requests once "
-                                                      "this many rows are free (capped by the batch size)."),
+    min_free_slots: Optional[int] = typer.Option(None, min=1, help="Admission batching: prefill waiting requests "
+                                                 "once this many rows are free (capped by the batch size; "
+                                                 "default: the engine's, round(sqrt(bs)) - 1, at least 1)."),
     chain: str = typer.Option("1,5,6", help="EAGLE chain: topk,num_steps,num_draft_tokens."),
     tree: str = typer.Option("4,5,16", help="EAGLE tree: topk,num_steps,num_draft_tokens."),
     block_size: int = typer.Option(16, min=2, help="DFlash block."),

@@ -142,4 +142,5 @@ def test_run_e2e_dry_run_on_cpu(tmp_path, seed, monkeypatch):
     assert {r["drafter"] for r in rows if r["algo"].startswith("eagle")} == {drafter.name}
     paths = e2e.write_results(report, tmp_path / "out")
     assert (tmp_path / "out" / "e2e.md").read_text() == e2e.markdown(report)
-    assert "admitted once 2 rows are free" in e2e.markdown(report)
+    assert {(r["bs"], r["min_free_slots"]) for r in rows} == {(1, 1), (2, 2)}
+    assert "prefilled once 1 (bs 1), 2 (bs 2) rows are free" in e2e.markdown(report)

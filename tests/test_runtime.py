@@ -12,7 +12,7 @@ import torch
 
 from runtime_backend import (SHIPPED_IDS, SHIPPED_SPECS, check_rows_restored, make_engine,
                             skip_real_model_if_interpreted)
-from specattn.spec_runtime.engine import SpecConfig
+from specattn.spec_runtime.engine import SpecConfig, default_min_free_slots
 from specattn.spec_runtime.loader import LlamaConfig, apply_chat_template, hf_greedy, load_hf_dir, write_random_hf_dir
 from specattn.spec_runtime.sampling import SamplingParams
 
@@ -244,6 +244,10 @@ def test_admission_batching(tmp_path, spec, backend_name):
     assert eng.admission_due(running=1, free=3, waiting=9, rounds_held=0)
     assert eng.admission_due(running=3, free=1, waiting=1, rounds_held=0)      # all the queue fits
     assert not eng.admission_due(running=2, free=2, waiting=5, rounds_held=0)
+    assert make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=4).min_free_slots == 1
+    assert [default_min_free_slots(b) for b in (1, 2, 4, 6, 7, 8, 16, 24, 64, 256)] == [1, 1, 1, 1, 2, 2, 3, 4, 7, 15]
+    with pytest.raises(ValueError, match="max_batch"):
+        default_min_free_slots(0)
     for bad in (dict(min_free_slots=0), dict(min_free_slots=5), dict(max_admission_delay=-1)):
         with pytest.raises(ValueError, match="min_free_slots|max_admission_delay"):
             make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=4, **bad)
