@@ -9,6 +9,10 @@ A backend is metadata builders plus kernels.  Per forward:
   ``init_forward_metadata_replay_cuda_graph(batch)`` (writes the live batch's metadata into
   the same static buffers: device work only, no host sync) then ``graph.replay()``.
 
+A runtime that captures whole rounds (``device_metadata`` backends) builds each forward's
+metadata inside the capture with ``init_forward_metadata_in_capture(batch)``, which may read
+the batch's tensors in place (they are the capture's own).
+
 In graph mode ``batch`` is the graph runner's padded batch over its static input buffers
 (see :class:`specattn.backends.cuda_graph.GraphInputBuffers`): ``batch_size`` is the padded
 size; padded requests have ``prefix_lens = 0``, write their KV to the reserved slot 0 and their
@@ -145,6 +149,15 @@ class AttentionBackend(ABC):
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
         """Before a replay: recompute ``batch``'s metadata into the static buffers (device
         work only, no host sync, no allocation that the graph reads)."""
+
+    def init_forward_metadata_in_capture(self, batch: ForwardBatch) -> None:
+        """A forward's metadata built inside a whole-round capture (:attr:`device_metadata`
+        backends; also the eager warm-up of that round): ``batch``'s tensors were made by
+        the captured work itself, so at every replay they hold that replay's values at the
+        same addresses, and a backend may read them in place instead of copying them into
+        its static buffers (a launch saved per tensor and forward).  The default builds as
+        :meth:`init_forward_metadata_capture_cuda_graph`."""
+        self.init_forward_metadata_capture_cuda_graph(batch)
 
     # --------------------------------------------------------------- forward
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],

@@ -144,11 +144,16 @@ def fill_triton_metadata(batch: ForwardBatch, md: TritonMetadata, qo_indptr_read
     if not qo_indptr_ready:
         md.qo_indptr[:1].zero_()
         torch.cumsum(batch.extend_lens, 0, dtype=torch.int32, out=md.qo_indptr[1:])
-    md.prefix_lens.copy_(batch.prefix_lens)
-    md.req_pool_indices.copy_(batch.req_pool_indices)
-    if md.tree_mask is not None:
-        md.tree_mask.copy_(batch.tree_mask)
+    for dst, src in ((md.prefix_lens, batch.prefix_lens), (md.req_pool_indices, batch.req_pool_indices),
+                     (md.tree_mask, batch.tree_mask)):
+        if dst is not None and dst is not src:   # (a metadata tensor may be the batch's own)
+            dst.copy_(src)
     return md
+
+
+def _aliasable(t: Optional[torch.Tensor], dtype: torch.dtype, shape: tuple) -> bool:
+    """Whether a batch tensor can serve as the metadata tensor of ``dtype`` and ``shape``."""
+    return t is not None and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous()
 
 
 def _max_q_static(batch: ForwardBatch, width: int) -> int:
@@ -294,7 +299,7 @@ class TritonBackend(AttentionBackend):
                                   dtype=torch.int32, device=dev),
             fixed_qo_indptr={})
 
-    def _graph_metadata(self, batch: ForwardBatch) -> Optional[TritonMetadata]:
+    def _graph_metadata(self, batch: ForwardBatch, in_capture: bool = False) -> Optional[TritonMetadata]:
         mode = batch.forward_mode
         if mode.is_idle():
             return None
@@ -314,8 +319,15 @@ class TritonBackend(AttentionBackend):
             fixed = g["fixed_qo_indptr"][max_q] = torch.arange(
                 0, (g["max_bs"] + 1) * max_q, max_q, dtype=torch.int32, device=g["qo_indptr"].device)
         qo = g["qo_indptr"][:bs + 1] if fixed is None else fixed[:bs + 1]
-        md = TritonMetadata(mode, qo, g["prefix_lens"][:bs], g["req_pool_indices"][:bs], tm, max_q,
-                            self.graph_prefix_bound)
+        prefix_lens, rows = g["prefix_lens"][:bs], g["req_pool_indices"][:bs]
+        if in_capture:  # the batch's own tensors where their layout fits (no copies)
+            if _aliasable(batch.prefix_lens, torch.int32, (bs,)):
+                prefix_lens = batch.prefix_lens
+            if _aliasable(batch.req_pool_indices, torch.int64, (bs,)):
+                rows = batch.req_pool_indices
+            if tm is not None and _aliasable(batch.tree_mask, torch.int32, tuple(tm.shape)):
+                tm = batch.tree_mask
+        md = TritonMetadata(mode, qo, prefix_lens, rows, tm, max_q, self.graph_prefix_bound)
         return fill_triton_metadata(batch, md, qo_indptr_ready=fixed is not None)
 
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
@@ -326,6 +338,15 @@ class TritonBackend(AttentionBackend):
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
         self.forward_metadata = self._graph_metadata(batch)
+
+    def init_forward_metadata_in_capture(self, batch: ForwardBatch) -> None:
+        """As :meth:`init_forward_metadata_capture_cuda_graph`, reading the batch's
+        ``prefix_lens`` (int32), ``req_pool_indices`` (int64) and ``tree_mask`` in place
+        where they are contiguous and of the metadata's shape (base class docstring)."""
+        if not self.supports(batch.forward_mode, graph=True, kind=self.kind):
+            raise ValueError(f"{batch.forward_mode.name} cannot be captured by {self.name} "
+                             f"for {self.kind.name}")
+        self.forward_metadata = self._graph_metadata(batch, in_capture=True)
 
     # --------------------------------------------------------------- forward
     def _num_splits(self, md: TritonMetadata, layer: AttentionLayer, q_dtype: torch.dtype) -> int:

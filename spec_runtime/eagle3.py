@@ -505,7 +505,7 @@ class Eagle3Drafter(TargetSharingDrafter):
     # ------------------------------------------------------------------ inference
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
                 hidden_in: torch.Tensor, logit_rows: Optional[torch.Tensor] = None,
-                top_k: Optional[int] = None):
+                top_k: Optional[int] = None, hidden_rows: Optional[torch.Tensor] = None):
         """One drafter forward through the attention backend (any mode; CUDA-graph safe: no
         host syncs, shapes fixed by the inputs).
 
@@ -518,7 +518,10 @@ class Eagle3Drafter(TargetSharingDrafter):
                 written at ``batch.out_cache_loc``.
             backend: attention backend over a pool from :meth:`make_kv_pool`.
             hidden_in: ``[T, 3H]`` target features (aux layers concatenated) or ``[T, H]``
-                the drafter's previous prenorm output.
+                the drafter's previous prenorm output; with ``hidden_rows``, ``[N, 3H or H]``.
+            hidden_rows: int64 ``[T]`` in ``[0, N)``: entry ``t`` reads ``hidden_in[hidden_rows[t]]``
+                (one gather, which also gives the layer its own residual buffer: an EAGLE
+                draft step's beams reading the rows of the beams they continue).
             logit_rows: int64 ``[R]``: run the final norm + LM head on those rows only.
             top_k: on the fused path (CUDA, inference), return the ``top_k`` (1-16) best
                 log-probabilities per row and their token ids in place of the logits
@@ -534,6 +537,11 @@ class Eagle3Drafter(TargetSharingDrafter):
         """
         c = self.config
         T = input_ids.shape[0]
+        if hidden_rows is not None:
+            if hidden_in.dim() != 2 or hidden_rows.shape != (T,):
+                raise ValueError(f"hidden_rows must be [T={T}] rows of a 2-d hidden_in, got "
+                                 f"{tuple(hidden_rows.shape)} of {tuple(hidden_in.shape)}")
+            hidden_in = hidden_in.index_select(0, hidden_rows)
         if hidden_in.dim() != 2 or hidden_in.shape[0] != T:
             raise ValueError(f"hidden_in must be [T={T}, 3H or H], got {tuple(hidden_in.shape)}")
         h = self.project_hidden(hidden_in.to(self.dtype))
@@ -557,7 +565,9 @@ class Eagle3Drafter(TargetSharingDrafter):
         # the layer's tail in three fused ops (their references on the CPU: the same math as
         # _finish): h += o @ Wo^T; act = SwiGLU(norm(h)); h += act @ Wd^T
         p, w = "midlayer.", self.w
-        res = h.clone() if h.data_ptr() == hidden_in.data_ptr() else h
+        # the residual stream is updated in place: never in the caller's tensor (a gathered
+        # hidden_in is the layer's own)
+        res = h.clone() if hidden_rows is None and h.data_ptr() == hidden_in.data_ptr() else h
         if fused:  # norm weights folded in; each residual GEMM hands its rows' sums of squares on
             _, ss = ops.matmul_residual(o.reshape(T, -1), w[p + "self_attn.o_proj.weight"], res,
                                         return_row_sumsq=True)

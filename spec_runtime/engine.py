@@ -301,6 +301,12 @@ class Engine:
         self.prefix_lens = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.roots = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.strategy.build(self)
+        # the dummy row's state, zeroed after each round: zero sources made here, outside any
+        # capture, written with one ops.scatter_rows launch per MAX_ROW_TENSORS tensors
+        state = [self.prefix_lens, self.roots, *self.strategy.row_state()]
+        self._dummy_index = torch.full((1,), self.dummy_row, dtype=torch.int64, device=self.device)
+        zeros = [(t, torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)) for t in state]
+        self._dummy_resets = [zeros[i:i + ops.MAX_ROW_TENSORS] for i in range(0, len(zeros), ops.MAX_ROW_TENSORS)]
         self.generator = torch.Generator(device=self.device)
         self.num_forward_target = 0
         self.params = SamplingParams()
@@ -516,9 +522,8 @@ class Engine:
         return params.greedy or hasattr(torch.cuda.CUDAGraph, "register_generator_state")
 
     def _reset_dummy(self) -> None:
-        self.prefix_lens[self.dummy_row].zero_()   # (a kernel: no host scalar copy in a capture)
-        self.roots[self.dummy_row].zero_()
-        self.strategy.reset_row(self, self.dummy_row)
+        for pairs in self._dummy_resets:
+            ops.scatter_rows(self._dummy_index, pairs, check_values=False)
 
     # ------------------------------------------------------------------ public ops for strategies
     def batch(self, mode: ForwardMode, rows: torch.Tensor, prefix_lens: torch.Tensor, n: int,
@@ -563,15 +568,19 @@ class Engine:
 
     def forward(self, role: str, input_ids: torch.Tensor, batch: ForwardBatch,
                 hidden_in: Optional[torch.Tensor] = None, capture_layers: Sequence[int] = (),
-                logit_rows: Optional[torch.Tensor] = None, top_k: Optional[int] = None) -> ForwardOut:
+                logit_rows: Optional[torch.Tensor] = None, top_k: Optional[int] = None,
+                hidden_rows: Optional[torch.Tensor] = None) -> ForwardOut:
         """One forward of ``role``'s model over ``batch`` (metadata built here: eagerly, by
         the graph builders inside a whole-round capture, or by a per-mode graph's replay).
-        ``hidden_in [T, *]`` feeds an EAGLE-3 drafter; ``capture_layers`` asks the model for
+        ``hidden_in [T, *]`` feeds an EAGLE-3 drafter (``[N, *]`` read at the int64 ``[T]``
+        ``hidden_rows`` when given); ``capture_layers`` asks the model for
         the residual stream after those layers (``ForwardOut.features``); ``logit_rows``
         (int64 ``[R]``): return the logits of those token rows only (``[R, V]``; an EAGLE-3
         drafter then runs its LM head on those rows alone); ``top_k``: the caller reads only
         the ``top_k`` best log-probabilities per row, so a fused LM head may return those
         (``ForwardOut.top``) instead of the logits."""
+        if hidden_rows is not None and hidden_in is None:
+            raise ValueError("hidden_rows needs hidden_in")
         model, backend = self.model_of(role), self.backend_of(role)
         plain = hidden_in is None and not capture_layers
         runner = self.runners.get((id(model), batch.forward_mode)) if plain else None
@@ -579,12 +588,12 @@ class Engine:
             out = ForwardOut(runner.run(batch, input_ids))
         else:
             if self._graph_mode:
-                backend.init_forward_metadata_capture_cuda_graph(batch)
+                backend.init_forward_metadata_in_capture(batch)
             else:
                 backend.init_forward_metadata(batch)
             if hidden_in is not None:  # an EAGLE-3 drafter: its LM head runs on logit_rows only
                 hidden, logits = model.forward(input_ids, batch, backend, hidden_in, logit_rows=logit_rows,
-                                               top_k=top_k)
+                                               top_k=top_k, hidden_rows=hidden_rows)
                 return ForwardOut(None, hidden, top=logits) if isinstance(logits, tuple) else ForwardOut(logits, hidden)
             return self._forward_plain(model, backend, input_ids, batch, capture_layers, logit_rows, top_k)
         if logit_rows is not None:
@@ -594,9 +603,8 @@ class Engine:
     @staticmethod
     def _forward_plain(model, backend, input_ids, batch, capture_layers, logit_rows, top_k) -> ForwardOut:
         if hasattr(model, "forward_logits"):
-            logits, caps = model.forward_logits(input_ids, batch, backend, capture_layers=capture_layers,
-                                                logit_rows=logit_rows, top_k=top_k)
-            feats = torch.cat(caps, -1) if caps else None
+            logits, feats = model.forward_logits(input_ids, batch, backend, capture_layers=capture_layers,
+                                                 logit_rows=logit_rows, top_k=top_k)
             if isinstance(logits, tuple):
                 return ForwardOut(None, None, feats, top=logits)
             return ForwardOut(logits, None, feats)

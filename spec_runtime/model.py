@@ -174,21 +174,25 @@ class LlamaModel:
                        top_k: Optional[int] = None):
         """float32 logits ``[T, vocab]`` of ``input_ids [T]`` (``[R, vocab]`` of the token rows
         ``logit_rows``, int64 ``[R]``, when given: the final norm and LM head run on those
-        rows only) and the residual stream after each layer in ``capture_layers`` (as
-        :meth:`forward`), by the fused ops when ``self.fused`` (module docstring), else
-        ``logits(forward(...))``.  With ``top_k`` (1-16) on the fused path, the first item
-        is instead ``(values float32 [R, top_k], indices int64 [R, top_k])``, the best
+        rows only) and the residual stream after each layer in ``capture_layers``, side by
+        side in layer order: ``[T, n * hidden_size]`` (None when no layer is captured;
+        the fused path copies each into its columns, no concatenation), by the fused ops
+        when ``self.fused`` (module docstring), else ``logits(forward(...))``.  With
+        ``top_k`` (1-16) on the fused path, the first item is instead ``(values float32 [R, top_k], indices int64 [R, top_k])``, the best
         log-probabilities per row from :func:`specattn.ops.rms_norm_matmul_topk` (the
         logits are never written).  Writes the KV at ``batch.out_cache_loc`` of
         ``backend.kv_pool``; no host sync."""
         if not self.fused:
             hidden, captured = self.forward(input_ids, batch, backend, capture_layers)
-            return self.logits(hidden if logit_rows is None else hidden[logit_rows]), captured
+            return (self.logits(hidden if logit_rows is None else hidden[logit_rows]),
+                    torch.cat(captured, -1) if captured else None)
         c, w = self.config, self.w
         T, eps = input_ids.shape[0], c.rms_norm_eps
         pool = backend.kv_pool
         h = w["model.embed_tokens.weight"][input_ids]
-        captured = []
+        H = h.shape[1]
+        cap = [i for i in range(len(self.layers)) if i in capture_layers]   # (forward's order)
+        captured = torch.empty(T, len(cap) * H, dtype=h.dtype, device=h.device) if cap else None
         ss = None  # the rows' sums of squares of h, from the residual GEMM that wrote it
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -203,7 +207,8 @@ class LlamaModel:
                                       w[p + "mlp.up_proj.folded_weight"], eps, row_sumsq=ss)
             _, ss = ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], h, return_row_sumsq=True)
             if i in capture_layers:
-                captured.append(h.clone())
+                j = cap.index(i)
+                captured[:, j * H:(j + 1) * H].copy_(h)
         if logit_rows is not None:
             h, ss = h[logit_rows], None
         if top_k is not None and top_k <= ops.TOPK_MAX_K:

@@ -24,7 +24,7 @@ Nothing serializes the round: the lookup is device work inside the round's CUDA 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Tuple
+from typing import TYPE_CHECKING, Dict, List, Tuple
 
 import torch
 
@@ -93,8 +93,8 @@ class NgramStrategy(Strategy):
         self.history = torch.zeros(eng.max_batch + 1, eng.max_context, dtype=torch.int64, device=eng.device)
         self.tree_mask, self.depth, self.next_token, self.next_sibling = chains_tree_shape(self.K, self.S, eng.device)
 
-    def reset_row(self, eng: "Engine", row: int) -> None:
-        self.history[row].zero_()
+    def row_state(self) -> List[torch.Tensor]:
+        return [self.history]
 
     def prefill(self, eng: "Engine", pb: "PrefillBatch") -> None:
         """The prompts and roots into ``history`` (device work: padding tokens write the

@@ -180,8 +180,10 @@ class Strategy(ABC):
     def build(self, eng: "Engine") -> None:
         """Allocate the strategy's device state (one row per engine request row + dummy)."""
 
-    def reset_row(self, eng: "Engine", row: int) -> None:
-        """Clear the state of ``row`` (the dummy row after each round)."""
+    def row_state(self) -> List[torch.Tensor]:
+        """The strategy's contiguous per-request-row state tensors ``[rows, ...]`` (built by
+        :meth:`build`), whose dummy row the engine zeroes after each round."""
+        return []
 
     @abstractmethod
     def graph_state_sizes(self, max_batch: int) -> Dict[Role, Tuple[int, int]]:
@@ -320,11 +322,8 @@ class EagleStrategy(Strategy):
         self.hidden = torch.zeros(n, self.drafter.hidden_size, dtype=eng.dtype, device=dev) \
             if self.eagle3 else None
 
-    def reset_row(self, eng: "Engine", row: int) -> None:
-        self.top_scores[row].zero_()
-        self.top_tokens[row].zero_()
-        if self.hidden is not None:
-            self.hidden[row].zero_()
+    def row_state(self) -> List[torch.Tensor]:
+        return [self.top_scores, self.top_tokens] + ([] if self.hidden is None else [self.hidden])
 
     def _top(self, o: "ForwardOut") -> Tuple[torch.Tensor, torch.Tensor]:
         """The drafter's ``K`` best (log-probabilities, target token ids) per row of a forward
@@ -419,12 +418,19 @@ class EagleStrategy(Strategy):
             parent_list = torch.empty(bs, K * (S - 1) + 1, dtype=torch.int64, device=eng.device)
             parent_list[:, :K + 1] = blocks[0]
         src_rows = rows[:, None].expand(bs, K)
-        src_hidden = rs.hidden[:, None, :].expand(bs, K, -1) if self.eagle3 else None
+        # EAGLE-3: each step's beams read the hidden rows of the beams they continue (the
+        # first step's all the root's), gathered by the drafter's forward
+        hid_src = rs.hidden if self.eagle3 else None
+        hid_rows = eng.constant(("eagle_root_beams", bs, K), lambda: eng.arange(bs).repeat_interleave(K)) \
+            if self.eagle3 else None
         # the fused path forks the beams' scratch rows with one launch per step (page size 1)
         fork = fused and K > 1 and ps == 1
         # every step's new entries at once, [S - 1, bs] (row s - 1: step s's, contiguous)
         step_idx = P[None, :] + eng.constant(("eagle_step_offsets", S, sh), lambda: (
             eng.arange(S - 1) + (1 - sh))[:, None]) if S > 1 else None
+        if S > 1:  # the beams' prefix lengths of every step, int32 as the batches take them
+            step_prefix = torch.empty(S - 1, bs, K, dtype=torch.int32, device=eng.device)
+            step_prefix.copy_(step_idx[:, :, None].expand(S - 1, bs, K))
         if K > 1 and S > 1:
             scratch_rows, scratch_units = rs.scratch_rows, rs.scratch_units  # [bs, 2K], [bs, K(S-1)]
             if fork:  # each parity's K rows contiguous: [2, bs, K]
@@ -465,10 +471,10 @@ class EagleStrategy(Strategy):
                     slots = page_slots.gather(2, (idx % ps)[:, None, None].expand(bs, K, 1)).squeeze(2)
             if prefix is None:
                 prefix = idx[:, None].expand(bs, K).reshape(-1)
-            batch = eng.batch(ForwardMode.DECODE, cur.reshape(-1), prefix, 1, slots.reshape(-1),
-                              host_prefix_lens=rb.host(s - sh, repeat=K))
-            o = eng.forward("draft", beam_tokens.reshape(-1), batch,
-                            hidden_in=src_hidden.reshape(bs * K, -1) if self.eagle3 else None, top_k=K)
+            batch = eng.batch(ForwardMode.DECODE, cur.reshape(-1), step_prefix[s - 1].view(-1), 1,
+                              slots.reshape(-1), positions=prefix, host_prefix_lens=rb.host(s - sh, repeat=K))
+            o = eng.forward("draft", beam_tokens.reshape(-1), batch, hidden_in=hid_src, hidden_rows=hid_rows,
+                            top_k=K)
             child_scores, child_tokens = self._top(o)                        # [bs*K, K]
             if fused:  # one launch: this step's candidates, the next beams, their parent block
                 nxt = s < S - 1
@@ -495,8 +501,9 @@ class EagleStrategy(Strategy):
                         src_rows = cur.gather(1, parent)
                     blocks.append(best + (K + (s - 1) * K * K))
             if s < S - 1 and self.eagle3:
-                h = o.hidden.view(bs, K, -1)
-                src_hidden = h.gather(1, parent[..., None].expand(bs, K, h.shape[-1]))
+                hid_src = o.hidden                                           # [bs * K, H]
+                hid_rows = (parent + eng.constant(("beam_row_base", bs, K),
+                                                  lambda: eng.arange(bs)[:, None] * K)).view(-1)
         if K > 1 and S > 1:  # undo the scratch rows' columns: the next round's prefix is there
             width = (-(-(S - 1) // ps) + 1) * ps
             if fused:

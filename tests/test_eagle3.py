@@ -208,7 +208,18 @@ def test_inference_forward_equals_dense_ttt(seed, tied):
             req.write(r, P[i], loc[i:i + 1])
         b = ForwardBatch.decode(rows, P, loc)
         be.init_forward_metadata(b)
-        h, logits = dr.forward(torch.stack([x[0, t + 1 + k] for t in ts]), b, be, h)
+        ids_k = torch.stack([x[0, t + 1 + k] for t in ts])
+        # hidden_rows: the same rows read from a larger buffer (poisoned elsewhere), untouched
+        perm = torch.randperm(len(rows) + 2, generator=g)[:len(rows)]
+        buf = torch.full((len(rows) + 2, cfg.hidden_size), float("nan"))
+        buf[perm] = h
+        kept = buf.clone()
+        h_rows, logits_rows = dr.forward(ids_k, b, be, buf, hidden_rows=perm)
+        assert torch.equal(buf.nan_to_num(7.0), kept.nan_to_num(7.0))
+        with pytest.raises(ValueError, match="hidden_rows"):
+            dr.forward(ids_k, b, be, buf, hidden_rows=perm[:1])
+        h, logits = dr.forward(ids_k, b, be, h)
+        assert torch.equal(h_rows, h) and torch.equal(logits_rows, logits)
         ref = outs[k][0][ts]
         _close(h, ref)
         _close(logits, dr.logits(ref))

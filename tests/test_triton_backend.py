@@ -563,3 +563,29 @@ def test_graph_prefix_bound_reaches_the_split_rule(seed):
     assert split_keys_mha(3, 3, 16) == MIN_SPLIT_KEYS_MHA                    # bs-1 decode (rows padded to 16)
     assert split_keys_mha(48, 48, 64) == MIN_SPLIT_KEYS_MHA * (48 * 48 // SPLIT_WORK_UNIT)   # bs 16 verify
     assert split_keys_mha(192, 3, 16) > split_keys_mha(48, 3, 16) > split_keys_mha(12, 3, 16)
+
+
+def test_in_capture_metadata_reads_the_batch_in_place(seed):
+    """Inside a whole-round capture the graph metadata takes the batch's own prefix lengths
+    (int32), rows (int64) and tree mask where their layout fits, with no copies, and attends
+    exactly as the copying builder; a batch tensor of another dtype is copied instead."""
+    import dataclasses
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        sc = make_scenario(mode, bs=3, device="cpu", rng=random.Random(seed), max_prefix=20, D=4)
+        be = TritonBackend(sc.req_pool, sc.kv_pool)
+        be.init_cuda_graph_state(3, sc.batch.num_tokens)
+        q, k, v = random_qkv(sc)
+        be.init_forward_metadata_capture_cuda_graph(sc.batch)
+        want = be.forward(q, k, v, sc.layer, sc.batch)
+        batch = dataclasses.replace(sc.batch, prefix_lens=sc.batch.prefix_lens.to(torch.int32).clone(),
+                                    req_pool_indices=sc.batch.req_pool_indices.long().clone())
+        be.init_forward_metadata_in_capture(batch)
+        md = be.forward_metadata
+        assert md.prefix_lens is batch.prefix_lens and md.req_pool_indices is batch.req_pool_indices
+        assert md.tree_mask is batch.tree_mask      # (None for DECODE)
+        assert torch.equal(be.forward(q, k, v, sc.layer, batch), want)
+        copied = dataclasses.replace(batch, prefix_lens=batch.prefix_lens.long())
+        be.init_forward_metadata_in_capture(copied)
+        assert be.forward_metadata.prefix_lens is not copied.prefix_lens
+        assert torch.equal(be.forward_metadata.prefix_lens, batch.prefix_lens)
+        assert torch.equal(be.forward(q, k, v, sc.layer, copied), want)
