@@ -98,6 +98,11 @@ class RoutedBackend(AttentionBackend):
         b.init_forward_metadata_replay_cuda_graph(batch)
         self.forward_metadata = b.forward_metadata
 
+    def init_forward_metadata_in_capture(self, batch: ForwardBatch) -> None:
+        b = self._select(batch)
+        b.init_forward_metadata_in_capture(batch)
+        self.forward_metadata = b.forward_metadata
+
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                 layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         """The routed backend's ``forward`` (its checks, its KV write, its kernel).  The mode's

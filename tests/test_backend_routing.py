@@ -136,3 +136,24 @@ def test_no_route_when_the_fallback_lacks_it(tiny, monkeypatch):
     fake_registry(monkeypatch, lacking(M.TARGET_VERIFY, name="fi"), lacking(M.TARGET_VERIFY, name="triton"))
     with pytest.raises(UnsupportedError, match="target TARGET_VERIFY"):
         Engine(cfg, dict(w), spec=SpecConfig("eagle", 1, 2, 3, 2), max_context=64)
+
+
+def test_in_capture_metadata_goes_to_the_mode_backend():
+    """``init_forward_metadata_in_capture`` is routed like the other builders: the mode's
+    backend builds it (the triton backend reading the batch's tensors in place), and a
+    forward of another mode's metadata still fails."""
+    from specattn.backends.triton_backend import TritonBackend
+    req, kv = pools()
+    primary = lacking(M.DECODE)(req, kv)
+    tb = TritonBackend(req, kv)
+    r = RoutedBackend(primary, {M.DECODE: tb})
+    r.init_cuda_graph_state(2, 8)
+    req.write(0, 0, torch.arange(1, 9))
+    decode = ForwardBatch.decode([0], torch.tensor([5], dtype=torch.int32), torch.tensor([6]))
+    r.init_forward_metadata_in_capture(decode)
+    assert r.forward_metadata is tb.forward_metadata
+    assert tb.forward_metadata.prefix_lens is decode.prefix_lens
+    layer = AttentionLayer.mha(0, 2, 2, 16)
+    with pytest.raises(RuntimeError, match="last metadata"):
+        r.forward(torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16), layer,
+                  ForwardBatch.extend([0], [0], [3], torch.tensor([1, 2, 3])))
