@@ -18,8 +18,7 @@
 // bounds and never loop forever on bad values (walks are bounded by D).
 //
 // build_tree (one block per request, a thread per draft token, D <= kBuildMaxD = 512):
-//   1. the request's selected candidates, and its parent_list row up to kBuildMaxStagedWidth
-//      entries, go to shared memory in one round of loads (the prefix length too);
+//   1. the request's selected candidates go to shared memory;
 //   2. parent of draft j: the root when its beam (candidate / topk) is 0, else the draft
 //      whose candidate equals parent_list[b, beam] (a scan of the shared candidates; none:
 //      a missing parent, -1);
@@ -89,12 +88,9 @@ void check_out(const at::Tensor& t, const char* op, const char* name, at::Scalar
 }
 
 // ------------------------------------------------------------------------------ build_tree
-constexpr int kBuildMaxD = 512;       // mask rows of W <= 16 words; shared memory < 48 KiB
+constexpr int kBuildMaxD = 512;       // mask rows of W <= 16 words; shared memory < 40 KiB
 constexpr int kBuildMaxThreads = 512;
 constexpr int kBuildFiThreads = 256;  // at least this many threads when writing FlashInfer bytes
-// parent_list rows up to this width are staged in shared memory with the selected candidates,
-// so the parent lookup does not wait on a second, dependent global load
-constexpr int64_t kBuildMaxStagedWidth = 1024;
 
 struct BuildTreeArgs {
   IdxView parent_list;  // [bs, width]
@@ -171,22 +167,16 @@ __global__ void __launch_bounds__(kBuildMaxThreads)
     build_tree_kernel(const __grid_constant__ BuildTreeArgs a) {
   extern __shared__ int64_t s_build[];
   const int D = a.D, W = a.W;
-  const bool staged = a.width <= kBuildMaxStagedWidth;
-  const int64_t n_pl = staged ? a.width : 0;
   int64_t* s_sel = s_build;                                   // [D] candidate of draft j
-  int64_t* s_pl = s_sel + D;                                  // [n_pl] the parent_list row
-  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_pl + n_pl);  // [D * W] mask rows
+  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_sel + D);  // [D * W] mask rows
   int32_t* s_par = reinterpret_cast<int32_t*>(s_mask + D * W);  // [D] real parent or -1
   const int64_t b = blockIdx.x;
   const int tid = threadIdx.x, nth = blockDim.x;
 
-  // 1. every global read the walk needs, issued together: candidates, parent_list row, prefix
-  const int64_t prefix = a.seq_len(b);
   for (int j = tid; j < D; j += nth) {
     s_sel[j] = j >= 1 ? a.selected(b, j - 1) : -1;
     for (int w = 0; w < W; ++w) s_mask[j * W + w] = 0u;
   }
-  for (int64_t i = tid; i < n_pl; i += nth) s_pl[i] = a.parent_list(b, i);
   __syncthreads();
 
   // 2. parents
@@ -198,7 +188,7 @@ __global__ void __launch_bounds__(kBuildMaxThreads)
       if (beam == 0) {
         p = 0;
       } else if (beam > 0 && beam < a.width) {
-        const int64_t pc = staged ? s_pl[beam] : a.parent_list(b, beam);
+        const int64_t pc = a.parent_list(b, beam);
         for (int k = 1; k < D; ++k) {  // last match, as the reference's dict (distinct anyway)
           if (s_sel[k] == pc) p = k;
         }
@@ -209,6 +199,7 @@ __global__ void __launch_bounds__(kBuildMaxThreads)
   __syncthreads();
 
   // 3. mask rows, depth, links
+  const int64_t prefix = a.seq_len(b);
   for (int j = tid; j < D; j += nth) {
     uint32_t* row = s_mask + j * W;
     row[0] |= 1u;  // the root
@@ -554,9 +545,8 @@ void build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& selected_i
   a.W = W;
   int threads = std::max(32, (D + 31) / 32 * 32);
   if (fi_ptr != nullptr) threads = std::max(threads, kBuildFiThreads);
-  const size_t staged_width = width <= kBuildMaxStagedWidth ? static_cast<size_t>(width) : 0;
   const size_t smem = static_cast<size_t>(D) * (sizeof(int64_t) + sizeof(int32_t)) +
-                      staged_width * sizeof(int64_t) + static_cast<size_t>(D) * W * sizeof(uint32_t);
+                      static_cast<size_t>(D) * W * sizeof(uint32_t);
   build_tree_kernel<<<static_cast<unsigned>(bs), threads, smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
