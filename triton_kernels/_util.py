@@ -46,6 +46,18 @@ def is_pow2(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and not x & (x - 1)
 
 
+def require_device(t: torch.Tensor, op: str, interpret: bool) -> None:
+    """Refuse a launch of the Triton ``op`` on a tensor off CUDA unless the launch runs in
+    Triton's interpreter (``interpret``: the calling module's ``TRITON_INTERPRET`` flag).
+
+    Raises:
+        RuntimeError: ``t`` is not on a CUDA device and ``interpret`` is False.
+    """
+    if t.device.type != "cuda" and not interpret:
+        raise RuntimeError(f"triton implementation of {op} unavailable for tensors on "
+                           f"{t.device} (set TRITON_INTERPRET=1 to run it on the CPU)")
+
+
 def check_paged_metadata(q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                          prefix_lens: torch.Tensor, qo_indptr: torch.Tensor, tree_mask, max_q: int,
                          num_splits: int, num_slots: int, check_bounds: bool) -> None:

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import on_tensor_device
+from ._util import on_tensor_device, require_device
 from .topk import KEY_MAX, KEY_MIN, order_keys
 
 __all__ = ["eagle_beam_step", "select_draft_tokens", "fork_req_to_token_rows"]
@@ -182,12 +182,6 @@ def _fork_rows_kernel(rtt_ptr, rtt_s0, W, src_ptr, src_s0, src_s1, dst_ptr, dst_
 
 
 # ----------------------------------------------------------------------------- host side
-def _require_device(t: torch.Tensor, op: str) -> None:
-    if t.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(f"triton implementation of {op} unavailable for tensors on "
-                           f"{t.device} (set TRITON_INTERPRET=1 to run it on the CPU)")
-
-
 @on_tensor_device
 def eagle_beam_step(beam_scores: torch.Tensor, child_scores: torch.Tensor, child_tokens: torch.Tensor,
                     cand_scores: torch.Tensor, cand_tokens: torch.Tensor, offset: int,
@@ -197,7 +191,7 @@ def eagle_beam_step(beam_scores: torch.Tensor, child_scores: torch.Tensor, child
     """Triton :func:`specattn.ops.eagle_beam_step` (one launch; arguments validated by the
     wrapper).  Returns the tuple ``(scores, tokens, best, parents, src_rows)`` (the fields
     of ``specattn.ops.BeamStep``, which the wrapper builds) with ``select``, else None."""
-    _require_device(beam_scores, "eagle_beam_step")
+    require_device(beam_scores, "eagle_beam_step", _INTERPRET)
     bs, K = beam_scores.shape
     dev = beam_scores.device
     outs = None
@@ -240,7 +234,7 @@ def select_draft_tokens(scores: torch.Tensor, tokens: torch.Tensor, roots: torch
     """Triton :func:`specattn.ops.select_draft_tokens` (one launch; arguments validated by
     the wrapper: ``2 <= num_draft_tokens <= n_cand + 1``, ``n_cand <= 4096``).  Returns
     ``(selected int64 [bs, D - 1], draft_tokens int64 [bs, D])``, new tensors."""
-    _require_device(scores, "select_draft_tokens")
+    require_device(scores, "select_draft_tokens", _INTERPRET)
     bs, n = scores.shape
     nsel = int(num_draft_tokens) - 1
     dev = scores.device
@@ -264,7 +258,7 @@ def fork_req_to_token_rows(req_to_token: torch.Tensor, src_rows: torch.Tensor, d
     """Triton :func:`specattn.ops.fork_req_to_token_rows` (one launch; arguments validated
     by the wrapper).  Returns ``(prefix_lens, out_cache_loc)`` (int64 ``[bs * R]``) with
     ``new_col``, else None."""
-    _require_device(req_to_token, "fork_req_to_token_rows")
+    require_device(req_to_token, "fork_req_to_token_rows", _INTERPRET)
     bs, R = dst_rows.shape
     dev = req_to_token.device
     has_new = new_col is not None

@@ -80,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import is_pow2, launch_fitting, on_tensor_device
+from ._util import is_pow2, launch_fitting, on_tensor_device, require_device
 from .topk import KEY_MIN, MAX_MERGE_KEYS, lse_shift, merge_topk_parts, order_keys, topk_log_probs
 
 __all__ = ["rms_norm_matmul", "rms_norm_matmul_topk", "topk_fusable", "qkv_rope_store", "matmul_residual",
@@ -494,12 +494,6 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
 
 
 # ----------------------------------------------------------------------------- host side
-def _require_device(t: torch.Tensor, op: str) -> None:
-    if t.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(f"triton implementation of {op} unavailable for tensors on "
-                           f"{t.device} (set TRITON_INTERPRET=1 to run it on the CPU)")
-
-
 def _interp(x: torch.Tensor) -> bool:
     """Whether this launch runs in the CPU interpreter (fp32 dots, bit-exact bf16 rounding)."""
     return _INTERPRET and x.device.type != "cuda"
@@ -554,7 +548,7 @@ def rms_norm_matmul(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight
                     row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton :func:`specattn.ops.rms_norm_matmul` (one launch; ``norm_weight`` None: folded
     into ``weight``)."""
-    _require_device(x, "rms_norm_matmul")
+    require_device(x, "rms_norm_matmul", _INTERPRET)
     out = torch.empty(x.shape[0], weight.shape[0], device=x.device,
                       dtype=x.dtype if out_dtype is None else out_dtype)
     _launch_gemm(x, norm_weight, weight, None, out, eps, _STORE, has_norm=True, row_sumsq=row_sumsq)
@@ -580,7 +574,7 @@ def rms_norm_matmul_topk(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w
     through ``column_ids``).  Returns ``(values float32 [M, k], indices int64 [M, k])``.
     Sizes past :func:`topk_fusable` take the two-step path (float32 logits, then
     :func:`specattn.triton_kernels.topk.topk_log_probs`)."""
-    _require_device(x, "rms_norm_matmul_topk")
+    require_device(x, "rms_norm_matmul_topk", _INTERPRET)
     M, K = x.shape
     N = weight.shape[0]
     dev = x.device
@@ -609,7 +603,7 @@ def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     """Triton :func:`specattn.ops.matmul_residual` (one launch, in place; with
     ``return_row_sumsq`` also the ``[P, M]`` partial sums of squares of the updated rows, one
     row per column tile of the launch)."""
-    _require_device(x, "matmul_residual")
+    require_device(x, "matmul_residual", _INTERPRET)
     ss = _launch_gemm(x, None, weight, None, residual, 0.0, _RESIDUAL, want_sumsq=return_row_sumsq)
     return (residual, ss) if return_row_sumsq else residual
 
@@ -620,7 +614,7 @@ def rms_norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gate
                     row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton :func:`specattn.ops.rms_norm_swiglu` (one launch; ``norm_weight`` None: folded
     into ``w_gate`` and ``w_up``)."""
-    _require_device(x, "rms_norm_swiglu")
+    require_device(x, "rms_norm_swiglu", _INTERPRET)
     out = torch.empty(x.shape[0], w_gate.shape[0], device=x.device, dtype=x.dtype)
     _launch_gemm(x, norm_weight, w_gate, w_up, out, eps, _SWIGLU, has_norm=True, row_sumsq=row_sumsq)
     return out
@@ -641,7 +635,7 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
         ValueError: ``head_dim`` not a power of two >= 32 (the two half-head accumulators
             are ``tl.dot`` outputs of ``head_dim / 2 >= 16`` columns).
     """
-    _require_device(x, "qkv_rope_store")
+    require_device(x, "qkv_rope_store", _INTERPRET)
     if not qkv_head_dim_supported(head_dim):
         raise ValueError(f"triton qkv_rope_store needs head_dim a power of two >= "
                          f"{QKV_MIN_HEAD_DIM}, got {head_dim}; use impl='reference'")

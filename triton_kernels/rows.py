@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import on_tensor_device
+from ._util import on_tensor_device, require_device
 
 __all__ = ["gather_rows", "scatter_rows", "MAX_TENSORS"]
 
@@ -73,12 +73,6 @@ def _rows_kernel(rows_ptr, s0, d0, s1, d1, s2, d2, s3, d3, s4, d4, s5, d5, s6, d
         _copy_row(s7, d7, src_row, dst_row, W7, BLOCK)
 
 
-def _require_device(t: torch.Tensor, op: str) -> None:
-    if t.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(f"triton implementation of {op} unavailable for tensors on "
-                           f"{t.device} (set TRITON_INTERPRET=1 to run it on the CPU)")
-
-
 def _launch(rows: torch.Tensor, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], scatter: bool) -> None:
     """``pairs``: ``(source, destination)`` per tensor, both contiguous."""
     bs = rows.shape[0]
@@ -99,7 +93,7 @@ def _launch(rows: torch.Tensor, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor
 @on_tensor_device
 def gather_rows(rows: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """Triton :func:`specattn.ops.gather_rows` (one launch)."""
-    _require_device(rows, "gather_rows")
+    require_device(rows, "gather_rows", _INTERPRET)
     outs = [torch.empty((rows.shape[0],) + tuple(t.shape[1:]), device=t.device, dtype=t.dtype) for t in tensors]
     _launch(rows, list(zip(tensors, outs)), scatter=False)
     return outs
@@ -108,5 +102,5 @@ def gather_rows(rows: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[tor
 @on_tensor_device
 def scatter_rows(rows: torch.Tensor, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Triton :func:`specattn.ops.scatter_rows` (one launch; ``pairs`` are ``(dst, src)``)."""
-    _require_device(rows, "scatter_rows")
+    require_device(rows, "scatter_rows", _INTERPRET)
     _launch(rows, [(src, dst) for dst, src in pairs], scatter=True)

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import on_tensor_device
+from ._util import on_tensor_device, require_device
 
 __all__ = ["topk_log_probs", "merge_topk_parts", "chunk_config", "order_keys", "lse_shift", "MAX_K",
            "MAX_CHUNKS", "MAX_BLOCK", "MAX_MERGE_KEYS", "KEY_MIN", "KEY_MAX"]
@@ -170,19 +170,13 @@ def _merge_kernel(ws_key_ptr, ws_m_ptr, ws_s_ptr, val_ptr, idx_ptr, ids_ptr, K, 
 
 
 # ----------------------------------------------------------------------------- host side
-def _require_device(t: torch.Tensor, op: str) -> None:
-    if t.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(f"triton implementation of {op} unavailable for tensors on "
-                           f"{t.device} (set TRITON_INTERPRET=1 to run it on the CPU)")
-
-
 @on_tensor_device
 def topk_log_probs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`specattn.ops.topk_log_probs` (two launches: per-chunk partials, then
     one merge per row).  ``logits``: ``[N, V]`` float32 / bfloat16 / float16 with
     ``stride(1) == 1``; ``1 <= k <= min(V, 16)``.  Returns ``(values float32 [N, k],
     indices int64 [N, k])``, new tensors."""
-    _require_device(logits, "topk_log_probs")
+    require_device(logits, "topk_log_probs", _INTERPRET)
     N, V = logits.shape
     k = int(k)
     dev = logits.device
