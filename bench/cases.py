@@ -140,21 +140,31 @@ def _kv_move(device, *, layers, kv_per_layer, heads, width, tokens, input_sets, 
 
     ``group_size``: passed through (``None``: the overlap-safe staged path inside CUDA graphs,
     which is what the harness times; ``1``: the one-launch direct path -- a true promise
-    here, since all slots of a set are distinct and targets never meet sources)."""
+    here, since all slots of a set are distinct and targets never meet sources).
+
+    ``impl="floor"``: no move; ONE contiguous elementwise copy (``torch.mul(src, 1, out=dst)``,
+    the kernel of the copy ceiling) of exactly the bytes the move reads and writes, timed the
+    same way: the launch + bandwidth floor of any one-launch move of this size."""
     from specattn.ops import move_kv_cache
 
     dt = getattr(torch, dtype)
+    row_bytes = heads * width * dt.itemsize
+    nbytes = 2 * tokens * row_bytes * layers * kv_per_layer
+    if impl == "floor":
+        n = nbytes // 2 // dt.itemsize
+        pairs = [(torch.randn(n, dtype=dt, device=device), torch.empty(n, dtype=dt, device=device))
+                 for _ in range(input_sets)]
+        return Workload(fn=lambda src, dst: torch.mul(src, 1, out=dst), bytes=nbytes, flops=0,
+                        input_sets=pairs)
     slots = 2 * tokens * input_sets
     buffers = [torch.randn(slots, heads, width, dtype=dt, device=device)
                for _ in range(layers * kv_per_layer)]
     sets = kv_move_inputs(tokens, input_sets, device)
-    row_bytes = heads * width * dt.itemsize
 
     def move(tgt_loc, src_loc):
         move_kv_cache(buffers, tgt_loc, src_loc, impl=impl, group_size=group_size)
 
-    return Workload(fn=move, bytes=2 * tokens * row_bytes * len(buffers), flops=0,
-                    input_sets=sets, state={"buffers": buffers})
+    return Workload(fn=move, bytes=nbytes, flops=0, input_sets=sets, state={"buffers": buffers})
 
 
 from . import cases_tree  # noqa: E402,F401  (registers the EAGLE tree-op cases)

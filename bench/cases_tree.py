@@ -191,20 +191,27 @@ def _dtype(name: str) -> torch.dtype:
 
 # ----------------------------------------------------------------------------- cases
 @case("tree_build",
-      "build_tree (target: <= 10 us): bs=64 EAGLE trees, topk=8, num_steps=5, 64 draft "
+      "build_tree (target: <= 6 us): bs=64 EAGLE trees, topk=8, num_steps=5, 64 draft "
       "tokens; bytes = parent_list + selected_index + verified_seq_len read, mask + positions "
-      "+ 3 link arrays written; impl=auto|reference|triton|cuda|torch",
+      "+ 3 link arrays written; impl=auto|reference|triton|cuda|torch, or floor (one "
+      "one-element kernel on verified_seq_len: the launch + one memory round trip)",
       bs=64, topk=8, num_steps=5, num_draft_tokens=64, index_dtype="int64", input_sets=8,
       seed=0, impl="auto")
 def _tree_build(device, *, bs, topk, num_steps, num_draft_tokens, index_dtype, input_sets,
                 seed, impl):
-    """:func:`specattn.ops.build_tree` on ``input_sets`` batches of random closed trees."""
-    _check_impl(impl)
+    """:func:`specattn.ops.build_tree` on ``input_sets`` batches of random closed trees.
+    ``impl="floor"``: one kernel that reads and writes one element of ``verified_seq_len``
+    (adds 0), timed the same way: what any one-launch tree build pays before its own work."""
+    if impl != "floor":
+        _check_impl(impl)
     D, it = num_draft_tokens, _dtype(index_dtype)
     rng = random.Random(seed)
     sets = [tuple(x.to(device) for x in random_eagle_batch(rng, bs, topk, num_steps, D,
                                                             dtype=it)[:3])
             for _ in range(input_sets)]
+    if impl == "floor":
+        return Workload(fn=lambda pl, sel, vsl: vsl[:1].add_(0), bytes=2 * it.itemsize, flops=0,
+                        input_sets=sets, state={"impl": impl})
     if impl == "torch":
         def call(pl, sel, vsl):
             return build_tree_torch(pl, sel, vsl, topk, num_steps, D)

@@ -83,6 +83,8 @@ def _point(case: str, p: Dict[str, Any]) -> str:
 
 def _impl(case: str, p: Dict[str, Any]) -> str:
     impl = str(p.get("impl"))
+    if impl == "floor":
+        return FLOOR_IMPL[_op(case)]
     if case.startswith("kv_move") and impl != "reference":
         return f"{impl} {'staged' if p.get('group_size') is None else 'direct'}"
     if case in ("tree_verify", "mla_tree_verify", "mla_decode", "decode", "extend"):
@@ -107,6 +109,13 @@ def _is_reference(case: str, p: Dict[str, Any], suite: str) -> bool:
     return impl in ("unfused", "gemm")
 
 
+#: the floor rows' labels: what any one-launch implementation pays at the same point, timed
+#: the same way (bench/cases.py, bench/cases_tree.py)
+FLOOR_IMPL = {"kv_move": "floor: one contiguous copy", "tree_build": "floor: one-element kernel"}
+#: latency targets (us) per (op, point prefix); checked by :func:`targets`
+LATENCY_BARS = {("tree_build", ""): 6.0, ("kv_move", "MLA"): 15.0, ("kv_move", "MHA"): 20.0}
+
+
 @dataclass(frozen=True)
 class Suite:
     name: str
@@ -120,12 +129,12 @@ SUITE_INFO: Dict[str, Suite] = {
                        ("tree_verify", "mla_decode", "mla_tree_verify", "decode", "extend")),
     "spec_ops": Suite("spec_ops", "Speculative-decoding ops",
                       ("tree_build", "verify_greedy", "verify_sampling", "compaction"),
-                      ("cuda", "triton", "torch", "reference")),
+                      ("cuda", "triton", "torch", "reference", FLOOR_IMPL["tree_build"])),
     "kv_ops": Suite("kv_ops", "KV ops",
                     ("kv_move_reference", "kv_move_mla", "kv_move_reference_mha", "kv_move_mha",
                      "kv_materialize"),
-                    ("reference", "cuda staged", "cuda direct", "triton direct", "gemm", "cuda",
-                     "triton", "unfused", "cuda_epilogue", "triton_epilogue")),
+                    ("reference", "cuda staged", "cuda direct", "triton direct", FLOOR_IMPL["kv_move"],
+                     "gemm", "cuda", "triton", "unfused", "cuda_epilogue", "triton_epilogue")),
 }
 
 
@@ -142,6 +151,7 @@ def suite_points(name: str) -> List[Point]:
         # 2.1 GB probabilities to the host every call, so it is left out
         pts += [(c, dict(impl="reference"), dict(iters=50, warmup=1))
                 for c in ("tree_build", "verify_greedy", "compaction")]
+        pts.append(("tree_build", dict(impl="floor"), {}))
         return pts
     if name == "kv_ops":
         pts = []
@@ -150,7 +160,7 @@ def suite_points(name: str) -> List[Point]:
             for c_ref, c_dir in (("kv_move_reference", "kv_move_mla"),
                                  ("kv_move_reference_mha", "kv_move_mha")):
                 pts += [(c_ref, dict(impl=i, tokens=tokens), {}) for i in impls]
-                pts += [(c_dir, dict(impl=i, tokens=tokens), {}) for i in ("cuda", "triton")]
+                pts += [(c_dir, dict(impl=i, tokens=tokens), {}) for i in ("cuda", "triton", "floor")]
         for tokens in (512, 4096):
             pts += [("kv_materialize", dict(impl=i, tokens=tokens), {})
                     for i in ("gemm", "cuda", "triton", "unfused", "cuda_epilogue", "triton_epilogue")]
@@ -192,8 +202,9 @@ def build_rows(suite: str, results: Iterable[Dict[str, Any]]) -> List[Dict[str, 
 
     rows = [r for _, r in sorted(enumerate(rows), key=key)]
     for r in rows:
-        if _is_reference(r["case"], r["params"], suite) or (suite == "spec_ops" and r["impl"] == "reference"):
-            continue  # the references themselves, and the Python-loop oracle
+        if _is_reference(r["case"], r["params"], suite) or r["params"].get("impl") == "floor" \
+                or (suite == "spec_ops" and r["impl"] == "reference"):
+            continue  # the references themselves, the floors, and the Python-loop oracle
         for o in rows:
             if (_op(o["case"]), o["point"]) == (_op(r["case"]), r["point"]) and o["median_us"] > 0 \
                     and _is_reference(o["case"], o["params"], suite):
@@ -209,12 +220,23 @@ def targets(report: Dict[str, Any]) -> List[str]:
     if suite == "attention":
         from .attention_report import bar_lines
         return bar_lines(rows)
+    floors = {(_op(r["case"]), r["point"]): r["median_us"] for r in rows if r["params"].get("impl") == "floor"}
+
+    def latency(op: str, r: Dict[str, Any]) -> None:
+        bar = next((v for (o, pre), v in LATENCY_BARS.items() if o == op and r["point"].startswith(pre)), None)
+        if bar is None:
+            return
+        f = floors.get((op, r["point"]))
+        out.append(f"{op} {r['point']}: {r['impl']} {r['median_us']:.1f} us ({ok(r['median_us'] <= bar)} "
+                   f"<= {bar:g} us" + (f"; floor in this run {f:.1f} us" if f is not None else "") + ")")
+
     for r in rows:
         p, x = r["params"], r["speedup"]
         if suite == "spec_ops" and r["case"] == "tree_build" and r["impl"] in ("cuda", "triton"):
-            out.append(f"tree_build {r['point']}: {r['impl']} {r['median_us']:.1f} us "
-                       f"({ok(r['median_us'] <= 10.0)} <= 10 us)")
+            latency("tree_build", r)
         elif suite == "kv_ops" and r["impl"].endswith("direct"):
+            if p.get("tokens") == 256:
+                latency("kv_move", r)
             if "reference" in x:
                 out.append(f"kv_move {r['point']}: {r['impl']} {x['reference']:.1f}x the per-layer "
                            f"copy ({ok(x['reference'] >= 10.0)} >= 10x)")

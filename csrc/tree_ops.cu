@@ -25,8 +25,10 @@
 //   3. each thread walks its ancestors (pointer chasing in shared memory, at most D steps)
 //      setting the bits of its own mask row (shared, W = ceil(D/32) words) and counting the
 //      depth; an orphan stops the walk (row {root, itself}, depth 1, descendants count from
-//      it); first child / next sibling by one scan of the shared parents (an orphan has
-//      parent -1 so it is in no child list);
+//      it); first child / next sibling from per-node child bit sets that step 2 fills with
+//      shared atomicOr (first set bit of its own set / of its parent's set above itself:
+//      O(W) per thread instead of a scan over all D parents; an orphan has parent -1 so it
+//      is in no child set);
 //   4. optional FlashInfer packed mask: request b's segment, bytes [indptr[b], indptr[b] +
 //      ceil(D*(P+D)/8)) with P = verified_seq_len[b], is the row-major [D, P+D] bit matrix
 //      (prefix columns all ones, then the tree row), little-endian bits, padding 0
@@ -88,7 +90,7 @@ void check_out(const at::Tensor& t, const char* op, const char* name, at::Scalar
 }
 
 // ------------------------------------------------------------------------------ build_tree
-constexpr int kBuildMaxD = 512;       // mask rows of W <= 16 words; shared memory < 40 KiB
+constexpr int kBuildMaxD = 512;       // mask rows of W <= 16 words; shared memory < 72 KiB
 constexpr int kBuildMaxThreads = 512;
 constexpr int kBuildFiThreads = 256;  // at least this many threads when writing FlashInfer bytes
 
@@ -169,13 +171,15 @@ __global__ void __launch_bounds__(kBuildMaxThreads)
   const int D = a.D, W = a.W;
   int64_t* s_sel = s_build;                                   // [D] candidate of draft j
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_sel + D);  // [D * W] mask rows
-  int32_t* s_par = reinterpret_cast<int32_t*>(s_mask + D * W);  // [D] real parent or -1
+  uint32_t* s_child = s_mask + D * W;                         // [D * W] child bit sets
+  int32_t* s_par = reinterpret_cast<int32_t*>(s_child + D * W);  // [D] real parent or -1
   const int64_t b = blockIdx.x;
   const int tid = threadIdx.x, nth = blockDim.x;
+  const int64_t prefix = a.seq_len(b);  // independent of the rest: issued first
 
   for (int j = tid; j < D; j += nth) {
     s_sel[j] = j >= 1 ? a.selected(b, j - 1) : -1;
-    for (int w = 0; w < W; ++w) s_mask[j * W + w] = 0u;
+    for (int w = 0; w < W; ++w) s_mask[j * W + w] = s_child[j * W + w] = 0u;
   }
   __syncthreads();
 
@@ -195,11 +199,11 @@ __global__ void __launch_bounds__(kBuildMaxThreads)
       }  // else: candidate out of range (rejected by the wrapper): treated as missing parent
     }
     s_par[j] = p;
+    if (p >= 0) atomicOr(&s_child[p * W + (j >> 5)], 1u << (j & 31));
   }
   __syncthreads();
 
   // 3. mask rows, depth, links
-  const int64_t prefix = a.seq_len(b);
   for (int j = tid; j < D; j += nth) {
     uint32_t* row = s_mask + j * W;
     row[0] |= 1u;  // the root
@@ -211,10 +215,23 @@ __global__ void __launch_bounds__(kBuildMaxThreads)
     }
     const int p = s_par[j];
     int first_child = -1, next_sib = -1;
-    for (int k = 1; k < D && (first_child < 0 || next_sib < 0); ++k) {
-      const int pk = s_par[k];
-      if (first_child < 0 && pk == j) first_child = k;
-      if (next_sib < 0 && k > j && p >= 0 && pk == p) next_sib = k;
+    for (int w = 0; w < W; ++w) {  // lowest k with parent j (k >= 1: the root has none)
+      const uint32_t v = s_child[j * W + w];
+      if (v != 0u) {
+        first_child = w * 32 + __ffs(v) - 1;
+        break;
+      }
+    }
+    if (p >= 0) {  // lowest k > j with parent p
+      const int k0 = j + 1;
+      for (int w = k0 >> 5; w < W; ++w) {
+        uint32_t v = s_child[p * W + w];
+        if (w == (k0 >> 5)) v &= ~low_bits(k0 & 31);
+        if (v != 0u) {
+          next_sib = w * 32 + __ffs(v) - 1;
+          break;
+        }
+      }
     }
     const int64_t flat = b * D + j;
     a.pos[flat * a.pos_s0] = prefix + depth;
@@ -546,7 +563,12 @@ void build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& selected_i
   int threads = std::max(32, (D + 31) / 32 * 32);
   if (fi_ptr != nullptr) threads = std::max(threads, kBuildFiThreads);
   const size_t smem = static_cast<size_t>(D) * (sizeof(int64_t) + sizeof(int32_t)) +
-                      static_cast<size_t>(D) * W * sizeof(uint32_t);
+                      2 * static_cast<size_t>(D) * W * sizeof(uint32_t);
+  if (smem > 48 * 1024) {  // D > 352: opt in to more than the default dynamic shared memory
+    C10_CUDA_CHECK(cudaFuncSetAttribute(build_tree_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  }
   build_tree_kernel<<<static_cast<unsigned>(bs), threads, smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

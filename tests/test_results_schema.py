@@ -87,18 +87,22 @@ def test_from_raw_reports_of_the_gpu_scripts(tmp_path):
     (tmp_path / "bench_torch.json").write_text(json.dumps(_raw([_case("tree_build", "torch", 170.0, **tb)],
                                                                "2026-01-01T10:00:05Z")))
     combined = {"triton": _raw([_case("tree_build", "triton", 17.0, **tb)], "2026-01-01T10:00:09Z"),
-                "cuda": _raw([_case("tree_build", "cuda", 8.5, **tb), _case("kv_move_mla", "cuda", 5.0)],
+                "cuda": _raw([_case("tree_build", "floor", 3.0, **tb), _case("tree_build", "cuda", 8.5, **tb),
+                              _case("kv_move_mla", "cuda", 5.0)],
                              "2026-01-01T10:00:01Z", [{"case": "compaction", "params": {}, "error": "boom"}])}
     (tmp_path / "bench_tree_ops.json").write_text(json.dumps(combined))
     (tmp_path / "other.json").write_text(json.dumps({"meta": 1}))
     rep = suites.from_run("spec_ops", tmp_path, commit="a" * 40)
-    assert [(r["impl"], r["median_us"]) for r in rep["rows"]] == [("cuda", 8.5), ("triton", 17.0), ("torch", 170.0)]
+    assert [(r["impl"], r["median_us"]) for r in rep["rows"]] == [
+        ("cuda", 8.5), ("triton", 17.0), ("torch", 170.0), ("floor: one-element kernel", 3.0)]
     assert rep["rows"][0]["speedup"] == {"torch": pytest.approx(20.0)} and rep["rows"][2]["speedup"] == {}
+    assert rep["rows"][3]["speedup"] == {}  # a floor is no implementation
     assert rep["timestamp"] == "2026-01-01T10:00:01Z" and rep["commit"] == "a" * 40 and "commit_note" not in rep
     assert rep["errors"] == [{"case": "compaction", "params": {}, "error": "boom"}]
     paths = suites.write_results(rep, tmp_path / "h100")
     assert (tmp_path / "h100" / "spec_ops.md").read_text() == suites.markdown(rep)
-    assert "cuda 8.5 us (meets <= 10 us)" in suites.markdown(rep) and "- compaction {}: boom" in suites.markdown(rep)
+    md = suites.markdown(rep)
+    assert "cuda 8.5 us (MISSES <= 6 us; floor in this run 3.0 us)" in md and "- compaction {}: boom" in md
     assert {p.suffix for p in paths} >= {".json", ".md"}
     with pytest.raises(ValueError, match="no report holds a case of suite 'kv_ops'"):
         suites.from_run("kv_ops", tmp_path / "h100")
@@ -177,8 +181,10 @@ def test_run_suite_on_a_stubbed_gpu(monkeypatch):
     assert {e["case"] for e in rep["errors"]} == {"kv_move_mla", "kv_move_mha", "kv_materialize"}
     assert len(rep["rows"]) + len(rep["errors"]) == len(calls)
     move = [r for r in rep["rows"] if r["point"].startswith("MLA") and r["point"].endswith("tokens=256")]
-    assert [r["impl"] for r in move] == ["reference", "cuda staged", "cuda direct", "triton direct"]
-    assert move[2]["speedup"] == {"reference": pytest.approx(10.0)}
+    assert [r["impl"] for r in move] == ["reference", "cuda staged", "cuda direct", "triton direct",
+                                         "floor: one contiguous copy"]
+    assert move[2]["speedup"] == {"reference": pytest.approx(10.0)} and move[4]["speedup"] == {}
+    assert "cuda direct 10.0 us (meets <= 15 us; floor in this run 10.0 us)" in suites.markdown(rep)
     rep = suites.run_suite("attention", log=lambda msg: None)
     assert rep["checks"] == ["tree_verify: a vs b: max abs diff 0"] and "flashinfer" in rep["versions"]
     assert len(rep["rows"]) == len(suites.suite_points("attention"))
