@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from runtime_backend import SHIPPED_IDS, SHIPPED_SPECS, check_rows_restored, make_engine, uses_graphs
+from specattn.backends import ForwardMode
 from specattn.spec_runtime.engine import SpecConfig
 from specattn.spec_runtime.loader import (LlamaConfig, apply_chat_template, hf_greedy, load_hf_dir,
                                           write_random_hf_dir)
@@ -129,6 +130,9 @@ def test_prefill_graphs_match_eager(tmp_path, algo, backend_name):
     graph = make_engine(backend_name, target, cuda_graph=True, prefill_graph_tokens=64, **kw)
     if not graph.whole_round_graphs:
         pytest.skip(f"--backend {backend_name} plans on the host: no prefill graphs")
+    tb = graph.backend_of("target")
+    if not tb.supports(ForwardMode.EXTEND, graph=True, kind=tb.kind):
+        pytest.skip(f"--backend {backend_name} does not capture EXTEND: prefills run eagerly")
     assert graph.prefill_graphs_on
     p = SamplingParams(max_new_tokens=12)
     for n, lo, hi in ((3, 1, 9), (1, 34, 40), (5, 8, 12), (3, 1, 9), (6, 14, 30)):   # the last: > 64 tokens
