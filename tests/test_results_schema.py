@@ -3,6 +3,7 @@ suite schema, its markdown is what the suite's writer makes of its JSON, its plo
 and ``specattn bench suite NAME --from`` rebuilds them (from the JSON, or from an earlier
 run's raw reports).  The e2e files' schema is tests/test_bench_e2e.py's."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,14 +23,32 @@ def _id(p: Path) -> str:
     return f"{p.parent.name}/{p.stem}"
 
 
+#: the latest run of every gpu-marked test, written by bench/scripts/gpu_tests.sh
+GPU_TESTS = "gpu_tests.md"
+
+
 def test_only_curated_files():
-    """One folder per GPU, holding only the latest run of each suite: three files each."""
+    """One folder per GPU, holding only the latest run of each suite (three files each) and
+    of the GPU tests."""
     assert SUITE_JSONS, "no curated results"
     for entry in RESULTS.iterdir():
         assert entry.is_dir(), entry
         for f in entry.iterdir():
+            if f.name == GPU_TESTS:
+                continue
             assert f.stem in suites.SUITES and f.suffix in (".json", ".md", ".png"), f
             assert all(f.with_suffix(s).is_file() for s in (".json", ".md", ".png")), f
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob(f"*/{GPU_TESTS}")), ids=lambda p: p.parent.name)
+def test_gpu_tests_summary(path):
+    """The GPU test summary names its device (the folder's GPU) and commit, and counts runs."""
+    text = path.read_text()
+    lines = text.splitlines()
+    assert lines[0] == "# GPU tests"
+    assert gpu_slug(lines[2].split(",")[0]) == path.parent.name
+    assert re.search(r"commit `[0-9a-f]{40}`", lines[2])
+    assert re.search(r"^- \*\*\w+\*\*: \d+ passed, \d+ failed, \d+ errors, \d+ skipped", text, re.M)
 
 
 @pytest.mark.parametrize("path", SUITE_JSONS, ids=_id)

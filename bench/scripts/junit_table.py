@@ -46,7 +46,7 @@ def by_file(runs) -> list:
             lines.append(f"| {label} | `{name}` | {f['pass']} | {f['FAIL']} | {f['ERROR']} | {f['skip']} | "
                          f"{f['t']:.0f} |")
     bad = [(label, k, v) for label, res in runs for k, v in res.items() if v[0] in ("FAIL", "ERROR")]
-    lines += ["", "Failures and errors: " + ("none." if not bad else "")]
+    lines += ["", "Failures and errors:" + (" none." if not bad else "")]
     lines += [f"- {label}: `{k}` {v[0]}: {v[2][:300]}" for label, k, v in bad]
     reasons = {}
     for label, res in runs:
@@ -54,7 +54,7 @@ def by_file(runs) -> list:
             if status == "skip":
                 key = (label, k.split("::", 1)[0], msg[:200])
                 reasons[key] = reasons.get(key, 0) + 1
-    lines += ["", "Skip reasons: " + ("none." if not reasons else "")]
+    lines += ["", "Skip reasons:" + (" none." if not reasons else "")]
     lines += [f"- {label}: `{f}` x {n}: {msg}" for (label, f, msg), n in reasons.items()]
     return lines
 
