@@ -564,7 +564,7 @@ void build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& selected_i
   if (fi_ptr != nullptr) threads = std::max(threads, kBuildFiThreads);
   const size_t smem = static_cast<size_t>(D) * (sizeof(int64_t) + sizeof(int32_t)) +
                       2 * static_cast<size_t>(D) * W * sizeof(uint32_t);
-  if (smem > 48 * 1024) {  // D > 352: opt in to more than the default dynamic shared memory
+  if (smem > 48 * 1024) {  // D > 416: opt in to more than the default dynamic shared memory
     C10_CUDA_CHECK(cudaFuncSetAttribute(build_tree_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
