@@ -16,7 +16,8 @@
 # Each part is one pytest run (GPU_TESTS_WORKERS xdist workers, default 12) under
 # `timeout GPU_TESTS_TIMEOUT` (default 540 s) writing OUT/junit_PART.xml and OUT/tests_PART.log;
 # then OUT/summary.md counts every junit_*.xml in OUT per part and test file
-# (bench/scripts/junit_table.py --by-file), with the device and the commit on top.
+# (bench/scripts/junit_table.py --by-file), with the device and the commit on top
+# (SPECATTN_COMMIT, else git's HEAD).
 # Parts may run in separate calls: pass the same OUT folder (or copy the XML files there).
 set -u
 out=${1:?output dir}; shift
@@ -48,15 +49,12 @@ done
 {
   echo "# GPU tests"
   echo
-  python3 - <<'EOF'
-import subprocess, torch, triton
-from datetime import datetime, timezone
-try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-except OSError:
-    commit = ""
+  commit=${SPECATTN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+  COMMIT=$commit python3 - <<'EOF'
 import os
-commit = os.environ.get("SPECATTN_COMMIT") or commit or "unknown"
+from datetime import datetime, timezone
+import torch, triton
+commit = os.environ["COMMIT"]
 print(f"{torch.cuda.get_device_name()}, {datetime.now(timezone.utc):%Y-%m-%d}, commit `{commit}`; "
       f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}.")
 EOF
