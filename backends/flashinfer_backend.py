@@ -17,8 +17,21 @@ DRAFT_EXTEND_V2     prefill wrapper, causal                     MLA wrapper, cau
 ==================  ==========================================  ================================
 
 ``uniform_q_len = num_tokens_per_req`` is passed to the prefill plan for TARGET_VERIFY and
-DRAFT_EXTEND_V2 (FlashInfer uses it for its CUDA-graph tile choice).  bf16 and fp16 pools
-only: FlashInfer has no float32 attention.
+DRAFT_EXTEND_V2 (FlashInfer uses it for its CUDA-graph tile choice).
+
+KV dtypes.  bf16 and fp16 pools: queries run in the pool's dtype.  ``float8_e4m3fn`` pools
+(:mod:`specattn.ops.fp8`): queries stay 16-bit -- MHA/GQA in the query's dtype when it is
+bf16/fp16 (else bf16), MLA in bf16 -- planned with ``kv_data_type=float8_e4m3fn``, and each
+layer's scales from ``pool.kv_scales(layer_id)`` go to ``run`` as Python floats (constant per
+layer, so CUDA graphs capture them): MHA ``k_scale`` / ``v_scale`` (FlashInfer folds
+``k_scale`` into the softmax scale and multiplies the output by ``v_scale``), MLA ``ckv_scale``
+= ``kpe_scale`` = the latent's scale (dequantized in the kernel, plan ``scale_mode=
+"kv-per-tensor"``).  Where FlashInfer 0.7.2 runs that: MHA/GQA with the ``fa2`` kernels, every
+mode (fa3 needs fp8 queries); MLA with its fa3/fa2 kernels on SM90 only, bf16 queries,
+``kv_lora_rank = 512``, ``qk_rope_head_dim`` 64.  Elsewhere the constructor raises
+:class:`~specattn.backends.base.UnsupportedConfigError` (the triton backend reads fp8 caches in
+every mode).  The output is always in the query's dtype.  No float32 pools: FlashInfer has no
+float32 attention.
 
 Metadata, derived from the batch alone with the pure-torch builders below (they run on any
 device; the backend runs them on the GPU, tests on the CPU), kv length = ``P + n``:
@@ -87,8 +100,12 @@ __all__ = ["FlashInferBackend", "PagedKVLayout", "paged_kv_layout", "paged_kv_in
 
 INSTALL_HINT = 'pip install "specattn[flashinfer]"'
 WORKSPACE_BYTES = 128 * 2**20
-DTYPES = (torch.bfloat16, torch.float16)
+FP8 = torch.float8_e4m3fn
+DTYPES = (torch.bfloat16, torch.float16, FP8)   # KV pool dtypes (fp8: see the module docstring)
+QUERY_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels compute in
 MHA_HEAD_DIMS = (64, 128, 256)
+FP8_MLA_BACKENDS = ("auto", "fa3", "fa2")       # the MLA kernels that read an fp8 latent
+FP8_MLA_DIMS = (512, 64)                        # kv_lora_rank, qk_rope_head_dim they take
 
 
 # ------------------------------------------------------------------ pure-torch builders
@@ -326,9 +343,11 @@ class FlashInferBackend(AttentionBackend):
     """FlashInfer behind the contract (see the module docstring).
 
     Args:
-        req_to_token_pool, kv_pool: the pools, on a CUDA device; bf16/fp16 KV.  MHA:
-            ``head_dim`` in (64, 128, 256) and ``v_head_dim == head_dim``.  MLA:
-            ``kv_lora_rank % 128 == 0`` and ``qk_rope_head_dim % 64 == 0`` (FlashInfer's MLA).
+        req_to_token_pool, kv_pool: the pools, on a CUDA device; bf16/fp16 KV, or
+            ``float8_e4m3fn`` KV where FlashInfer reads it (MHA: ``prefill_backend="fa2"``; MLA:
+            an SM90 GPU, 512 + 64 latents, ``mla_backend`` auto/fa3/fa2).  MHA: ``head_dim`` in
+            (64, 128, 256) and ``v_head_dim == head_dim``.  MLA: ``kv_lora_rank % 128 == 0``
+            and ``qk_rope_head_dim % 64 == 0`` (FlashInfer's MLA).
         topk: the drafter's top-k when known.  ``topk=1`` promises chain drafts, which lets
             MLA run TARGET_VERIFY (causal) and makes this instance's ``supports`` say so.
         workspace_bytes: FlashInfer's float workspace (shared by this backend's wrappers).
@@ -336,7 +355,9 @@ class FlashInferBackend(AttentionBackend):
             ``uniform_q_len``; the decode wrapper uses the same JIT module).
         mla_backend: ``BatchMLAPagedAttentionWrapper`` backend (``"auto"``: fa3 on SM90).
     Raises:
-        ValueError: unsupported dtype (float32), dims, devices or ``topk``.
+        UnsupportedConfigError: (a ValueError) a pool FlashInfer cannot run: float32, dims, an
+            fp8 pool where its kernels take none (see the module docstring).
+        ValueError: pools not on one CUDA device, or a bad ``topk``.
         ImportError: flashinfer-python missing (names the extra to install).
     """
 
@@ -346,12 +367,14 @@ class FlashInferBackend(AttentionBackend):
                  workspace_bytes: int = WORKSPACE_BYTES, prefill_backend: str = "fa2",
                  mla_backend: str = "auto"):
         super().__init__(req_to_token_pool, kv_pool, topk=topk)
-        _check_pools(req_to_token_pool, kv_pool, self.kind)
+        _check_pools(req_to_token_pool, kv_pool, self.kind, prefill_backend=prefill_backend,
+                     mla_backend=mla_backend)
         self._fi = _import_flashinfer()
         if topk == 1:  # this instance can promise chains: its supports() answers for them
             self.supports = functools.partial(type(self).supports, topk=1)
         self.page_size = kv_pool.page_size
-        self.dtype = kv_pool.dtype
+        self.dtype = kv_pool.dtype            # the cache's (kv_data_type of every plan)
+        self.fp8 = kv_pool.dtype == FP8
         self.device = req_to_token_pool.device
         self._workspace_bytes = workspace_bytes
         self._prefill_backend, self._mla_backend = prefill_backend, mla_backend
@@ -586,33 +609,46 @@ class FlashInferBackend(AttentionBackend):
         self.forward_metadata = md
 
     # --------------------------------------------------------------- plan + forward
-    def _layer_key(self, layer: AttentionLayer) -> tuple:
+    def query_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the kernels compute queries of ``dtype`` in (queries are cast to it, the
+        output back): the pool's for a bf16/fp16 pool; for an fp8 pool the query's own when
+        bf16/fp16 (MHA) else bf16 -- never fp8 (FlashInfer's MLA takes bf16 queries only)."""
+        if not self.fp8:
+            return self.dtype
+        if self.kind == AttentionKind.MHA and dtype in QUERY_DTYPES:
+            return dtype
+        return torch.bfloat16
+
+    def _layer_key(self, layer: AttentionLayer, q_dtype: torch.dtype) -> tuple:
+        """What a plan depends on beyond the batch: head count (MLA: and softmax scale), and
+        the query dtype (last)."""
         if self.kind == AttentionKind.MLA:
-            return (layer.num_heads, float(layer.scaling))
-        return (layer.num_heads,)
+            return (layer.num_heads, float(layer.scaling), q_dtype)
+        return (layer.num_heads, q_dtype)
 
     def _plan(self, md: FlashInferMetadata, key: tuple) -> None:
         """FlashInfer's host plan of ``md`` for layers with ``key`` (module docstring)."""
-        h, pool, ps, dt = md.host.layout, self.kv_pool, self.page_size, self.dtype
+        h, pool, ps, kvt, qt = md.host.layout, self.kv_pool, self.page_size, self.dtype, key[-1]
         mode, D = md.mode, md.num_tokens_per_req
         if self.kind == AttentionKind.MLA:
             from flashinfer.mla import MLAPlanMetadata
+            kw = dict(scale_mode="kv-per-tensor") if self.fp8 else {}
             md.wrapper.plan(
                 metadata=MLAPlanMetadata.csr(h.qo_indptr, h.kv_indptr,
                                              md.kv_indices, h.kv_lens),
                 num_heads=key[0], head_dim_ckv=pool.kv_lora_rank,
                 head_dim_kpe=pool.qk_rope_head_dim, page_size=ps,
-                causal=not mode.is_decode(), sm_scale=key[1], q_data_type=dt,
-                kv_data_type=dt)
+                causal=not mode.is_decode(), sm_scale=key[1], q_data_type=qt,
+                kv_data_type=kvt, **kw)
         elif mode.is_decode():
             md.wrapper.plan(h.kv_indptr, md.kv_indices, h.kv_last_page_len, key[0], pool.head_num,
-                            pool.head_dim, ps, q_data_type=dt, kv_data_type=dt, sm_scale=1.0)
+                            pool.head_dim, ps, q_data_type=qt, kv_data_type=kvt, sm_scale=1.0)
         else:
             tv = mode.is_target_verify()
             md.wrapper.plan(h.qo_indptr, h.kv_indptr, md.kv_indices, h.kv_last_page_len, key[0],
                             pool.head_num, pool.head_dim, ps, head_dim_vo=pool.v_head_dim,
                             packed_custom_mask=md.mask if tv else None, causal=not tv,
-                            q_data_type=dt, kv_data_type=dt, sm_scale=1.0,
+                            q_data_type=qt, kv_data_type=kvt, sm_scale=1.0,
                             uniform_q_len=D if mode.has_fixed_tokens_per_req() else None)
             if tv:  # byte offsets (flashinfer PR #2201: 0.7.2 stores bit offsets here)
                 install_mask_indptr(md.wrapper, md.mask_indptr)
@@ -637,39 +673,71 @@ class FlashInferBackend(AttentionBackend):
         if self.kind == AttentionKind.MLA and (layer.kv_lora_rank != pool.kv_lora_rank
                                                or layer.qk_rope_head_dim != pool.qk_rope_head_dim):
             raise ValueError("layer and pool disagree on kv_lora_rank / qk_rope_head_dim")
-        key = self._layer_key(layer)
+        qt = self.query_dtype(q.dtype)
+        key = self._layer_key(layer, qt)
         if md.planned_key != key:
             if capturing():
                 raise RuntimeError("FlashInfer must plan before a CUDA graph capture: run one "
                                    "forward (warm-up) after init_forward_metadata_capture_cuda_graph")
             self._plan(md, key)
         self._key = key
-        qq = q if q.dtype == self.dtype else q.to(self.dtype)
+        qq = q if q.dtype == qt else q.to(qt)
         if qq.stride(-1) != 1:
             qq = qq.contiguous()
         ps, lid = self.page_size, layer.layer_id
+        # fp8: the layer's dequantization scales, Python floats (a CUDA graph keeps them)
+        ks, vs = (float(s) for s in pool.kv_scales(lid)) if self.fp8 else (None, None)
         if self.kind == AttentionKind.MLA:
             kv = pool.get_key_buffer(lid).view(-1, ps, pool.kv_cache_dim)
-            out = md.wrapper.run(query=qq, kv_cache=kv)
+            scales = dict(ckv_scale=ks, kpe_scale=ks) if self.fp8 else {}
+            out = md.wrapper.run(query=qq, kv_cache=kv, **scales)
         else:
             k = pool.get_key_buffer(lid).view(-1, ps, pool.head_num, pool.head_dim)
             v = pool.get_value_buffer(lid).view(-1, ps, pool.head_num, pool.v_head_dim)
-            out = md.wrapper.run(qq, (k, v), q_scale=float(layer.scaling))
+            scales = dict(k_scale=ks, v_scale=vs) if self.fp8 else {}
+            out = md.wrapper.run(qq, (k, v), q_scale=float(layer.scaling), **scales)
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def _check_pools(req_to_token_pool, kv_pool, kind: AttentionKind) -> None:
-    """Raise UnsupportedConfigError (a ValueError) for what FlashInfer cannot run (before importing it)."""
+def _check_pools(req_to_token_pool, kv_pool, kind: AttentionKind, *, prefill_backend: str = "fa2",
+                 mla_backend: str = "auto") -> None:
+    """Raise UnsupportedConfigError (a ValueError) for what FlashInfer cannot run (before importing
+    it; the fp8 MLA check reads the GPU's compute capability)."""
     if kv_pool.dtype not in DTYPES:
-        raise UnsupportedConfigError(f"FlashInfer has no {kv_pool.dtype} attention: use a bfloat16 or float16 "
-                         f"KV pool (float32: the triton or torch_reference backend)")
+        raise UnsupportedConfigError(
+            f"FlashInfer has no {kv_pool.dtype} attention: use a bfloat16, float16 or "
+            f"float8_e4m3fn KV pool (float32: the triton or torch_reference backend)")
+    fp8 = kv_pool.dtype == FP8
     if kind == AttentionKind.MHA:
         if kv_pool.head_dim not in MHA_HEAD_DIMS or kv_pool.v_head_dim != kv_pool.head_dim:
             raise UnsupportedConfigError(f"FlashInfer MHA here needs head_dim in {MHA_HEAD_DIMS} and "
                              f"v_head_dim == head_dim, got {kv_pool.head_dim}/{kv_pool.v_head_dim}")
-    elif kv_pool.kv_lora_rank % 128 or kv_pool.qk_rope_head_dim % 64:
-        raise UnsupportedConfigError(f"FlashInfer MLA needs kv_lora_rank % 128 == 0 and qk_rope_head_dim % 64 "
-                         f"== 0, got {kv_pool.kv_lora_rank} + {kv_pool.qk_rope_head_dim}")
+        if fp8 and prefill_backend != "fa2":
+            raise UnsupportedConfigError(
+                f"FlashInfer reads a float8_e4m3fn KV cache with 16-bit queries only in its fa2 "
+                f"kernels (its fa3 ones need fp8 queries): build with prefill_backend='fa2', "
+                f"not {prefill_backend!r}")
+    else:
+        if kv_pool.kv_lora_rank % 128 or kv_pool.qk_rope_head_dim % 64:
+            raise UnsupportedConfigError(
+                f"FlashInfer MLA needs kv_lora_rank % 128 == 0 and qk_rope_head_dim % 64 == 0, "
+                f"got {kv_pool.kv_lora_rank} + {kv_pool.qk_rope_head_dim}")
+        if fp8 and (kv_pool.kv_lora_rank, kv_pool.qk_rope_head_dim) != FP8_MLA_DIMS:
+            raise UnsupportedConfigError(
+                f"FlashInfer's MLA reads a float8_e4m3fn latent only for kv_lora_rank "
+                f"{FP8_MLA_DIMS[0]} + qk_rope_head_dim {FP8_MLA_DIMS[1]}, the pool has "
+                f"{kv_pool.kv_lora_rank} + {kv_pool.qk_rope_head_dim}: the triton backend reads "
+                f"fp8 caches in every mode")
+        if fp8 and mla_backend not in FP8_MLA_BACKENDS:
+            raise UnsupportedConfigError(
+                f"FlashInfer's MLA reads a float8_e4m3fn latent (with bf16 queries) only in its "
+                f"fa3/fa2 kernels: build with mla_backend in {FP8_MLA_BACKENDS}, not {mla_backend!r}")
     if req_to_token_pool.device.type != "cuda" or kv_pool.device != req_to_token_pool.device:
         raise ValueError(f"FlashInfer needs both pools on one CUDA device, got "
                          f"{req_to_token_pool.device} and {kv_pool.device}")
+    if fp8 and kind == AttentionKind.MLA:
+        major, minor = torch.cuda.get_device_capability(kv_pool.device)
+        if major != 9:
+            raise UnsupportedConfigError(
+                f"FlashInfer's MLA reads a float8_e4m3fn latent on SM90 (Hopper) only, this GPU "
+                f"is SM{major}{minor}: the triton backend reads fp8 caches in every mode")

@@ -13,6 +13,16 @@ TARGET_VERIFY       chain drafts (``topk=1``): ``flash_mla_with_kvcache`` with `
 IDLE                nothing
 ==================  ===========================================================================
 
+KV dtypes: bf16 and fp16 latents (queries are cast to the pool's dtype, the output back to the
+query's).  No float8_e4m3fn pool: sgl-flash-mla's one dense fp8 decode (the legacy SM90
+``fwd_kvcache_mla_fp8``, ``flash_mla_with_kvcache(..., is_fp8_kvcache=True)``) takes the plain
+576-byte e4m3 latent but only with e4m3 queries as well ("query and key must have the same
+dtype", per-tensor ``descale_q`` / ``descale_k``), i.e. it would quantize every query to 3
+mantissa bits, which this backend does not do; its other fp8 kernels are sparse decoding over
+DeepSeek's packed V3.2 / V4 / V4.1 formats (V3.2: 656 bytes a token, scales inline).  The
+constructor refuses fp8 pools (:class:`~specattn.backends.base.UnsupportedConfigError`): the
+triton backend reads fp8 caches in every mode, and flashinfer reads an fp8 MLA latent on SM90.
+
 ``supports(mode, graph, kind)`` says exactly that (eager and CUDA graph alike): tree
 TARGET_VERIFY, EXTEND and DRAFT_EXTEND_V2 are not FlashMLA's.  A runtime routes them to
 another backend over the same pools with :class:`~specattn.backends.routing.RoutedBackend`
@@ -140,13 +150,16 @@ class FlashMLABackend(AttentionBackend):
 
     Args:
         req_to_token_pool, kv_pool: an :class:`~specattn.backends.pools.MLATokenToKVPool` with
-            ``page_size = 64``, ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, bf16/fp16,
-            on an SM90 GPU (FlashMLA's dense decode exists only in its legacy SM90 kernels).
+            ``page_size = 64``, ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, bf16/fp16
+            (not float8_e4m3fn: see the module docstring), on an SM90 GPU (FlashMLA's dense
+            decode exists only in its legacy SM90 kernels).
         topk: the drafter's top-k when known; ``topk=1`` (chains) lets this instance run
             TARGET_VERIFY (its ``supports`` says so), anything else leaves tree verify to
             another backend (:class:`~specattn.backends.routing.RoutedBackend`).
     Raises:
-        ValueError: an MHA pool, another page size / latent width, float32, a CPU pool.
+        UnsupportedConfigError: (a ValueError) an MHA pool, another page size / latent width,
+            a float32 or float8_e4m3fn pool.
+        ValueError: a CPU pool, a bad ``topk``.
         ImportError: sgl-flash-mla missing (names the extra) or without its SM90 kernels.
     """
 
@@ -335,6 +348,13 @@ def _check_pools(req_to_token_pool, kv_pool, kind: AttentionKind) -> None:
         raise UnsupportedConfigError(f"FlashMLA needs kv_lora_rank {KV_LORA_RANK} + qk_rope_head_dim "
                          f"{QK_ROPE_HEAD_DIM}, the pool has {kv_pool.kv_lora_rank} + "
                          f"{kv_pool.qk_rope_head_dim}")
+    if kv_pool.dtype == torch.float8_e4m3fn:
+        raise UnsupportedConfigError(
+            "FlashMLA's dense decode reads a float8_e4m3fn latent only with fp8 queries "
+            "(sgl-flash-mla's SM90 fwd_kvcache_mla_fp8: e4m3 query and cache, per-tensor "
+            "descale_q / descale_k), and this backend does not quantize queries; its other fp8 "
+            "kernels are sparse decoding over packed formats. For a float8_e4m3fn pool use the "
+            "triton backend (it reads fp8 caches in every mode) or flashinfer (fp8 MLA on SM90)")
     if kv_pool.dtype not in DTYPES:
         raise UnsupportedConfigError(f"FlashMLA has no {kv_pool.dtype} kernels: use a bfloat16 or float16 "
                          f"pool (float32: the triton or torch_reference backend)")

@@ -5,15 +5,21 @@ Slot layout of every KV pool: ``size + page_size`` slots per layer.  Page 0 (slo
 so padding never touches a live request.  The allocator hands out slots from page 1 on.
 Slot ``s`` lies in page ``s // page_size``; with ``page_size > 1`` the tokens of a request
 fill its pages in order (token ``p`` at offset ``p % page_size`` of its page).
+
+KV dtypes: float32, float16, bfloat16, or ``torch.float8_e4m3fn`` with a dequantization scale
+per layer (K and V apart for MHA, one for MLA's latent; :mod:`specattn.ops.fp8`: the cache
+holds ``clamp(x / scale, +-448)`` in e4m3, readers multiply by the scale).  ``set_kv_buffer``
+quantizes; ``kv_scales(layer_id)`` gives every reader and other writer the layer's scales.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from specattn.ops import move_kv_cache
 from specattn.ops.checks import INDEX_DTYPES, check_index_range, check_tensor
+from specattn.ops.fp8 import KV_CACHE_DTYPES, check_kv_scales, quantize_kv
 
 __all__ = ["ReqToTokenPool", "MHATokenToKVPool", "MLATokenToKVPool", "KVAllocator"]
 
@@ -56,10 +62,18 @@ class ReqToTokenPool:
         self.req_to_token[row, start:start + n] = slots.to(self.req_to_token)
 
 
+Scales = Union[float, Sequence[float]]
+
+
 class _KVPoolBase:
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, layer_num: int, device):
         if page_size < 1 or size < 1 or size % page_size:
             raise ValueError(f"size ({size}) must be a positive multiple of page_size ({page_size})")
+        if dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"KV pool dtype must be one of {[str(d) for d in KV_CACHE_DTYPES]}, "
+                             f"got {dtype}")
+        if layer_num < 1:
+            raise ValueError(f"layer_num must be >= 1, got {layer_num}")
         self.size, self.page_size, self.dtype = size, page_size, dtype
         self.layer_num = layer_num
         self.device = torch.empty(0, device=device).device  # "cuda" resolved to "cuda:N"
@@ -67,6 +81,16 @@ class _KVPoolBase:
 
     @property
     def buffers(self) -> List[torch.Tensor]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the pool stores ``float8_e4m3fn`` (scaled; :meth:`kv_scales`)."""
+        return self.dtype == torch.float8_e4m3fn
+
+    def kv_scales(self, layer_id: int) -> Tuple[float, float]:  # pragma: no cover - overridden
+        """``(k_scale, v_scale)`` of ``layer_id``: a cached element times its scale is the
+        value written (1.0 unless the pool is fp8)."""
         raise NotImplementedError
 
     def _check_loc(self, loc: torch.Tensor, layer_id: int) -> None:
@@ -90,13 +114,21 @@ class _KVPoolBase:
 
 
 class MHATokenToKVPool(_KVPoolBase):
-    """Per layer K ``[size + page_size, head_num, head_dim]`` and V ``[..., v_head_dim]``."""
+    """Per layer K ``[size + page_size, head_num, head_dim]`` and V ``[..., v_head_dim]``.
+
+    ``k_scale`` / ``v_scale``: the fp8 dequantization scales, one float for every layer or a
+    sequence of ``layer_num`` floats (default 1.0; other values only with
+    ``dtype=torch.float8_e4m3fn``).  Raises ValueError on a dtype outside float32 / float16 /
+    bfloat16 / float8_e4m3fn, a bad size or scale; TypeError on a non-float scale."""
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
-                 layer_num: int, device="cpu", v_head_dim: Optional[int] = None):
+                 layer_num: int, device="cpu", v_head_dim: Optional[int] = None,
+                 k_scale: Scales = 1.0, v_scale: Scales = 1.0):
         super().__init__(size, page_size, dtype, layer_num, device)
         self.head_num, self.head_dim = head_num, head_dim
         self.v_head_dim = v_head_dim or head_dim
+        self.k_scales = check_kv_scales("k_scale", k_scale, layer_num, self.is_fp8)
+        self.v_scales = check_kv_scales("v_scale", v_scale, layer_num, self.is_fp8)
         self.k_buffer = [torch.zeros(self.num_slots, head_num, head_dim, dtype=dtype, device=device)
                          for _ in range(layer_num)]
         self.v_buffer = [torch.zeros(self.num_slots, head_num, self.v_head_dim, dtype=dtype,
@@ -110,13 +142,17 @@ class MHATokenToKVPool(_KVPoolBase):
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
 
+    def kv_scales(self, layer_id: int) -> Tuple[float, float]:
+        return self.k_scales[layer_id], self.v_scales[layer_id]
+
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.v_buffer[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
                       cache_v: torch.Tensor) -> None:
         """Write ``cache_k [n, head_num, head_dim]`` / ``cache_v [n, head_num, v_head_dim]``
-        (cast to the pool dtype) at slots ``loc`` (int32/int64 ``[n]``).
+        (cast to the pool dtype; fp8: divided by the layer's scale and saturated,
+        :func:`specattn.ops.fp8.quantize_kv`) at slots ``loc`` (int32/int64 ``[n]``).
 
         Raises:
             IndexError: a slot outside ``[0, size + page_size)`` or a bad layer (before any write).
@@ -125,17 +161,23 @@ class MHATokenToKVPool(_KVPoolBase):
         self._check_loc(loc, layer_id)
         self._check_rows("cache_k", cache_k, loc.shape[0], (self.head_num, self.head_dim))
         self._check_rows("cache_v", cache_v, loc.shape[0], (self.head_num, self.v_head_dim))
-        self.k_buffer[layer_id][loc.long()] = cache_k.to(self.dtype)
-        self.v_buffer[layer_id][loc.long()] = cache_v.to(self.dtype)
+        ks, vs = self.kv_scales(layer_id)
+        self.k_buffer[layer_id][loc.long()] = quantize_kv(cache_k, self.dtype, ks)
+        self.v_buffer[layer_id][loc.long()] = quantize_kv(cache_v, self.dtype, vs)
 
 
 class MLATokenToKVPool(_KVPoolBase):
     """Per layer the absorbed-MLA latent ``[size + page_size, 1, kv_lora_rank + qk_rope_head_dim]``
-    (``[c_kv | k_pe]``); the values are its first ``kv_lora_rank`` entries."""
+    (``[c_kv | k_pe]``); the values are its first ``kv_lora_rank`` entries.
+
+    ``kv_scale``: the fp8 dequantization scale of the latent (keys and values alike), one
+    float or one per layer (default 1.0; other values only with ``float8_e4m3fn``).
+    Errors as :class:`MHATokenToKVPool`."""
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, layer_num: int, device="cpu",
-                 kv_lora_rank: int = 512, qk_rope_head_dim: int = 64):
+                 kv_lora_rank: int = 512, qk_rope_head_dim: int = 64, kv_scale: Scales = 1.0):
         super().__init__(size, page_size, dtype, layer_num, device)
+        self.latent_scales = check_kv_scales("kv_scale", kv_scale, layer_num, self.is_fp8)
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
         self.kv_buffer = [torch.zeros(self.num_slots, 1, self.kv_cache_dim, dtype=dtype, device=device)
@@ -148,17 +190,21 @@ class MLATokenToKVPool(_KVPoolBase):
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.kv_buffer[layer_id]
 
+    def kv_scales(self, layer_id: int) -> Tuple[float, float]:
+        return self.latent_scales[layer_id], self.latent_scales[layer_id]
+
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         """A view ``[slots, 1, kv_lora_rank]`` of the latent."""
         return self.kv_buffer[layer_id][..., :self.kv_lora_rank]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
                       cache_v: Optional[torch.Tensor] = None) -> None:
-        """Write the latent ``cache_k [n, 1, kv_lora_rank + qk_rope_head_dim]`` at ``loc``;
+        """Write the latent ``cache_k [n, 1, kv_lora_rank + qk_rope_head_dim]`` (quantized
+        like MHA's) at ``loc``;
         ``cache_v`` is ignored (the values live inside the latent).  Errors as MHA."""
         self._check_loc(loc, layer_id)
         self._check_rows("cache_k", cache_k, loc.shape[0], (1, self.kv_cache_dim))
-        self.kv_buffer[layer_id][loc.long()] = cache_k.to(self.dtype)
+        self.kv_buffer[layer_id][loc.long()] = quantize_kv(cache_k, self.dtype, self.latent_scales[layer_id])
 
 
 class KVAllocator:

@@ -62,17 +62,20 @@ def build_reference_metadata(req_to_token: torch.Tensor, batch: ForwardBatch, ma
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        md: RefMetadata, scaling: float) -> torch.Tensor:
+                        md: RefMetadata, scaling: float, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """``q [T, H, Dqk]``, caches ``[slots, Hkv, Dqk]`` / ``[slots, Hkv, Dv]`` -> ``[T, H, Dv]``
-    in ``q.dtype``; float32 math; query head ``h`` uses KV head ``h // (H // Hkv)``."""
+    in ``q.dtype``; float32 math on the dequantized keys and values (``cache.float() *
+    scale``: the scales of an fp8 cache, 1.0 otherwise); query head ``h`` uses KV head
+    ``h // (H // Hkv)``."""
     T, H, Dqk = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
     G = H // Hkv
     bs, max_q = md.q_index.shape
     qp = torch.cat([q.float(), q.new_zeros(1, H, Dqk, dtype=torch.float32)])
     qg = qp[md.q_index].view(bs, max_q, Hkv, G, Dqk)
-    kg = k_cache[md.kv_slots].float()                                   # [bs, max_kv, Hkv, Dqk]
-    vg = v_cache[md.kv_slots].float()
+    kg = k_cache[md.kv_slots].float() * k_scale                         # [bs, max_kv, Hkv, Dqk]
+    vg = v_cache[md.kv_slots].float() * v_scale
     s = torch.einsum("bqhgd,bkhd->bhgqk", qg, kg) * scaling
     m = md.mask[:, None, None]
     s = s.masked_fill(~m, float("-inf"))
@@ -145,4 +148,5 @@ class TorchReferenceBackend(AttentionBackend):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         k_cache = self.kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.kv_pool.get_value_buffer(layer.layer_id)
-        return reference_attention(q, k_cache, v_cache, md, layer.scaling)
+        return reference_attention(q, k_cache, v_cache, md, layer.scaling,
+                                   *self.kv_pool.kv_scales(layer.layer_id))

@@ -368,7 +368,9 @@ class TritonBackend(AttentionBackend):
             from specattn.triton_kernels.attention import default_config
             rows, heads, max_splits, waves = md.max_q * layer.group_size, layer.num_kv_heads, MAX_KV_SPLITS, 2
             width = max(16, 1 << (max(layer.head_dim, layer.v_head_dim) - 1).bit_length())
-            ieee = self.kv_pool.dtype == torch.float32 or q_dtype != self.kv_pool.dtype
+            kv_dtype = self.kv_pool.dtype
+            fp8_cast = self.kv_pool.is_fp8 and q_dtype in (torch.bfloat16, torch.float16)
+            ieee = kv_dtype == torch.float32 or (q_dtype != kv_dtype and not fp8_cast)
             block_m = cfg.get("block_m", default_config(rows, width, ieee)["block_m"])
             if block_m >= 128:  # 8-warp tiles: one wave (H100 sweep: 8 splits beat 16 at bs=1)
                 waves = 1
@@ -388,19 +390,21 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()
         rtt = self.req_to_token_pool.req_to_token
         page_size = self.kv_pool.page_size if self.page_aligned else 1
+        k_scale, v_scale = self.kv_pool.kv_scales(layer.layer_id)
         if self.kind == AttentionKind.MLA:
             from specattn.triton_kernels.attention_mla import mla_paged_attention
             return mla_paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id), rtt,
                                        md.req_pool_indices, md.prefix_lens, md.qo_indptr, md.tree_mask,
                                        md.max_q, layer.scaling, layer.kv_lora_rank,
                                        num_splits=splits, page_size=page_size,
-                                       check_bounds=False, **self._config(md.mode))
+                                       check_bounds=False, kv_scale=k_scale, **self._config(md.mode))
         from specattn.triton_kernels.attention import paged_attention
         return paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id),
                                self.kv_pool.get_value_buffer(layer.layer_id), rtt,
                                md.req_pool_indices, md.prefix_lens, md.qo_indptr, md.tree_mask,
                                md.max_q, layer.scaling, num_splits=splits, page_size=page_size,
-                               check_bounds=False, max_prefix=md.max_prefix, **self._config(md.mode))
+                               check_bounds=False, max_prefix=md.max_prefix, k_scale=k_scale,
+                               v_scale=v_scale, **self._config(md.mode))
 
     def _config(self, mode: ForwardMode) -> dict:
         """The kernel config for ``mode``: MHA's ``"sm90"`` and ``"pingpong"`` name the Gluon

@@ -69,6 +69,30 @@ def _points() -> List[Point]:
     for prefix in (0, 4096):
         for impl in IMPLS["extend"]:
             pts.append(("extend", dict(bs=1, prefix=prefix, new_tokens=2048, impl=impl)))
+    pts += fp8_points()
+    return pts
+
+
+FP8 = "fp8_e4m3"
+
+
+def fp8_points() -> List[Point]:
+    """The fp8 (e4m3) KV-cache points: every decode and tree-verify point on Triton and
+    FlashInfer (its fa2 kernels read fp8 with bf16 queries: the decode wrapper and the
+    split), the MLA ones on Triton (no library has fp8 MLA tree verify; FlashMLA's dense
+    decode takes a bf16 latent only).  Each pairs with the bf16 point of the same parameters
+    (:func:`fp8_lines`)."""
+    pts: List[Point] = []
+    for bs, prefix in TREE_POINTS:
+        for impl in ("triton", "flashinfer_split"):
+            pts.append(("tree_verify", dict(bs=bs, prefix=prefix, impl=impl, kv_dtype=FP8)))
+    pts.append(("mla_decode", dict(bs=128, seq_len=8192, impl="triton", kv_dtype=FP8)))
+    for bs in (1, 16):
+        pts.append(("mla_tree_verify", dict(bs=bs, prefix=4096, impl="triton", kv_dtype=FP8)))
+    for bs in (1, 32, 128):
+        for seq_len in (1024, 8192):
+            for impl in IMPLS["decode"]:
+                pts.append(("decode", dict(bs=bs, seq_len=seq_len, impl=impl, kv_dtype=FP8)))
     return pts
 
 
@@ -110,7 +134,8 @@ def point_label(name: str, params: Dict[str, Any]) -> str:
     keys = {"tree_verify": ("bs", "prefix", "page_size"), "mla_tree_verify": ("bs", "prefix"),
             "mla_decode": ("bs", "seq_len"), "decode": ("bs", "seq_len"),
             "extend": ("bs", "prefix", "new_tokens")}.get(name, ())
-    return " ".join(f"{k}={params[k]}" for k in keys if k in params)
+    label = " ".join(f"{k}={params[k]}" for k in keys if k in params)
+    return label + (" kv=fp8" if params.get("kv_dtype", "auto") != "auto" else "")
 
 
 def pct_roofline(row: Dict[str, Any]) -> Optional[float]:
@@ -177,14 +202,46 @@ def render_markdown(rows: Sequence[Dict[str, Any]], title: str = "") -> str:
     return (f"{title}\n\n" if title else "") + text + "\n"
 
 
+FP8_SPEEDUP_BARS = {("decode", "seq_len", 8192): 1.5, ("tree_verify", "prefix", 16384): 1.5}
+"""Where bf16 is memory-bound, the fp8 cache must pay: ``(case, param, value) -> min speedup``
+over bf16 (elsewhere fp8 must not be slower: 1.0)."""
+
+
+def fp8_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """One line per fp8 row of :func:`summary_rows`: its time against the bf16 row of the same
+    case, parameters and impl (the default ``triton`` impl picks the Gluon kernels for bf16
+    where they run, the portable ones for fp8), with the bar (:data:`FP8_SPEEDUP_BARS`, else
+    >= 1.0x: never slower)."""
+    def key(r, kv):
+        p = {k: v for k, v in r["params"].items() if k not in ("kv_dtype",)}
+        return r["case"], r["impl"], kv, tuple(sorted(p.items()))
+    bf16 = {key(r, "auto"): r for r in rows if r["params"].get("kv_dtype", "auto") == "auto"}
+    out = []
+    for r in rows:
+        if r["params"].get("kv_dtype", "auto") == "auto":
+            continue
+        b = bf16.get(key(r, "auto"))
+        if b is None or r["median_us"] <= 0:
+            continue
+        x = b["median_us"] / r["median_us"]
+        need = next((v for (c, k, val), v in FP8_SPEEDUP_BARS.items()
+                     if c == r["case"] and r["params"].get(k) == val), 1.0)
+        out.append(f"{r['case']} {r['point']}: {r['impl']} {r['median_us']:.1f} us, {x:.2f}x "
+                   f"the bf16 cache's {b['median_us']:.1f} us ({'meets' if x >= need else 'MISSES'} "
+                   f">= {need}x)")
+    return out
+
+
 def bar_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
     """The tracked targets, one line each, for the rows present: Triton tree verify <= 40 us at
     bs=1 / >= 3x faster than the FlashInfer custom mask and >= 1.5x faster than the split at
     the larger points (one line per split row: ``flashinfer_split`` with fa2, and each of
     :data:`SPLIT_EXTRA_BACKENDS`); Triton MLA decode (each variant) within 1.5x of
-    FlashMLA."""
+    FlashMLA; the fp8 cache against bf16 (:func:`fp8_lines`)."""
     out = []
     for r in rows:
+        if r["params"].get("kv_dtype", "auto") != "auto":
+            continue    # (fp8_lines)
         if not str(r["impl"]).startswith("triton"):  # triton and its variants (triton_tma, triton_sm90)
             continue
         if r["case"] == "tree_verify":
@@ -208,13 +265,14 @@ def bar_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
             out.append(f"mla_decode {r['point']}: {r['impl']} {r['median_us']:.1f} us = "
                        f"{1 / x:.2f}x FlashMLA's time "
                        f"({'meets' if 1 / x <= 1.5 else 'MISSES'} <= 1.5x)")
-    return out
+    return out + fp8_lines(rows)
 
 
 # ----------------------------------------------------------------------------- GPU run
 def cross_check(device: str = "cuda") -> List[str]:
-    """Every impl of one small tree-verify input (bs 4, prefix 1000, 64 draft tokens, bf16)
-    and one MLA decode input (bs 4, 1000 keys, page 64) on the same inputs (same seed),
+    """Every impl of one small tree-verify input (bs 4, prefix 1000, 64 draft tokens, bf16),
+    one MLA decode input (bs 4, 1000 keys, page 64) and one GQA decode input over an fp8 cache
+    (bs 4, 1000 keys; the reference reads it dequantized) on the same inputs (same seed),
     against the torch reference backend and each other: one line per comparison with the
     max abs difference (an impl that fails says why)."""
     import torch
@@ -223,7 +281,8 @@ def cross_check(device: str = "cuda") -> List[str]:
 
     lines = []
     for name, params in (("tree_verify", dict(bs=4, prefix=1000, input_sets=1)),
-                         ("mla_decode", dict(bs=4, seq_len=1000, input_sets=1))):
+                         ("mla_decode", dict(bs=4, seq_len=1000, input_sets=1)),
+                         ("decode", dict(bs=4, seq_len=1000, input_sets=1, kv_dtype=FP8))):
         outs, ref = {}, None
         for impl in IMPLS[name]:
             try:

@@ -71,7 +71,11 @@ position; K/V, q ~ N(0, 1).  Trees are random EAGLE trees
 tokens) built by :func:`specattn.ops.build_tree` (reference).  ``input_sets=None`` picks
 ``clamp(256 MiB // bytes_per_set, 1, 4)`` sets; the harness flushes L2 when they are small.
 Every request of a point has the same prefix; ``seq_len`` (decode) counts the keys a query
-sees, its own included (``P = seq_len - 1`` committed + 1 new).
+sees, its own included (``P = seq_len - 1`` committed + 1 new).  ``-p kv_dtype=fp8_e4m3``
+(decode, tree verify, MLA decode and tree verify) keeps the KV cache in fp8 e4m3 (scale 1.0)
+with bf16 queries: the Triton impls read it directly (the Gluon kernels take bf16 caches
+only, so the portable kernels run), the FlashInfer impls are planned with an fp8
+``kv_data_type``, FlashMLA refuses it.
 
 Accounting (the same for every impl of a point, so GB/s and TFLOP/s compare):
 
@@ -173,6 +177,17 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+KV_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
+"""``kv_dtype`` parameter values: the KV cache in the point's ``dtype`` or in fp8 e4m3 (scale
+1.0; the N(0, 1) inputs lie in e4m3's normal range)."""
+
+
+def _cache_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {' | '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    return KV_DTYPES[kv_dtype] or dtype
+
+
 # ----------------------------------------------------------------------------- shapes
 @dataclass(frozen=True)
 class AttnShape:
@@ -184,24 +199,30 @@ class AttnShape:
     num_kv_heads: int
     head_dim: int       # q / k width (MLA: kv_lora_rank + qk_rope_head_dim)
     v_head_dim: int     # v / o width (MLA: kv_lora_rank)
-    dtype: torch.dtype
+    dtype: torch.dtype  # q, o (and the cache unless cache_dtype says otherwise)
     scaling: float
+    cache_dtype: torch.dtype  # the KV cache's (``kv_dtype="fp8_e4m3"``: float8_e4m3fn)
 
     @classmethod
-    def mha(cls, num_heads: int, num_kv_heads: int, head_dim: int, dtype) -> "AttnShape":
-        """Raises ValueError unless ``num_kv_heads`` divides ``num_heads``."""
+    def mha(cls, num_heads: int, num_kv_heads: int, head_dim: int, dtype,
+            kv_dtype: str = "auto") -> "AttnShape":
+        """Raises ValueError unless ``num_kv_heads`` divides ``num_heads``, or for an unknown
+        ``kv_dtype``."""
         _positive(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
-        return cls("mha", num_heads, num_kv_heads, head_dim, head_dim, _dtype(dtype),
-                   head_dim ** -0.5)
+        dt = _dtype(dtype)
+        return cls("mha", num_heads, num_kv_heads, head_dim, head_dim, dt, head_dim ** -0.5,
+                   _cache_dtype(kv_dtype, dt))
 
     @classmethod
-    def mla(cls, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype) -> "AttnShape":
+    def mla(cls, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype,
+            kv_dtype: str = "auto") -> "AttnShape":
         _positive(num_heads=num_heads, kv_lora_rank=kv_lora_rank,
                   qk_rope_head_dim=qk_rope_head_dim)
+        dt = _dtype(dtype)
         return cls("mla", num_heads, 1, kv_lora_rank + qk_rope_head_dim, kv_lora_rank,
-                   _dtype(dtype), MLA_SCALING)
+                   dt, MLA_SCALING, _cache_dtype(kv_dtype, dt))
 
     @property
     def kv_elems_per_key(self) -> int:
@@ -219,19 +240,19 @@ class AttnShape:
 
     def make_pool(self, size: int, page_size: int, device):
         if self.kind == "mla":
-            return MLATokenToKVPool(size, page_size, self.dtype, 1, device, self.v_head_dim,
+            return MLATokenToKVPool(size, page_size, self.cache_dtype, 1, device, self.v_head_dim,
                                     self.head_dim - self.v_head_dim)
-        return MHATokenToKVPool(size, page_size, self.dtype, self.num_kv_heads, self.head_dim,
+        return MHATokenToKVPool(size, page_size, self.cache_dtype, self.num_kv_heads, self.head_dim,
                                 1, device, self.v_head_dim)
 
 
 def attention_bytes(shape: AttnShape, num_keys: int, num_tokens: int) -> int:
     """Minimum device traffic of one attention call: ``num_keys`` keys' cache rows read once
-    (:attr:`AttnShape.kv_elems_per_key` elements each), ``num_tokens`` query rows read
-    (``H * Dqk``) and output rows written (``H * Dv``), in ``shape.dtype`` bytes."""
-    e = shape.dtype.itemsize
-    return e * (num_keys * shape.kv_elems_per_key
-                + num_tokens * shape.num_heads * (shape.head_dim + shape.v_head_dim))
+    (:attr:`AttnShape.kv_elems_per_key` elements each, in ``shape.cache_dtype`` bytes),
+    ``num_tokens`` query rows read (``H * Dqk``) and output rows written (``H * Dv``), in
+    ``shape.dtype`` bytes."""
+    return (shape.cache_dtype.itemsize * num_keys * shape.kv_elems_per_key
+            + shape.dtype.itemsize * num_tokens * shape.num_heads * (shape.head_dim + shape.v_head_dim))
 
 
 def attention_flops(shape: AttnShape, visible_pairs: int) -> int:
@@ -315,7 +336,10 @@ def make_paged_inputs(device, shape: AttnShape, *, num_sets: int, bs: int, prefi
     req_pool.req_to_token.copy_(slots.to(device, torch.int32))
     gd = torch.Generator(device=device).manual_seed(seed)
     for buf in kv_pool.buffers:
-        buf.normal_(generator=gd)
+        if buf.dtype.itemsize == 1:   # fp8: no normal_ kernel; draw in bf16, round once
+            buf.copy_(torch.randn(buf.shape, generator=gd, device=device, dtype=torch.bfloat16))
+        else:
+            buf.normal_(generator=gd)
     rows = list(range(num_req))
     random.Random(seed).shuffle(rows)                # request rows in no particular order
     sets = []
@@ -493,7 +517,7 @@ def _fi_plan_prefill(fi, workspace, fi_backend, shape, qo_indptr, kv, page_size,
     w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=fi_backend)
     w.plan(qo_indptr, *kv, shape.num_heads, shape.num_kv_heads, shape.head_dim, page_size,
            head_dim_vo=shape.v_head_dim, sm_scale=shape.scaling, q_data_type=shape.dtype,
-           kv_data_type=shape.dtype, **kw)
+           kv_data_type=shape.cache_dtype, **kw)
     return w
 
 
@@ -594,6 +618,9 @@ def _decode_setup(case_name, device, shape: AttnShape, *, bs, seq_len, page_size
     ps, H, Dv = page_size, shape.num_heads, shape.v_head_dim
     sets = []
     if impl == "flashmla":
+        if shape.cache_dtype != shape.dtype:
+            raise ValueError("impl='flashmla' runs a bf16 latent cache only (its fp8 KV is the "
+                             "sparse decode's own layout)")
         if not lib.has_legacy():
             raise RuntimeError("impl='flashmla': this sgl-flash-mla build has no legacy "
                                "kernels (dense bf16 MLA decode on SM90 lives there)")
@@ -620,7 +647,7 @@ def _decode_setup(case_name, device, shape: AttnShape, *, bs, seq_len, page_size
                                                    backend=fi_backend)
         w.plan(*flashinfer_kv_metadata(inputs.req_pool.req_to_token, pset, ps), H,
                shape.num_kv_heads, shape.head_dim, ps, sm_scale=shape.scaling,
-               q_data_type=shape.dtype, kv_data_type=shape.dtype)
+               q_data_type=shape.dtype, kv_data_type=shape.cache_dtype)
         sets.append((w, q, torch.empty(bs, H, Dv, dtype=shape.dtype, device=device)))
     state.update(workspace=workspace)
 
@@ -640,12 +667,12 @@ _VERIFY_DOC = ("bytes = KV of P+D keys read once + q + o; flops = 2*H*(Dqk+Dv)*v
       "16/16384); impl=triton|triton_generic|triton_sm90_sync|flashinfer_mask|flashinfer_split; " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=32, num_kv_heads=8, head_dim=128,
       dtype="bfloat16", page_size=1, topk=8, num_steps=5, input_sets=None, seed=0,
-      impl="triton", num_kv_splits=None, fi_backend="fa2", contiguous=False)
+      impl="triton", num_kv_splits=None, fi_backend="fa2", contiguous=False, kv_dtype="auto")
 def _tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, num_kv_heads, head_dim,
                  dtype, page_size, topk, num_steps, input_sets, seed, impl, num_kv_splits,
-                 fi_backend, contiguous):
+                 fi_backend, contiguous, kv_dtype):
     """Tree verify (MHA/GQA); see the module docstring."""
-    shape = AttnShape.mha(num_heads, num_kv_heads, head_dim, dtype)
+    shape = AttnShape.mha(num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
     return _verify_setup("tree_verify", device, shape, bs=bs, prefix=prefix,
                          num_draft_tokens=num_draft_tokens, page_size=page_size, topk=topk,
                          num_steps=num_steps, input_sets=input_sets, seed=seed, impl=impl,
@@ -659,12 +686,12 @@ def _tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, num_kv_head
       "(no public library has MLA tree verify with a custom mask); " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=128, kv_lora_rank=512,
       qk_rope_head_dim=64, dtype="bfloat16", page_size=64, topk=8, num_steps=5,
-      input_sets=None, seed=0, impl="triton", num_kv_splits=None, contiguous=False)
+      input_sets=None, seed=0, impl="triton", num_kv_splits=None, contiguous=False, kv_dtype="auto")
 def _mla_tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, kv_lora_rank,
                      qk_rope_head_dim, dtype, page_size, topk, num_steps, input_sets, seed,
-                     impl, num_kv_splits, contiguous):
+                     impl, num_kv_splits, contiguous, kv_dtype):
     """Tree verify (absorbed MLA); see the module docstring."""
-    shape = AttnShape.mla(num_heads, kv_lora_rank, qk_rope_head_dim, dtype)
+    shape = AttnShape.mla(num_heads, kv_lora_rank, qk_rope_head_dim, dtype, kv_dtype)
     return _verify_setup("mla_tree_verify", device, shape, bs=bs, prefix=prefix,
                          num_draft_tokens=num_draft_tokens, page_size=page_size, topk=topk,
                          num_steps=num_steps, input_sets=input_sets, seed=seed, impl=impl,
@@ -677,11 +704,11 @@ def _mla_tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, kv_lora
       "impl=triton|triton_generic|triton_sm90_split|triton_tma|flashmla; bytes = latent of every key once + q + o",
       bs=128, seq_len=8192, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
       dtype="bfloat16", page_size=64, input_sets=None, seed=0, impl="triton",
-      num_kv_splits=None, contiguous=False)
+      num_kv_splits=None, contiguous=False, kv_dtype="auto")
 def _mla_decode(device, *, bs, seq_len, num_heads, kv_lora_rank, qk_rope_head_dim, dtype,
-                page_size, input_sets, seed, impl, num_kv_splits, contiguous):
+                page_size, input_sets, seed, impl, num_kv_splits, contiguous, kv_dtype):
     """MLA decode; see the module docstring."""
-    shape = AttnShape.mla(num_heads, kv_lora_rank, qk_rope_head_dim, dtype)
+    shape = AttnShape.mla(num_heads, kv_lora_rank, qk_rope_head_dim, dtype, kv_dtype)
     return _decode_setup("mla_decode", device, shape, bs=bs, seq_len=seq_len,
                          page_size=page_size, input_sets=input_sets, seed=seed, impl=impl,
                          num_kv_splits=num_kv_splits, fi_backend=None,
@@ -694,11 +721,12 @@ def _mla_decode(device, *, bs, seq_len, num_heads, kv_lora_rank, qk_rope_head_di
       "(BatchDecodeWithPagedKVCacheWrapper, tensor cores); bytes = KV once + q + o",
       bs=32, seq_len=8192, num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
       page_size=16, input_sets=None, seed=0, impl="triton", num_kv_splits=None,
-      fi_backend="fa2", fi_use_tensor_cores=True, contiguous=False)
+      fi_backend="fa2", fi_use_tensor_cores=True, contiguous=False, kv_dtype="auto")
 def _decode(device, *, bs, seq_len, num_heads, num_kv_heads, head_dim, dtype, page_size,
-            input_sets, seed, impl, num_kv_splits, fi_backend, fi_use_tensor_cores, contiguous):
+            input_sets, seed, impl, num_kv_splits, fi_backend, fi_use_tensor_cores, contiguous,
+            kv_dtype):
     """GQA decode; see the module docstring."""
-    shape = AttnShape.mha(num_heads, num_kv_heads, head_dim, dtype)
+    shape = AttnShape.mha(num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
     return _decode_setup("decode", device, shape, bs=bs, seq_len=seq_len, page_size=page_size,
                          input_sets=input_sets, seed=seed, impl=impl,
                          num_kv_splits=num_kv_splits, fi_backend=fi_backend,

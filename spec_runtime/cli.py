@@ -24,6 +24,8 @@ from rich.table import Table
 from . import model_fetch as _mf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: --kv-cache-dtype values -> the target's KV cache dtype (None: the model's)
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
 ALGOS = ("none", "eagle", "dflash", "ngram")
 #: the largest --page-size accepted (KV pages are tokens; real engines use up to a few hundred)
 MAX_PAGE_SIZE = 1024
@@ -245,13 +247,14 @@ def drafter_factory(path, device: str, dtype: torch.dtype, draft_vocab_size: Opt
 
 def engine_for(cfg, w, ids: List[List[int]], spec, *, backend: str, device: str, dtype: torch.dtype,
                max_new_tokens: int, cuda_graph: Optional[bool] = None, draft_model=None,
-               page_size: int = 1):
+               page_size: int = 1, kv_cache_dtype: Optional[torch.dtype] = None):
     """The engine ``specattn generate`` runs: one batch of all ``ids`` (``max_batch = len(ids)``),
     ``max_context`` = longest prompt + ``max_new_tokens`` + two rounds' tokens + 8 (a round:
     ``num_draft_tokens``, DFlash ``max(block_size, num_draft_tokens)``; the
     overlapped loop runs one round past a finished request), rounded up to a multiple of
     ``page_size``; CUDA graphs by default on cuda devices.  ``draft_model``: a ready drafter,
-    or a callable ``target -> drafter``.  Raises what
+    or a callable ``target -> drafter``; ``kv_cache_dtype``: the target's KV cache dtype
+    (None: the model's).  Raises what
     :class:`~specattn.spec_runtime.engine.Engine` raises."""
     from .engine import Engine
     if page_size < 1:
@@ -261,7 +264,7 @@ def engine_for(cfg, w, ids: List[List[int]], spec, *, backend: str, device: str,
                   max_batch=len(ids), max_context=-(-need // page_size) * page_size,
                   eos_token_ids=cfg.eos_token_ids,
                   cuda_graph=str(device).startswith("cuda") if cuda_graph is None else cuda_graph,
-                  draft_model=draft_model, page_size=page_size)
+                  draft_model=draft_model, page_size=page_size, kv_cache_dtype=kv_cache_dtype)
 
 
 def measured_generate(eng, ids: List[List[int]], params, warmup: bool, progress=None):
@@ -312,7 +315,7 @@ def report_dict(eng, res, warm_s, *, texts: List[str], tok, algo: str, backend: 
             "cuda_graph": bool(eng.runners or eng.round_graphs),
             "whole_round_graphs": eng.whole_round_graphs, "graph_modes": list(eng.graph_modes),
             "eager_routed": list(eng.eager_routed), "mode_routed": list(eng.mode_routed),
-            "page_size": eng.page_size,
+            "page_size": eng.page_size, "kv_cache_dtype": str(eng.kv_cache_dtype).replace("torch.", ""),
             "warmup": warm_s is not None, "warmup_seconds": warm_s,
             "draft_layers": eng.draft.num_layers if algo in ("eagle", "dflash") else None,
             "drafter": _drafter_name(eng, algo),
@@ -350,7 +353,7 @@ def _given(ctx: typer.Context, name: str) -> bool:
 def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_steps, num_draft_tokens,
                         draft_layers, block_size, backend, page_size, device, dtype, temperature, top_k,
                         top_p, model, draft_model, self_draft, cuda_graph, threads, ngram_size=4,
-                        draft_vocab=None) -> List[str]:
+                        draft_vocab=None, kv_cache_dtype="auto") -> List[str]:
     """Check ``specattn generate``'s arguments before anything loads; returns the prompts.
     Every problem ends the command with one line (:func:`fail`, exit status 2)."""
     def bad(msg: str) -> None:
@@ -445,6 +448,8 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         bad(f"--page-size must be between 1 and {MAX_PAGE_SIZE} (tokens per KV page), got {page_size}")
     if backend == "flashmla" and page_size != 64:
         bad(f"--backend flashmla needs --page-size 64, got {page_size}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        bad(f"--kv-cache-dtype must be one of {' | '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
 
     if not (temperature >= 0 and math.isfinite(temperature)):
         bad(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -488,6 +493,9 @@ def generate(
     page_size: int = typer.Option(1, help=f"KV page size, 1 .. {MAX_PAGE_SIZE} (FlashMLA: 64)."),
     device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cuda:N"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype",
+                                       help="auto (the model's dtype) | fp8_e4m3 (the target's KV cache in "
+                                            "e4m3, scales 1.0: half the bytes of bf16)."),
     max_new_tokens: int = typer.Option(64, min=1),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0), top_p: float = typer.Option(1.0), seed: int = typer.Option(0),
@@ -519,7 +527,7 @@ def generate(
         num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, block_size=block_size, backend=backend,
         page_size=page_size, device=device, dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p,
         model=model, draft_model=draft_model, self_draft=self_draft, cuda_graph=cuda_graph, threads=threads,
-        ngram_size=ngram_size, draft_vocab=draft_vocab)
+        ngram_size=ngram_size, draft_vocab=draft_vocab, kv_cache_dtype=kv_cache_dtype)
     with cpu_threads(threads, device) as n_threads:
         _generate(texts, algo=algo, topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
                   ngram_size=ngram_size,
@@ -527,12 +535,14 @@ def generate(
                   device=device, dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature,
                   top_k=top_k, top_p=top_p, seed=seed, model=model, draft_model=draft_model,
                   self_draft=self_draft, chat=chat, cuda_graph=cuda_graph, warmup=warmup,
-                  as_json=as_json, threads=n_threads, draft_vocab=draft_vocab)
+                  as_json=as_json, threads=n_threads, draft_vocab=draft_vocab,
+                  kv_cache_dtype=kv_cache_dtype)
 
 
 def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, backend,
               page_size, device, dtype, max_new_tokens, temperature, top_k, top_p, seed, model, draft_model,
-              self_draft, chat, cuda_graph, warmup, as_json, threads, ngram_size=4, draft_vocab=None) -> None:
+              self_draft, chat, cuda_graph, warmup, as_json, threads, ngram_size=4, draft_vocab=None,
+              kv_cache_dtype="auto") -> None:
     """``specattn generate`` once its arguments are checked: load, build the engine, run,
     report."""
     from . import loader
@@ -560,6 +570,7 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
     try:
         eng = engine_for(cfg, w, ids, spec, backend=backend, device=device, dtype=DTYPES[dtype],
                          max_new_tokens=max_new_tokens, cuda_graph=cuda_graph, page_size=page_size,
+                         kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype],
                          draft_model=None if drafter_path is None else
                          drafter_factory(drafter_path, device, DTYPES[dtype], draft_vocab or None))
     except (ValueError, ImportError, KeyError, FileNotFoundError, NotImplementedError) as e:  # NotImplementedError: UnsupportedError

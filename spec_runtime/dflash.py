@@ -648,7 +648,8 @@ class DFlashDrafter(TargetSharingDrafter):
         ``fc`` GEMM + one fused :func:`specattn.ops.materialize_kv` for all layers."""
         ops.materialize_kv(self.context_hidden(features), self.w["w_kv"], self.w["k_norm"], positions,
                            self.cos_sin_cache, loc, pool.k_buffer, pool.v_buffer,
-                           eps=self.config.rms_norm_eps, check_values=False)  # our own slots
+                           eps=self.config.rms_norm_eps, check_values=False,  # our own slots
+                           **dict(zip(("k_scale", "v_scale"), pool.kv_scales(0))))
 
     # ------------------------------------------------------------------ training (dense)
     def dense_forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,

@@ -555,7 +555,8 @@ class Eagle3Drafter(TargetSharingDrafter):
                                    batch.positions, self.cos_sin_cache, batch.out_cache_loc,
                                    pool.get_key_buffer(0), pool.get_value_buffer(0), c.num_attention_heads,
                                    c.num_key_value_heads, c.head_dim, x2=h,
-                                   norm_weight2=self.w[p + "hidden_norm.weight"], check_values=False)
+                                   norm_weight2=self.w[p + "hidden_norm.weight"], check_values=False,
+                                   **dict(zip(("k_scale", "v_scale"), pool.kv_scales(0))))
             o = backend.forward(q, None, None, self.layer, batch, save_kv_cache=False)
         else:
             q, k, v = self._qkv(e, h)

@@ -220,6 +220,11 @@ class Engine:
             :func:`default_min_free_slots` of ``max_batch``.  SGLang's ``min_free_slots``
             delayer (its default for DFlash drafters) is the same rule.
         max_admission_delay: the most rounds a free row waits for others (>= 0).
+        kv_cache_dtype: the target's KV cache dtype (default: the model's);
+            ``torch.float8_e4m3fn`` stores it in e4m3 with ``kv_scales = (k_scale, v_scale)``
+            (each a float or one per layer; an MLA latent takes ``k_scale``), which SGLang
+            and vLLM default to 1.0 as here.  The drafter's pool keeps the model's dtype (a
+            draft's KV is a few layers; its precision only moves the acceptance).
 
     Attributes:
         target_backend, draft_backend: the backends (``draft_backend`` only with a drafter).
@@ -248,7 +253,8 @@ class Engine:
                  max_batch: int = 8, max_context: int = 1024, eos_token_ids: Sequence[int] = (),
                  cuda_graph: bool = False, draft_model=None, page_size: int = 1,
                  prefill_graph_tokens: int = 4096, min_free_slots: Optional[int] = None,
-                 max_admission_delay: int = 16):
+                 max_admission_delay: int = 16, kv_cache_dtype: Optional[torch.dtype] = None,
+                 kv_scales: Tuple = (1.0, 1.0)):
         self.spec = spec or SpecConfig()
         self.spec.validate()
         if page_size < 1 or max_context % page_size:
@@ -286,7 +292,9 @@ class Engine:
         roles: Dict[str, List[ForwardMode]] = {}
         for role, mode in self.required_modes():
             roles.setdefault(role, []).append(mode)
-        self.target_pool = self.target.make_kv_pool(self.pool_size, page_size)
+        self.kv_cache_dtype = kv_cache_dtype or self.dtype
+        self.target_pool = self.target.make_kv_pool(self.pool_size, page_size, kv_cache_dtype=self.kv_cache_dtype,
+                                                    k_scale=kv_scales[0], v_scale=kv_scales[1])
         self.target_backend = self._make_backend(backend, "target", self.target_pool, roles["target"],
                                                  self.strategy.verify_topk)
         self.draft = self.strategy.drafter

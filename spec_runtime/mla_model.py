@@ -256,13 +256,20 @@ class MLAModel:
         """``hidden [T, hidden_size]`` -> float32 logits ``[T, vocab_size]``."""
         return (hidden @ self.lm_head.T).float()
 
-    def make_kv_pool(self, size: int, page_size: int = 1, num_layers: Optional[int] = None):
+    def make_kv_pool(self, size: int, page_size: int = 1, num_layers: Optional[int] = None,
+                     kv_cache_dtype: Optional[torch.dtype] = None, k_scale=1.0, v_scale=None):
         """An :class:`~specattn.backends.MLATokenToKVPool` for this model: per layer a latent
-        ``[size + page_size, 1, kv_lora_rank + qk_rope_head_dim]`` in ``dtype``."""
+        ``[size + page_size, 1, kv_lora_rank + qk_rope_head_dim]`` in ``kv_cache_dtype``
+        (default: the model's dtype; ``torch.float8_e4m3fn`` with the latent's scale
+        ``k_scale``, a float or one per layer; ``v_scale`` must be None or equal it: the values
+        are the latent)."""
         from specattn.backends import MLATokenToKVPool
+        if v_scale is not None and v_scale != k_scale:
+            raise ValueError("an MLA latent has one scale: pass v_scale=None or equal to k_scale")
         c = self.config
-        return MLATokenToKVPool(size, page_size, self.dtype, num_layers or self.num_layers, self.device,
-                                kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
+        return MLATokenToKVPool(size, page_size, kv_cache_dtype or self.dtype, num_layers or self.num_layers,
+                                self.device, kv_lora_rank=c.kv_lora_rank,
+                                qk_rope_head_dim=c.qk_rope_head_dim, kv_scale=k_scale)
 
     def with_layers(self, num_layers: int) -> "MLAModel":
         """The same model over its first ``num_layers`` layers (weights shared, not copied):

@@ -199,7 +199,8 @@ class LlamaModel:
             q = ops.qkv_rope_store(h, None, w[p + "self_attn.qkv_proj.folded_weight"], eps,
                                    batch.positions, self.cos_sin_cache, batch.out_cache_loc,
                                    pool.get_key_buffer(i), pool.get_value_buffer(i), c.num_attention_heads,
-                                   c.num_key_value_heads, c.head_dim, row_sumsq=ss, check_values=False)
+                                   c.num_key_value_heads, c.head_dim, row_sumsq=ss, check_values=False,
+                                   **dict(zip(("k_scale", "v_scale"), pool.kv_scales(i))))
             o = backend.forward(q, None, None, layer, batch, save_kv_cache=False)
             _, ss = ops.matmul_residual(o.reshape(T, -1), w[p + "self_attn.o_proj.weight"], h,
                                         return_row_sumsq=True)
@@ -217,12 +218,17 @@ class LlamaModel:
                                      row_sumsq=ss)
         return logits, captured
 
-    def make_kv_pool(self, size: int, page_size: int = 1, num_layers: Optional[int] = None):
-        """A KV pool fitting this model's attention (``num_layers`` default: the model's)."""
+    def make_kv_pool(self, size: int, page_size: int = 1, num_layers: Optional[int] = None,
+                     kv_cache_dtype: Optional[torch.dtype] = None, k_scale=1.0, v_scale=1.0):
+        """A KV pool fitting this model's attention (``num_layers`` default: the model's), in
+        ``kv_cache_dtype`` (default: the model's dtype; ``torch.float8_e4m3fn`` with the
+        dequantization scales ``k_scale`` / ``v_scale``, a float or one per layer:
+        :class:`~specattn.backends.MHATokenToKVPool`)."""
         from specattn.backends import MHATokenToKVPool
         c = self.config
-        return MHATokenToKVPool(size, page_size, self.dtype, c.num_key_value_heads, c.head_dim,
-                                num_layers or self.num_layers, self.device)
+        return MHATokenToKVPool(size, page_size, kv_cache_dtype or self.dtype, c.num_key_value_heads,
+                                c.head_dim, num_layers or self.num_layers, self.device,
+                                k_scale=k_scale, v_scale=v_scale)
 
     def with_layers(self, num_layers: int) -> "LlamaModel":
         """The same model over its first ``num_layers`` layers (weights shared): the default

@@ -38,15 +38,19 @@ from specattn.backends import ForwardBatch, KVAllocator, ReqToTokenPool, TorchRe
 __all__ = ["teacher_forced_logits", "NearGreedy", "near_greedy", "check_near_greedy"]
 
 
-def teacher_forced_logits(model, seqs: Sequence[Sequence[int]]) -> List[torch.Tensor]:
+def teacher_forced_logits(model, seqs: Sequence[Sequence[int]], kv_cache_dtype=None,
+                          kv_scales=(1.0, 1.0)) -> List[torch.Tensor]:
     """Float32 logits ``[len(s), V]`` of every position of every sequence (row ``i`` predicts
-    token ``i + 1``), one EXTEND batch on the reference backend over fresh pools."""
+    token ``i + 1``), one EXTEND batch on the reference backend over fresh pools (of
+    ``kv_cache_dtype``, default the model's, with ``kv_scales`` for an fp8 cache: its
+    rounding then enters the logits as it does in a run)."""
     dev = model.device
     lens = [len(s) for s in seqs]
     width = max(lens)
     req = ReqToTokenPool(len(seqs), width, dev)
     size = sum(lens)
-    pool, alloc = model.make_kv_pool(size), KVAllocator(size, 1, dev)
+    pool = model.make_kv_pool(size, kv_cache_dtype=kv_cache_dtype, k_scale=kv_scales[0], v_scale=kv_scales[1])
+    alloc = KVAllocator(size, 1, dev)
     slots = alloc.alloc(size)
     for i, part in enumerate(slots.split(lens)):
         req.write(i, 0, part)
@@ -74,14 +78,18 @@ class NearGreedy:
     vocab_share: float
 
 
-def near_greedy(model32, model_lowp, prompts, outputs, factor: float = 4.0) -> NearGreedy:
+def near_greedy(model32, model_lowp, prompts, outputs, factor: float = 4.0, kv_cache_dtype=None,
+                kv_scales=(1.0, 1.0)) -> NearGreedy:
     """Measure how far every token of ``outputs`` (per request, after ``prompts``; lists of
     token ids) is from the float32 greedy choice on its own context, against ``factor`` times
     the precision's logit noise at that position (module docstring).  ``model32`` /
     ``model_lowp``: the same weights in float32 / the run's dtype, on one device (e.g.
     :class:`~specattn.spec_runtime.model.LlamaModel` over weights rounded to the run's dtype).
     Verdict: ``max_ratio <= 1`` (every token a near-tie at most) and ``vocab_share`` small
-    (the check has teeth); :func:`check_near_greedy` asserts both.
+    (the check has teeth); :func:`check_near_greedy` asserts both.  ``kv_cache_dtype`` /
+    ``kv_scales``: the run's KV cache (e.g. fp8 e4m3); the low-precision side's noise
+    ``delta_i`` is then measured over such a cache, so the tolerance is the one of e4m3 KV
+    plus the model's dtype, derived the same way.
 
     Raises:
         ValueError: ``prompts`` and ``outputs`` of different lengths, an empty prompt, or no
@@ -93,7 +101,7 @@ def near_greedy(model32, model_lowp, prompts, outputs, factor: float = 4.0) -> N
         raise ValueError("every prompt needs a token and some output must be non-empty")
     seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
     ref = teacher_forced_logits(model32, seqs)
-    low = teacher_forced_logits(model_lowp, seqs)
+    low = teacher_forced_logits(model_lowp, seqs, kv_cache_dtype, kv_scales)
     gaps, tols, shares = [], [], []
     for p, o, lg, lw in zip(prompts, outputs, ref, low):
         if not o:
@@ -112,11 +120,11 @@ def near_greedy(model32, model_lowp, prompts, outputs, factor: float = 4.0) -> N
 
 
 def check_near_greedy(model32, model_lowp, prompts, outputs, factor: float = 4.0,
-                      max_share: float = 0.1) -> NearGreedy:
+                      max_share: float = 0.1, kv_cache_dtype=None, kv_scales=(1.0, 1.0)) -> NearGreedy:
     """:func:`near_greedy`, asserting its verdict: AssertionError unless every token is
     within ``factor * delta`` of the float32 greedy choice and at most ``max_share`` of the
     vocabulary lies within tolerance on average."""
-    res = near_greedy(model32, model_lowp, prompts, outputs, factor)
+    res = near_greedy(model32, model_lowp, prompts, outputs, factor, kv_cache_dtype, kv_scales)
     assert res.vocab_share <= max_share, f"the check has no teeth here (logits too flat): {res}"
     assert res.max_ratio <= 1.0, f"a token beyond the precision's near-ties: {res}"
     return res

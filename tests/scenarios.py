@@ -43,22 +43,31 @@ class Scenario:
     req_pool: ReqToTokenPool
     kv_pool: object
     tree_dense: Optional[torch.Tensor]   # [bs, D, D] bool for TARGET_VERIFY
+    q_dtype: torch.dtype = torch.float32  # the model's dtype (q, new K/V); the pool's unless fp8
 
 
 def make_scenario(mode: ForwardMode, *, kind="mha", bs=2, page_size=1, num_heads=4, num_kv_heads=2,
                   head_dim=16, max_prefix=20, D=5, num_layers=2, device="cpu", dtype=torch.float32,
                   rng: Optional[random.Random] = None, kv_lora_rank=32, qk_rope_head_dim=16,
-                  prefix_lens=None, extend_lens=None, capacity_bs=None) -> Scenario:
+                  prefix_lens=None, extend_lens=None, capacity_bs=None, kv_scales=(1.0, 1.0)) -> Scenario:
+    """A random batch of ``mode`` over pools of ``dtype`` filled with random old KV.  An fp8
+    pool (``torch.float8_e4m3fn``) gets ``kv_scales`` (``(k_scale, v_scale)``; MLA takes the
+    first) and the scenario's ``q_dtype`` is bf16 on a GPU, float32 on the CPU (whose Triton
+    interpreter has no correct bf16 dot)."""
     cap = max(capacity_bs or bs, bs)
+    fp8 = dtype == torch.float8_e4m3fn
+    q_dtype = (torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16) if fp8 else dtype
     rng = rng or random.Random(torch.randint(0, 2**31, ()).item())
     ctx = max_prefix + max(D, 8) + page_size
     req_pool = ReqToTokenPool(cap + 3, ctx, device)
     size = page_size * (cap * (-(-ctx // page_size)) + 2)
     if kind == "mha":
-        pool = MHATokenToKVPool(size, page_size, dtype, num_kv_heads, head_dim, num_layers, device)
+        pool = MHATokenToKVPool(size, page_size, dtype, num_kv_heads, head_dim, num_layers, device,
+                                k_scale=kv_scales[0], v_scale=kv_scales[1])
         layer = AttentionLayer.mha(num_layers - 1, num_heads, num_kv_heads, head_dim)
     else:
-        pool = MLATokenToKVPool(size, page_size, dtype, num_layers, device, kv_lora_rank, qk_rope_head_dim)
+        pool = MLATokenToKVPool(size, page_size, dtype, num_layers, device, kv_lora_rank, qk_rope_head_dim,
+                                kv_scale=kv_scales[0])
         layer = AttentionLayer.mla(num_layers - 1, num_heads, kv_lora_rank, qk_rope_head_dim, scaling=0.1)
     for b in pool.buffers:                      # random old KV everywhere, prefixes included
         b.copy_(torch.randn_like(b, dtype=torch.float32).to(dtype))
@@ -95,13 +104,13 @@ def make_scenario(mode: ForwardMode, *, kind="mha", bs=2, page_size=1, num_heads
     else:
         batch = ForwardBatch.idle(device)
     batch.validate(req_pool.req_to_token)
-    return Scenario(batch, layer, req_pool, pool, tree_dense)
+    return Scenario(batch, layer, req_pool, pool, tree_dense, q_dtype)
 
 
 def random_qkv(sc: Scenario, dtype=None):
     layer, T = sc.layer, sc.batch.num_tokens
     dev = sc.batch.device
-    dtype = dtype or sc.kv_pool.dtype
+    dtype = dtype or sc.q_dtype
     q = torch.randn(T, layer.num_heads, layer.head_dim, device=dev).to(dtype)
     k = torch.randn(T, layer.num_kv_heads, layer.head_dim, device=dev).to(dtype)
     v = None if layer.kind == AttentionKind.MLA else \
@@ -137,8 +146,9 @@ def naive_attention(sc: Scenario, q: torch.Tensor) -> torch.Tensor:
     forward wrote this batch's KV)."""
     b, layer = sc.batch, sc.layer
     mode = b.forward_mode
-    kc = sc.kv_pool.get_key_buffer(layer.layer_id).double().cpu()
-    vc = sc.kv_pool.get_value_buffer(layer.layer_id).double().cpu()
+    k_scale, v_scale = sc.kv_pool.kv_scales(layer.layer_id)
+    kc = sc.kv_pool.get_key_buffer(layer.layer_id).double().cpu() * k_scale
+    vc = sc.kv_pool.get_value_buffer(layer.layer_id).double().cpu() * v_scale
     rtt = sc.req_pool.req_to_token.cpu()
     out = torch.zeros(b.num_tokens, layer.num_heads, layer.v_head_dim, dtype=torch.float64)
     t = 0

@@ -80,7 +80,7 @@ def test_issue_points_cover_the_issue_and_are_valid():
     assert tv == {(bs, pre, i) for bs, pre in rep.TREE_POINTS for i in ca.IMPLS["tree_verify"]}
     assert set(rep.TREE_POINTS) == {(1, 4096), (16, 2048), (64, 4096), (16, 16384)}
     backends = [(p["bs"], p["prefix"], p.get("fi_backend")) for n, p in pts
-                if n == "tree_verify" and p["impl"] == "flashinfer_split"]
+                if n == "tree_verify" and p["impl"] == "flashinfer_split" and "kv_dtype" not in p]
     assert backends == [(bs, pre, b) for bs, pre in rep.TREE_POINTS
                         for b in (None,) + rep.SPLIT_EXTRA_BACKENDS]
     assert rep.SPLIT_EXTRA_BACKENDS == ("auto",)
@@ -587,6 +587,46 @@ def test_split_backends_are_library_rows_of_one_point():
     assert rep.bar_lines(one) == ["tree_verify bs=1 prefix=4096 page_size=1: triton 41.0 us "
                                   "(MISSES <= 40 us)"]
     assert rep.impl_label("tree_verify", dict(impl="triton", fi_backend="auto")) == "triton"
+
+
+def test_fp8_points_pair_with_their_bf16_rows():
+    """An fp8-cache row is its own point (``kv=fp8`` in the label), gets library speedups only
+    against fp8 library rows, and one line against the bf16 row of the same parameters and
+    impl: >= 1.5x where bf16 is memory-bound (decode at 8192 keys, verify at prefix 16384),
+    else never slower."""
+    fp8 = dict(kv_dtype="fp8_e4m3")
+    d8, d1 = dict(bs=32, seq_len=8192), dict(bs=1, seq_len=1024)
+    tv = dict(bs=16, prefix=16384)
+    res = [_result("decode", "triton", 300.0, d8), _result("decode", "triton", 180.0, dict(d8, **fp8)),
+           _result("decode", "flashinfer", 400.0, dict(d8, **fp8)),
+           _result("decode", "triton", 10.0, d1), _result("decode", "triton", 11.0, dict(d1, **fp8)),
+           _result("tree_verify", "triton", 600.0, tv), _result("tree_verify", "triton", 500.0, dict(tv, **fp8)),
+           _result("mla_decode", "triton", 80.0, dict(bs=128, seq_len=8192, **fp8))]   # no bf16 pair
+    rows = rep.summary_rows(res)
+    assert rows[1]["point"] == "bs=32 seq_len=8192 kv=fp8" and rows[0]["point"] == "bs=32 seq_len=8192"
+    assert rows[1]["speedup"] == pytest.approx({"flashinfer": 400 / 180}) and rows[0]["speedup"] == {}
+    assert rep.fp8_lines(rows) == [
+        "decode bs=32 seq_len=8192 kv=fp8: triton 180.0 us, 1.67x the bf16 cache's 300.0 us (meets >= 1.5x)",
+        "decode bs=1 seq_len=1024 kv=fp8: triton 11.0 us, 0.91x the bf16 cache's 10.0 us (MISSES >= 1.0x)",
+        "tree_verify bs=16 prefix=16384 kv=fp8: triton 500.0 us, 1.20x the bf16 cache's 600.0 us "
+        "(MISSES >= 1.5x)"]
+    assert rep.bar_lines(rows)[-3:] == rep.fp8_lines(rows)
+    pts = rep.fp8_points()
+    assert all(p["kv_dtype"] == "fp8_e4m3" and p["impl"] != "flashmla" for _, p in pts)
+    assert {n for n, _ in pts} == {"tree_verify", "mla_decode", "mla_tree_verify", "decode"}
+    assert all(pt in rep.TRACKED_POINTS for pt in pts)
+
+
+def test_fp8_shape_bytes_and_bad_kv_dtype():
+    """An fp8 cache halves the KV bytes of the accounting (q and o stay bf16)."""
+    gqa = ca.AttnShape.mha(32, 8, 128, "bfloat16", "fp8_e4m3")
+    assert gqa.cache_dtype == torch.float8_e4m3fn and gqa.dtype == torch.bfloat16
+    assert ca.attention_bytes(gqa, 4160, 64) == 4160 * 8 * 256 + 2 * 64 * 32 * 256
+    mla = ca.AttnShape.mla(128, 512, 64, "bfloat16", "fp8_e4m3")
+    assert ca.attention_bytes(mla, 8192, 1) == 8192 * 576 + 2 * 128 * (576 + 512)
+    assert mla.make_pool(64, 64, "cpu").dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="kv_dtype must be one of auto | fp8_e4m3"):
+        ca.AttnShape.mha(32, 8, 128, "bfloat16", "fp8_e5m2")
 
 
 def test_write_summary_lists_errors_and_notes(tmp_path):

@@ -54,6 +54,7 @@ def no_model_load(monkeypatch):
     (["--page-size", "100000"], ["--page-size must be between 1 and", "got 100000"]),
     (["--algo", "medusa"], ["--algo must be one of none | eagle | dflash"]),
     (["--dtype", "int8"], ["--dtype must be one of"]),
+    (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype must be one of auto | fp8_e4m3"]),
     (["--device", "tpu"], ["--device must be cpu or cuda"]),
     (["--cuda-graph"], ["--cuda-graph needs a CUDA device"]),
     (["--temperature", "-1"], ["--temperature must be >= 0"]),
@@ -271,6 +272,11 @@ def test_generate_reports_its_threads(tmp_path, monkeypatch, restore_threads):
     res = run(*PROMPT, "--raw", "--max-new-tokens", "3", "--threads", "1")
     assert res.exit_code == 0 and "1 CPU thread" in res.stdout, res.output
     assert not res.stderr.strip()                      # no progress debris when not a terminal
+    res = run(*PROMPT, "--raw", "--max-new-tokens", "3", "--threads", "1", "--json",
+              "--kv-cache-dtype", "fp8_e4m3", "--algo", "eagle", "--self-draft", "--draft-layers", "1")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["kv_cache_dtype"] == "float8_e4m3fn" and rep["tokens"] == 3
 
 
 # ------------------------------------------------------------------ progress

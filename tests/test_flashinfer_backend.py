@@ -15,6 +15,15 @@ trees up to 64 draft tokens; MLA (512 + 64) EXTEND / DECODE / DRAFT_EXTEND_V2 / 
 JIT modules compiled by the GPU tests: fa2 batch-prefill (bf16, head_dim 64), (bf16,
 head_dim 128) -- the decode wrapper with tensor cores reuses them -- and batch-MLA (bf16,
 512, 64, fa3 on SM90).
+
+fp8 (float8_e4m3fn) KV caches: CPU -- the pools FlashInfer cannot run are refused
+(UnsupportedConfigError naming the triton backend), and through the fake (which checks the
+planned q / kv dtypes and applies ``k_scale`` / ``v_scale`` / ``ckv_scale`` as FlashInfer does)
+every mode, MHA and MLA, eager and graph metadata, against attention over the dequantized cache
+(``cache.float() * scale``) with per-layer scales != 1.  GPU: the same against the real kernels
+(MHA every mode eager and in CUDA graphs; MLA on SM90 only, skipped elsewhere), more JIT
+modules: fa2 batch-prefill (q bf16, kv e4m3, head_dim 64 / 128), (q fp16, kv e4m3, 128) and
+batch-MLA (bf16, e4m3, 512, 64).
 """
 import random
 import subprocess
@@ -27,8 +36,10 @@ import torch
 from scenarios import load_trial, make_scenario, random_qkv
 from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers,
                                MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool,
-                               TorchReferenceBackend, UnsupportedError, available_backends,
-                               create_backend, pack_tree_mask, tree_mask_to_flashinfer)
+                               TorchReferenceBackend, UnsupportedConfigError, UnsupportedError,
+                               available_backends, create_backend, pack_tree_mask,
+                               tree_mask_to_flashinfer)
+from specattn.backends.torch_reference import build_reference_metadata, reference_attention
 import specattn.backends.flashinfer_backend as fb
 from specattn.backends.flashinfer_backend import (FlashInferBackend, flashinfer_packed_mask,
                                                   paged_kv_indices, paged_kv_layout)
@@ -269,6 +280,8 @@ class _FakePaged:
         for t in (qo, indptr, indices, last):
             assert t.dtype == torch.int32
         self.ps, self.causal, self.sm_scale = ps, causal, kw.get("sm_scale")
+        self.q_dtype, self.kv_dtype = kw["q_data_type"], kw["kv_data_type"]
+        assert self.q_dtype != torch.float8_e4m3fn     # fa2: no fp8 queries (an assert in its JIT)
         self.qo_host = qo.cpu()
         if self.graph and self._qo_indptr_buf is not None:
             self._qo_indptr_buf.copy_(qo)
@@ -287,9 +300,12 @@ class _FakePaged:
         elif not self.graph:
             self._custom_mask_buf = None
 
-    def run(self, q, paged_kv_cache, q_scale=None):
+    def run(self, q, paged_kv_cache, q_scale=None, k_scale=None, v_scale=None):
         k_cache, v_cache = paged_kv_cache
+        assert q.dtype == self.q_dtype and k_cache.dtype == v_cache.dtype == self.kv_dtype
+        # FlashInfer: k_scale folds into the softmax scale, v_scale multiplies the output
         scale = (self.sm_scale if self.sm_scale is not None else q.shape[-1] ** -0.5) * (q_scale or 1)
+        scale *= k_scale if k_scale is not None else 1.0
         ind, last = self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf
         ip = self._paged_kv_indptr_buf.cpu()
         qo = self.qo_host
@@ -309,7 +325,7 @@ class _FakePaged:
             else:
                 vis = torch.ones(n, L, dtype=torch.bool)
             out[a:b] = _attend(q[a:b], k, v, vis, scale)
-        return out.to(q.dtype)
+        return (out * (v_scale if v_scale is not None else 1.0)).to(q.dtype)
 
 
 class _FakeMLA:
@@ -322,7 +338,11 @@ class _FakeMLA:
                          kv_len_arr=kv_len_arr)
 
     def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
-             sm_scale, q_data_type, kv_data_type):
+             sm_scale, q_data_type, kv_data_type, scale_mode="default"):
+        fp8 = kv_data_type == torch.float8_e4m3fn   # fa2/fa3: bf16 queries, kv-per-tensor scales
+        assert (q_data_type == torch.bfloat16 and scale_mode == "kv-per-tensor") if fp8 else \
+            (q_data_type == kv_data_type and scale_mode == "default")
+        self.q_dtype, self.kv_dtype, self.fp8 = q_data_type, kv_data_type, fp8
         for name in self.bufs:
             src = getattr(metadata, name)
             assert src.dtype == torch.int32 and src.is_contiguous()
@@ -334,8 +354,11 @@ class _FakeMLA:
         self.ckv, self.ps, self.causal, self.scale, self.H = (head_dim_ckv, page_size, causal,
                                                               sm_scale, num_heads)
 
-    def run(self, *, query, kv_cache):
+    def run(self, *, query, kv_cache, ckv_scale=None, kpe_scale=None):
         assert query.shape[1] == self.H and kv_cache.dim() == 3
+        assert query.dtype == self.q_dtype and kv_cache.dtype == self.kv_dtype
+        # FlashInfer 0.7.2: both scales exactly when the plan is fp8 (else a ValueError)
+        assert (ckv_scale is not None and kpe_scale is not None) == self.fp8
         qo, ip = self.bufs["qo_indptr"].cpu(), self.bufs["kv_indptr"].cpu()
         lens = self.bufs["kv_len_arr"].cpu()
         out = torch.full((*query.shape[:2], self.ckv), float("nan"), dtype=torch.float64)
@@ -343,7 +366,9 @@ class _FakeMLA:
             a, b, L = int(qo[i]), int(qo[i + 1]), int(lens[i])
             pages = self.bufs["kv_indices"][int(ip[i]):int(ip[i + 1])].long()
             t = torch.arange(L)
-            lat = kv_cache[pages[t // self.ps], t % self.ps][:, None, :]     # [L, 1, 576]
+            lat = kv_cache[pages[t // self.ps], t % self.ps][:, None, :].double()   # [L, 1, 576]
+            if self.fp8:   # dequantized in the kernel: c_kv * ckv_scale, k_pe * kpe_scale
+                lat = torch.cat([lat[..., :self.ckv] * ckv_scale, lat[..., self.ckv:] * kpe_scale], -1)
             n = b - a
             jj, kk = torch.arange(n)[:, None], torch.arange(L)[None, :]
             vis = kk <= L - n + jj if self.causal else torch.ones(n, L, dtype=torch.bool)
@@ -375,7 +400,7 @@ def fake_flashinfer(monkeypatch):
     fi.mla = mla
     monkeypatch.setitem(sys.modules, "flashinfer", fi)
     monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
-    monkeypatch.setattr(fb, "_check_pools", lambda *a: None)   # CPU float32 pools
+    monkeypatch.setattr(fb, "_check_pools", lambda *a, **k: None)   # CPU float32 / fp8 pools
     monkeypatch.setattr(FlashInferBackend, "unavailable_reason", classmethod(lambda cls: None))
     return fi
 
@@ -617,3 +642,282 @@ def test_cuda_graph_replay_on_gpu(mode, page_size, head_dim, seed):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_mla_cuda_graph_replay_on_gpu(mode, page_size, seed):
     _gpu_graph_case("mla", mode, page_size, seed, D=random.Random(seed).choice([2, 4, 8]))
+
+
+# ------------------------------------------------------------------ fp8 (e4m3) KV caches
+FP8 = torch.float8_e4m3fn
+# Per-layer dequantization scales (the tests' layer is the last one, so a backend reading
+# another layer's scale is caught).  Powers of two: products with them are exact in bf16, the
+# dtype FlashInfer's MLA kernel multiplies in, so the kernels see the dequantized cache exactly.
+K_SCALES, V_SCALES = [4.0, 0.5], [0.125, 2.0]
+
+
+def _scaled(sc):
+    """Point ``sc`` at an fp8 pool like its own (``make_scenario(dtype=FP8)``: unscaled) with
+    :data:`K_SCALES` / :data:`V_SCALES` (MLA: ``K_SCALES`` for the latent), built through the
+    pools' constructors, its cached bytes copied.  Returns ``sc``."""
+    old = sc.kv_pool
+    assert old.dtype == FP8 and old.layer_num == len(K_SCALES)
+    if isinstance(old, MLATokenToKVPool):
+        new = MLATokenToKVPool(old.size, old.page_size, FP8, old.layer_num, old.device,
+                               old.kv_lora_rank, old.qk_rope_head_dim, kv_scale=K_SCALES)
+    else:
+        new = MHATokenToKVPool(old.size, old.page_size, FP8, old.head_num, old.head_dim,
+                               old.layer_num, old.device, old.v_head_dim, k_scale=K_SCALES,
+                               v_scale=V_SCALES)
+    for dst, src in zip(new.buffers, old.buffers):
+        dst.copy_(src)
+    sc.kv_pool = new
+    return sc
+
+
+def _dequant_reference(sc, q):
+    """float32 attention of ``sc``'s batch over its cache as it is now (after the forward wrote
+    this batch's KV), dequantized exactly: ``cache.float() * scale`` with the layer's scales.
+    The fp8 rounding of the cache is in both this and the backend's result."""
+    pool, lid, b = sc.kv_pool, sc.layer.layer_id, sc.batch
+    ks, vs = pool.kv_scales(lid)
+    kc = pool.get_key_buffer(lid).float() * ks
+    vc = pool.get_value_buffer(lid).float() * vs
+    P, n = b.prefix_lens.cpu(), b.extend_lens.cpu()
+    md = build_reference_metadata(sc.req_pool.req_to_token, b, int(n.max()), int((P + n).max()))
+    return reference_attention(q.float(), kc, vc, md, sc.layer.scaling)
+
+
+def _fp8_eager(sc, be, q_dtype):
+    """One eager forward of ``sc`` with ``q_dtype`` queries; returns the relative error against
+    :func:`_dequant_reference` of the queries the kernels see (cast to ``be.query_dtype``)."""
+    q, k, v = random_qkv(sc, dtype=q_dtype)
+    be.init_forward_metadata(sc.batch)
+    out = be.forward(q, k, v, sc.layer, sc.batch)
+    assert out.dtype == q_dtype and out.shape == (q.shape[0], q.shape[1], sc.layer.v_head_dim)
+    assert torch.isfinite(out).all()
+    return rel_err(out, _dequant_reference(sc, q.to(be.query_dtype(q_dtype))))
+
+
+def test_fp8_pools_flashinfer_cannot_run_are_refused(monkeypatch):
+    """fp8 pools pass the dtype check; what FlashInfer 0.7.2 does not run raises
+    UnsupportedConfigError from the constructor, before flashinfer is imported."""
+    req = ReqToTokenPool(4, 64)
+    mha = MHATokenToKVPool(64, 1, FP8, 2, 64, 1)
+    mla = MLATokenToKVPool(64, 1, FP8, 1)
+    with pytest.raises(UnsupportedConfigError, match="prefill_backend='fa2'"):   # fa3: fp8 q only
+        FlashInferBackend(req, mha, prefill_backend="fa3")
+    with pytest.raises(UnsupportedConfigError, match="512 .*triton"):
+        FlashInferBackend(req, MLATokenToKVPool(64, 1, FP8, 1, kv_lora_rank=256, qk_rope_head_dim=64))
+    with pytest.raises(UnsupportedConfigError, match="mla_backend"):
+        FlashInferBackend(req, mla, mla_backend="trtllm-gen")
+    for pool in (mha, mla):      # accepted: CPU pools get as far as the device check
+        with pytest.raises(ValueError, match="CUDA") as e:
+            FlashInferBackend(req, pool)
+        assert not isinstance(e.value, UnsupportedConfigError)
+    # MLA reads an fp8 latent on SM90 only; the check reads the pools' GPU (stubs: no GPU here)
+    gpu = torch.device("cuda", 0)
+    req_gpu = types.SimpleNamespace(device=gpu)
+    mla_gpu = types.SimpleNamespace(dtype=FP8, kv_lora_rank=512, qk_rope_head_dim=64, device=gpu)
+    mha_gpu = types.SimpleNamespace(dtype=FP8, head_dim=128, v_head_dim=128, device=gpu)
+    for cap in ((8, 0), (8, 9), (10, 0), (12, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=cap: c)
+        with pytest.raises(UnsupportedConfigError, match=r"SM90 .*SM%d%d.*triton" % cap):
+            fb._check_pools(req_gpu, mla_gpu, AttentionKind.MLA)
+        fb._check_pools(req_gpu, mha_gpu, AttentionKind.MHA)          # fa2 on any GPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    fb._check_pools(req_gpu, mla_gpu, AttentionKind.MLA)
+    for backend in ("fa2", "fa3"):
+        fb._check_pools(req_gpu, mla_gpu, AttentionKind.MLA, mla_backend=backend)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_fp8_query_dtype_is_never_fp8(fake_flashinfer, kind):
+    """The compute dtype of the queries: 16-bit always (FlashInfer's fa2 asserts against fp8
+    queries); MHA keeps a bf16/fp16 query's own, MLA runs bf16 (its only fp8 form)."""
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=64) if kind == "mha" else _mla_kw()
+    sc = make_scenario(ForwardMode.DECODE, dtype=FP8, **kw)
+    be = create_backend("flashinfer", sc.req_pool, sc.kv_pool, workspace_bytes=16)
+    want16 = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float16 if kind == "mha"
+              else torch.bfloat16}
+    for dt in (torch.bfloat16, torch.float16, torch.float32, FP8):
+        assert be.query_dtype(dt) == want16.get(dt, torch.bfloat16)
+    bf = make_scenario(ForwardMode.DECODE, dtype=torch.float32, **kw)   # other pools: theirs
+    assert create_backend("flashinfer", bf.req_pool, bf.kv_pool,
+                          workspace_bytes=16).query_dtype(torch.bfloat16) == torch.float32
+
+
+FP8_FAKE_TOL = 2.0 ** -8   # the fake rounds only its output, to the compute dtype: <= 2^-9
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp8_eager_with_fake(fake_flashinfer, kind, mode, page_size, q_dtype, seed):
+    """fp8 pools through the fake: plans with kv_data_type e4m3 and 16-bit queries, the
+    layer's scales reach ``run``, output in the query's dtype; against the dequantized cache."""
+    rng = random.Random(seed)
+    kw = dict(num_heads=4 * rng.choice([1, 2]), num_kv_heads=rng.choice([1, 2]), head_dim=64) \
+        if kind == "mha" else _mla_kw()
+    topk = 1 if kind == "mla" and mode == ForwardMode.TARGET_VERIFY else None
+    sc = _scaled(make_scenario(mode, bs=rng.randint(1, 4), page_size=page_size, dtype=FP8,
+                               max_prefix=rng.choice([0, 30]), D=rng.choice([1, 6, 33]), rng=rng,
+                               **kw))
+    if topk == 1:
+        sc.batch.tree_mask = chain(sc.batch.num_tokens_per_req, sc.batch.batch_size, "cpu")
+    be = create_backend("flashinfer", sc.req_pool, sc.kv_pool, topk=topk, workspace_bytes=16)
+    for step in range(2):   # the 2nd plans ahead in init_forward_metadata with the same key
+        err = _fp8_eager(sc, be, q_dtype)
+        assert err < FP8_FAKE_TOL, f"relative error {err}"
+        assert be.forward_metadata.planned_key[-1] == be.query_dtype(q_dtype)
+
+
+def _fp8_graph_case(kind, mode, page_size, seed, device, tol, padded_bs=4, D=5, max_prefix=40,
+                    head_dim=64, heads=8, **backend_kw):
+    """fp8 pool, bf16 queries: capture-metadata at ``padded_bs``, warm-up forward (plans), then
+    replays with fresh live batches (bs < padded_bs and = padded_bs) through the same static
+    buffers; on CUDA a real graph is captured and replayed (outputs poisoned first).  Each
+    trial's cache goes into the captured pools (scaled), compared with the dequantized cache."""
+    rng = random.Random(seed)
+    D = 1 if mode == ForwardMode.DECODE else D
+    if kind == "mha":
+        kw = dict(num_heads=heads, num_kv_heads=2, head_dim=head_dim)
+    else:
+        kw = dict(kind="mla", num_heads=heads, kv_lora_rank=512 if device != "cpu" else 128,
+                  qk_rope_head_dim=64)
+    common = dict(D=D, page_size=page_size, device=device, rng=rng, capacity_bs=padded_bs,
+                  dtype=FP8, max_prefix=max_prefix, **kw)
+    first = _scaled(make_scenario(mode, bs=padded_bs, **common))
+    be = create_backend("flashinfer", first.req_pool, first.kv_pool,
+                        topk=1 if kind == "mla" else None, **backend_kw)
+    be.init_cuda_graph_state(padded_bs, padded_bs * D)
+    bufs = GraphInputBuffers(padded_bs, D, device)
+    layer, T, bf = first.layer, padded_bs * D, torch.bfloat16
+    qs = torch.zeros(T, layer.num_heads, layer.head_dim, device=device, dtype=bf)
+    ks = torch.zeros(T, layer.num_kv_heads, layer.head_dim, device=device, dtype=bf)
+    vs = None if kind == "mla" else torch.zeros(T, layer.num_kv_heads, layer.v_head_dim,
+                                                device=device, dtype=bf)
+    padded = bufs.fill(first.batch, padded_bs)
+    be.init_forward_metadata_capture_cuda_graph(padded)
+    graph = None
+    if device == "cpu":
+        be.forward(qs, ks, vs, layer, padded)          # warm-up: plans
+    else:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            be.forward(qs, ks, vs, layer, padded)      # warm-up: plans outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_static = be.forward(qs, ks, vs, layer, padded)
+    for trial in range(3):
+        bs = rng.randint(1, padded_bs - 1) if trial < 2 else padded_bs
+        sc = make_scenario(mode, bs=bs, **common)
+        if kind == "mla" and mode == ForwardMode.TARGET_VERIFY:
+            sc.batch.tree_mask = chain(D, bs, device)
+        for dst, src in zip(first.kv_pool.buffers, sc.kv_pool.buffers):   # raw e4m3 bytes
+            dst.copy_(src)
+        first.req_pool.req_to_token.copy_(sc.req_pool.req_to_token)
+        sc.kv_pool, sc.req_pool = first.kv_pool, first.req_pool
+        q, k, v = random_qkv(sc, dtype=bf)
+        n = sc.batch.num_tokens
+        qs.normal_(), ks.normal_()
+        qs[:n].copy_(q), ks[:n].copy_(k)
+        if vs is not None:
+            vs.normal_()
+            vs[:n].copy_(v)
+        padded = bufs.fill(sc.batch, padded_bs)
+        be.init_forward_metadata_replay_cuda_graph(padded)
+        if graph is None:
+            out = be.forward(qs, ks, vs, layer, padded)[:n]
+        else:
+            out_static.fill_(float("nan"))
+            graph.replay()
+            out = out_static[:n].clone()
+        assert out.dtype == bf and torch.isfinite(out).all(), f"bs {bs}"
+        err = rel_err(out, _dequant_reference(sc, q))
+        assert err < tol, f"relative error {err} (bs {bs})"
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("mode", GRAPH_MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fp8_graph_builders_with_fake(fake_flashinfer, kind, mode, page_size, seed):
+    _fp8_graph_case(kind, mode, page_size, seed, "cpu", FP8_FAKE_TOL,
+                    heads=8 if kind == "mha" else 4, workspace_bytes=16)
+
+
+# GPU: the kernels see exactly the dequantized cache (e4m3 -> bf16/fp16 is exact; MHA folds
+# k_scale into the fp32 softmax scale and multiplies the output by v_scale = 2.0, exact; MLA
+# multiplies by its power-of-two scale in bf16, exact), so what remains is the 16-bit rounding
+# of P and of the output (each <= 2^-9 relative), as in the bf16-cache tests: the same TOL.
+
+
+def _fp8_gpu_backend(sc, **kw):
+    pytest.importorskip("flashinfer")
+    if isinstance(sc.kv_pool, MLATokenToKVPool):
+        major, minor = torch.cuda.get_device_capability()
+        if major != 9:
+            with pytest.raises(UnsupportedConfigError, match="SM90"):
+                create_backend("flashinfer", sc.req_pool, sc.kv_pool, **kw)
+            pytest.skip(f"FlashInfer reads an fp8 MLA latent on SM90 only (this GPU: SM{major}{minor})")
+    return create_backend("flashinfer", sc.req_pool, sc.kv_pool, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_eager_on_gpu(mode, page_size, head_dim, seed):
+    rng = random.Random(seed)
+    for group in (1, 4, 8):
+        hkv = rng.choice([1, 2, 4])
+        sc = _scaled(make_scenario(mode, bs=rng.randint(1, 6), page_size=page_size, device="cuda",
+                                   dtype=FP8, num_kv_heads=hkv, num_heads=hkv * group,
+                                   head_dim=head_dim, max_prefix=rng.choice([0, 30, 700]),
+                                   D=rng.choice([1, 7, 33, 64]), rng=rng))
+        err = _fp8_eager(sc, _fp8_gpu_backend(sc), torch.bfloat16)
+        assert err < TOL, f"relative error {err} (group {group})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=lambda m: m.name)
+def test_fp8_fp16_queries_on_gpu(mode, seed):
+    """fp16 queries over an fp8 cache run in fp16 (their own dtype), output fp16."""
+    rng = random.Random(seed)
+    sc = _scaled(make_scenario(mode, bs=3, page_size=16, device="cuda", dtype=FP8, num_kv_heads=2,
+                               num_heads=8, head_dim=128, max_prefix=300, rng=rng))
+    be = _fp8_gpu_backend(sc)
+    assert be.query_dtype(torch.float16) == torch.float16
+    err = _fp8_eager(sc, be, torch.float16)
+    assert err < TOL, f"relative error {err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fp8_mla_eager_on_gpu(mode, page_size, seed):
+    rng = random.Random(seed)
+    sc = _scaled(make_scenario(mode, kind="mla", bs=rng.randint(1, 6), page_size=page_size,
+                               device="cuda", dtype=FP8, num_heads=rng.choice([16, 64]),
+                               kv_lora_rank=512, qk_rope_head_dim=64,
+                               max_prefix=rng.choice([5, 600]), D=rng.choice([1, 4, 8]), rng=rng))
+    topk = 1 if mode == ForwardMode.TARGET_VERIFY else None
+    if topk:
+        b = sc.batch
+        b.tree_mask = chain(b.num_tokens_per_req, b.batch_size, "cuda")
+    err = _fp8_eager(sc, _fp8_gpu_backend(sc, topk=topk), torch.bfloat16)
+    assert err < TOL, f"relative error {err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("mode", GRAPH_MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fp8_cuda_graph_replay_on_gpu(kind, mode, page_size, seed):
+    """The scales are Python floats per layer: captured with the kernels, right at replay."""
+    pytest.importorskip("flashinfer")
+    if kind == "mla" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashInfer reads an fp8 MLA latent on SM90 only")
+    rng = random.Random(seed)
+    _fp8_graph_case(kind, mode, page_size, seed, "cuda", TOL, padded_bs=8,
+                    D=rng.choice([2, 4, 8]) if kind == "mla" else rng.choice([5, 33]),
+                    max_prefix=rng.choice([20, 1500]), head_dim=128, heads=16 if kind == "mla" else 8)

@@ -9,6 +9,9 @@ scheduler metadata in a replay is caught).  The modes FlashMLA lacks raise Unsup
 on their own and run through :class:`RoutedBackend` on the real TritonBackend (interpreter),
 as the engine routes them (``Engine.mode_routed``).
 
+fp8 (float8_e4m3fn) pools are refused at construction (UnsupportedConfigError: the dense fp8
+decode wants fp8 queries; the message names triton and flashinfer).
+
 GPU (``-m gpu``, real sgl-flash-mla on SM90): DECODE and chain TARGET_VERIFY eager and CUDA
 graph (capture at a padded bs, replay smaller, outputs poisoned, replay under
 ``torch.cuda.set_sync_debug_mode("error")``: no host sync) against TorchReferenceBackend;
@@ -31,8 +34,9 @@ from scenarios import load_trial, make_scenario, random_qkv  # noqa: E402
 import specattn.backends.flashmla_backend as fmb  # noqa: E402
 from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers,  # noqa: E402
                                MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool,
-                               RoutedBackend, TorchReferenceBackend, UnsupportedError,
-                               available_backends, create_backend, pack_tree_mask)
+                               RoutedBackend, TorchReferenceBackend, UnsupportedConfigError,
+                               UnsupportedError, available_backends, create_backend,
+                               pack_tree_mask)
 from specattn.backends.flashmla_backend import FlashMLABackend, flashmla_block_table  # noqa: E402
 
 MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
@@ -129,6 +133,20 @@ def test_constructor_rejects_what_flashmla_cannot_run():
             FlashMLABackend(req, pool)
     with pytest.raises(ValueError, match="topk"):
         FlashMLABackend(req, MLATokenToKVPool(128, 64, torch.bfloat16, 1), topk=-1)
+
+
+def test_fp8_pool_is_refused_naming_what_reads_it():
+    """sgl-flash-mla's one dense fp8 decode wants fp8 queries too (it would quantize them): an
+    fp8 latent pool is refused at construction, before flash_mla is imported, and the message
+    says why and which backends read it."""
+    req = ReqToTokenPool(4, 128)
+    for pool in (MLATokenToKVPool(128, 64, torch.float8_e4m3fn, 1),
+                 MLATokenToKVPool(128, 64, torch.float8_e4m3fn, 2, kv_scale=[0.5, 2.0])):
+        with pytest.raises(UnsupportedConfigError, match="fp8 queries") as e:
+            FlashMLABackend(req, pool)
+        assert "triton" in str(e.value) and "flashinfer" in str(e.value)
+    with pytest.raises(UnsupportedConfigError, match="page_size"):   # the geometry still first
+        FlashMLABackend(req, MLATokenToKVPool(128, 16, torch.float8_e4m3fn, 1))
 
 
 def test_block_table_matches_naive(seed):

@@ -41,7 +41,7 @@ import triton.language as tl  # noqa: E402
 from specattn import _ext  # noqa: E402
 from specattn.ops import (make_cos_sin_cache, materialize_kv,  # noqa: E402
                           materialize_kv_reference, registry, stack_kv_proj_weights)
-from specattn.triton_kernels.kv_materialize import _bf16_bits, _fp8e4m3_bits  # noqa: E402
+from specattn.triton_kernels._util import bf16_bits, fp8e4m3_bits  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 ON_GPU = torch.cuda.is_available()
@@ -735,9 +735,9 @@ def _cast_kernel(x_ptr, o_ptr, n, FP8: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, mask=i < n, other=0.0)
     if FP8:
-        tl.store(o_ptr + i, _fp8e4m3_bits(x), mask=i < n)
+        tl.store(o_ptr + i, fp8e4m3_bits(x), mask=i < n)
     else:
-        tl.store(o_ptr + i, _bf16_bits(x), mask=i < n)
+        tl.store(o_ptr + i, bf16_bits(x), mask=i < n)
 
 
 @pytest.mark.parametrize("target", ["fp8", "bf16"])

@@ -12,6 +12,10 @@ float16); SwiGLU outputs use a per-element scale instead of the row rms
 1e-4 and 5e-2.  ``pytest -s`` prints each check and, last, the worst plain errors
 ``|out - exact| / scale`` of the run (the numbers the module docstring quotes).
 
+float8_e4m3fn caches (``k_scale`` / ``v_scale``): the bound above plus one e4m3 step
+(``2^-3 |exact| + 2^-9 scale``) of the saturated truth; and bit for bit ``quantize_kv`` of
+the float32 values the same call stores in a float32 cache (:func:`fp8_rounding_mismatch`).
+
 On a CPU-only machine the Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
 set below before triton is imported) on small shapes; its bf16 ``tl.dot`` is wrong and its
 ``.to(bfloat16)`` truncates, so there the kernels multiply the 16-bit values in float32 and
@@ -33,6 +37,7 @@ pytest.importorskip("triton")
 from specattn.ops import (fold_rms_norm_weight, make_cos_sin_cache, matmul_residual,  # noqa: E402
                           qkv_rope_store, registry, rms_norm_matmul, rms_norm_swiglu)
 from specattn.ops import fused_llama as fl  # noqa: E402
+from specattn.ops.fp8 import FP8_E4M3_MAX, quantize_kv  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 OPS = ("rms_norm_matmul", "rms_norm_matmul_topk", "qkv_rope_store", "matmul_residual", "rms_norm_swiglu")
@@ -41,6 +46,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 REF_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 STEP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+FP8 = torch.float8_e4m3fn
+FP8_STEP, FP8_SUB_STEP = 2.0 ** -3, 2.0 ** -9  # one e4m3 step: relative (normal), absolute * scale
 EPS = 1e-5
 
 # (M, K, N): M across the BLOCK_M variants (16 / 32 / 64), K with and without a K tail
@@ -147,13 +154,15 @@ def positions_for(M, max_pos):
 
 def poisoned_cache(num_slots, Hkv, D, dt):
     c = torch.full((num_slots, Hkv, D), float("nan"), dtype=dt, device=DEV)
-    c[::3] = 1e30 if dt == torch.float32 else 6e4
+    c[::3] = 1e30 if dt == torch.float32 else FP8_E4M3_MAX if dt == FP8 else 6e4
     return c
 
 
 def same_bits(a, b):
     if a.dtype == torch.float32:
         return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    if a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
@@ -411,6 +420,157 @@ def test_qkv_triton_close_to_reference_fp32(seed):
     assert torch.equal(inp["v_cache"].isnan(), inp2["v_cache"].isnan())
 
 
+# ------------------------------------------------------------------ fp8 (e4m3) KV caches
+FP8_SCALES = [(0.05, 3.0), (3.0, 0.05)]  # (k_scale, v_scale): values / scale far above and below 1
+
+
+def e4m3_index(c):
+    """The e4m3 codes of ``c`` as integers in value order (adjacent values differ by 1; +0
+    and -0 both 0)."""
+    b = c.view(torch.uint8).long()
+    return torch.where(b >= 0x80, -(b & 0x7F), b)
+
+
+def fp8_rounding_mismatch(got, want, lo, hi):
+    """Mask of the elements where the fp8 tensors ``got`` and ``want`` differ other than by
+    one e4m3 step across a rounding boundary (the midpoint of the two values) that lies
+    between the float32 pre-rounding values ``lo`` and ``hi`` (``x / scale``; the interval
+    widened by one float32 ulp each way, since torch on CUDA divides by a scalar as ``x *
+    (1 / scale)`` while the kernel divides)."""
+    differ = got.view(torch.uint8) != want.view(torch.uint8)
+    adjacent = (e4m3_index(got) - e4m3_index(want)).abs() <= 1
+    mid = (got.double() + want.double()) / 2
+    a, b = torch.minimum(lo, hi), torch.maximum(lo, hi)
+    a = a.nextafter(torch.full_like(a, -float("inf"))).double()
+    b = b.nextafter(torch.full_like(b, float("inf"))).double()
+    return differ & ~(adjacent & (a <= mid) & (mid <= b))
+
+
+def check_fp8_cache(name, cache, exact, scale, dt):
+    """A float8_e4m3fn cache's written rows against the float64 truth: dequantized
+    (``cache * scale``), within the activation dtype's contract (``check``'s bound) plus one
+    e4m3 step (``2^-3 |exact| + 2^-9 scale``) of the saturated truth ``clamp(exact, +-448 *
+    scale)``; finite (never NaN: e4m3fn has no inf).  Records the worst error in e4m3 steps
+    (beyond the activation dtype's ``TOL * rms``) for the summary."""
+    got = _rows(cache.float(), exact) * scale
+    assert torch.isfinite(got).all(), f"{name}: NaN stored (overflow must saturate)"
+    lim = FP8_E4M3_MAX * scale
+    t = _rows(exact, exact).clamp(-lim, lim)
+    tol = (REF_TOL if "reference" in name else TOL)[dt]
+    step = FP8_STEP * t.abs() + FP8_SUB_STEP * scale
+    dev = (got - t).abs() - STEP[dt] * t.abs()
+    err = float(((dev - step).clamp_min(0) / row_scale(exact)).max())
+    steps = float(((dev - tol * row_scale(exact)).clamp_min(0) / step).max())
+    _record(f"{name} (e4m3 steps)", dt, steps)
+    print(f"{name} {dt}: error beyond one e4m3 step {err:.3g}, worst {steps:.3g} steps")
+    assert err <= tol, f"{name} {dt}: error beyond one e4m3 step {err:.3g}"
+
+
+def fp8_inputs(M, dt, k_scale, v_scale, num_slots=None):
+    inp = qkv_inputs(M, 64, 4, 2, 32, dt, FP8, torch.int32 if M % 2 else torch.int64,
+                     num_slots=num_slots)
+    return inp, dict(k_scale=k_scale, v_scale=v_scale)
+
+
+def float32_twin(inp):
+    """``inp`` with fresh float32 caches: what the same call computes before the fp8 rounding."""
+    shape = inp["k_cache"].shape
+    return dict(inp, k_cache=torch.zeros(shape, device=DEV), v_cache=torch.zeros(shape, device=DEV))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
+def test_qkv_rope_store_fp8_cache(k_scale, v_scale, dt, impl, seed):
+    """float8_e4m3fn caches with scales != 1: the caches hold ``quantize_kv(k, fp8,
+    k_scale)`` / ``quantize_kv(v, fp8, v_scale)`` of the values the call computes, bit for
+    bit (each impl against its own float32-cache result, rounded by ``quantize_kv``:
+    measured exact in the interpreter, where the kernel divides and rounds like torch on the
+    CPU), within one e4m3 step of the float64 truth beyond the activation dtype's contract;
+    Q is unchanged; other slots keep their poison."""
+    inp, kw = fp8_inputs(7, dt, k_scale, v_scale)
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    q_exact, k_exact, v_exact = qkv_exact(inp)
+    q = run_qkv(inp, impl, **kw)
+    check(f"qkv_rope_store fp8[{impl}] q", q, q_exact, dt)
+    loc = inp["out_cache_loc"].long()
+    untouched = torch.ones(before[0].shape[0], dtype=torch.bool, device=DEV)
+    untouched[loc] = False
+    twin = float32_twin(inp)
+    run_qkv(twin, impl)
+    for what, exact, scale in (("k", k_exact, k_scale), ("v", v_exact, v_scale)):
+        cache, old = inp[f"{what}_cache"], before[0 if what == "k" else 1]
+        assert same_bits(cache[untouched], old[untouched]), f"{what}_cache: a foreign slot changed"
+        check_fp8_cache(f"qkv_rope_store fp8[{impl}] {what}_cache", cache[loc], exact, scale, dt)
+        f32 = twin[f"{what}_cache"][loc]
+        want = quantize_kv(f32, FP8, scale)
+        if DEV == "cpu":
+            assert same_bits(cache[loc], want), f"{what}_cache: not quantize_kv of the float32 values"
+        pre = f32 / scale
+        assert not fp8_rounding_mismatch(cache[loc], want, pre, pre).any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_qkv_rope_store_fp8_saturates(impl, seed):
+    """Values past ``448 * scale`` (here most of them: scales 2e-3 and 1e-3) store +-448
+    with their sign, never inf / NaN; the rest round as usual."""
+    dt = torch.float32
+    inp, kw = fp8_inputs(6, dt, 2e-3, 1e-3)
+    _, k_exact, v_exact = qkv_exact(inp)
+    run_qkv(inp, impl, **kw)
+    loc = inp["out_cache_loc"].long()
+    for what, exact, scale in (("k", k_exact, 2e-3), ("v", v_exact, 1e-3)):
+        got = inp[f"{what}_cache"][loc].float()
+        check_fp8_cache(f"qkv_rope_store fp8 saturating[{impl}] {what}_cache", inp[f"{what}_cache"][loc],
+                        exact, scale, dt)
+        over = exact.abs() > 1.01 * FP8_E4M3_MAX * scale
+        assert over.float().mean() > 0.2, "the test needs many overflowing values"
+        assert torch.equal(got[over], FP8_E4M3_MAX * exact[over].sign().float())
+
+
+def test_qkv_fp8_triton_vs_reference(seed):
+    """Triton against the reference on fp8 caches.  float32 activations, where the two
+    compute K / V up to float32 rounding: equal bit for bit, or (measured in the
+    interpreter: 1 element in 46,080 over 40 seeds) one e4m3 step apart where a rounding
+    boundary lies between their float32 values divided by the scale.  (With 16-bit
+    activations the reference rounds K and V to the activation dtype first, the kernel does
+    not: measured up to 88 codes apart near zero, so those are checked against float64 and
+    each against its own float32 values only, above.)"""
+    dt = torch.float32
+    inp, kw = fp8_inputs(9, dt, 0.05, 3.0)
+    ref = dict(inp, k_cache=inp["k_cache"].clone(), v_cache=inp["v_cache"].clone())
+    tri32, ref32 = float32_twin(inp), float32_twin(inp)
+    q = run_qkv(inp, "triton", **kw)
+    q_ref = run_qkv(ref, "reference", **kw)
+    run_qkv(tri32, "triton")
+    run_qkv(ref32, "reference")
+    assert plain_err(q, q_ref.double()) < 1e-5
+    loc = inp["out_cache_loc"].long()
+    for what, scale in (("k", 0.05), ("v", 3.0)):
+        got, want = inp[f"{what}_cache"][loc], ref[f"{what}_cache"][loc]
+        bad = fp8_rounding_mismatch(got, want, tri32[f"{what}_cache"][loc] / scale,
+                                    ref32[f"{what}_cache"][loc] / scale)
+        assert not bad.any(), (f"{what}_cache: {int(bad.sum())} codes differ beyond rounding, e.g. "
+                               f"{got[bad][:4].float().tolist()} vs {want[bad][:4].float().tolist()}")
+
+
+def test_qkv_fp8_scale_errors(seed):
+    """Bad scales raise before anything is written: not a real number (TypeError), not finite
+    and > 0, or != 1.0 with caches that are not fp8 (ValueError)."""
+    dt = torch.bfloat16
+    inp = qkv_inputs(4, 64, 3, 1, 32, dt, dt, num_slots=10)
+    _qkv_err(inp, ValueError, "k_scale", k_scale=0.5)
+    _qkv_err(inp, ValueError, "v_scale", v_scale=2.0)
+    inp = qkv_inputs(4, 64, 3, 1, 32, dt, FP8, num_slots=10)
+    for bad, exc in ((0.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                     (float("inf"), ValueError), (True, TypeError), ("0.5", TypeError),
+                     (None, TypeError), (torch.tensor(0.5), TypeError)):
+        _qkv_err(inp, exc, "k_scale", k_scale=bad)
+        _qkv_err(inp, exc, "v_scale", v_scale=bad)
+    for kw in (dict(k_scale=1), dict(v_scale=1.0)):  # 1 (an int) is the default scale
+        run_qkv(qkv_inputs(4, 64, 3, 1, 32, dt, dt, num_slots=10), "reference", **kw)
+
+
 # ------------------------------------------------------------------ references = the model
 def test_references_are_the_models_sequence(seed):
     """The references reproduce spec_runtime.model's operations bit for bit (CPU)."""
@@ -578,8 +738,9 @@ def test_qkv_errors(seed):
         (dict(v_cache=poisoned_cache(10, 1, 32, torch.float32)), ValueError, "v_cache"),
         (dict(v_cache=poisoned_cache(11, 1, 32, dt)), ValueError, "v_cache"),
         (dict(k_cache=poisoned_cache(10, 1, 64, dt)[:, :, ::2]), ValueError, "contiguous"),
-        (dict(k_cache=torch.zeros(10, 1, 32, dtype=torch.float8_e4m3fn, device=DEV)), ValueError,
+        (dict(k_cache=torch.zeros(10, 1, 32, dtype=torch.float64, device=DEV)), ValueError,
          "k_cache"),
+        (dict(k_cache=torch.zeros(10, 1, 32, dtype=FP8, device=DEV)), ValueError, "v_cache"),
         (dict(num_heads=0), ValueError, "num_heads"),
         (dict(num_kv_heads=True), ValueError, "num_kv_heads"),
         (dict(head_dim=31), ValueError, "head_dim"),
@@ -775,6 +936,35 @@ def test_gpu_smollm_shapes(M, dt, folded, seed):
         ref = matmul_residual(a, wt, r.clone(), impl="reference")
         check("smollm residual[triton]", matmul_residual(a, wt, r, impl="triton"), exact, dt,
               ref)
+
+
+@gpu
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("M", [1, 64, 256])
+def test_gpu_fp8_cache_smollm_shapes(M, dt, seed):
+    """fp8 caches at the model's shapes and path (norm folded, sums handed over), compiled:
+    the caches hold ``quantize_kv`` of the float32 values of the same launch with float32
+    caches (bit for bit up to a rounding boundary within a float32 ulp: torch on CUDA
+    divides by a scalar as ``x * (1 / scale)``), within one e4m3 step of the truth."""
+    K, H, Hkv, D = (SMOL[k] for k in ("K", "H", "Hkv", "D"))
+    inp = qkv_inputs(M, K, H, Hkv, D, dt, FP8, num_slots=4 * M + 8, max_pos=4096)
+    _, k_exact, v_exact = qkv_exact(inp)
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    run = dict(inp, norm_weight=None, w_qkv=fold_rms_norm_weight(inp["w_qkv"], inp["norm_weight"]))
+    ss = row_sumsq_of(inp["x"], "triton")
+    twin = float32_twin(run)
+    run_qkv(run, "triton", row_sumsq=ss, k_scale=0.05, v_scale=3.0)
+    run_qkv(twin, "triton", row_sumsq=ss)
+    loc = inp["out_cache_loc"].long()
+    untouched = torch.ones(before[0].shape[0], dtype=torch.bool, device=DEV)
+    untouched[loc] = False
+    for what, exact, scale in (("k", k_exact, 0.05), ("v", v_exact, 3.0)):
+        cache = run[f"{what}_cache"]
+        assert same_bits(cache[untouched], before[0 if what == "k" else 1][untouched])
+        check_fp8_cache(f"smollm qkv fp8[triton] {what}_cache", cache[loc], exact, scale, dt)
+        f32 = twin[f"{what}_cache"][loc]
+        bad = fp8_rounding_mismatch(cache[loc], quantize_kv(f32, FP8, scale), f32 / scale, f32 / scale)
+        assert not bad.any(), f"{what}_cache: {int(bad.sum())} codes differ from quantize_kv"
 
 
 @gpu

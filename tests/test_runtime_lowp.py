@@ -68,6 +68,26 @@ def test_check_passes_reference_and_catches_a_broken_verify(tiny_bf16, monkeypat
         check_near_greedy(m32, m16, prompts, bad.tokens)
 
 
+def test_fp8_kv_cache_near_greedy_and_its_noise(tiny_bf16):
+    """bf16 weights over an fp8 (e4m3) target KV cache with scales: every token is within the
+    tolerance that the fp8 cache's own logit noise gives, and that noise is larger than the
+    bf16-only one (the cache really is e4m3).  This tiny random model's logits move by ~15
+    over an e4m3 cache (~3 in bf16), so a fifth of its vocabulary lies within that tolerance:
+    the check's teeth (``vocab_share``) are asserted on the real model (GPU tests below)."""
+    cfg, (w16, w32), prompts = tiny_bf16
+    m32, m16 = LlamaModel(cfg, dict(w32)), LlamaModel(cfg, dict(w16), dtype=DT)
+    spec, p = SpecConfig("eagle", 2, 3, 6, 3), SamplingParams(max_new_tokens=20)
+    eng = Engine(cfg, dict(w16), spec=spec, dtype=DT, max_context=64,
+                 kv_cache_dtype=torch.float8_e4m3fn, kv_scales=(0.25, 0.125))
+    assert eng.target_pool.is_fp8 and eng.target_pool.kv_scales(0) == (0.25, 0.125)
+    assert eng.draft_pool.dtype == DT
+    res = eng.generate(prompts, p)
+    fp8 = near_greedy(m32, m16, prompts, res.tokens, kv_cache_dtype=torch.float8_e4m3fn,
+                      kv_scales=(0.25, 0.125))
+    bf16 = near_greedy(m32, m16, prompts, res.tokens)
+    assert fp8.num_tokens == 60 and fp8.max_ratio <= 1.0 and fp8.delta > 2 * bf16.delta
+
+
 def test_near_greedy_measures_without_raising_and_checks_inputs(tiny_bf16):
     """``near_greedy`` returns the measure for a wrong output (the bench's bf16 column reports
     it) and rejects inputs that cannot be checked; empty outputs of some requests are fine."""
@@ -113,17 +133,32 @@ def test_real_model_bf16_near_greedy(real_bf16, chat_ids, algo, page_size, backe
         assert res.mean_accept_length > 1.0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ["none", "chain", "tree", "dflash"])
+def test_real_model_fp8_kv_near_greedy(real_bf16, chat_ids, algo, backend_name):
+    """bf16 weights, the target's KV in fp8 e4m3 (scales 1.0, as SGLang and vLLM default to),
+    CUDA graphs, page 16: near-greedy with the tolerance measured over an fp8 cache."""
+    cfg, w16, m32, m16 = real_bf16
+    fp8 = torch.float8_e4m3fn
+    eng = make_engine(backend_name, cfg, dict(w16), spec=SPECS[algo], device="cuda", dtype=DT,
+                      cuda_graph=True, max_context=256, max_batch=3, page_size=16, kv_cache_dtype=fp8)
+    assert uses_graphs(eng), "no CUDA graphs were captured"
+    res = eng.generate(chat_ids, SamplingParams(max_new_tokens=32))
+    report(eng, res, check_near_greedy(m32, m16, chat_ids, res.tokens, kv_cache_dtype=fp8))
+
+
 # ----------------------------------------------------------------------------- GPU: random models
-def _random_model_near_greedy(backend_name, m32, m16, spec, page_size, seed, vocab):
+def _random_model_near_greedy(backend_name, m32, m16, spec, page_size, seed, vocab, kv_cache_dtype=None):
     """Generate 24 tokens for 3 random prompts of 1..90 tokens on ``m16`` (``--backend``, CUDA
-    graphs on) and check them against ``m32``'s greedy choice up to bf16 near-ties."""
+    graphs on; the target's KV in ``kv_cache_dtype``) and check them against ``m32``'s greedy
+    choice up to bf16 near-ties (measured over such a cache)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 90))] for _ in range(3)]
     eng = make_engine(backend_name, m16, spec=spec, cuda_graph=True, max_context=192, max_batch=3,
-                      page_size=page_size)
+                      page_size=page_size, kv_cache_dtype=kv_cache_dtype)
     assert uses_graphs(eng), "no CUDA graphs were captured"
     res = eng.generate(prompts, SamplingParams(max_new_tokens=24))
-    report(eng, res, check_near_greedy(m32, m16, prompts, res.tokens))
+    report(eng, res, check_near_greedy(m32, m16, prompts, res.tokens, kv_cache_dtype=kv_cache_dtype))
 
 
 # ----------------------------------------------------------------------------- GPU: GQA model
@@ -175,3 +210,19 @@ def test_mla_model_bf16_near_greedy(seed, algo, page_size, num_heads, backend_na
     _random_model_near_greedy(backend_name, MLAModel(cfg, dict(w32), device="cuda"),
                               MLAModel(cfg, dict(w16), device="cuda", dtype=DT), spec, page_size,
                               seed, cfg.vocab_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ["none", "tree"])
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_mla_model_fp8_kv_near_greedy(seed, algo, num_heads, backend_name):
+    """The random MLA model (512 + 64 latent) with its latent cache in fp8 e4m3, page 64,
+    at 16 and 128 heads: near-greedy with the tolerance measured over an fp8 cache."""
+    cfg = MLAConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                    num_attention_heads=num_heads, kv_lora_rank=512, qk_nope_head_dim=64,
+                    qk_rope_head_dim=64, v_head_dim=64)
+    w16, w32 = rounded(random_mla_weights(cfg, seed))
+    spec = SPECS[algo] if algo == "none" else SpecConfig("eagle", SPECS[algo].topk, 3, SPECS[algo].num_draft_tokens, 2)
+    _random_model_near_greedy(backend_name, MLAModel(cfg, dict(w32), device="cuda"),
+                              MLAModel(cfg, dict(w16), device="cuda", dtype=DT), spec, 64,
+                              seed, cfg.vocab_size, kv_cache_dtype=torch.float8_e4m3fn)

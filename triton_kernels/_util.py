@@ -1,4 +1,6 @@
-"""Host-side helpers shared by the Triton launchers: the device guard and block sizes.
+"""Helpers shared by the Triton launchers (host side: the device guard and block sizes) and
+kernels (device side: the bit-exact bf16 / fp8 e4m3 roundings :func:`bf16_bits` and
+:func:`fp8e4m3_bits`).
 
 Triton launches on the *current* CUDA device, so a call whose tensors live on another GPU
 would launch there and fault.  :func:`on_tensor_device` makes the launchers run with the
@@ -13,6 +15,7 @@ from typing import Sequence
 
 import torch
 import triton
+import triton.language as tl
 
 
 def _first_tensor(x):
@@ -44,6 +47,33 @@ def next_pow2(n: int, lo: int = 16) -> int:
 def is_pow2(x) -> bool:
     """True for a positive int (not a bool) that is a power of two."""
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and not x & (x - 1)
+
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP32_TINY, FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+
+
+def check_kv_scales(cache_dtype: torch.dtype, **scales) -> tuple:
+    """The attention kernels' dequantization scales as Python floats, in keyword order.
+    Raises ValueError for a scale that is not a finite real > 0, or not 1.0 for a cache that is
+    not fp8 (e4m3)."""
+    out = []
+    for name, val in scales.items():
+        ok = isinstance(val, (int, float)) and not isinstance(val, bool) and FP32_TINY <= float(val) <= FP32_MAX
+        if not ok:
+            raise ValueError(f"{name} must be a finite float > 0 in float32's normal range, got {val!r}")
+        if cache_dtype != FP8_KV_DTYPE and float(val) != 1.0:
+            raise ValueError(f"{name}={val} only applies to a float8_e4m3fn cache, got a {cache_dtype} one")
+        out.append(float(val))
+    return tuple(out)
+
+
+def kv_conversion(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple:
+    """How a kernel feeds cache tiles to its dots: ``(upcast, cast_kv)``.  ``upcast``: q and the
+    tiles go to float32 (dtypes differ and no cheaper path exists); ``cast_kv``: an fp8 cache's
+    tiles are converted to ``q``'s bf16/fp16 in registers (exact)."""
+    cast_kv = cache_dtype == FP8_KV_DTYPE and q_dtype in (torch.bfloat16, torch.float16)
+    return q_dtype != cache_dtype and not cast_kv, cast_kv
 
 
 def require_device(t: torch.Tensor, op: str, interpret: bool) -> None:
@@ -189,3 +219,42 @@ def launch_fitting(kernel, grid, args: Sequence, kwargs: dict, num_stages: int) 
                           f"shared memory than this GPU has with this Triton; using {stages}",
                           RuntimeWarning, stacklevel=3)
         return stages
+
+
+# ----------------------------------------------------------------------------- device side
+# Rounding on the float32 bits: the Triton 3.9 interpreter's ``.to(bfloat16)`` truncates and
+# its ``.to(float8e4nv)`` mis-rounds values just below a power of two (measured), so the
+# kernels that store bf16 / fp8 caches round here (integer operations: exact in the
+# interpreter and on the GPU alike) and store the bits through a uint16 / uint8 view.
+@triton.jit
+def bf16_bits(x):
+    """float32 -> bfloat16 bit pattern (uint16), round to nearest even; NaN stays NaN."""
+    b = x.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    r = tl.where(nan, (b >> 16) | 0x40, r)
+    return r.to(tl.uint16)
+
+
+@triton.jit
+def fp8e4m3_bits(x):
+    """float32 -> float8_e4m3fn bit pattern (uint8): saturate to +-448, then round to
+    nearest even (subnormals included); NaN -> 0x7F (sign kept).  The same code as
+    ``x.clamp(-448, 448).to(torch.float8_e4m3fn)`` (:func:`specattn.ops.fp8.quantize_kv`
+    after its division by the scale)."""
+    sign = (x.to(tl.uint32, bitcast=True) >> 24) & 0x80
+    a = tl.minimum(tl.abs(x), 448.0)
+    # subnormal range |x| < 2^-6: code = rtne(|x| * 2^9) in 0..8 (8 is the smallest normal)
+    s = a * 512.0
+    fl = tl.floor(s)
+    fr = s - fl
+    qi = fl.to(tl.uint32)
+    up = (fr > 0.5) | ((fr == 0.5) & ((qi & 1) == 1))
+    q_sub = qi + up.to(tl.uint32)
+    # normal range: keep 3 mantissa bits with RTNE; exponent bias 127 -> 7
+    ab = a.to(tl.uint32, bitcast=True)
+    r = ab + 0x7FFFF + ((ab >> 20) & 1)
+    q_norm = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    code = tl.where(a < 0.015625, q_sub, q_norm)
+    code = tl.where(x != x, 0x7F, code)
+    return (code | sign).to(tl.uint8)

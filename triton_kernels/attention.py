@@ -33,8 +33,12 @@ query rows and streams key tiles through an online softmax in float32)
 - Scores ``q . k * sm_scale`` in the log2 domain (``exp2``), running max ``m``, running sum
   ``l`` and accumulator in float32; a fully masked tile is harmless (``m = -inf`` handled).
   ``q @ k^T`` and ``p @ v`` use ``tl.dot`` in the cache dtype (bf16/fp16: tensor cores,
-  fp32 accumulation; fp32: ``input_precision="ieee"``, no TF32).  If ``q`` and the cache
-  dtypes differ both are upcast to fp32.  Output in the output tensor's dtype (``q.dtype``).
+  fp32 accumulation; fp32: ``input_precision="ieee"``, no TF32).  An fp8 (e4m3) cache with a
+  bf16/fp16 ``q``: each K/V tile is converted to ``q``'s dtype in registers after its load
+  (exact: every e4m3 value is a bf16/fp16 value), the dots run as for that dtype, and the
+  dequantization scales cost nothing per element (``k_scale`` folds into the score scale,
+  ``v_scale`` multiplies the accumulator once before the store).  Any other pair of
+  different dtypes upcasts both to fp32.  Output in the output tensor's dtype (``q.dtype``).
 - head_dim and v_head_dim are constexprs padded to a power of two >= 16 (64 and 128 exact).
 
 Split-KV (``num_splits > 1``, for DECODE / TARGET_VERIFY / DRAFT_EXTEND_V2 with few
@@ -57,7 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_paged_metadata, choose_gluon, launch_fitting, next_pow2, on_tensor_device
+from ._util import (check_kv_scales, check_paged_metadata, choose_gluon, kv_conversion, launch_fitting,
+                    next_pow2, on_tensor_device)
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
                                draft_visibility, full_update, masked_update, merge_partials,
                                prefix_range, program_request, split_partials, store_rows,
@@ -69,12 +74,16 @@ __all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_
 
 
 @triton.jit
-def _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                 CAST_KV: tl.constexpr):
     """One key tile: scores ``q @ kT`` (``[BLOCK_M, BLOCK_N]``) where ``vis``, online
     softmax update of ``(acc, m_i, l_i)``; returns the new triple."""
     if UPCAST:
         kT = kT.to(tl.float32)
         v = v.to(tl.float32)
+    elif CAST_KV:
+        kT = kT.to(q.dtype)
+        v = v.to(q.dtype)
     if IEEE:
         s = tl.dot(q, kT, input_precision="ieee")
     else:
@@ -83,11 +92,15 @@ def _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE: tl.constexpr, UPC
 
 
 @triton.jit
-def _online_step_full(acc, m_i, l_i, q, kT, v, qk_scale, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def _online_step_full(acc, m_i, l_i, q, kT, v, qk_scale, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                      CAST_KV: tl.constexpr):
     """:func:`_online_step` for a tile every row sees entirely (no mask, scores finite)."""
     if UPCAST:
         kT = kT.to(tl.float32)
         v = v.to(tl.float32)
+    elif CAST_KV:
+        kT = kT.to(q.dtype)
+        v = v.to(q.dtype)
     if IEEE:
         s = tl.dot(q, kT, input_precision="ieee")
     else:
@@ -102,11 +115,12 @@ def _attn_fwd_kernel(
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
         stride_rtt, stride_tmb, stride_tmj,
-        qk_scale,
+        qk_scale, v_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        IEEE: tl.constexpr, UPCAST: tl.constexpr, SLOT_T: tl.constexpr):
+        IEEE: tl.constexpr, UPCAST: tl.constexpr, CAST_KV: tl.constexpr, SCALE_V: tl.constexpr,
+        SLOT_T: tl.constexpr):
     hk = tl.program_id(1)
     req, split, q_start, n = program_request(qo_indptr, NUM_SPLITS)
     m0 = tl.program_id(0) * BLOCK_M
@@ -143,7 +157,7 @@ def _attn_fwd_kernel(
                      mask=d_ok[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_dv[None, :],
                     mask=dv_ok[None, :], other=0.0)
-        acc, m_i, l_i = _online_step_full(acc, m_i, l_i, q, kT, v, qk_scale, IEEE, UPCAST)
+        acc, m_i, l_i = _online_step_full(acc, m_i, l_i, q, kT, v, qk_scale, IEEE, UPCAST, CAST_KV)
     if hi_full < hi:
         offs_n = hi_full + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
@@ -152,7 +166,7 @@ def _attn_fwd_kernel(
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_dv[None, :],
                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, n_ok[None, :], qk_scale, IEEE, UPCAST)
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, n_ok[None, :], qk_scale, IEEE, UPCAST, CAST_KV)
 
     # ---------------- phase 2: this forward's tokens P + [0, n), masked (last split only)
     kv_hi = draft_key_count(n, m0, split, GROUP, BLOCK_M, MASK_MODE, NUM_SPLITS)
@@ -166,8 +180,10 @@ def _attn_fwd_kernel(
                     mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
         vis = draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, k_ok,
                                MASK_MODE)
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE, UPCAST)
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, vis, qk_scale, IEEE, UPCAST, CAST_KV)
 
+    if SCALE_V:
+        acc = acc * v_scale
     store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_dv,
                row_ok[:, None] & dv_ok[None, :], row_ok, split, stride_ot, stride_oh,
                stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS)
@@ -230,14 +246,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                     off32: Optional[bool] = None, sm90: Optional[bool] = None,
                     pingpong: Optional[bool] = None, page_size: int = 1,
-                    check_bounds: bool = True, max_prefix: Optional[int] = None) -> torch.Tensor:
+                    check_bounds: bool = True, max_prefix: Optional[int] = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of ``q`` over the paged cache (module docstring: semantics, layout).
 
     Args:
         q: ``[T, H, Dqk]`` fp32/bf16/fp16, last dim contiguous; ``T = qo_indptr[-1]`` (the
             kernel reads only rows named by ``qo_indptr``).
-        k_cache, v_cache: ``[num_slots, Hkv, Dqk]`` / ``[num_slots, Hkv, Dv]``, one dtype,
-            last dim contiguous; ``Hkv`` divides ``H``.
+        k_cache, v_cache: ``[num_slots, Hkv, Dqk]`` / ``[num_slots, Hkv, Dv]``, one dtype
+            (fp32/bf16/fp16, or ``float8_e4m3fn`` holding ``x / scale``), last dim
+            contiguous; ``Hkv`` divides ``H``.
         req_to_token: int32 ``[rows, width]``, last dim contiguous.
         req_pool_indices: int64 ``[bs]``; prefix_lens: int32 ``[bs]`` (``P``, committed keys);
         qo_indptr: int32 ``[bs + 1]`` (token offsets of each request's ``n`` new tokens).
@@ -279,6 +297,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_prefix: a host bound of ``prefix_lens`` (None: unknown), used only to pick the
             default tiles (:func:`default_config`); results never depend on it, and a
             prefix past it is still read whole.
+        k_scale, v_scale: dequantization scales of an fp8 cache (key ``p``'s K is
+            ``k_cache[slot].float() * k_scale``); 1.0 for other caches.
     Returns:
         ``[T, H, Dv]`` in ``q.dtype`` (or ``out``).  With ``num_splits == 1`` rows of no
         request are left untouched; with splits the merge writes all ``T`` rows, so every row
@@ -288,7 +308,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             ``[bs, max_q, ceil(max_q/32)]``; with ``check_bounds``, an index out of range
             (a request with more than ``max_q`` new tokens, rows or slots outside the tables);
             ``sm90=True`` where its needs are not met; ``page_size`` not an int >= 1;
-            ``max_prefix`` neither None nor an int >= 0.
+            ``max_prefix`` neither None nor an int >= 0; a scale that is not a finite float
+            > 0, or not 1.0 for a cache that is not fp8.
     """
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
@@ -311,7 +332,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty(T, H, Dv, dtype=q.dtype, device=q.device)
     if bs == 0 or T == 0 or max_q == 0:
         return out
-    upcast = q.dtype != k_cache.dtype
+    k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale=k_scale, v_scale=v_scale)
+    upcast, cast_kv = kv_conversion(q.dtype, k_cache.dtype)
     ieee = upcast or k_cache.dtype == torch.float32
     BLOCK_D, BLOCK_DV = next_pow2(Dqk), next_pow2(Dv)
     cfg = default_config(max_q * G, max(BLOCK_D, BLOCK_DV), ieee, num_splits, max_prefix)
@@ -350,11 +372,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         ps[0], ps[1], ps[2], ls[0], ls[1],
         req_to_token.stride(0), tm_strides[0], tm_strides[1],
-        sm_scale * 1.4426950408889634), dict(
+        sm_scale * k_scale * 1.4426950408889634, v_scale), dict(
         GROUP=G, HEAD_DIM=Dqk, V_DIM=Dv, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         MASK_MODE=MASK_TREE if tree_mask is not None else MASK_CAUSAL,
-        NUM_SPLITS=num_splits, IEEE=ieee, UPCAST=upcast, SLOT_T=tl.int32 if off32 else tl.int64,
+        NUM_SPLITS=num_splits, IEEE=ieee, UPCAST=upcast, CAST_KV=cast_kv, SCALE_V=v_scale != 1.0,
+        SLOT_T=tl.int32 if off32 else tl.int64,
         num_warps=cfg["num_warps"]), cfg["num_stages"])
     if num_splits > 1:
         merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)

@@ -53,8 +53,11 @@ Kernel layout
   test their int32 mask words.  Online softmax in the log2 domain (``exp2``), running max,
   sum and accumulator in float32.
 - dtypes: bf16/fp16 caches use tensor-core dots with fp32 accumulation; an fp32 cache uses
-  ``input_precision="ieee"`` (no TF32; the lossless runtime tests); a ``q`` whose dtype
-  differs from the cache's is upcast with the cache tile to fp32.  Output in ``q.dtype``.
+  ``input_precision="ieee"`` (no TF32; the lossless runtime tests); an fp8 (e4m3) cache with
+  a bf16/fp16 ``q`` has its tiles converted to ``q``'s dtype in registers (exact), its scale
+  folded into the score scale and applied to the accumulator once; any other ``q`` whose
+  dtype differs from the cache's is upcast with the cache tile to fp32.  Output in
+  ``q.dtype``.
 - ``r`` and ``d_r`` must be powers of two >= 16 (the real ones are 512 and 64; CPU tests use
   32 + 16).
 
@@ -111,7 +114,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_paged_metadata, choose_gluon, is_pow2, launch_fitting, on_tensor_device
+from ._util import (check_kv_scales, check_paged_metadata, choose_gluon, is_pow2, kv_conversion,
+                    launch_fitting, on_tensor_device)
 from .attention_mla_sm90 import sm90_mla_attention, sm90_mla_supported
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
                                draft_visibility, full_update, masked_update, merge_partials,
@@ -126,7 +130,8 @@ MLA_CONFIG_KEYS = ("block_m", "block_n", "block_dv", "num_warps", "num_stages", 
 
 @triton.jit
 def _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, kv_row, ok, vis, offs_own, offs_oth, offs_r,
-              qk_scale, NUM_DV: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+              qk_scale, NUM_DV: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+              CAST_KV: tl.constexpr):
     """One key tile.  ``kv_row [BLOCK_N]``: pointers to the latent rows (``KV + slot * stride``),
     ``ok [BLOCK_N]``: which of them exist, ``vis [BLOCK_M, BLOCK_N]``: visibility.  Loads the
     latent tile once (own value slice, the other slice when ``NUM_DV == 2``, ``k_pe``), updates
@@ -136,6 +141,9 @@ def _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, kv_row, ok, vis, offs_own, offs
     if UPCAST:
         c = c.to(tl.float32)
         kpe = kpe.to(tl.float32)
+    elif CAST_KV:
+        c = c.to(q_own.dtype)
+        kpe = kpe.to(q_own.dtype)
     if IEEE:
         s = tl.dot(q_own, tl.trans(c), input_precision="ieee")
         s = tl.dot(q_pe, kpe, s, input_precision="ieee")
@@ -146,6 +154,8 @@ def _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, kv_row, ok, vis, offs_own, offs
         c2 = tl.load(kv_row[None, :] + offs_oth[:, None], mask=ok[None, :], other=0.0)  # [DV, N]
         if UPCAST:
             c2 = c2.to(tl.float32)
+        elif CAST_KV:
+            c2 = c2.to(q_own.dtype)
         if IEEE:
             s = tl.dot(q_oth, c2, s, input_precision="ieee")
         else:
@@ -156,7 +166,7 @@ def _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, kv_row, ok, vis, offs_own, offs
 @triton.jit
 def _mla_tile_tma(acc, m_i, l_i, q_own, q_oth, q_pe, desc_v, desc_pe, row, own_col, oth_col,
                   qk_scale, KV_LORA: tl.constexpr, NUM_DV: tl.constexpr, IEEE: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  UPCAST: tl.constexpr, CAST_KV: tl.constexpr):
     """:func:`_mla_tile` for a full tile of ``BLOCK_N`` consecutive cache rows from ``row``
     (one page), loaded by the tensor-memory accelerator (``desc_v``: ``[BLOCK_N, BLOCK_DV]``
     value boxes, ``desc_pe``: ``[BLOCK_N, ROPE]``): every key exists and is visible."""
@@ -165,6 +175,9 @@ def _mla_tile_tma(acc, m_i, l_i, q_own, q_oth, q_pe, desc_v, desc_pe, row, own_c
     if UPCAST:
         c = c.to(tl.float32)
         kpe = kpe.to(tl.float32)
+    elif CAST_KV:
+        c = c.to(q_own.dtype)
+        kpe = kpe.to(q_own.dtype)
     if IEEE:
         s = tl.dot(q_own, tl.trans(c), input_precision="ieee")
         s = tl.dot(q_pe, tl.trans(kpe), s, input_precision="ieee")
@@ -175,6 +188,8 @@ def _mla_tile_tma(acc, m_i, l_i, q_own, q_oth, q_pe, desc_v, desc_pe, row, own_c
         c2 = desc_v.load([row, oth_col])                                              # [N, DV]
         if UPCAST:
             c2 = c2.to(tl.float32)
+        elif CAST_KV:
+            c2 = c2.to(q_own.dtype)
         if IEEE:
             s = tl.dot(q_oth, tl.trans(c2), s, input_precision="ieee")
         else:
@@ -189,11 +204,12 @@ def _mla_fwd_kernel(
         stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
         stride_rtt, stride_tmb, stride_tmj,
-        qk_scale,
+        qk_scale, v_scale,
         NUM_HEADS: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
         NUM_DV: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        CONTIG: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+        CONTIG: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, CAST_KV: tl.constexpr,
+        SCALE_V: tl.constexpr, TMA: tl.constexpr):
     dvi = tl.program_id(1)
     req, split, q_start, n = program_request(qo_indptr, NUM_SPLITS)
     m0 = tl.program_id(0) * BLOCK_M
@@ -235,7 +251,7 @@ def _mla_fwd_kernel(
         for start in range(lo, hi_full, BLOCK_N):
             acc, m_i, l_i = _mla_tile_tma(acc, m_i, l_i, q_own, q_oth, q_pe, desc_v, desc_pe,
                                           tl.load(rtt_row + start), own_col, oth_col, qk_scale,
-                                          KV_LORA, NUM_DV, IEEE, UPCAST)
+                                          KV_LORA, NUM_DV, IEEE, UPCAST, CAST_KV)
         lo = hi_full
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -246,7 +262,7 @@ def _mla_fwd_kernel(
             slot = tl.load(rtt_row + offs_n, mask=n_ok, other=0).to(tl.int64)
         acc, m_i, l_i = _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, KV + slot * stride_kvt, n_ok,
                                   n_ok[None, :], offs_own, offs_oth, offs_r, qk_scale,
-                                  NUM_DV, IEEE, UPCAST)
+                                  NUM_DV, IEEE, UPCAST, CAST_KV)
 
     # ---------------- phase 2: this forward's tokens P + [0, n), masked (last split only)
     kv_hi = draft_key_count(n, m0, split, NUM_HEADS, BLOCK_M, MASK_MODE, NUM_SPLITS)
@@ -257,8 +273,11 @@ def _mla_fwd_kernel(
         vis = draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, k_ok,
                                MASK_MODE)
         acc, m_i, l_i = _mla_tile(acc, m_i, l_i, q_own, q_oth, q_pe, KV + slot * stride_kvt, k_ok,
-                                  vis, offs_own, offs_oth, offs_r, qk_scale, NUM_DV, IEEE, UPCAST)
+                                  vis, offs_own, offs_oth, offs_r, qk_scale, NUM_DV, IEEE, UPCAST,
+                                  CAST_KV)
 
+    if SCALE_V:
+        acc = acc * v_scale
     store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_own, row_ok[:, None],
                row_ok & ((head * 0 + dvi) == 0),  # one LSE writer per row
                split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
@@ -325,7 +344,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
                         num_warps: Optional[int] = None,
                         num_stages: Optional[int] = None, tma: Optional[bool] = None,
                         sm90: Optional[bool] = None, seesaw: Optional[bool] = None,
-                        check_bounds: bool = True) -> torch.Tensor:
+                        check_bounds: bool = True, kv_scale: float = 1.0) -> torch.Tensor:
     """Absorbed-MLA attention of ``q`` over the paged latent cache (module docstring).
 
     Args:
@@ -333,7 +352,9 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             q_pe]``), last dim contiguous; ``T = qo_indptr[-1]`` (only rows named by
             ``qo_indptr`` are read).
         kv_cache: ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (``[c_kv | k_pe]``),
-            last dim contiguous (``MLATokenToKVPool.get_key_buffer``).
+            last dim contiguous (``MLATokenToKVPool.get_key_buffer``): fp32/bf16/fp16, or
+            ``float8_e4m3fn`` holding ``latent / kv_scale`` (read by the portable kernel, its
+            tiles converted to ``q``'s dtype in registers; the Gluon kernel needs q's dtype).
         req_to_token: int32 ``[rows, width]``, last dim contiguous.
         req_pool_indices: int64 ``[bs]``; prefix_lens: int32 ``[bs]`` (``P``, committed keys);
         qo_indptr: int32 ``[bs + 1]`` (token offsets of each request's ``n`` new tokens).
@@ -375,6 +396,9 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         check_bounds: check every index the kernel follows before launching (one host read,
             skipped during CUDA-graph capture; :func:`~specattn.triton_kernels._util.
             check_paged_metadata`).  Backends that validated the batch pass False.
+        kv_scale: dequantization scale of an fp8 cache (the latent of a key is
+            ``kv_cache[slot].float() * kv_scale``: it scales the scores and the output once);
+            1.0 for other caches.
     Returns:
         ``[T, H, kv_lora_rank]`` in ``q.dtype`` (or ``out``).  With ``num_splits == 1`` rows of
         no request are left untouched; with splits every one of the ``T`` rows is written, so
@@ -383,7 +407,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         ValueError: inconsistent shapes, dtypes or devices; dims not powers of two >= 16; a
             ``tree_mask`` smaller than ``[bs, max_q, ceil(max_q/32)]``; a bad config value;
             with ``check_bounds``, an index out of range (``check_paged_metadata``); ``tma=True``
-            where its needs are not met.
+            where its needs are not met; a ``kv_scale`` that is not a finite float > 0, or not
+            1.0 for a cache that is not fp8.
     """
     if q.dim() != 3 or kv_cache.dim() != 3:
         raise ValueError(f"q and kv_cache must be 3-D, got {list(q.shape)} / {list(kv_cache.shape)}")
@@ -409,7 +434,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     elif out.shape != (T, H, rank) or out.stride(2) != 1 or out.device != q.device:
         raise ValueError(f"out must be [{T}, {H}, {rank}] on {q.device} with a contiguous last "
                          f"dim, got {list(out.shape)}")
-    upcast = q.dtype != kv_cache.dtype
+    (kv_scale,) = check_kv_scales(kv_cache.dtype, kv_scale=kv_scale)
+    upcast, cast_kv = kv_conversion(q.dtype, kv_cache.dtype)
     ieee = upcast or kv_cache.dtype == torch.float32
     cfg = default_mla_config(max_q * H, rank, ieee)
     over = dict(block_m=block_m, block_n=block_n, block_dv=block_dv, num_warps=num_warps,
@@ -453,12 +479,12 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
         ps[0], ps[1], ps[2], ls[0], ls[1],
         req_to_token.stride(0), tm_strides[0], tm_strides[1],
-        sm_scale * 1.4426950408889634), dict(
+        sm_scale * kv_scale * 1.4426950408889634, kv_scale), dict(
         NUM_HEADS=H, KV_LORA=rank, ROPE=rope, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_DV=BLOCK_DV, NUM_DV=num_dv,
         MASK_MODE=MASK_TREE if tree_mask is not None else MASK_CAUSAL,
         NUM_SPLITS=num_splits, CONTIG=page_size % BLOCK_N == 0, IEEE=ieee, UPCAST=upcast,
-        TMA=desc_v is not None, num_warps=cfg["num_warps"]), cfg["num_stages"])
+        CAST_KV=cast_kv, SCALE_V=kv_scale != 1.0, TMA=desc_v is not None, num_warps=cfg["num_warps"]), cfg["num_stages"])
     if num_splits > 1:
         merge_partials(o_part, lse, out, num_splits, rank, rank, 4 if rank >= 256 else 1)
     return out

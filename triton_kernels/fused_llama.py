@@ -18,7 +18,11 @@ grid of ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))`` programs, each looping over ``K
   QKV weight) per N-program, kept as two accumulators (the first and the second half of
   the head's columns) so the rotate-half pairs ``(i, i + D/2)`` of neox RoPE meet in
   registers; Q and K heads are rotated, V heads are not; Q goes to the returned tensor, K
-  and V to ``k_cache[out_cache_loc[m]]`` / ``v_cache[out_cache_loc[m]]``.
+  and V to ``k_cache[out_cache_loc[m]]`` / ``v_cache[out_cache_loc[m]]``.  A float8_e4m3fn
+  cache (``CACHE_FP8``) stores ``clamp(x / scale, +-448)`` rounded to nearest even on the
+  float32 bits (``_util.fp8e4m3_bits``, the code the KV-materialize kernel uses; the
+  interpreter's ``.to(float8e4nv)`` mis-rounds) through a uint8 view of the cache, the
+  division IEEE (``div_rn``); the other cache dtypes compile as before.
 
 RMSNorm prologue, three forms.  The row scale ``1 / sqrt(sum(x^2) / K + eps)`` always
 multiplies the float32 accumulator after the K loop (except float16 with a norm weight,
@@ -80,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import is_pow2, launch_fitting, on_tensor_device, require_device
+from ._util import fp8e4m3_bits, is_pow2, launch_fitting, on_tensor_device, require_device
 from .topk import KEY_MIN, MAX_MERGE_KEYS, lse_shift, merge_topk_parts, order_keys, topk_log_probs
 
 __all__ = ["rms_norm_matmul", "rms_norm_matmul_topk", "topk_fusable", "qkv_rope_store", "matmul_residual",
@@ -222,6 +226,19 @@ def _cast(x, ty: tl.constexpr, INTERP: tl.constexpr):
             b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
             x = b.to(tl.float32, bitcast=True)
     return x.to(ty)
+
+
+@triton.jit
+def _kv_value(x, scale, ty: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr):
+    """float32 ``x`` as a KV cache stores it.  ``FP8`` (``ty`` uint8: the bytes of a
+    float8_e4m3fn cache): the e4m3 bits of ``x / scale``, the division correctly rounded
+    (``div_rn``, as torch's on the CPU; Triton's ``/`` need not be on the GPU), then
+    saturating round to nearest even (:func:`._util.fp8e4m3_bits`); else :func:`_cast` to
+    ``ty``."""
+    if FP8:
+        return fp8e4m3_bits(tl.div_rn(x, scale))
+    else:
+        return _cast(x, ty, INTERP)
 
 
 @triton.jit
@@ -407,8 +424,9 @@ def _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, ac
 def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s0, cs_s1,
                      loc_ptr, loc_s, q_ptr, ldq, k_ptr, v_ptr, M, K, num_heads, num_kv_heads,
                      num_slots, max_pos, eps, x2_ptr, ldx2, g2_ptr, K2, ss_ptr, ld_ss, n_parts,
+                     k_scale, v_scale,
                      HAS_SS: tl.constexpr, NP: tl.constexpr, HAS_G: tl.constexpr, PRESCALE: tl.constexpr, TWO_INPUTS: tl.constexpr,
-                     IEEE: tl.constexpr,
+                     IEEE: tl.constexpr, CACHE_FP8: tl.constexpr,
                      INTERP: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -484,13 +502,15 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
         kv_h = h - num_heads  # K heads 0..Hkv-1, V heads Hkv..2*Hkv-1
         if kv_h < num_kv_heads:
             k_dst = k_ptr + (slot * num_kv_heads + kv_h)[:, None] * (2 * HALF) + j[None, :]
-            tl.store(k_dst, _cast(lo, k_ptr.dtype.element_ty, INTERP), mask=sm)
-            tl.store(k_dst + HALF, _cast(hi, k_ptr.dtype.element_ty, INTERP), mask=sm)
+            tl.store(k_dst, _kv_value(lo, k_scale, k_ptr.dtype.element_ty, CACHE_FP8, INTERP), mask=sm)
+            tl.store(k_dst + HALF, _kv_value(hi, k_scale, k_ptr.dtype.element_ty, CACHE_FP8, INTERP),
+                     mask=sm)
         else:
             v_row = slot * num_kv_heads + (kv_h - num_kv_heads)
             v_dst = v_ptr + v_row[:, None] * (2 * HALF) + j[None, :]
-            tl.store(v_dst, _cast(lo, v_ptr.dtype.element_ty, INTERP), mask=sm)
-            tl.store(v_dst + HALF, _cast(hi, v_ptr.dtype.element_ty, INTERP), mask=sm)
+            tl.store(v_dst, _kv_value(lo, v_scale, v_ptr.dtype.element_ty, CACHE_FP8, INTERP), mask=sm)
+            tl.store(v_dst + HALF, _kv_value(hi, v_scale, v_ptr.dtype.element_ty, CACHE_FP8, INTERP),
+                     mask=sm)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -626,10 +646,13 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
                    out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, head_dim: int,
                    x2: Optional[torch.Tensor] = None, norm_weight2: Optional[torch.Tensor] = None,
-                   row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   row_sumsq: Optional[torch.Tensor] = None, *, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> torch.Tensor:
     """Triton :func:`specattn.ops.qkv_rope_store` (one launch; ``x2``: the second input of an
     EAGLE-3 draft layer, normalized on its own; ``norm_weight`` (and ``norm_weight2``) None:
-    folded into ``w_qkv``).
+    folded into ``w_qkv``).  float8_e4m3fn caches (``k_scale`` / ``v_scale`` as validated by
+    the wrapper) are quantized in the kernel: ``x / scale`` in float32 (IEEE division), then
+    saturating round to nearest even on the bits, stored through a uint8 view of the cache.
 
     Raises:
         ValueError: ``head_dim`` not a power of two >= 32 (the two half-head accumulators
@@ -641,13 +664,19 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
                          f"{QKV_MIN_HEAD_DIM}, got {head_dim}; use impl='reference'")
     q = torch.empty(x.shape[0], num_heads, head_dim, device=x.device, dtype=x.dtype)
     _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
-                v_cache, q, x2=x2, norm_weight2=norm_weight2, row_sumsq=row_sumsq)
+                v_cache, q, x2=x2, norm_weight2=norm_weight2, row_sumsq=row_sumsq, k_scale=k_scale,
+                v_scale=v_scale)
     return q
 
 
 def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
                 v_cache, q, config: Optional[Tuple[int, ...]] = None, x2=None, norm_weight2=None,
-                row_sumsq: Optional[torch.Tensor] = None) -> None:
+                row_sumsq: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> None:
+    """One launch of ``_qkv_rope_kernel``; ``config``: a :func:`qkv_tile_config` tuple
+    (default: chosen from ``M``).  float8_e4m3fn caches go to the kernel as uint8 views
+    (``CACHE_FP8``: quantized with ``k_scale`` / ``v_scale`` in the kernel); other caches as
+    they are (the scales unread)."""
     M, K = x.shape
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -662,6 +691,9 @@ def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_
     stages = cfg[4] if len(cfg) > 4 else NUM_STAGES
     grid = (triton.cdiv(M, block_m), num_heads + 2 * num_kv_heads, head_dim // 2 // hb)
     g = norm_weight if has_g else x  # (an unread pointer when folded)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:  # the kernel stores the e4m3 bits it rounds (fp8e4m3_bits), as bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     args = (x, x.stride(0), g, w_qkv, w_qkv.stride(0), positions, positions.stride(0),
             cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.stride(1), out_cache_loc,
             out_cache_loc.stride(0), q, num_heads * head_dim, k_cache, v_cache, M, K, num_heads,
@@ -669,10 +701,10 @@ def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_
             x if x2 is None else x2, x.stride(0) if x2 is None else x2.stride(0),
             g if norm_weight2 is None else norm_weight2, 0 if x2 is None else x2.shape[1],
             q if row_sumsq is None else row_sumsq, 0 if row_sumsq is None else row_sumsq.stride(0),
-            1 if row_sumsq is None else row_sumsq.shape[0])
+            1 if row_sumsq is None else row_sumsq.shape[0], float(k_scale), float(v_scale))
     kwargs = dict(HAS_SS=row_sumsq is not None,
                   NP=max(triton.next_power_of_2(1 if row_sumsq is None else row_sumsq.shape[0]), 2),
                   HAS_G=has_g, PRESCALE=has_g and x.dtype == torch.float16, TWO_INPUTS=x2 is not None, IEEE=x.dtype == torch.float32,
-                  INTERP=_interp(x), HALF=head_dim // 2, HB=hb, BLOCK_M=block_m, BLOCK_K=block_k,
-                  num_warps=warps)
+                  CACHE_FP8=fp8, INTERP=_interp(x), HALF=head_dim // 2, HB=hb, BLOCK_M=block_m,
+                  BLOCK_K=block_k, num_warps=warps)
     launch_fitting(_qkv_rope_kernel, grid, args, kwargs, stages)

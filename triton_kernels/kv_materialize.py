@@ -28,10 +28,11 @@ the Triton CPU interpreter (``TRITON_INTERPRET=1``), where pointers are host add
 
 Rounding: bf16 and fp8 e4m3 stores round with integer bit operations in the kernel
 (round-to-nearest-even; fp8 saturating: ``clamp(x / scale, -448, 448)`` then RTNE, NaN stays
-NaN) into the cache viewed as uint16 / uint8.  Reason: the Triton 3.9 interpreter's
-``.to(bfloat16)`` truncates and its ``.to(float8e4nv)`` mis-rounds values just below a power
-of two (measured), so ``.to()`` could not be checked on the CPU; the bit version is exact on
-both and is the same code the GPU runs.  float16 / float32 caches use ``.to()`` (RTNE on both).
+NaN: ``_util.bf16_bits`` / ``_util.fp8e4m3_bits``, shared with the fused QKV kernel) into
+the cache viewed as uint16 / uint8.  Reason: the Triton 3.9 interpreter's ``.to(bfloat16)``
+truncates and its ``.to(float8e4nv)`` mis-rounds values just below a power of two
+(measured), so ``.to()`` could not be checked on the CPU; the bit version is exact on both
+and is the same code the GPU runs.  float16 / float32 caches use ``.to()`` (RTNE on both).
 
 Semantics and argument docs: :func:`specattn.ops.materialize_kv`.  Precision: see
 :mod:`specattn.ops.kv_materialize` (the GEMM output is rounded to the input dtype before the
@@ -46,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import next_pow2, on_tensor_device
+from ._util import bf16_bits, fp8e4m3_bits, next_pow2, on_tensor_device
 
 __all__ = ["materialize_kv", "materialize_kv_epilogue"]
 
@@ -57,43 +58,11 @@ _NATIVE, _BF16_BITS, _FP8_BITS = 0, 1, 2
 
 
 @triton.jit
-def _bf16_bits(x):
-    """float32 -> bfloat16 bit pattern (uint16), round to nearest even; NaN stays NaN."""
-    b = x.to(tl.uint32, bitcast=True)
-    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    nan = (b & 0x7FFFFFFF) > 0x7F800000
-    r = tl.where(nan, (b >> 16) | 0x40, r)
-    return r.to(tl.uint16)
-
-
-@triton.jit
-def _fp8e4m3_bits(x):
-    """float32 -> float8_e4m3fn bit pattern (uint8): saturate to +-448, then round to
-    nearest even (subnormals included); NaN -> 0x7F (sign kept)."""
-    sign = (x.to(tl.uint32, bitcast=True) >> 24) & 0x80
-    a = tl.minimum(tl.abs(x), 448.0)
-    # subnormal range |x| < 2^-6: code = rtne(|x| * 2^9) in 0..8 (8 is the smallest normal)
-    s = a * 512.0
-    fl = tl.floor(s)
-    fr = s - fl
-    qi = fl.to(tl.uint32)
-    up = (fr > 0.5) | ((fr == 0.5) & ((qi & 1) == 1))
-    q_sub = qi + up.to(tl.uint32)
-    # normal range: keep 3 mantissa bits with RTNE; exponent bias 127 -> 7
-    ab = a.to(tl.uint32, bitcast=True)
-    r = ab + 0x7FFFF + ((ab >> 20) & 1)
-    q_norm = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
-    code = tl.where(a < 0.015625, q_sub, q_norm)
-    code = tl.where(x != x, 0x7F, code)
-    return (code | sign).to(tl.uint8)
-
-
-@triton.jit
 def _cast(x, scale, CACHE_KIND: tl.constexpr, out_ty: tl.constexpr):
     if CACHE_KIND == 2:
-        return _fp8e4m3_bits(x / scale)
+        return fp8e4m3_bits(x / scale)
     elif CACHE_KIND == 1:
-        return _bf16_bits(x)
+        return bf16_bits(x)
     else:
         return x.to(out_ty)
 

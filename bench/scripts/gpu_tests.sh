@@ -6,7 +6,7 @@
 #   bash bench/scripts/gpu_tests.sh OUT PART [PART ...]
 # PART:
 #   backends  the attention backends' files (Triton MHA / MLA, FlashInfer, FlashMLA, the torch
-#             reference backend) and the attention bench cases
+#             reference backend, FP8 KV caches) and the attention bench cases
 #   ops       every other file but the real model's: KV move and materialization, tree ops,
 #             sampling, top-k, EAGLE draft ops, n-gram, row ops, the device guard
 #   model     tests/test_ops_fused_llama.py and tests/test_runtime*.py (the runtime's tests use
@@ -27,7 +27,8 @@ workers=${GPU_TESTS_WORKERS:-12}
 common=(-q -p no:warnings -p no:cacheprovider -rfE -m gpu -n "$workers")
 model_files=(tests/test_ops_fused_llama.py tests/test_runtime*.py)
 backend_files=(tests/test_triton_backend.py tests/test_triton_backend_mla.py tests/test_flashinfer_backend.py
-               tests/test_flashmla_backend.py tests/test_backend_reference.py tests/test_bench_attention.py)
+               tests/test_flashmla_backend.py tests/test_backend_reference.py tests/test_bench_attention.py
+               tests/test_kv_fp8.py)
 
 for part in "$@"; do
   case $part in

@@ -67,6 +67,18 @@ functions with float32 accumulation and fewer roundings:
   5e-2.  With float32 activations the dots are IEEE float32 (never TF32).
 - The RoPE'd and stored values follow the same contract (cache stores round once, from
   float32, to the cache dtype, which may differ from ``dt``).
+- float8_e4m3fn caches (:func:`qkv_rope_store` with ``k_scale`` / ``v_scale``): the stored
+  ``x / scale`` is rounded once more, to e4m3 (round to nearest even, saturating at
+  +-448, :func:`specattn.ops.fp8.quantize_kv`), which adds one e4m3 step to the contract
+  above: ``2^-3 * |ref|`` relative (normal range, ``|x / scale| >= 2^-6``) plus the
+  subnormal step ``2^-9 * scale`` (absolute); values past ``448 * scale`` store +-448.
+  The Triton kernel divides in float32 (IEEE) and rounds on the bits, so it stores exactly
+  ``quantize_kv`` of its float32 values (measured bit for bit in the interpreter); against
+  the reference, float32 activations give the same codes or (about 1 element in 50,000)
+  adjacent ones where a rounding boundary lies between the two float32 results; with 16-bit
+  activations the reference rounds K / V to ``dt`` before quantizing, so codes of values
+  near zero can differ by more.  Measured, beyond ``dt``'s own error: at most 0.47 of an
+  e4m3 step (float32 activations), 0.36 (16-bit).
 """
 from __future__ import annotations
 
@@ -79,6 +91,7 @@ import torch.nn.functional as F
 
 from . import registry
 from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .fp8 import KV_CACHE_DTYPES, check_kv_scale, quantize_kv
 from .topk import MAX_K as TOPK_MAX_K, topk_log_probs_reference
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -177,11 +190,14 @@ def qkv_rope_store_reference(x: torch.Tensor, norm_weight: Optional[torch.Tensor
                              v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                              head_dim: int, x2: Optional[torch.Tensor] = None,
                              norm_weight2: Optional[torch.Tensor] = None,
-                             row_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             row_sumsq: Optional[torch.Tensor] = None, *, k_scale: float = 1.0,
+                             v_scale: float = 1.0) -> torch.Tensor:
     """Reference of :func:`qkv_rope_store` (no validation): the model's sequence in
     ``x.dtype``: norm (each input on its own, then concatenated, when ``x2`` is given), the
     Q / K / V projections (slices of ``w_qkv``), RoPE with cos/sin cast to ``x.dtype``, then
-    ``k_cache[out_cache_loc] = k`` / ``v_cache[...] = v``."""
+    ``k_cache[out_cache_loc] = quantize_kv(k, k_cache.dtype, k_scale)`` / ``v_cache[...] =
+    quantize_kv(v, v_cache.dtype, v_scale)`` (:func:`specattn.ops.fp8.quantize_kv`: a plain
+    cast, or for float8_e4m3fn ``clamp(x / scale, +-448)`` rounded to nearest even)."""
     T, H, Hkv, D = x.shape[0], num_heads, num_kv_heads, head_dim
     n = llama_rms_norm_reference(x, norm_weight, eps, row_sumsq)
     if x2 is not None:
@@ -195,8 +211,8 @@ def qkv_rope_store_reference(x: torch.Tensor, norm_weight: Optional[torch.Tensor
     sin = torch.cat([cs[:, half:], cs[:, half:]], dim=-1).to(x.dtype)
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
     loc = out_cache_loc.long()
-    k_cache[loc] = k.to(k_cache.dtype)
-    v_cache[loc] = v.to(v_cache.dtype)
+    k_cache[loc] = quantize_kv(k, k_cache.dtype, k_scale)
+    v_cache[loc] = quantize_kv(v, v_cache.dtype, v_scale)
     return q
 
 
@@ -484,7 +500,8 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
                    out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, head_dim: int, *,
                    x2: Optional[torch.Tensor] = None, norm_weight2: Optional[torch.Tensor] = None,
-                   row_sumsq: Optional[torch.Tensor] = None, check_values: bool = True,
+                   row_sumsq: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                   v_scale: float = 1.0, check_values: bool = True,
                    impl: str = "auto") -> torch.Tensor:
     """Input RMSNorm + fused QKV projection + neox RoPE on Q and K + K/V cache store, in one
     launch.  Returns Q.
@@ -499,7 +516,10 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
     the whole head (HF ``rotate_half``): with ``c, s = cos_sin_cache[positions[m]].chunk(2)``,
     ``out[:D/2] = y[:D/2] * c - y[D/2:] * s`` and ``out[D/2:] = y[D/2:] * c + y[:D/2] * s``.
     Then ``k_cache[out_cache_loc[m]] = k[m]`` and ``v_cache[out_cache_loc[m]] = v[m]``, cast
-    to the cache dtype; other cache slots are untouched.
+    to the cache dtype; other cache slots are untouched.  A float8_e4m3fn cache stores
+    ``quantize_kv(k, k_cache.dtype, k_scale)`` (:mod:`specattn.ops.fp8`): ``clamp(k /
+    k_scale, -448, 448)`` rounded to nearest even, saturating (a finite value never becomes
+    inf or NaN), so ``k ~= k_cache.float() * k_scale``; V likewise with ``v_scale``.
 
     Args:
         x: ``[M, K]`` float32 / bfloat16 / float16 activations (the residual stream).
@@ -513,9 +533,9 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
             :func:`specattn.ops.make_cos_sin_cache` ``(max_pos, D, rope_theta)``): row ``p``
             is ``cat(cos(p * inv_freq), sin(p * inv_freq))``.
         out_cache_loc: ``[M]`` int32 / int64 cache slots, distinct, in ``[0, num_slots)``.
-        k_cache, v_cache: ``[num_slots, Hkv, D]`` contiguous, one float dtype (float32 /
-            bfloat16 / float16, may differ from ``x.dtype``) and shape, disjoint; written in
-            place.
+        k_cache, v_cache: ``[num_slots, Hkv, D]`` contiguous, one dtype (float32 / bfloat16 /
+            float16 / float8_e4m3fn, may differ from ``x.dtype``) and shape, disjoint;
+            written in place.
         num_heads, num_kv_heads: ``H >= 1``, ``Hkv >= 1``.
         head_dim: ``D``, even (the Triton kernel: a power of two >= 32).
         x2, norm_weight2: optional second input ``[M, K2]`` (``x.dtype``) and its RMSNorm
@@ -523,6 +543,9 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
             norms folded into ``w_qkv``, or neither).
         row_sumsq: optional ``[P, M]`` float32 partial sums of ``x^2`` per row (of ``x``,
             not ``x2``; see :func:`rms_norm_swiglu`).
+        k_scale, v_scale: the fp8 caches' dequantization scales (Python floats, finite and
+            > 0; a KV pool's ``kv_scales(layer_id)``): the stored value is ``k / k_scale``
+            (``v / v_scale``).  Must be 1.0 (the default) for other cache dtypes.
         check_values: run the value checks under Raises (default; one host sync each);
             ``False`` skips them so the call never syncs (a runtime's hot path, whose slots and
             positions come from its own allocator).  The Triton kernel then skips the cache
@@ -538,7 +561,10 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
         last dim, caches not contiguous or overlapping, a ``cos_sin_cache`` not
         ``[>= 1, D]``, repeated slots in ``out_cache_loc``, a ``row_sumsq`` not float32
         ``[P >= 1, M]``, ``x2`` and the norm weights not given together;
-        ``impl="triton"`` with a head dim it does not take.
+        ``impl="triton"`` with a head dim it does not take; a ``k_scale`` / ``v_scale``
+        that is not finite and > 0, or not 1.0 with caches that are not float8_e4m3fn.
+        TypeError also for a ``k_scale`` / ``v_scale`` that is not a real number (bools
+        included).
         IndexError: a slot outside ``[0, num_slots)`` or a position outside ``[0, max_pos)``.
         RuntimeError: a forced ``impl`` unavailable here.
         The value checks (IndexError, repeated slots) cost host syncs and are skipped with
@@ -579,7 +605,7 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
     if max_pos < 1 or cos_sin_cache.shape[1] != D:
         raise ValueError(f"cos_sin_cache must be [max_pos >= 1, head_dim = {D}], got "
                          f"{list(cos_sin_cache.shape)}")
-    check_tensor("k_cache", k_cache, dim=3, dtypes=FLOAT_DTYPES, device=dev,
+    check_tensor("k_cache", k_cache, dim=3, dtypes=KV_CACHE_DTYPES, device=dev,
                  shape=(None, Hkv, D))
     num_slots = k_cache.shape[0]
     check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), device=dev,
@@ -588,6 +614,9 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
         if not c.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     _check_disjoint("k_cache", k_cache, "v_cache", v_cache)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_scale = check_kv_scale("k_scale", k_scale, fp8)
+    v_scale = check_kv_scale("v_scale", v_scale, fp8)
     row_sumsq = _check_row_sumsq(row_sumsq, x)
     impl = _qkv_impl(impl, dev, D)
     fn = _run("qkv_rope_store", impl, dev)
@@ -602,4 +631,5 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
         if not capturing() and torch.unique(out_cache_loc).numel() != M:
             raise ValueError("out_cache_loc repeats a slot; the cache write would be ambiguous")
     return fn(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
-              v_cache, H, Hkv, D, x2, norm_weight2, row_sumsq=row_sumsq)
+              v_cache, H, Hkv, D, x2, norm_weight2, row_sumsq=row_sumsq, k_scale=k_scale,
+              v_scale=v_scale)

@@ -78,10 +78,7 @@ import torch
 
 from . import registry
 from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
-
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
-FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+from .fp8 import FLOAT_DTYPES, KV_CACHE_DTYPES, check_kv_scale, quantize_kv
 
 
 # ------------------------------------------------------------------------------------------
@@ -161,10 +158,7 @@ def stack_kv_proj_weights(k_weights: Sequence[torch.Tensor],
 
 
 def _store(buf: torch.Tensor, loc: torch.Tensor, val: torch.Tensor, scale: float) -> None:
-    if buf.dtype == torch.float8_e4m3fn:
-        # Saturating cast (like __nv_cvt_float_to_fp8(..., __NV_SATFINITE, __NV_E4M3)).
-        val = (val / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    buf[loc] = val.to(buf.dtype)
+    buf[loc] = quantize_kv(val, buf.dtype, scale)
 
 
 # ------------------------------------------------------------------------------------------
@@ -239,18 +233,6 @@ registry.register("materialize_kv", "triton",
 # public wrapper
 # ------------------------------------------------------------------------------------------
 
-def _check_scale(name: str, scale, fp8: bool) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{name} must be a Python float, got {type(scale).__name__}")
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {scale}")
-    if not fp8 and scale != 1.0:
-        raise ValueError(f"{name}={scale} only applies to a float8_e4m3fn cache; the cache "
-                         f"holds unscaled values, pass 1.0")
-    return scale
-
-
 def _check_buffers(name: str, bufs, dev, num_layers: Optional[int]) -> List[torch.Tensor]:
     if isinstance(bufs, torch.Tensor) or not isinstance(bufs, (list, tuple)):
         raise TypeError(f"{name} must be a list of per-layer tensors, got {type(bufs).__name__}")
@@ -260,7 +242,7 @@ def _check_buffers(name: str, bufs, dev, num_layers: Optional[int]) -> List[torc
     if num_layers is not None and len(bufs) != num_layers:
         raise ValueError(f"{name} has {len(bufs)} layers, k_buffers has {num_layers}")
     for i, b in enumerate(bufs):
-        check_tensor(f"{name}[{i}]", b, dim=3, dtypes=CACHE_DTYPES, device=dev)
+        check_tensor(f"{name}[{i}]", b, dim=3, dtypes=KV_CACHE_DTYPES, device=dev)
         if not b.is_contiguous():
             raise ValueError(f"{name}[{i}] must be contiguous")
     return bufs
@@ -374,8 +356,8 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
             math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
     fp8 = cache_dtype == torch.float8_e4m3fn
-    k_scale = _check_scale("k_scale", k_scale, fp8)
-    v_scale = _check_scale("v_scale", v_scale, fp8)
+    k_scale = check_kv_scale("k_scale", k_scale, fp8)
+    v_scale = check_kv_scale("v_scale", v_scale, fp8)
     if num_tokens == 0:
         return
     if check_values:
