@@ -34,16 +34,18 @@ from typing import List, Sequence
 import torch
 
 from specattn.backends import ForwardBatch, KVAllocator, ReqToTokenPool, TorchReferenceBackend
+from specattn.ops.fp8 import FP8_E4M3_MAX
 
-__all__ = ["teacher_forced_logits", "NearGreedy", "near_greedy", "check_near_greedy"]
+__all__ = ["teacher_forced", "teacher_forced_logits", "calibrate_kv_scales", "NearGreedy", "near_greedy",
+           "check_near_greedy"]
 
 
-def teacher_forced_logits(model, seqs: Sequence[Sequence[int]], kv_cache_dtype=None,
-                          kv_scales=(1.0, 1.0)) -> List[torch.Tensor]:
-    """Float32 logits ``[len(s), V]`` of every position of every sequence (row ``i`` predicts
-    token ``i + 1``), one EXTEND batch on the reference backend over fresh pools (of
-    ``kv_cache_dtype``, default the model's, with ``kv_scales`` for an fp8 cache: its
-    rounding then enters the logits as it does in a run)."""
+def teacher_forced(model, seqs: Sequence[Sequence[int]], kv_cache_dtype=None, kv_scales=(1.0, 1.0)):
+    """One EXTEND batch of ``seqs`` (lists of token ids) on the reference backend over fresh
+    pools (of ``kv_cache_dtype``, default the model's, with ``kv_scales`` for an fp8 cache).
+    Returns ``(hidden [sum(len), hidden_size], pool, slots int64 [sum(len)])``: the final
+    hidden states and the KV pool the sequences' keys and values were written to (at
+    ``slots``, sequence after sequence)."""
     dev = model.device
     lens = [len(s) for s in seqs]
     width = max(lens)
@@ -59,7 +61,44 @@ def teacher_forced_logits(model, seqs: Sequence[Sequence[int]], kv_cache_dtype=N
     backend.init_forward_metadata(batch)
     ids = torch.tensor([t for s in seqs for t in s], device=dev)
     hidden, _ = model.forward(ids, batch, backend)
-    return list(model.logits(hidden).float().split(lens))
+    return hidden, pool, slots
+
+
+def teacher_forced_logits(model, seqs: Sequence[Sequence[int]], kv_cache_dtype=None,
+                          kv_scales=(1.0, 1.0)) -> List[torch.Tensor]:
+    """Float32 logits ``[len(s), V]`` of every position of every sequence (row ``i`` predicts
+    token ``i + 1``): :func:`teacher_forced`'s hidden states through the LM head (an fp8
+    cache's rounding enters the logits as it does in a run)."""
+    hidden, _, _ = teacher_forced(model, seqs, kv_cache_dtype, kv_scales)
+    return list(model.logits(hidden).float().split([len(s) for s in seqs]))
+
+
+def calibrate_kv_scales(model, prompts: Sequence[Sequence[int]], headroom: float = 2.0):
+    """Per-layer fp8 (e4m3) dequantization scales for ``model``'s KV cache from the keys and
+    values it writes over ``prompts`` (one EXTEND in the model's dtype on the reference
+    backend): ``scale = headroom * amax / 448`` per layer, K and V apart (an MLA latent: one
+    scale for both, the larger), so the observed values use e4m3's normal range (relative
+    step 2^-3) with ``headroom`` to spare before saturating.  vLLM's ``calculate_kv_scales``
+    derives its scales from the first batch's amax the same way; SGLang and vLLM otherwise
+    default to 1.0, which sends small-valued layers into e4m3's subnormals (absolute step
+    2^-9).  Returns ``(k_scales, v_scales)``, lists of floats (a layer whose values are all
+    zero gets 1.0).  Raises ValueError for no prompt tokens or ``headroom < 1``."""
+    if headroom < 1:
+        raise ValueError(f"headroom must be >= 1, got {headroom}")
+    seqs = [list(p) for p in prompts if len(p)]
+    if not seqs:
+        raise ValueError("calibrate_kv_scales needs at least one prompt token")
+    _, pool, slots = teacher_forced(model, seqs)
+    mla = hasattr(pool, "kv_lora_rank")
+    ks, vs = [], []
+    for layer in range(pool.layer_num):
+        k = float(pool.get_key_buffer(layer)[slots].float().abs().max())
+        v = float(pool.get_value_buffer(layer)[slots].float().abs().max())
+        if mla:
+            k = v = max(k, v)
+        ks.append(headroom * k / FP8_E4M3_MAX if k > 0 else 1.0)
+        vs.append(headroom * v / FP8_E4M3_MAX if v > 0 else 1.0)
+    return ks, vs
 
 
 @dataclass
@@ -100,7 +139,7 @@ def near_greedy(model32, model_lowp, prompts, outputs, factor: float = 4.0, kv_c
     if any(len(p) == 0 for p in prompts) or not any(len(o) for o in outputs):
         raise ValueError("every prompt needs a token and some output must be non-empty")
     seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
-    ref = teacher_forced_logits(model32, seqs)
+    ref = teacher_forced_logits(model32, seqs, kv_cache_dtype, kv_scales)
     low = teacher_forced_logits(model_lowp, seqs, kv_cache_dtype, kv_scales)
     gaps, tols, shares = [], [], []
     for p, o, lg, lw in zip(prompts, outputs, ref, low):

@@ -70,8 +70,8 @@ def check_kv_scales(cache_dtype: torch.dtype, **scales) -> tuple:
 
 def kv_conversion(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple:
     """How a kernel feeds cache tiles to its dots: ``(upcast, cast_kv)``.  ``upcast``: q and the
-    tiles go to float32 (dtypes differ and no cheaper path exists); ``cast_kv``: an fp8 cache's
-    tiles are converted to ``q``'s bf16/fp16 in registers (exact)."""
+    tiles go to float32 (dtypes differ and no cheaper path exists); ``cast_kv``: an fp8 cache
+    under a bf16/fp16 ``q``: q and the tiles go to float16 (exact in fp16's range)."""
     cast_kv = cache_dtype == FP8_KV_DTYPE and q_dtype in (torch.bfloat16, torch.float16)
     return q_dtype != cache_dtype and not cast_kv, cast_kv
 

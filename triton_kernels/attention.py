@@ -34,10 +34,11 @@ query rows and streams key tiles through an online softmax in float32)
   ``l`` and accumulator in float32; a fully masked tile is harmless (``m = -inf`` handled).
   ``q @ k^T`` and ``p @ v`` use ``tl.dot`` in the cache dtype (bf16/fp16: tensor cores,
   fp32 accumulation; fp32: ``input_precision="ieee"``, no TF32).  An fp8 (e4m3) cache with a
-  bf16/fp16 ``q``: each K/V tile is converted to ``q``'s dtype in registers after its load
-  (exact: every e4m3 value is a bf16/fp16 value), the dots run as for that dtype, and the
-  dequantization scales cost nothing per element (``k_scale`` folds into the score scale,
-  ``v_scale`` multiplies the accumulator once before the store).  Any other pair of
+  bf16/fp16 ``q``: the dots run in fp16 -- each K/V tile is converted after its load by
+  the hardware's pairwise e4m3 -> f16 conversion (exact: every e4m3 value is an fp16 normal),
+  ``q`` once per program (exact for ``|q| < 65504``; bf16 -> fp16 only gains mantissa bits)
+  -- and the dequantization scales cost nothing per element (``k_scale`` folds into the
+  score scale, ``v_scale`` multiplies the accumulator once before the store).  Any other pair of
   different dtypes upcasts both to fp32.  Output in the output tensor's dtype (``q.dtype``).
 - head_dim and v_head_dim are constexprs padded to a power of two >= 16 (64 and 128 exact).
 
@@ -139,6 +140,8 @@ def _attn_fwd_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    elif CAST_KV:  # fp8 cache: the dots run in fp16 (tiles convert by one cvt per pair of values)
+        q = q.to(tl.float16)
     k_base = K + hk.to(tl.int64) * stride_kh
     v_base = V + hk.to(tl.int64) * stride_vh
 

@@ -54,8 +54,9 @@ Kernel layout
   sum and accumulator in float32.
 - dtypes: bf16/fp16 caches use tensor-core dots with fp32 accumulation; an fp32 cache uses
   ``input_precision="ieee"`` (no TF32; the lossless runtime tests); an fp8 (e4m3) cache with
-  a bf16/fp16 ``q`` has its tiles converted to ``q``'s dtype in registers (exact), its scale
-  folded into the score scale and applied to the accumulator once; any other ``q`` whose
+  a bf16/fp16 ``q`` runs the dots in fp16 (the latent tiles converted after their load, q
+  once per program; both exact within fp16's range), its scale folded into the score scale
+  and applied to the accumulator once; any other ``q`` whose
   dtype differs from the cache's is upcast with the cache tile to fp32.  Output in
   ``q.dtype``.
 - ``r`` and ``d_r`` must be powers of two >= 16 (the real ones are 512 and 64; CPU tests use
@@ -237,6 +238,10 @@ def _mla_fwd_kernel(
         q_own = q_own.to(tl.float32)
         q_oth = q_oth.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
+    elif CAST_KV:  # fp8 cache: the dots run in fp16 (tiles convert by one cvt per pair of values)
+        q_own = q_own.to(tl.float16)
+        q_oth = q_oth.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -353,8 +358,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             ``qo_indptr`` are read).
         kv_cache: ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (``[c_kv | k_pe]``),
             last dim contiguous (``MLATokenToKVPool.get_key_buffer``): fp32/bf16/fp16, or
-            ``float8_e4m3fn`` holding ``latent / kv_scale`` (read by the portable kernel, its
-            tiles converted to ``q``'s dtype in registers; the Gluon kernel needs q's dtype).
+            ``float8_e4m3fn`` holding ``latent / kv_scale`` (read by the portable kernel in
+            fp16; the Gluon kernel needs the cache in q's dtype).
         req_to_token: int32 ``[rows, width]``, last dim contiguous.
         req_pool_indices: int64 ``[bs]``; prefix_lens: int32 ``[bs]`` (``P``, committed keys);
         qo_indptr: int32 ``[bs + 1]`` (token offsets of each request's ``n`` new tokens).

@@ -34,19 +34,26 @@ def _configs():
     from specattn.triton_kernels import tree_ops as T, tree_sampling as S
     out = []
     for mask, splits, slot, dt, ieee in ((0, 1, tl.int32, "bf16", False), (1, 4, tl.int64, "bf16", False),
-                                         (1, 1, tl.int32, "fp32", True)):
+                                         (1, 1, tl.int32, "fp32", True), (0, 1, tl.int32, "fp8", False)):
         c = dict(GROUP=4, HEAD_DIM=128, V_DIM=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=64, BLOCK_N=64,
-                 MASK_MODE=mask, NUM_SPLITS=splits, IEEE=ieee, UPCAST=False, SLOT_T=slot)
+                 MASK_MODE=mask, NUM_SPLITS=splits, IEEE=ieee, UPCAST=False, CAST_KV=dt == "fp8",
+                 SCALE_V=dt == "fp8", SLOT_T=slot)
         out.append((f"mha_mask{mask}_splits{splits}_{dt}", A._attn_fwd_kernel, dt, c, 4))
-    for mask, splits, ndv, contig, tma in ((0, 1, 1, 1, False), (1, 4, 2, 0, False), (1, 2, 1, 1, False),
-                                           (0, 4, 2, 1, True)):
+    # decode-shaped fp8 tiles (16 rows, 128 keys): the fp8 decode's default config
+    c = dict(GROUP=4, HEAD_DIM=128, V_DIM=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=16, BLOCK_N=128,
+             MASK_MODE=0, NUM_SPLITS=1, IEEE=False, UPCAST=False, CAST_KV=True, SCALE_V=True,
+             SLOT_T=tl.int32)
+    out.append(("mha_decode_fp8", A._attn_fwd_kernel, "fp8", c, 4))
+    for mask, splits, ndv, contig, tma, dt in ((0, 1, 1, 1, False, "bf16"), (1, 4, 2, 0, False, "bf16"),
+                                               (1, 2, 1, 1, False, "bf16"), (0, 4, 2, 1, True, "bf16"),
+                                               (0, 1, 1, 1, False, "fp8")):
         c = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_M=64, BLOCK_N=32, BLOCK_DV=512 // ndv,
                  NUM_DV=ndv, MASK_MODE=mask, NUM_SPLITS=splits, CONTIG=contig, IEEE=False, UPCAST=False,
-                 TMA=tma)
+                 CAST_KV=dt == "fp8", SCALE_V=dt == "fp8", TMA=tma)
         if not tma:  # unused descriptors: constexpr None
             c.update(desc_v=None, desc_pe=None)
-        out.append((f"mla_mask{mask}_splits{splits}_dv{ndv}_contig{contig}{'_tma' if tma else ''}",
-                     M._mla_fwd_kernel, "bf16", c, 8))
+        out.append((f"mla_mask{mask}_splits{splits}_dv{ndv}_contig{contig}{'_tma' if tma else ''}"
+                     f"{'_fp8' if dt == 'fp8' else ''}", M._mla_fwd_kernel, dt, c, 8))
     out.append(("verify_greedy", T._verify_greedy_kernel, None, dict(BLOCK_D=64, BLOCK_S=8), 4))
     out.append(("verify_sampling", S._tree_sampling_kernel, None,
                 dict(HAS_DRAFT=True, BLOCK_D=64, BLOCK_S=8, BLOCK_V=1024), 4))
@@ -56,7 +63,11 @@ def _configs():
 def _signature(fn, dt, consts) -> dict:
     sig = {}
     for n in fn.arg_names:
-        if dt is not None and n in ("Q", "K", "V", "O", "KV"):
+        if dt == "fp8" and n in ("K", "V", "KV"):   # an fp8 cache under bf16 queries and output
+            sig[n] = "*fp8e4nv"
+        elif dt == "fp8" and n in ("Q", "O"):
+            sig[n] = "*bf16"
+        elif dt is not None and n in ("Q", "K", "V", "O", "KV"):
             sig[n] = "*" + dt
         elif n in ("O_PART", "LSE_PART"):
             sig[n] = "*fp32"
@@ -64,7 +75,7 @@ def _signature(fn, dt, consts) -> dict:
             sig[n] = "*i32"
         elif n == "req_pool_indices":
             sig[n] = "*i64"
-        elif n == "qk_scale" or n.startswith("th_"):
+        elif n in ("qk_scale", "v_scale") or n.startswith("th_"):
             sig[n] = "fp32"
         elif n == "desc_v":  # host TMA descriptors of the MLA kernel (BLOCK_N x BLOCK_DV / ROPE boxes)
             sig[n] = f"tensordesc<{dt}[{consts['BLOCK_N']}, {consts['BLOCK_DV']}]>"
