@@ -2,7 +2,6 @@
 independently of the backends (per token, explicit key lists, float64)."""
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 from typing import List, Optional
@@ -105,6 +104,20 @@ def make_scenario(mode: ForwardMode, *, kind="mha", bs=2, page_size=1, num_heads
         batch = ForwardBatch.idle(device)
     batch.validate(req_pool.req_to_token)
     return Scenario(batch, layer, req_pool, pool, tree_dense, q_dtype)
+
+
+def capture_forward(backend, q, k, v, layer, batch):
+    """One warm-up ``backend.forward`` on a side stream (backends plan there, outside any
+    capture), then the same forward captured in a CUDA graph: ``(graph, static output)``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        backend.forward(q, k, v, layer, batch)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, layer, batch)
+    return graph, out
 
 
 def random_qkv(sc: Scenario, dtype=None):

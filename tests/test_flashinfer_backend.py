@@ -33,7 +33,7 @@ import types
 import pytest
 import torch
 
-from scenarios import load_trial, make_scenario, random_qkv
+from scenarios import capture_forward, load_trial, make_scenario, random_qkv
 from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers,
                                MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool,
                                TorchReferenceBackend, UnsupportedConfigError, UnsupportedError,
@@ -601,14 +601,7 @@ def _gpu_graph_case(kind, mode, page_size, seed, group=4, head_dim=128, D=5, pad
                                                 device="cuda", dtype=torch.bfloat16)
     padded = bufs.fill(first.batch, padded_bs)
     be.init_forward_metadata_capture_cuda_graph(padded)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        be.forward(qs, ks, vs, layer, padded)      # warm-up: plans outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out_static = be.forward(qs, ks, vs, layer, padded)
+    g, out_static = capture_forward(be, qs, ks, vs, layer, padded)   # plans in the warm-up
     for trial in range(3):
         bs = rng.randint(1, padded_bs - 1) if trial < 2 else padded_bs
         sc = make_scenario(mode, bs=bs, **common)
@@ -800,14 +793,7 @@ def _fp8_graph_case(kind, mode, page_size, seed, device, tol, padded_bs=4, D=5, 
     if device == "cpu":
         be.forward(qs, ks, vs, layer, padded)          # warm-up: plans
     else:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            be.forward(qs, ks, vs, layer, padded)      # warm-up: plans outside the capture
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out_static = be.forward(qs, ks, vs, layer, padded)
+        graph, out_static = capture_forward(be, qs, ks, vs, layer, padded)
     for trial in range(3):
         bs = rng.randint(1, padded_bs - 1) if trial < 2 else padded_bs
         sc = make_scenario(mode, bs=bs, **common)

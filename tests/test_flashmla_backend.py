@@ -30,7 +30,7 @@ if not torch.cuda.is_available():  # the routed modes run Triton's interpreter o
 
 import pytest  # noqa: E402
 
-from scenarios import load_trial, make_scenario, random_qkv  # noqa: E402
+from scenarios import capture_forward, load_trial, make_scenario, random_qkv  # noqa: E402
 import specattn.backends.flashmla_backend as fmb  # noqa: E402
 from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers,  # noqa: E402
                                MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool,
@@ -429,14 +429,7 @@ def test_cuda_graph_replay_on_gpu(mode, heads, seed):
     ks = torch.zeros(padded_bs * D, 1, layer.head_dim, device="cuda", dtype=torch.bfloat16)
     padded = bufs.fill(first.batch, padded_bs)
     be.init_forward_metadata_capture_cuda_graph(padded)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        be.forward(qs, ks, None, layer, padded)                   # warm-up: scheduler buffers
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out_static = be.forward(qs, ks, None, layer, padded)
+    g, out_static = capture_forward(be, qs, ks, None, layer, padded)  # scheduler buffers in the warm-up
     for trial in range(3):
         bs = rng.randint(1, padded_bs - 1) if trial < 2 else padded_bs
         sc = mla_scenario(mode, rng, bs=bs, **common)
