@@ -53,17 +53,19 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 FP32_TINY, FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 
-def check_kv_scales(cache_dtype: torch.dtype, **scales) -> tuple:
+def check_dequant_scales(cache_dtype: torch.dtype, **scales) -> tuple:
     """The attention kernels' dequantization scales as Python floats, in keyword order.
     Raises ValueError for a scale that is not a finite real > 0, or not 1.0 for a cache that is
     not fp8 (e4m3)."""
     out = []
     for name, val in scales.items():
-        ok = isinstance(val, (int, float)) and not isinstance(val, bool) and FP32_TINY <= float(val) <= FP32_MAX
+        ok = (isinstance(val, (int, float)) and not isinstance(val, bool)
+              and FP32_TINY <= float(val) <= FP32_MAX)
         if not ok:
             raise ValueError(f"{name} must be a finite float > 0 in float32's normal range, got {val!r}")
         if cache_dtype != FP8_KV_DTYPE and float(val) != 1.0:
-            raise ValueError(f"{name}={val} only applies to a float8_e4m3fn cache, got a {cache_dtype} one")
+            raise ValueError(f"{name}={val} only applies to a float8_e4m3fn cache, got a "
+                             f"{cache_dtype} one")
         out.append(float(val))
     return tuple(out)
 

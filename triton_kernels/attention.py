@@ -62,8 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (check_kv_scales, check_paged_metadata, choose_gluon, kv_conversion, launch_fitting,
-                    next_pow2, on_tensor_device)
+from ._util import (check_dequant_scales, check_paged_metadata, choose_gluon, kv_conversion,
+                    launch_fitting, next_pow2, on_tensor_device)
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
                                draft_visibility, full_update, masked_update, merge_partials,
                                prefix_range, program_request, split_partials, store_rows,
@@ -169,7 +169,8 @@ def _attn_fwd_kernel(
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_dv[None, :],
                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, n_ok[None, :], qk_scale, IEEE, UPCAST, CAST_KV)
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, kT, v, n_ok[None, :], qk_scale, IEEE, UPCAST,
+                                     CAST_KV)
 
     # ---------------- phase 2: this forward's tokens P + [0, n), masked (last split only)
     kv_hi = draft_key_count(n, m0, split, GROUP, BLOCK_M, MASK_MODE, NUM_SPLITS)
@@ -335,7 +336,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty(T, H, Dv, dtype=q.dtype, device=q.device)
     if bs == 0 or T == 0 or max_q == 0:
         return out
-    k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale=k_scale, v_scale=v_scale)
+    k_scale, v_scale = check_dequant_scales(k_cache.dtype, k_scale=k_scale, v_scale=v_scale)
     upcast, cast_kv = kv_conversion(q.dtype, k_cache.dtype)
     ieee = upcast or k_cache.dtype == torch.float32
     BLOCK_D, BLOCK_DV = next_pow2(Dqk), next_pow2(Dv)

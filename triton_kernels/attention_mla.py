@@ -115,8 +115,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (check_kv_scales, check_paged_metadata, choose_gluon, is_pow2, kv_conversion,
-                    launch_fitting, on_tensor_device)
+from ._util import (check_dequant_scales, check_paged_metadata, choose_gluon, is_pow2,
+                    kv_conversion, launch_fitting, on_tensor_device)
 from .attention_mla_sm90 import sm90_mla_attention, sm90_mla_supported
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
                                draft_visibility, full_update, masked_update, merge_partials,
@@ -439,7 +439,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     elif out.shape != (T, H, rank) or out.stride(2) != 1 or out.device != q.device:
         raise ValueError(f"out must be [{T}, {H}, {rank}] on {q.device} with a contiguous last "
                          f"dim, got {list(out.shape)}")
-    (kv_scale,) = check_kv_scales(kv_cache.dtype, kv_scale=kv_scale)
+    (kv_scale,) = check_dequant_scales(kv_cache.dtype, kv_scale=kv_scale)
     upcast, cast_kv = kv_conversion(q.dtype, kv_cache.dtype)
     ieee = upcast or kv_cache.dtype == torch.float32
     cfg = default_mla_config(max_q * H, rank, ieee)
@@ -489,7 +489,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         BLOCK_DV=BLOCK_DV, NUM_DV=num_dv,
         MASK_MODE=MASK_TREE if tree_mask is not None else MASK_CAUSAL,
         NUM_SPLITS=num_splits, CONTIG=page_size % BLOCK_N == 0, IEEE=ieee, UPCAST=upcast,
-        CAST_KV=cast_kv, SCALE_V=kv_scale != 1.0, TMA=desc_v is not None, num_warps=cfg["num_warps"]), cfg["num_stages"])
+        CAST_KV=cast_kv, SCALE_V=kv_scale != 1.0, TMA=desc_v is not None,
+        num_warps=cfg["num_warps"]), cfg["num_stages"])
     if num_splits > 1:
         merge_partials(o_part, lse, out, num_splits, rank, rank, 4 if rank >= 256 else 1)
     return out
