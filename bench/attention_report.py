@@ -3,8 +3,9 @@ side by side, with % of roofline and speedups against the library rows.
 
 ``python -m specattn.bench.attention_report OUTDIR [--iters N] [--only CASE ...]
 [--no-check] [--page-size N]`` (what ``bench/scripts/gpu_attention.sh`` runs) measures the
-harness ceilings once, runs every ``(case, params)`` of :data:`TRACKED_POINTS` (FlashInfer's
-tree-verify split twice: with ``fi_backend="fa2"`` and with FlashInfer's default,
+harness ceilings once, runs every ``(case, params)`` of :data:`TRACKED_POINTS` (the fp8 KV
+points of :func:`fp8_points` among them; FlashInfer's tree-verify split twice: with
+``fi_backend="fa2"`` and with FlashInfer's default,
 :data:`SPLIT_EXTRA_BACKENDS`; with ``--page-size``, the tree-verify points on pages of ``N``
 slots: :func:`with_page_size`) through :func:`specattn.bench.runner.run_case` (a failing
 point is recorded with its error and the rest still run), and writes into ``OUTDIR``:

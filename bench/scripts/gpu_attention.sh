@@ -3,8 +3,8 @@
 # importable (FLASHINFER_CUDA_ARCH_LIST=9.0a) and the package installed:
 #   bash bench/scripts/gpu_attention.sh OUT
 # 1. python -m specattn.bench.attention_report OUT: the cross-check (every impl of one small
-#    tree-verify input and one MLA decode input against the torch reference and each other,
-#    max abs diff), then every point for every impl, raw reports written after each point:
+#    tree-verify input, one MLA decode input and one fp8-cache decode input against the torch
+#    reference and each other, max abs diff), then every point for every impl, raw reports written after each point:
 #      tree_verify     bs/prefix 1/4096 16/2048 64/4096 16/16384  triton|triton_generic|triton_sm90_sync|
 #                      flashinfer_mask|flashinfer_split (the split twice: fi_backend fa2, and
 #                      FlashInfer's default "auto", fa3 for the prefix part on Hopper)
@@ -12,6 +12,8 @@
 #      mla_tree_verify bs 1|16, prefix 4096                        triton variants
 #      decode          bs 1|32|128 x seq_len 1024|8192             triton|flashinfer
 #      extend          bs 1, 2048 new tokens, prefix 0|4096        triton|flashinfer
+#      and over an fp8 e4m3 cache (kv_dtype=fp8_e4m3): the decode and tree-verify points on
+#      triton|flashinfer (decode) / triton|flashinfer_split (tree verify), the MLA ones on triton
 # 2. specattn bench suite attention --from OUT: the curated files attention.{json,md,png} in
 #    SUITE_OUT (default bench/results/<gpu>/), and a copy of attention.json in OUT (from another
 #    machine, `specattn bench suite attention --from OUT/attention.json` redraws the three files).
