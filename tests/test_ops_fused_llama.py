@@ -225,7 +225,8 @@ def test_folded_norm_weight(M, K, N, dt, impl, seed, nan_empty):
     n = exact_norm(x, g)
     out = rms_norm_matmul(x, None, fold_rms_norm_weight(w, g), EPS, out_dtype=torch.float32, impl=impl)
     err = plain_err(out, n @ w.double().T)
-    assert err <= TOL[dt], f"rms_norm_matmul folded: {err}"
+    # the reference runs the unfused sequence (more roundings): its looser bound, as in check()
+    assert err <= (REF_TOL if impl == "reference" else TOL)[dt], f"rms_norm_matmul folded[{impl}]: {err}"
     gate, up = n @ w.double().T, n @ wu.double().T
     out = rms_norm_swiglu(x, None, fold_rms_norm_weight(w, g), fold_rms_norm_weight(wu, g), EPS, impl=impl)
     check(f"rms_norm_swiglu folded[{impl}]", out, gate * torch.sigmoid(gate) * up, dt,
