@@ -222,8 +222,9 @@ class Engine:
         max_admission_delay: the most rounds a free row waits for others (>= 0).
         kv_cache_dtype: the target's KV cache dtype (default: the model's);
             ``torch.float8_e4m3fn`` stores it in e4m3 with ``kv_scales = (k_scale, v_scale)``
-            (each a float or one per layer; an MLA latent takes ``k_scale``), which SGLang
-            and vLLM default to 1.0 as here.  The drafter's pool keeps the model's dtype (a
+            (each a float or one per layer; an MLA latent has one scale, so both must be equal,
+            as :func:`~specattn.spec_runtime.near_greedy.calibrate_kv_scales` returns them),
+            which SGLang and vLLM default to 1.0 as here.  The drafter's pool keeps the model's dtype (a
             draft's KV is a few layers; its precision only moves the acceptance).
 
     Attributes:
