@@ -39,7 +39,6 @@ from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers,
                                TorchReferenceBackend, UnsupportedConfigError, UnsupportedError,
                                available_backends, create_backend, pack_tree_mask,
                                tree_mask_to_flashinfer)
-from specattn.backends.torch_reference import build_reference_metadata, reference_attention
 import specattn.backends.flashinfer_backend as fb
 from specattn.backends.flashinfer_backend import (FlashInferBackend, flashinfer_packed_mask,
                                                   paged_kv_indices, paged_kv_layout)
@@ -640,41 +639,21 @@ def test_mla_cuda_graph_replay_on_gpu(mode, page_size, seed):
 # ------------------------------------------------------------------ fp8 (e4m3) KV caches
 FP8 = torch.float8_e4m3fn
 # Per-layer dequantization scales (the tests' layer is the last one, so a backend reading
-# another layer's scale is caught).  Powers of two: products with them are exact in bf16, the
-# dtype FlashInfer's MLA kernel multiplies in, so the kernels see the dequantized cache exactly.
+# another layer's scale is caught; an MLA latent takes K_SCALES).  Powers of two: products
+# with them are exact in bf16, the dtype FlashInfer's MLA kernel multiplies in, so the kernels
+# see the dequantized cache exactly.
 K_SCALES, V_SCALES = [4.0, 0.5], [0.125, 2.0]
-
-
-def _scaled(sc):
-    """Point ``sc`` at an fp8 pool like its own (``make_scenario(dtype=FP8)``: unscaled) with
-    :data:`K_SCALES` / :data:`V_SCALES` (MLA: ``K_SCALES`` for the latent), built through the
-    pools' constructors, its cached bytes copied.  Returns ``sc``."""
-    old = sc.kv_pool
-    assert old.dtype == FP8 and old.layer_num == len(K_SCALES)
-    if isinstance(old, MLATokenToKVPool):
-        new = MLATokenToKVPool(old.size, old.page_size, FP8, old.layer_num, old.device,
-                               old.kv_lora_rank, old.qk_rope_head_dim, kv_scale=K_SCALES)
-    else:
-        new = MHATokenToKVPool(old.size, old.page_size, FP8, old.head_num, old.head_dim,
-                               old.layer_num, old.device, old.v_head_dim, k_scale=K_SCALES,
-                               v_scale=V_SCALES)
-    for dst, src in zip(new.buffers, old.buffers):
-        dst.copy_(src)
-    sc.kv_pool = new
-    return sc
+SCALES = dict(dtype=FP8, kv_scales=(K_SCALES, V_SCALES))
 
 
 def _dequant_reference(sc, q):
-    """float32 attention of ``sc``'s batch over its cache as it is now (after the forward wrote
-    this batch's KV), dequantized exactly: ``cache.float() * scale`` with the layer's scales.
-    The fp8 rounding of the cache is in both this and the backend's result."""
-    pool, lid, b = sc.kv_pool, sc.layer.layer_id, sc.batch
-    ks, vs = pool.kv_scales(lid)
-    kc = pool.get_key_buffer(lid).float() * ks
-    vc = pool.get_value_buffer(lid).float() * vs
-    P, n = b.prefix_lens.cpu(), b.extend_lens.cpu()
-    md = build_reference_metadata(sc.req_pool.req_to_token, b, int(n.max()), int((P + n).max()))
-    return reference_attention(q.float(), kc, vc, md, sc.layer.scaling)
+    """float32 attention of ``sc``'s batch over its fp8 cache as it is now (after the forward
+    wrote this batch's KV): the reference backend, which reads ``cache.float() * scale`` with
+    the layer's scales.  The fp8 rounding of the cache is in both this and the backend's
+    result."""
+    ref = TorchReferenceBackend(sc.req_pool, sc.kv_pool)
+    ref.init_forward_metadata(sc.batch)
+    return ref.forward(q.float(), None, None, sc.layer, sc.batch, save_kv_cache=False)
 
 
 def _fp8_eager(sc, be, q_dtype):
@@ -750,9 +729,8 @@ def test_fp8_eager_with_fake(fake_flashinfer, kind, mode, page_size, q_dtype, se
     kw = dict(num_heads=4 * rng.choice([1, 2]), num_kv_heads=rng.choice([1, 2]), head_dim=64) \
         if kind == "mha" else _mla_kw()
     topk = 1 if kind == "mla" and mode == ForwardMode.TARGET_VERIFY else None
-    sc = _scaled(make_scenario(mode, bs=rng.randint(1, 4), page_size=page_size, dtype=FP8,
-                               max_prefix=rng.choice([0, 30]), D=rng.choice([1, 6, 33]), rng=rng,
-                               **kw))
+    sc = make_scenario(mode, bs=rng.randint(1, 4), page_size=page_size, max_prefix=rng.choice([0, 30]),
+                       D=rng.choice([1, 6, 33]), rng=rng, **SCALES, **kw)
     if topk == 1:
         sc.batch.tree_mask = chain(sc.batch.num_tokens_per_req, sc.batch.batch_size, "cpu")
     be = create_backend("flashinfer", sc.req_pool, sc.kv_pool, topk=topk, workspace_bytes=16)
@@ -767,7 +745,7 @@ def _fp8_graph_case(kind, mode, page_size, seed, device, tol, padded_bs=4, D=5, 
     """fp8 pool, bf16 queries: capture-metadata at ``padded_bs``, warm-up forward (plans), then
     replays with fresh live batches (bs < padded_bs and = padded_bs) through the same static
     buffers; on CUDA a real graph is captured and replayed (outputs poisoned first).  Each
-    trial's cache goes into the captured pools (scaled), compared with the dequantized cache."""
+    trial's cache goes into the captured pools (raw e4m3 bytes), compared with the dequantized cache."""
     rng = random.Random(seed)
     D = 1 if mode == ForwardMode.DECODE else D
     if kind == "mha":
@@ -776,8 +754,8 @@ def _fp8_graph_case(kind, mode, page_size, seed, device, tol, padded_bs=4, D=5, 
         kw = dict(kind="mla", num_heads=heads, kv_lora_rank=512 if device != "cpu" else 128,
                   qk_rope_head_dim=64)
     common = dict(D=D, page_size=page_size, device=device, rng=rng, capacity_bs=padded_bs,
-                  dtype=FP8, max_prefix=max_prefix, **kw)
-    first = _scaled(make_scenario(mode, bs=padded_bs, **common))
+                  max_prefix=max_prefix, **SCALES, **kw)
+    first = make_scenario(mode, bs=padded_bs, **common)
     be = create_backend("flashinfer", first.req_pool, first.kv_pool,
                         topk=1 if kind == "mla" else None, **backend_kw)
     be.init_cuda_graph_state(padded_bs, padded_bs * D)
@@ -856,10 +834,10 @@ def test_fp8_eager_on_gpu(mode, page_size, head_dim, seed):
     rng = random.Random(seed)
     for group in (1, 4, 8):
         hkv = rng.choice([1, 2, 4])
-        sc = _scaled(make_scenario(mode, bs=rng.randint(1, 6), page_size=page_size, device="cuda",
-                                   dtype=FP8, num_kv_heads=hkv, num_heads=hkv * group,
-                                   head_dim=head_dim, max_prefix=rng.choice([0, 30, 700]),
-                                   D=rng.choice([1, 7, 33, 64]), rng=rng))
+        sc = make_scenario(mode, bs=rng.randint(1, 6), page_size=page_size, device="cuda",
+                           num_kv_heads=hkv, num_heads=hkv * group, head_dim=head_dim,
+                           max_prefix=rng.choice([0, 30, 700]), D=rng.choice([1, 7, 33, 64]),
+                           rng=rng, **SCALES)
         err = _fp8_eager(sc, _fp8_gpu_backend(sc), torch.bfloat16)
         assert err < TOL, f"relative error {err} (group {group})"
 
@@ -869,8 +847,8 @@ def test_fp8_eager_on_gpu(mode, page_size, head_dim, seed):
 def test_fp8_fp16_queries_on_gpu(mode, seed):
     """fp16 queries over an fp8 cache run in fp16 (their own dtype), output fp16."""
     rng = random.Random(seed)
-    sc = _scaled(make_scenario(mode, bs=3, page_size=16, device="cuda", dtype=FP8, num_kv_heads=2,
-                               num_heads=8, head_dim=128, max_prefix=300, rng=rng))
+    sc = make_scenario(mode, bs=3, page_size=16, device="cuda", num_kv_heads=2, num_heads=8,
+                       head_dim=128, max_prefix=300, rng=rng, **SCALES)
     be = _fp8_gpu_backend(sc)
     assert be.query_dtype(torch.float16) == torch.float16
     err = _fp8_eager(sc, be, torch.float16)
@@ -882,10 +860,9 @@ def test_fp8_fp16_queries_on_gpu(mode, seed):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fp8_mla_eager_on_gpu(mode, page_size, seed):
     rng = random.Random(seed)
-    sc = _scaled(make_scenario(mode, kind="mla", bs=rng.randint(1, 6), page_size=page_size,
-                               device="cuda", dtype=FP8, num_heads=rng.choice([16, 64]),
-                               kv_lora_rank=512, qk_rope_head_dim=64,
-                               max_prefix=rng.choice([5, 600]), D=rng.choice([1, 4, 8]), rng=rng))
+    sc = make_scenario(mode, kind="mla", bs=rng.randint(1, 6), page_size=page_size, device="cuda",
+                       num_heads=rng.choice([16, 64]), kv_lora_rank=512, qk_rope_head_dim=64,
+                       max_prefix=rng.choice([5, 600]), D=rng.choice([1, 4, 8]), rng=rng, **SCALES)
     topk = 1 if mode == ForwardMode.TARGET_VERIFY else None
     if topk:
         b = sc.batch
