@@ -72,7 +72,7 @@ def test_check_passes_reference_and_catches_a_broken_verify(tiny_bf16, monkeypat
 def test_fp8_kv_cache_near_greedy_and_its_noise(tiny_bf16):
     """bf16 weights over an fp8 (e4m3) target KV cache with per-layer scales calibrated on the
     prompts: every token is within the tolerance that the fp8 cache's own logit noise gives,
-    and that noise is larger than the bf16-only one (the cache really is e4m3).  A random
+    and that noise is larger on average than the bf16-only one (the cache really is e4m3).  A random
     model's logits move by 7-18 over an e4m3 cache (2-4 in bf16), so 5-15 % of its vocabulary
     lies within that tolerance: the check's 10 % teeth bound is asserted on the real model
     (GPU tests below)."""
@@ -86,8 +86,14 @@ def test_fp8_kv_cache_near_greedy_and_its_noise(tiny_bf16):
     assert eng.draft_pool.dtype == DT
     res = eng.generate(prompts, p)
     fp8 = near_greedy(m32, m16, prompts, res.tokens, kv_cache_dtype=torch.float8_e4m3fn, kv_scales=scales)
-    bf16 = near_greedy(m32, m16, prompts, res.tokens)
-    assert fp8.num_tokens == 60 and fp8.max_ratio <= 1.0 and fp8.delta > 1.5 * bf16.delta
+    assert fp8.num_tokens == 60 and fp8.max_ratio <= 1.0
+
+    def mean_noise(**kv):  # mean over positions of the largest |logit difference| to float32
+        low, ref = (teacher_forced_logits(m, prompts, **kv) for m in (m16, m32))
+        return float(torch.cat([(a - b).abs().max(-1).values for a, b in zip(low, ref)]).mean())
+    # (the mean, not the one-position maximum near_greedy reports: that ratio measured 1.35 at
+    # worst over 80 seeds, the mean's 2.02)
+    assert mean_noise(kv_cache_dtype=torch.float8_e4m3fn, kv_scales=scales) > 1.5 * mean_noise()
 
 
 def test_calibrate_kv_scales(tiny_bf16):
