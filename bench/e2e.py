@@ -1,13 +1,15 @@
 """``specattn bench e2e``: the main job measured end to end on the real model.
 
-For every algorithm x batch size (default: target-only decoding, EAGLE chain, EAGLE tree and
-DFlash at batch 1, 4, 16, 64) the suite builds the runtime's engine on one GPU, in one
+For every algorithm x batch size (default: target-only decoding, EAGLE chain, EAGLE tree,
+DFlash, DDTree and n-gram at batch 1, 4, 16, 64; target-only and n-gram on the copy-heavy set) the suite builds the runtime's engine on one GPU, in one
 process (CUDA graphs on, the ``triton`` backend, bf16 by default), runs every generation once
 untimed (warm-up: a new prompt length can trigger a Triton compile), then times generations
 of the committed eval prompts
 (``spec_runtime/data/eval_prompts.txt``, never used for training).  Batch size ``b`` serves
 ``n = max(min_requests, requests_per_row * b)`` prompts (rounded down to a multiple of ``b``
-and to the prompt set) with ``max_new_tokens`` each through ``b`` request rows: one
+and to the prompt set) with up to ``max_new_tokens`` each (a request ends after the model's
+end-of-turn token, as served; ``stop_at_eos=False`` makes every request run the full length)
+through ``b`` request rows: one
 ``generate`` call whose waiting prompts take the rows of finished requests (continuous
 batching), so batch 1 averages over several prompts and a speculative batch does not idle
 while its slowest request finishes.
@@ -72,8 +74,9 @@ class E2EConfig:
     backend: str = "triton"
     dtype: str = "bfloat16"
     max_new_tokens: int = 128
+    stop_at_eos: bool = True                # a request ends at the model's end-of-turn token(s)
     min_requests: int = 4
-    requests_per_row: int = 4               # prompts per request row (continuous batching)
+    requests_per_row: int = 8               # prompts per request row (continuous batching)
     min_free_slots: Optional[int] = None    # Engine(min_free_slots=min(this, bs)); None: the engine's default
     chain: Dict[str, int] = field(default_factory=lambda: dict(topk=1, num_steps=5, num_draft_tokens=6))
     tree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=5, num_draft_tokens=16))
@@ -211,8 +214,22 @@ def measure_engine(eng, batches: List[List[List[int]]], max_new_tokens: int, pro
     return row, timed.outputs
 
 
-def _hf_static(model_path: str, dtype: torch.dtype, batches, max_new_tokens: int) -> Optional[dict]:
-    """HF transformers' greedy ``generate`` with a static cache (left-padded batches)."""
+def response_tokens(rows: List[List[int]], eos_token_ids: Sequence[int]) -> List[List[int]]:
+    """Each row cut right after its first token in ``eos_token_ids`` (kept whole without one):
+    the tokens a request that stops at its end token emits (a static batch pads after it)."""
+    eos = set(eos_token_ids)
+    cut = []
+    for row in rows:
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        cut.append(row[:end])
+    return cut
+
+
+def _hf_static(model_path: str, dtype: torch.dtype, batches, max_new_tokens: int,
+               eos_token_ids: Sequence[int] = ()) -> Optional[dict]:
+    """HF transformers' greedy ``generate`` with a static cache (left-padded batches).  With
+    ``eos_token_ids`` a row's tokens are counted up to and including its first end token (the
+    batch runs until every row has one); without, every row makes ``max_new_tokens``."""
     from specattn.spec_runtime import loader
     hf = loader.load_hf_oracle(model_path, dtype).to("cuda")
     hf.generation_config.pad_token_id = hf.generation_config.eos_token_id
@@ -223,10 +240,13 @@ def _hf_static(model_path: str, dtype: torch.dtype, batches, max_new_tokens: int
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        stop = (dict(eos_token_id=list(eos_token_ids)) if eos_token_ids
+                else dict(min_new_tokens=max_new_tokens))
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                          min_new_tokens=max_new_tokens, do_sample=False, cache_implementation="static")
+                          do_sample=False, cache_implementation="static", **stop)
         torch.cuda.synchronize()
-        return (out.shape[1] - width) * len(batch), time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        return sum(map(len, response_tokens(out[:, width:].tolist(), eos_token_ids))), seconds
 
     for b in batches:  # warm-up over every batch, as for the engine
         run(b)
@@ -286,6 +306,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
     if draft_vocab is None and drafter_path is not None:
         from specattn.spec_runtime.eagle3 import default_draft_vocab_size
         draft_vocab = default_draft_vocab_size(drafter_path)
+    eos_ids = tuple(cfg_model.eos_token_ids) if cfg.stop_at_eos else ()
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     say("measuring the ceilings")
     ceilings = harness.measure_ceilings() if cfg.device.startswith("cuda") else None
@@ -337,7 +358,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
             tag = f"{set_name} {algo} bs={bs}"
             say(f"{tag}: building the engine (CUDA graphs)")
             eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
-                         eos_token_ids=(), cuda_graph=cfg.device.startswith("cuda"), draft_model=draft,
+                         eos_token_ids=eos_ids, cuda_graph=cfg.device.startswith("cuda"), draft_model=draft,
                          min_free_slots=None if cfg.min_free_slots is None else min(cfg.min_free_slots, bs))
             say(f"{tag}: warm-up, timing" + (", profiling" if cfg.profile else ""))
             row, outs = measure_engine(eng, [[p for b in batches for p in b]], cfg.max_new_tokens, cfg.profile)
@@ -368,7 +389,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
             say(f"hf_static bs={bs}")
             try:
                 from specattn.spec_runtime.model_fetch import fetch_model
-                hf = _hf_static(str(fetch_model()), dtype, batches, cfg.max_new_tokens)
+                hf = _hf_static(str(fetch_model()), dtype, batches, cfg.max_new_tokens, eos_ids)
                 hf.update(algo="hf_static", prompt_set=set_name, backend="transformers", dtype=cfg.dtype,
                           bs=bs, config={}, lossless=None,
                           speedup=hf["tokens_per_s"] / base_tps[set_name, bs] if (set_name, bs) in base_tps else None)
@@ -427,6 +448,13 @@ def _admission_settings(report: dict) -> str:
             + ", ".join(f"{n} (bs {bs})" for bs, n in sorted(per_bs.items())) + " rows are free.")
 
 
+def _length_settings(report: dict) -> str:
+    st = report["settings"]
+    if st.get("stop_at_eos"):
+        return f"up to {st['max_new_tokens']} new tokens per request (a request ends at its end-of-turn token)"
+    return f"{st['max_new_tokens']} new tokens per request"
+
+
 def markdown(report: dict) -> str:
     """The report as a markdown table (one row per measured pair)."""
     dev = report["device"]["name"]
@@ -434,7 +462,7 @@ def markdown(report: dict) -> str:
              "",
              f"{report['timestamp']}, commit `{(report.get('commit') or 'unknown')[:12]}`, "
              f"torch {report['versions']['torch']}, triton {report['versions']['triton']}; "
-             f"{report['settings']['max_new_tokens']} new tokens per request, "
+             f"{_length_settings(report)}, "
              f"{_prompt_counts(report)}, CUDA graphs, greedy.{_eagle_settings(report)}"
              f"{_admission_settings(report)}",
              "",

@@ -227,9 +227,12 @@ def bench_e2e(
     batch_sizes: str = typer.Option("1,4,16,64", "--bs", help="Comma-separated batch sizes."),
     backend: str = typer.Option("triton", help="Attention backend."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
-    max_new_tokens: int = typer.Option(128, min=1),
+    max_new_tokens: int = typer.Option(128, min=1, help="Most tokens a request generates."),
+    stop_at_eos: bool = typer.Option(True, "--stop-at-eos/--ignore-eos",
+                                     help="End a request at the model's end-of-turn token (as served), "
+                                          "or run every request the full max-new-tokens."),
     min_requests: int = typer.Option(4, min=1, help="Requests per batch size (batch 1: that many runs)."),
-    requests_per_row: int = typer.Option(4, min=1, help="At least this many requests per request row: "
+    requests_per_row: int = typer.Option(8, min=1, help="At least this many requests per request row: "
                                                         "waiting ones take the rows of finished ones."),
     min_free_slots: Optional[int] = typer.Option(None, min=1, help="Admission batching: prefill waiting requests "
                                                  "once this many rows are free (capped by the batch size; "
@@ -273,7 +276,7 @@ def bench_e2e(
     names = [a.strip() for a in algos.split(",") if a.strip()]
     rep_names = [a.strip() for a in repetitive_algos.split(",") if a.strip()]
     cfg = e2e.E2EConfig(algos=names, batch_sizes=sizes, backend=backend, dtype=dtype,
-                        max_new_tokens=max_new_tokens, min_requests=min_requests,
+                        max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, min_requests=min_requests,
                         requests_per_row=requests_per_row, min_free_slots=min_free_slots,
                         chain=triple(chain, "--chain"), tree=triple(tree, "--tree"), block_size=block_size,
                         ddtree=ints(ddtree, "--ddtree", ("topk", "num_draft_tokens")),

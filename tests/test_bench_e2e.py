@@ -144,3 +144,34 @@ def test_run_e2e_dry_run_on_cpu(tmp_path, seed, monkeypatch):
     assert (tmp_path / "out" / "e2e.md").read_text() == e2e.markdown(report)
     assert {(r["bs"], r["min_free_slots"]) for r in rows} == {(1, 1), (2, 2)}
     assert "prefilled once 1 (bs 1), 2 (bs 2) rows are free" in e2e.markdown(report)
+
+
+def test_response_tokens():
+    rows = [[5, 2, 7, 2], [5, 6], [], [2], [9, 3, 3]]
+    assert e2e.response_tokens(rows, (2, 3)) == [[5, 2], [5, 6], [], [2], [9, 3]]
+    assert e2e.response_tokens(rows, ()) == rows
+
+
+@pytest.mark.parametrize("stop_at_eos", [True, False])
+def test_run_e2e_stops_requests_at_eos(tmp_path, seed, monkeypatch, stop_at_eos):
+    """With ``stop_at_eos`` every request ends at the model's end token (here every token is
+    one, so each request emits exactly one); without, each runs ``max_new_tokens``."""
+    from specattn.spec_runtime import cli as rcli
+    from specattn.spec_runtime import loader
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96)
+    cfg.eos_token_ids = list(range(96))
+    monkeypatch.setattr(rcli, "load_model", lambda model, dtype: (cfg, dict(w), _Tok()))
+    monkeypatch.setattr(loader, "apply_chat_template", lambda tok, text: tok.encode(text))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"prompt {i}" for i in range(4)) + "\n")
+    conf = e2e.E2EConfig(algos=("none", "ngram"), repetitive_algos=(), batch_sizes=(1, 2), max_new_tokens=5,
+                         min_requests=4, requests_per_row=2, dtype="float32", backend="torch_reference",
+                         prompts=str(prompts), peers=False, profile=False, model="tiny", device="cpu",
+                         ngram=dict(topk=2, num_steps=3, ngram_size=2), stop_at_eos=stop_at_eos)
+    rows = e2e.run_e2e(conf)["rows"]
+    assert [(r["algo"], r["bs"]) for r in rows] == [("none", 1), ("ngram", 1), ("none", 2), ("ngram", 2)]
+    for r in rows:
+        assert r["tokens"] == 4 * (1 if stop_at_eos else 5), r
+        assert r["lossless"] in ("reference", "exact")
+    md = e2e.markdown({**_report(rows), "settings": {"max_new_tokens": 5, "stop_at_eos": stop_at_eos}})
+    assert ("up to 5 new tokens per request" in md) == stop_at_eos
