@@ -511,7 +511,8 @@ class DFlashDrafter(TargetSharingDrafter):
         self.layers = [AttentionLayer.mha(i, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
                        for i in range(self.num_layers)]
         self.cos_sin_cache: Optional[torch.Tensor] = None
-        self.reserve_positions(max_positions)
+        self._fused: Optional[Dict[str, object]] = None   # inference weights (reserve_positions)
+        self._reserve_rope(max_positions)
 
     # ------------------------------------------------------------------ construction / io
     @classmethod
@@ -576,11 +577,32 @@ class DFlashDrafter(TargetSharingDrafter):
         os.chmod(path / WEIGHTS_FILE, 0o666 & ~umask)   # the writer may create it 0600
         return path
 
-    def reserve_positions(self, n: int) -> None:
-        """Make the RoPE table of the context K cover positions ``0 .. n-1``."""
+    def _reserve_rope(self, n: int) -> None:
         if self.cos_sin_cache is None or self.cos_sin_cache.shape[0] < n:
             self.cos_sin_cache = ops.make_cos_sin_cache(max(int(n), 1), self.config.head_dim, self.config.rope_theta,
                                                         device=self.device)
+
+    def reserve_positions(self, n: int) -> None:
+        """Make the RoPE table cover positions ``0 .. n-1`` and enable the fused inference
+        path of :meth:`forward_logits`: per layer ``cat(q_proj, k_proj, v_proj)`` with
+        ``input_layernorm`` folded in (:func:`specattn.ops.fold_rms_norm_weight`; the
+        residual GEMM before it hands over the rows' sums of squares) and the gate / up
+        projections with ``post_attention_layernorm`` folded in, and the target's LM head
+        with the final ``norm`` folded in.  Built from :attr:`w` now: call it again after
+        changing the weights.  The engine calls it with its ``max_context``."""
+        self._reserve_rope(n)
+        c, w = self.config, self.w
+        with torch.no_grad():
+            qkv, gate_up = [], []
+            for i in range(self.num_layers):
+                p = f"layers.{i}."
+                qkv.append(ops.fold_rms_norm_weight(torch.cat([w[p + "q_proj.weight"], self._w_kv(i)]).detach(),
+                                                    w[p + "input_layernorm.weight"]))
+                gate_up.append(tuple(ops.fold_rms_norm_weight(w[p + f"{x}_proj.weight"].detach(),
+                                                              w[p + "post_attention_layernorm.weight"])
+                                     for x in ("gate", "up")))
+            head = ops.fold_rms_norm_weight(self.lm_head.detach().to(self.dtype), w["norm.weight"])
+        self._fused = dict(qkv=qkv, gate_up=gate_up, head=head)
 
     # ------------------------------------------------------------------ model interface
 
@@ -629,6 +651,48 @@ class DFlashDrafter(TargetSharingDrafter):
             o = backend.forward(q, k.contiguous(), v.contiguous(), layer, batch)
             h = self._tail(i, h, o.reshape(T, -1))
         return rms_norm(h, self.w["norm.weight"], c.rms_norm_eps), []
+
+    def forward_logits(self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
+                       capture_layers: Sequence[int] = (), logit_rows: Optional[torch.Tensor] = None,
+                       top_k: Optional[int] = None):
+        """The block forward and the LM head: ``(float32 logits [T, V], None)`` (``[R, V]``
+        for the int64 rows ``logit_rows [R]``), or with ``top_k`` (at most
+        ``ops.TOPK_MAX_K``) ``((values float32 [R, top_k], token ids int64 [R, top_k]), None)``,
+        each row's best log-probabilities, the logits never written.  After
+        :meth:`reserve_positions` and with frozen weights, each layer is four fused launches
+        plus attention (:func:`specattn.ops.qkv_rope_store` with the per-head Q / K norms,
+        :func:`~specattn.ops.matmul_residual`, :func:`~specattn.ops.rms_norm_swiglu`,
+        :func:`~specattn.ops.matmul_residual`) and the head one
+        (:func:`~specattn.ops.rms_norm_matmul` / ``rms_norm_matmul_topk``): the same
+        mathematics as :meth:`forward` + :meth:`logits`, rounded differently (float32 inside
+        each launch).  Otherwise it is :meth:`forward` + :meth:`logits` (then ``top_k`` is
+        computed from the logits).  Writes the block's K/V at ``batch.out_cache_loc``;
+        ``capture_layers`` is accepted for interface parity only; no host sync."""
+        f = self._fused
+        if f is None or self.w["fc.weight"].requires_grad:
+            hidden, _ = self.forward(input_ids, batch, backend)
+            logits = self.logits(hidden if logit_rows is None else hidden[logit_rows])
+            return (logits if top_k is None else ops.topk_log_probs(logits, top_k)), None
+        c, w = self.config, self.w
+        T, eps, pool = input_ids.shape[0], c.rms_norm_eps, backend.kv_pool
+        h = self.embed(input_ids)  # (a new tensor: the residual stream, updated in place)
+        ss = None  # the rows' sums of squares of h, from the residual GEMM that wrote it
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            q = ops.qkv_rope_store(h, None, f["qkv"][i], eps, batch.positions, self.cos_sin_cache,
+                                   batch.out_cache_loc, pool.get_key_buffer(i), pool.get_value_buffer(i),
+                                   c.num_attention_heads, c.num_key_value_heads, c.head_dim, row_sumsq=ss,
+                                   q_norm_weight=w[p + "q_norm.weight"], k_norm_weight=w["k_norm"][i],
+                                   check_values=False, **dict(zip(("k_scale", "v_scale"), pool.kv_scales(i))))
+            o = backend.forward(q, None, None, layer, batch, save_kv_cache=False)
+            _, ss = ops.matmul_residual(o.reshape(T, -1), w[p + "o_proj.weight"], h, return_row_sumsq=True)
+            act = ops.rms_norm_swiglu(h, None, *f["gate_up"][i], eps, row_sumsq=ss)
+            _, ss = ops.matmul_residual(act, w[p + "down_proj.weight"], h, return_row_sumsq=True)
+        if logit_rows is not None:
+            h, ss = h[logit_rows], None
+        if top_k is not None:
+            return ops.rms_norm_matmul_topk(h, None, f["head"], eps, top_k, row_sumsq=ss), None
+        return ops.rms_norm_matmul(h, None, f["head"], eps, out_dtype=torch.float32, row_sumsq=ss), None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [T, H]`` (normed) -> float32 logits ``[T, V]`` through the target's LM head."""
@@ -826,12 +890,13 @@ class DFlashStrategy(Strategy):
             if not isinstance(draft_model, DFlashDrafter):
                 raise ValueError(f"algo dflash needs a DFlashDrafter as draft_model, got {type(draft_model).__name__}")
             self.drafter = draft_model
-            self.drafter.reserve_positions(max_context)
         else:
             self.drafter = DFlashDrafter(target, spec.draft_layers or 2, max_positions=max_context)
+        self.drafter.reserve_positions(max_context)   # the RoPE table and the fused inference path
         self.target_capture_layers = tuple(self.drafter.context_layers)
         self.tokens_per_round = max(self.B, self.D)
         self.emit_width = self.D
+        self._ones_mask: Optional[torch.Tensor] = None
 
     def round_modes(self):
         return [("target", ForwardMode.TARGET_VERIFY), ("draft", ForwardMode.TARGET_VERIFY)]
@@ -847,35 +912,41 @@ class DFlashStrategy(Strategy):
         (same slots and positions as the target's)."""
         self.drafter.write_context_kv(pb.out.features, pb.batch.positions, pb.batch.out_cache_loc, eng.draft_pool)
 
-    def block_logits(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+    def block_top(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor,
+                  k: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """One non-causal drafter forward per request over ``[root, MASK x (B-1)]`` at positions
         ``P .. P+B-1`` (``TARGET_VERIFY``, all-ones tree mask; slots ``req_to_token[row, P:P+B]``).
-        Returns float32 logits ``[bs, B, V]`` (position 0's row is unused)."""
+        Returns the ``k`` best ``(log-probabilities float32, token ids int64)``, each
+        ``[bs, B - 1, k]``, of the drafts at block positions ``1 .. B-1`` (the drafter's fused
+        LM head where it has one: the logits are never written)."""
         B, bs, dev = self.B, rows.shape[0], eng.device
         ids = torch.full((bs, B), self.drafter.mask_token_id, dtype=torch.int64, device=dev)
         ids[:, 0] = eng.roots[rows]
         cols = P[:, None] + torch.arange(B, device=dev)
         loc = eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
-        ones = pack_tree_mask(torch.ones(bs, B, B, dtype=torch.bool, device=dev))
+        ones = self._ones_mask.expand(bs, -1, -1).contiguous()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, B, loc, positions=cols.flatten(),
                           tree_mask=ones, host_prefix_lens=rb.host())
-        return eng.forward("draft", ids.flatten(), batch).logits.view(bs, B, -1)
+        out = eng.forward("draft", ids.flatten(), batch, top_k=k)
+        vals, toks = out.top if out.top is not None else ops.topk_log_probs(out.logits, k)
+        return vals.view(bs, B, k)[:, 1:], toks.view(bs, B, k)[:, 1:]
+
+    def build(self, eng: "Engine") -> None:
+        # one request's packed all-ones [B, B] block mask (non-causal attention in the block)
+        self._ones_mask = pack_tree_mask(torch.ones(1, self.B, self.B, dtype=torch.bool, device=eng.device))
 
     def propose_block(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
         """The chain's ``draft_tokens [bs, B]``: the roots, then the block's argmax drafts."""
-        logits = self.block_logits(eng, rb, rows, P)
-        bs, V = logits.shape[0], logits.shape[-1]
-        drafts = greedy_tokens(logits[:, 1:].reshape(-1, V)).view(bs, -1)
-        return torch.cat([eng.roots[rows][:, None], drafts], dim=1)
+        _, toks = self.block_top(eng, rb, rows, P, 1)
+        return torch.cat([eng.roots[rows][:, None], toks[..., 0]], dim=1)
 
     def _tree(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor):
         """``(draft_tokens [bs, D], TreeInfo, num_steps)`` of this round's chain or DDTree."""
         if self.K == 1:
             return self.propose_block(eng, rb, rows, P), chain_tree(P, self.B), self.B - 1
-        logits = self.block_logits(eng, rb, rows, P)
-        bs, V = logits.shape[0], logits.shape[-1]
-        vals, toks = ops.topk_log_probs(logits[:, 1:].reshape(-1, V), self.K)
-        parent_list, scores, tokens = ddtree_candidates(vals.view(bs, -1, self.K), toks.view(bs, -1, self.K))
+        vals, toks = self.block_top(eng, rb, rows, P, self.K)
+        bs = vals.shape[0]
+        parent_list, scores, tokens = ddtree_candidates(vals, toks)
         selected = scores.topk(self.D - 1, dim=-1).indices.sort(dim=-1).values
         draft_tokens = torch.cat([eng.roots[rows][:, None], tokens.gather(1, selected)], 1)
         tree = ops.build_tree(parent_list, selected, P.to(torch.int32), self.K, self.B - 1, self.D)

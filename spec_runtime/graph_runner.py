@@ -1,6 +1,7 @@
 """CUDA-graph capture and replay of one model forward in one fixed-shape mode.
 
-Per padded batch size the runner captures ``model.logits(model.forward(...))`` over static
+Per padded batch size the runner captures ``model.forward_logits(...)`` (or
+``model.logits(model.forward(...))``) over static
 inputs (:class:`~specattn.backends.GraphInputBuffers` + token ids).  ``run(batch, ids)`` copies
 the live batch into the static buffers (padding the tail harmlessly), lets the backend write
 the metadata into its static buffers (``init_forward_metadata_replay_cuda_graph``: device work,
@@ -70,7 +71,10 @@ class GraphRunner:
             self._capture(bs)
 
     def _forward(self, padded: ForwardBatch) -> torch.Tensor:
-        hidden, _ = self.model.forward(self.input_ids[:padded.num_tokens], padded, self.backend)
+        ids = self.input_ids[:padded.num_tokens]
+        if hasattr(self.model, "forward_logits"):   # the model's fused path, as the engine's eager one
+            return self.model.forward_logits(ids, padded, self.backend)[0]
+        hidden, _ = self.model.forward(ids, padded, self.backend)
         return self.model.logits(hidden)
 
     def _capture(self, bs: int) -> None:

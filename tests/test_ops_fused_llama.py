@@ -359,6 +359,42 @@ def test_qkv_rope_store(M, K, H, Hkv, D, dt, impl, seed, nan_empty):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("norms", ["qk", "q", "k"])
+@pytest.mark.parametrize("M,K,H,Hkv,D", [(1, 64, 3, 1, 32), (6, 100, 4, 2, 64), (33, 40, 3, 1, 64)])
+def test_qkv_rope_store_head_norms(M, K, H, Hkv, D, norms, dt, impl, seed):
+    """Per-head Q / K RMSNorm before RoPE (a Qwen3-style / DFlash draft layer), with the input
+    norm given or folded into ``w_qkv``; heads of very different scales; V untouched."""
+    inp = qkv_inputs(M, K, H, Hkv, D, dt, dt)
+    head_scale = (0.05 + 10 * torch.rand((H + 2 * Hkv) * D // D, device=DEV)).repeat_interleave(D)
+    inp["w_qkv"] = (inp["w_qkv"].float() * head_scale[:, None]).to(dt)
+    gq, gk = gain(D, dt), gain(D, dt)
+    kw = dict(q_norm_weight=gq if "q" in norms else None, k_norm_weight=gk if "k" in norms else None)
+    y = (exact_norm(inp["x"], inp["norm_weight"]) @ inp["w_qkv"].double().T).view(M, -1, D)
+    q_pre, k_pre = y[:, :H], y[:, H:H + Hkv]
+    if "q" in norms:
+        q_pre = exact_norm(q_pre, gq)
+    if "k" in norms:
+        k_pre = exact_norm(k_pre, gk)
+    q_exact = exact_rope(q_pre, inp["positions"], inp["cos_sin_cache"])
+    k_exact = exact_rope(k_pre, inp["positions"], inp["cos_sin_cache"])
+    for folded in (False, True):
+        for c in (inp["k_cache"], inp["v_cache"]):
+            c.copy_(poisoned_cache(c.shape[0], Hkv, D, dt))
+        before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+        args = dict(inp, norm_weight=None, w_qkv=fold_rms_norm_weight(inp["w_qkv"], inp["norm_weight"])) \
+            if folded else inp
+        q = run_qkv(args, impl, **kw)
+        name = f"qkv_rope_store head norms {norms}{' folded' if folded else ''}[{impl}]"
+        check(f"{name} q", q, q_exact, dt)
+        check_caches(inp, before, k_exact, y[:, H + Hkv:], dt, name)
+    with pytest.raises(ValueError, match="q_norm_weight"):
+        run_qkv(inp, impl, q_norm_weight=gain(D + 2, dt))
+    with pytest.raises(ValueError, match="k_norm_weight"):
+        run_qkv(inp, impl, k_norm_weight=gain(D, torch.float64))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
 @pytest.mark.parametrize("M,K,K2,H,Hkv,D", [(1, 64, 64, 3, 1, 32), (6, 40, 100, 4, 2, 64), (17, 64, 32, 3, 1, 32)])
 def test_qkv_rope_store_two_inputs(M, K, K2, H, Hkv, D, dt, impl, seed):
     """The EAGLE-3 draft layer's input: ``cat(RMSNorm(x), RMSNorm(x2))`` (each normalized on

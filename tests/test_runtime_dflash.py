@@ -60,7 +60,9 @@ def test_validate():
 
 def test_block_forward_is_noncausal_attention_over_context(tmp_path, backend_name):
     """TARGET_VERIFY + all-ones mask on the drafter == a dense non-causal reference over the
-    materialized context K/V (from the prefill's captured target features) + the block."""
+    materialized context K/V (from the prefill's captured target features) + the block; the
+    fused inference path (``forward_logits``, with and without ``top_k``) writes the same
+    block K/V and gives the same logits."""
     seed = random.randrange(2**31)
     cfg, w = random_model(tmp_path, seed)
     B = 5
@@ -83,8 +85,28 @@ def test_block_forward_is_noncausal_attention_over_context(tmp_path, backend_nam
                                       positions=cols.flatten(), tree_mask=mask)
     batch.validate(eng.req_pool.req_to_token)
     eng.draft_backend.init_forward_metadata(batch)
+    pool = eng.draft_backend.kv_pool
     got, _ = d.forward(ids.flatten(), batch, eng.draft_backend)
     got = got.view(len(reqs), B, -1)
+    kv_unfused = [(pool.get_key_buffer(l)[loc].clone(), pool.get_value_buffer(l)[loc].clone())
+                  for l in range(d.num_layers)]
+    # the fused inference path (the engine's: forward_logits) writes the same block K/V and
+    # gives the same logits and top-k
+    for l in range(d.num_layers):
+        pool.get_key_buffer(l)[loc] = float("nan")
+        pool.get_value_buffer(l)[loc] = float("nan")
+    fused, _ = d.forward_logits(ids.flatten(), batch, eng.draft_backend)
+    (vals, toks), _ = d.forward_logits(ids.flatten(), batch, eng.draft_backend, top_k=3)
+    for l, (k, v) in enumerate(kv_unfused):
+        torch.testing.assert_close(pool.get_key_buffer(l)[loc], k, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+        torch.testing.assert_close(pool.get_value_buffer(l)[loc], v, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+    unfused = d.logits(got.flatten(0, 1))
+    torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+    ref_vals, ref_toks = ops.topk_log_probs(unfused, 3)
+    torch.testing.assert_close(vals, ref_vals, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+    gaps = ref_vals[:, :-1] - ref_vals[:, 1:]            # distinct ranks: the same tokens
+    clear = torch.cat([gaps[:, :1] > 1e-3, (gaps[:, :-1] > 1e-3) & (gaps[:, 1:] > 1e-3)], 1)
+    assert torch.equal(toks[:, :2][clear], ref_toks[:, :2][clear]), f"seed={seed}"
 
     # dense reference, request by request
     from specattn.spec_runtime.model import apply_rope, rms_norm, rope_cos_sin

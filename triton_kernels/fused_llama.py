@@ -421,10 +421,22 @@ def _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, ac
 
 
 @triton.jit
+def _head_norm(lo, hi, g_ptr, j, eps, HALF: tl.constexpr):
+    """RMSNorm of each row's head ``[lo | hi]`` (``2 * HALF`` values, float32) times the
+    weight ``g``: Qwen3's ``q_norm`` / ``k_norm``."""
+    ms = (tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / (2 * HALF)
+    r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+    g_lo = tl.load(g_ptr + j).to(tl.float32)
+    g_hi = tl.load(g_ptr + HALF + j).to(tl.float32)
+    return lo * r[:, None] * g_lo[None, :], hi * r[:, None] * g_hi[None, :]
+
+
+@triton.jit
 def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s0, cs_s1,
                      loc_ptr, loc_s, q_ptr, ldq, k_ptr, v_ptr, M, K, num_heads, num_kv_heads,
                      num_slots, max_pos, eps, x2_ptr, ldx2, g2_ptr, K2, ss_ptr, ld_ss, n_parts,
-                     k_scale, v_scale,
+                     k_scale, v_scale, qn_ptr, kn_ptr,
+                     Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
                      HAS_SS: tl.constexpr, NP: tl.constexpr, HAS_G: tl.constexpr, PRESCALE: tl.constexpr, TWO_INPUTS: tl.constexpr,
                      IEEE: tl.constexpr, CACHE_FP8: tl.constexpr,
                      INTERP: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
@@ -481,6 +493,14 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
         acc_lo, acc_hi = _qkv_second_input(x2_ptr, ldx2, g2_ptr, K2, w_lo, w_hi, K, rows64, rmask, acc_lo,
                                            acc_hi, eps, HAS_G, IEEE, INTERP, BLOCK_M,
                                            BLOCK_K, HB)
+
+    # per-head Q / K RMSNorm before RoPE (the launch gives each program a whole head: HB = HALF)
+    if Q_NORM:
+        if h < num_heads:
+            acc_lo, acc_hi = _head_norm(acc_lo, acc_hi, qn_ptr, j, eps, HALF)
+    if K_NORM:
+        if (h >= num_heads) & (h < num_heads + num_kv_heads):
+            acc_lo, acc_hi = _head_norm(acc_lo, acc_hi, kn_ptr, j, eps, HALF)
 
     if is_rope:  # Q and K heads: neox RoPE, rotate-half pairs in registers
         lo = acc_lo * cos - acc_hi * sin
@@ -647,10 +667,12 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
                    num_heads: int, num_kv_heads: int, head_dim: int,
                    x2: Optional[torch.Tensor] = None, norm_weight2: Optional[torch.Tensor] = None,
                    row_sumsq: Optional[torch.Tensor] = None, *, k_scale: float = 1.0,
-                   v_scale: float = 1.0) -> torch.Tensor:
+                   v_scale: float = 1.0, q_norm_weight: Optional[torch.Tensor] = None,
+                   k_norm_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton :func:`specattn.ops.qkv_rope_store` (one launch; ``x2``: the second input of an
     EAGLE-3 draft layer, normalized on its own; ``norm_weight`` (and ``norm_weight2``) None:
-    folded into ``w_qkv``).  float8_e4m3fn caches (``k_scale`` / ``v_scale`` as validated by
+    folded into ``w_qkv``; ``q_norm_weight`` / ``k_norm_weight``: per-head norms, each
+    program then holds a whole head).  float8_e4m3fn caches (``k_scale`` / ``v_scale`` as validated by
     the wrapper) are quantized in the kernel: ``x / scale`` in float32 (IEEE division), then
     saturating round to nearest even on the bits, stored through a uint8 view of the cache.
 
@@ -665,16 +687,17 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
     q = torch.empty(x.shape[0], num_heads, head_dim, device=x.device, dtype=x.dtype)
     _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
                 v_cache, q, x2=x2, norm_weight2=norm_weight2, row_sumsq=row_sumsq, k_scale=k_scale,
-                v_scale=v_scale)
+                v_scale=v_scale, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
     return q
 
 
 def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
                 v_cache, q, config: Optional[Tuple[int, ...]] = None, x2=None, norm_weight2=None,
                 row_sumsq: Optional[torch.Tensor] = None, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> None:
+                v_scale: float = 1.0, q_norm_weight: Optional[torch.Tensor] = None,
+                k_norm_weight: Optional[torch.Tensor] = None) -> None:
     """One launch of ``_qkv_rope_kernel``; ``config``: a :func:`qkv_tile_config` tuple
-    (default: chosen from ``M``).  float8_e4m3fn caches go to the kernel as uint8 views
+    (default: chosen from ``M``; with a per-head norm its head split is ignored).  float8_e4m3fn caches go to the kernel as uint8 views
     (``CACHE_FP8``: quantized with ``k_scale`` / ``v_scale`` in the kernel); other caches as
     they are (the scales unread)."""
     M, K = x.shape
@@ -685,7 +708,8 @@ def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_
     has_g = norm_weight is not None
     cfg = config or qkv_tile_config(M, x.dtype, folded=not has_g)
     block_m, block_k, warps = cfg[:3]
-    hb = min(cfg[3], head_dim // 2) if len(cfg) > 3 else head_dim // 2
+    head_norm = q_norm_weight is not None or k_norm_weight is not None
+    hb = min(cfg[3], head_dim // 2) if len(cfg) > 3 and not head_norm else head_dim // 2
     if (head_dim // 2) % hb or not is_pow2(hb) or hb < 16:
         raise ValueError(f"HB={hb} must be a power of two >= 16 dividing head_dim / 2 = {head_dim // 2}")
     stages = cfg[4] if len(cfg) > 4 else NUM_STAGES
@@ -701,8 +725,10 @@ def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_
             x if x2 is None else x2, x.stride(0) if x2 is None else x2.stride(0),
             g if norm_weight2 is None else norm_weight2, 0 if x2 is None else x2.shape[1],
             q if row_sumsq is None else row_sumsq, 0 if row_sumsq is None else row_sumsq.stride(0),
-            1 if row_sumsq is None else row_sumsq.shape[0], float(k_scale), float(v_scale))
-    kwargs = dict(HAS_SS=row_sumsq is not None,
+            1 if row_sumsq is None else row_sumsq.shape[0], float(k_scale), float(v_scale),
+            g if q_norm_weight is None else q_norm_weight, g if k_norm_weight is None else k_norm_weight)
+    kwargs = dict(Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None,
+                  HAS_SS=row_sumsq is not None,
                   NP=max(triton.next_power_of_2(1 if row_sumsq is None else row_sumsq.shape[0]), 2),
                   HAS_G=has_g, PRESCALE=has_g and x.dtype == torch.float16, TWO_INPUTS=x2 is not None, IEEE=x.dtype == torch.float32,
                   CACHE_FP8=fp8, INTERP=_interp(x), HALF=head_dim // 2, HB=hb, BLOCK_M=block_m,

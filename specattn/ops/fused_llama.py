@@ -191,10 +191,12 @@ def qkv_rope_store_reference(x: torch.Tensor, norm_weight: Optional[torch.Tensor
                              head_dim: int, x2: Optional[torch.Tensor] = None,
                              norm_weight2: Optional[torch.Tensor] = None,
                              row_sumsq: Optional[torch.Tensor] = None, *, k_scale: float = 1.0,
-                             v_scale: float = 1.0) -> torch.Tensor:
+                             v_scale: float = 1.0, q_norm_weight: Optional[torch.Tensor] = None,
+                             k_norm_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Reference of :func:`qkv_rope_store` (no validation): the model's sequence in
     ``x.dtype``: norm (each input on its own, then concatenated, when ``x2`` is given), the
-    Q / K / V projections (slices of ``w_qkv``), RoPE with cos/sin cast to ``x.dtype``, then
+    Q / K / V projections (slices of ``w_qkv``), the per-head Q / K norms where given
+    (:func:`llama_rms_norm_reference` over each head), RoPE with cos/sin cast to ``x.dtype``, then
     ``k_cache[out_cache_loc] = quantize_kv(k, k_cache.dtype, k_scale)`` / ``v_cache[...] =
     quantize_kv(v, v_cache.dtype, v_scale)`` (:func:`specattn.ops.fp8.quantize_kv`: a plain
     cast, or for float8_e4m3fn ``clamp(x / scale, +-448)`` rounded to nearest even)."""
@@ -205,6 +207,10 @@ def qkv_rope_store_reference(x: torch.Tensor, norm_weight: Optional[torch.Tensor
     q = (n @ w_qkv[:H * D].T).view(T, H, D)
     k = (n @ w_qkv[H * D:(H + Hkv) * D].T).view(T, Hkv, D)
     v = (n @ w_qkv[(H + Hkv) * D:].T).view(T, Hkv, D)
+    if q_norm_weight is not None:
+        q = llama_rms_norm_reference(q, q_norm_weight, eps)
+    if k_norm_weight is not None:
+        k = llama_rms_norm_reference(k, k_norm_weight, eps)
     cs = cos_sin_cache[positions.long()].float()
     half = D // 2
     cos = torch.cat([cs[:, :half], cs[:, :half]], dim=-1).to(x.dtype)
@@ -501,10 +507,15 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
                    num_heads: int, num_kv_heads: int, head_dim: int, *,
                    x2: Optional[torch.Tensor] = None, norm_weight2: Optional[torch.Tensor] = None,
                    row_sumsq: Optional[torch.Tensor] = None, k_scale: float = 1.0,
-                   v_scale: float = 1.0, check_values: bool = True,
+                   v_scale: float = 1.0, q_norm_weight: Optional[torch.Tensor] = None,
+                   k_norm_weight: Optional[torch.Tensor] = None, check_values: bool = True,
                    impl: str = "auto") -> torch.Tensor:
     """Input RMSNorm + fused QKV projection + neox RoPE on Q and K + K/V cache store, in one
     launch.  Returns Q.
+
+    With ``q_norm_weight`` / ``k_norm_weight`` each Q / K head is RMS-normalized over its
+    ``D`` values (epsilon ``eps``) and scaled by that weight before RoPE: the per-head
+    ``q_norm`` / ``k_norm`` of Qwen3-style layers (a DFlash draft layer).
 
     With ``x2`` the projection reads ``cat([RMSNorm(x, norm_weight), RMSNorm(x2,
     norm_weight2)])`` (each input normalized on its own), ``w_qkv`` then has ``K + K2``
@@ -543,6 +554,8 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
             norms folded into ``w_qkv``, or neither).
         row_sumsq: optional ``[P, M]`` float32 partial sums of ``x^2`` per row (of ``x``,
             not ``x2``; see :func:`rms_norm_swiglu`).
+        q_norm_weight, k_norm_weight: optional ``[D]``, ``x.dtype``: per-head RMSNorm weights
+            of Q and of K (either, both or neither).
         k_scale, v_scale: the fp8 caches' dequantization scales (Python floats, finite and
             > 0; a KV pool's ``kv_scales(layer_id)``): the stored value is ``k / k_scale``
             (``v / v_scale``).  Must be 1.0 (the default) for other cache dtypes.
@@ -618,6 +631,11 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
     k_scale = check_kv_scale("k_scale", k_scale, fp8)
     v_scale = check_kv_scale("v_scale", v_scale, fp8)
     row_sumsq = _check_row_sumsq(row_sumsq, x)
+    head_norms = {}
+    for name, g in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if g is not None:
+            check_tensor(name, g, dtypes=(x.dtype,), device=dev, shape=(D,))
+            head_norms[name] = g.contiguous()
     impl = _qkv_impl(impl, dev, D)
     fn = _run("qkv_rope_store", impl, dev)
     if impl == "triton":
@@ -632,4 +650,4 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
             raise ValueError("out_cache_loc repeats a slot; the cache write would be ambiguous")
     return fn(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_loc, k_cache,
               v_cache, H, Hkv, D, x2, norm_weight2, row_sumsq=row_sumsq, k_scale=k_scale,
-              v_scale=v_scale)
+              v_scale=v_scale, **head_norms)
