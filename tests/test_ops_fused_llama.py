@@ -960,6 +960,17 @@ def test_gpu_smollm_shapes(M, dt, folded, seed):
                 if folded else inp, "triton", row_sumsq=row_sumsq_of(inp["x"], "triton") if folded else None)
     check("smollm qkv[triton] q", q, q_exact, dt)
     check_caches(inp, before, k_exact, v_exact, dt, "smollm qkv[triton]")
+    # with per-head Q / K norms (the DFlash draft layer's path)
+    gq, gkn = gain(D, dt), gain(D, dt)
+    y = (exact_norm(inp["x"], inp["norm_weight"]) @ inp["w_qkv"].double().T).view(M, -1, D)
+    q_exact = exact_rope(exact_norm(y[:, :H], gq), inp["positions"], inp["cos_sin_cache"])
+    k_exact = exact_rope(exact_norm(y[:, H:H + Hkv], gkn), inp["positions"], inp["cos_sin_cache"])
+    before = (inp["k_cache"].clone(), inp["v_cache"].clone())
+    q = run_qkv(dict(inp, norm_weight=None, w_qkv=fold_rms_norm_weight(inp["w_qkv"], inp["norm_weight"]))
+                if folded else inp, "triton", row_sumsq=row_sumsq_of(inp["x"], "triton") if folded else None,
+                q_norm_weight=gq, k_norm_weight=gkn)
+    check("smollm qkv head norms[triton] q", q, q_exact, dt)
+    check_caches(inp, before, k_exact, v_exact, dt, "smollm qkv head norms[triton]")
     # MLP: norm + gate/up + SwiGLU, then down + residual; o_proj + residual
     wg, wu, wd, wo = lin(I, K, dt), lin(I, K, dt), lin(K, I, dt), lin(K, H * D, dt)
     n = exact_norm(x, g)
