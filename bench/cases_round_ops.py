@@ -4,7 +4,8 @@ logits or fused into the LM head, the n-gram lookup over each request's history,
 drafting's beam bookkeeping and draft token selection.  Run e.g.
 ``specattn bench topk_log_probs -p impl=triton -p rows=16``,
 ``specattn bench lm_head_topk -p impl=fused|two_step -p rows=256``,
-``specattn bench ngram_candidates -p impl=reference`` or
+``specattn bench ngram_candidates -p impl=reference``,
+``specattn bench ddtree_candidates -p impl=triton`` or
 ``specattn bench eagle_beam_steps -p impl=torch -p bs=16``.
 
 ``impl``: ``triton`` | ``reference`` (the public wrapper forced to that implementation) or
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from specattn.ops import (eagle_beam_step, ngram_candidates, num_tree_candidates, rms_norm_matmul,
-                          rms_norm_matmul_topk, select_draft_tokens, topk_log_probs)
+from specattn.ops import (ddtree_candidates, eagle_beam_step, ngram_candidates, num_tree_candidates,
+                          rms_norm_matmul, rms_norm_matmul_topk, select_draft_tokens, topk_log_probs)
 
 from .cases import Workload, case
 
@@ -81,6 +82,20 @@ def _ngram_candidates(device, *, bs, context, ngram_size, topk, num_steps, impl,
                                 impl=impl)
 
     return Workload(fn=run, bytes=8 * bs * (context + 1 + topk * (num_steps + 1)), flops=0, input_sets=sets)
+
+
+@case("ddtree_candidates", "a DDTree's candidates from a block's per-position top-k [bs, positions, topk]",
+      bs=1, positions=15, topk=4, impl="triton", input_sets=8)
+def _ddtree_candidates(device, *, bs, positions, topk, impl, input_sets):
+    if impl not in ("triton", "reference"):
+        raise ValueError(f"impl must be triton | reference, got {impl!r}")
+    g = torch.Generator().manual_seed(0)
+    sets = [((-torch.rand(bs, positions, topk, generator=g) * 5).sort(-1, descending=True).values.to(device),
+             torch.randint(0, 49152, (bs, positions, topk), generator=g).to(device)) for _ in range(input_sets)]
+    n_cand = num_tree_candidates(topk, positions)
+    return Workload(fn=lambda v, t: ddtree_candidates(v, t, impl=impl),
+                    bytes=12 * bs * (positions * topk + n_cand) + 8 * bs * (topk * (positions - 1) + 1),
+                    flops=0, input_sets=sets)
 
 
 def _draft_inputs(device, bs, topk, num_steps, input_sets, seed=0):

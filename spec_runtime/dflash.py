@@ -113,14 +113,13 @@ from .loader import LlamaConfig, check_decoder_shape, check_weight_shapes
 from .drafter_base import TargetSharingDrafter, random_init
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
 from .strategies import PrefillBatch, SpecConfig, Strategy
-from .sampling import greedy_tokens
 
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, RoundBatch
 
 __all__ = ["ARCHITECTURE", "DEFAULT_MASK_TOKEN_ID", "context_layer_ids", "default_mask_token_id", "DFlashConfig",
            "checkpoint_nbytes", "fit_intermediate_size", "init_weights", "DFlashDrafter", "chain_tree",
-           "ddtree_candidates", "DFlashStrategy"]
+           "DFlashStrategy"]
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -591,7 +590,7 @@ class DFlashDrafter(TargetSharingDrafter):
         with the final ``norm`` folded in.  Built from :attr:`w` now: call it again after
         changing the weights.  The engine calls it with its ``max_context``."""
         self._reserve_rope(n)
-        c, w = self.config, self.w
+        w = self.w
         with torch.no_grad():
             qkv, gate_up = [], []
             for i in range(self.num_layers):
@@ -829,55 +828,12 @@ def chain_tree(P: torch.Tensor, D: int) -> ops.TreeInfo:
                         torch.full((bs, D), -1, dtype=torch.int64, device=dev))
 
 
-def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor):
-    """EAGLE-numbered draft-tree candidates from per-position distributions (DDTree).
-
-    A DFlash block forward predicts every block position independently of the others, so a
-    path's probability is the product of its positions' probabilities; DDTree (Ringel and
-    Romano, "Accelerating Speculative Decoding with Block Diffusion Draft Trees", 2025)
-    verifies the tree of the most probable paths, built from each position's top-k, instead
-    of the single argmax chain.  Here the candidates are grown level by level as EAGLE grows
-    its tree: depth 1 holds the ``topk`` best tokens of position 1; each level keeps the
-    ``topk`` best paths (beams) and extends each by the ``topk`` best tokens of the next
-    position (score = summed log-probability); :func:`specattn.ops.build_tree` then keeps the
-    ``num_draft_tokens - 1`` best candidates (a node's score never exceeds its parent's, so
-    but for exact ties the kept set holds every kept node's parent; ``build_tree`` leaves an
-    orphan unreachable).  Keeping ``topk`` beams per level is
-    EAGLE's rule; the exact best-``N`` tree would keep up to ``N`` per level.
-
-    Args:
-        vals, toks: float32 / int64 ``[bs, S, topk]``: the ``topk`` (>= 1, the branching
-            factor) largest log-probabilities of block positions ``1 .. S`` and their
-            tokens, largest first (:func:`specattn.ops.topk_log_probs`).
-
-    Returns:
-        ``(parent_list int64 [bs, topk*(S-1)+1], scores float32 [bs, n_cand],
-        tokens int64 [bs, n_cand])`` with ``n_cand = topk + (S-1)*topk^2``, in the layout of
-        ``ops.build_tree``.  Device work only.
-    """
-    bs, S, topk = vals.shape
-    dev = vals.device
-    beam_scores, beam_tokens = vals[:, 0], toks[:, 0]
-    cand_scores, cand_tokens = [beam_scores], [beam_tokens]
-    blocks = [torch.cat([torch.full((bs, 1), -1, dtype=torch.int64, device=dev),
-                         torch.arange(topk, device=dev).expand(bs, topk)], 1)]
-    for s in range(1, S):
-        child_scores = beam_scores[:, :, None] + vals[:, s][:, None, :]   # [bs, K, K]
-        child_tokens = toks[:, s][:, None, :].expand(bs, topk, topk)
-        cand_scores.append(child_scores.flatten(1))
-        cand_tokens.append(child_tokens.flatten(1))
-        if s < S - 1:
-            beam_scores, best = child_scores.flatten(1).topk(topk, dim=-1)
-            blocks.append(topk + (s - 1) * topk * topk + best)
-    return torch.cat(blocks, 1), torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1)
-
-
 class DFlashStrategy(Strategy):
     """DFlash block drafting (steps 1-6 of the module docstring), over the engine's public
     operations.  The drafter is a random-init :class:`DFlashDrafter` of
     ``spec.draft_layers`` (default 2) layers.  ``spec.topk = 1`` verifies the block's argmax
     chain; ``topk > 1`` verifies a DDTree of ``spec.num_draft_tokens`` nodes grown from the
-    block's per-position top-k (:func:`ddtree_candidates`)."""
+    block's per-position top-k (:func:`specattn.ops.ddtree_candidates`)."""
 
     name = "dflash"
     draft_topk = None    # the block forward is a TARGET_VERIFY with an all-ones mask
@@ -945,8 +901,7 @@ class DFlashStrategy(Strategy):
         if self.K == 1:
             return self.propose_block(eng, rb, rows, P), chain_tree(P, self.B), self.B - 1
         vals, toks = self.block_top(eng, rb, rows, P, self.K)
-        bs = vals.shape[0]
-        parent_list, scores, tokens = ddtree_candidates(vals, toks)
+        parent_list, scores, tokens = ops.ddtree_candidates(vals, toks)
         selected = scores.topk(self.D - 1, dim=-1).indices.sort(dim=-1).values
         draft_tokens = torch.cat([eng.roots[rows][:, None], tokens.gather(1, selected)], 1)
         tree = ops.build_tree(parent_list, selected, P.to(torch.int32), self.K, self.B - 1, self.D)

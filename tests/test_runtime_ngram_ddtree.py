@@ -1,6 +1,6 @@
 """N-gram drafting (``spec_runtime/ngram.py``) and DDTree (DFlash drafts verified as a tree,
-``spec_runtime/dflash.py``) in the runtime: their candidate builders against naive
-references, and lossless generation (== target-only greedy, float32) on fresh random tiny
+``spec_runtime/dflash.py``; its candidates: ``tests/test_ops_ddtree.py``) in the runtime: the
+n-gram tree shape against a naive reference, and lossless generation (== target-only greedy, float32) on fresh random tiny
 models, paged == unpaged, on the test run's ``--backend``."""
 import random
 
@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from runtime_backend import check_rows_restored, make_engine, uses_graphs
-from specattn import ops
 from specattn.backends import unpack_tree_mask
-from specattn.spec_runtime.dflash import ddtree_candidates
 from specattn.spec_runtime.engine import SpecConfig
 from specattn.spec_runtime.ngram import chains_tree_shape
 from specattn.spec_runtime.sampling import SamplingParams
@@ -39,33 +37,6 @@ def test_chains_tree_shape(branches, depth):
         assert nxt[j] == (kids[0] if kids else -1)
         for a, b in zip(kids, kids[1:] + [-1]):
             assert sib[a] == b
-
-
-def test_ddtree_candidates_feed_build_tree(seed):
-    """Candidate numbering as EAGLE's (every parent a kept beam), scores = summed log-probs of
-    the path, and the built tree's nodes are paths of top-k tokens."""
-    g = torch.Generator().manual_seed(seed)
-    bs, S, K, Vv, D = 3, 4, 3, 11, 9
-    lp = torch.log_softmax(torch.randn(bs, S, Vv, generator=g), -1)
-    parent_list, scores, tokens = ddtree_candidates(*lp.topk(K, -1))
-    assert parent_list.shape == (bs, K * (S - 1) + 1) and scores.shape == tokens.shape == (bs, ops.num_tree_candidates(K, S))
-    top = lp.topk(K, -1).indices
-    for b in range(bs):
-        for f in range(scores.shape[1]):       # walk each candidate to the root: score = sum of its path
-            depth = 0 if f < K else 1 + (f - K) // (K * K)
-            total, node, d = 0.0, f, depth
-            while True:
-                tok = int(tokens[b, node])
-                assert tok in top[b, d].tolist()
-                total += float(lp[b, d, tok])
-                beam = node // K
-                if beam == 0:
-                    break
-                node, d = int(parent_list[b, beam]), d - 1
-            assert abs(total - float(scores[b, f])) < 1e-4
-    selected = scores.topk(D - 1, -1).indices.sort(-1).values
-    tree = ops.build_tree(parent_list, selected, torch.tensor([3, 0, 7]), K, S, D)
-    assert tree.tree_mask.shape[:2] == (bs, D)
 
 
 # ---------------------------------------------------------------------- end to end

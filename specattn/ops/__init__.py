@@ -14,6 +14,7 @@ implementation (``impl=`` forces one):
   :func:`rms_norm_swiglu`: a Llama layer's GEMMs with the norm, RoPE + KV store, residual
   and SwiGLU fused in; :func:`rms_norm_matmul_topk`: the LM head's top-k without the logits;
 - :func:`ngram_candidates`: n-gram drafts from each request's own history;
+- :func:`ddtree_candidates`: a DDTree's candidate nodes from a block drafter's per-position top-k;
 - :func:`eagle_beam_step`, :func:`select_draft_tokens`: an EAGLE draft step's candidates and
   next beams, and the draft tree's tokens from all candidates;
 - :func:`fork_req_to_token_rows`: the ``req_to_token`` rows of beams drafted on scratch rows;
@@ -22,6 +23,8 @@ implementation (``impl=`` forces one):
 """
 from . import registry
 from .compaction import CompactedPath, compact_accepted_path, compact_accepted_path_reference
+from .ddtree import MAX_TOPK as DDTREE_MAX_TOPK
+from .ddtree import ddtree_candidates, ddtree_candidates_reference
 from .eagle_draft import MAX_CANDIDATES as EAGLE_MAX_CANDIDATES
 from .eagle_draft import MAX_TOPK as EAGLE_MAX_TOPK
 from .eagle_draft import (BeamStep, eagle_beam_step, eagle_beam_step_reference,
@@ -60,4 +63,5 @@ __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
            "select_draft_tokens", "select_draft_tokens_reference", "fork_req_to_token_rows",
            "fork_req_to_token_rows_reference", "EAGLE_MAX_TOPK",
            "EAGLE_MAX_CANDIDATES", "gather_rows", "gather_rows_reference", "scatter_rows",
-           "scatter_rows_reference", "MAX_ROW_TENSORS"]
+           "scatter_rows_reference", "MAX_ROW_TENSORS", "ddtree_candidates",
+           "ddtree_candidates_reference", "DDTREE_MAX_TOPK"]
