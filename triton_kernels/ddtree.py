@@ -7,7 +7,8 @@ keeps them as the beams; each level ``s >= 1`` builds its ``K * K`` candidates (
 K + i``: beam ``j``, token ``i`` of position ``s + 1``; one float32 add, as the reference's),
 stores them at column ``K + (s - 1) * K * K``, and, below the last level, takes ``K`` rounds of
 a max over the order keys of :mod:`.topk` (value, then the lower column: the reference's
-order) for the next beams and their ``parent_list`` columns.  A beam's score reaches its lane
+order; :func:`.eagle_draft.select_top_lanes`, shared with the EAGLE beam step) for the next
+beams and their ``parent_list`` columns.  A beam's score reaches its lane
 through a one-hot sum over its int32 bits (exact: one non-zero term, so ``-0.0`` stays
 ``-0.0``).  ``S`` is a runtime loop bound: one compile per ``K``.
 
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._util import on_tensor_device, require_device
-from .topk import KEY_MIN, order_keys
+from .eagle_draft import select_top_lanes
 
 __all__ = ["ddtree_candidates"]
 
@@ -67,16 +68,7 @@ def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, 
         tl.store(cs + off + cc, score, mask=live)
         tl.store(ct + off + cc, tok, mask=live)
         if s < S - 1:
-            key = order_keys(score, cc, live)
-            top_keys = tl.full([KP], KEY_MIN, tl.int64)
-            for r in tl.static_range(K):
-                top = tl.max(key, axis=0)
-                top_keys = tl.where(kk == r, top, top_keys)
-                key = tl.where(key == top, KEY_MIN, key)
-            best = tl.where(km, (top_keys & 0x7FFFFFFF) ^ 0x7FFFFFFF, 0)    # [KP], in [0, K*K)
-            hit = best[:, None] == cc[None, :].to(tl.int64)                 # [KP, KKP] one-hot rows
-            sbits = score.to(tl.int32, bitcast=True)
-            beam = tl.sum(tl.where(hit, sbits[None, :], 0), axis=1).to(tl.int32).to(tl.float32, bitcast=True)
+            best, beam, _ = select_top_lanes(score, cc, live, kk, km, K, KP)   # best in [0, K*K)
             tl.store(plist + 1 + K + (s - 1) * K + kk64, off + best, mask=km)
 
 

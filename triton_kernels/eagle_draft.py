@@ -55,9 +55,29 @@ import triton.language as tl
 from ._util import on_tensor_device, require_device
 from .topk import KEY_MAX, KEY_MIN, order_keys
 
-__all__ = ["eagle_beam_step", "select_draft_tokens", "fork_req_to_token_rows"]
+__all__ = ["eagle_beam_step", "select_draft_tokens", "fork_req_to_token_rows", "select_top_lanes"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def select_top_lanes(score, cc, live, kk, km, K: tl.constexpr, KP: tl.constexpr):
+    """The ``K`` best of the float32 lanes ``score`` (columns ``cc``, ``live`` the real ones)
+    under the order keys (value, then the lower column), best first, in ``K`` rounds of an
+    integer max: ``(best int64 [KP]: their columns, 0 past K; scores float32 [KP]: their exact
+    bits, by a one-hot sum; hit bool [KP, len(cc)]: the one-hot rows, to pick other lanes'
+    values)``.  ``kk = arange(KP)``, ``km = kk < K``."""
+    key = order_keys(score, cc, live)
+    top_keys = tl.full([KP], KEY_MIN, tl.int64)
+    for r in tl.static_range(K):
+        top = tl.max(key, axis=0)
+        top_keys = tl.where(kk == r, top, top_keys)
+        key = tl.where(key == top, KEY_MIN, key)
+    best = tl.where(km, (top_keys & 0x7FFFFFFF) ^ 0x7FFFFFFF, 0)
+    hit = best[:, None] == cc[None, :].to(tl.int64)
+    bits = score.to(tl.int32, bitcast=True)
+    picked = tl.sum(tl.where(hit, bits[None, :], 0), axis=1).to(tl.int32).to(tl.float32, bitcast=True)
+    return best, picked, hit
 
 
 @triton.jit
@@ -93,16 +113,7 @@ def _beam_step_kernel(beam_s_ptr, beam_s_s0, beam_s_s1, child_s_ptr, child_s_s0,
         tl.store(cand_s_ptr + b * cand_s_s0 + bcol * cand_s_s1, bsc, mask=km)
         tl.store(cand_t_ptr + b * cand_t_s0 + bcol * cand_t_s1, btk, mask=km)
     if SELECT:
-        key = order_keys(score, cc, live)
-        top_keys = tl.full([KP], KEY_MIN, tl.int64)
-        for r in tl.static_range(K):
-            top = tl.max(key, axis=0)
-            top_keys = tl.where(kk == r, top, top_keys)
-            key = tl.where(key == top, KEY_MIN, key)
-        best = tl.where(km, (top_keys & 0x7FFFFFFF) ^ 0x7FFFFFFF, 0)      # [KP], in [0, K*K)
-        hit = best[:, None] == cc[None, :].to(tl.int64)                   # [KP, KKP] one-hot rows
-        bits = score.to(tl.int32, bitcast=True)
-        out_s = tl.sum(tl.where(hit, bits[None, :], 0), axis=1).to(tl.int32).to(tl.float32, bitcast=True)
+        best, out_s, hit = select_top_lanes(score, cc, live, kk, km, K, KP)
         out_t = tl.sum(tl.where(hit, tok[None, :], 0), axis=1)
         parents = best // K
         o = b * K + kk
