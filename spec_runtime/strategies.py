@@ -82,6 +82,8 @@ class SpecConfig:
             raise ValueError(f"ngram needs topk >= 1 (chains), num_steps >= 1 (drafts per chain) and "
                              f"ngram_size >= 1, got {self.topk}, {self.num_steps}, {self.ngram_size}")
         if self.algo == "dflash" and self.topk > 1:
+            if self.topk > ops.DDTREE_MAX_TOPK:
+                raise ValueError(f"dflash trees (DDTree) take topk <= {ops.DDTREE_MAX_TOPK}, got {self.topk}")
             n_cand = ops.num_tree_candidates(self.topk, self.block_size - 1)
             if not 2 <= self.num_draft_tokens <= n_cand + 1:
                 raise ValueError(f"dflash trees (DDTree) with topk={self.topk}, block_size={self.block_size} "

@@ -54,8 +54,11 @@ def test_context_layer_ids():
 
 def test_validate():
     SpecConfig("dflash", block_size=2).validate()
+    SpecConfig("dflash", block_size=4, topk=8, num_draft_tokens=9).validate()
     with pytest.raises(ValueError):
         SpecConfig("dflash", block_size=1).validate()
+    with pytest.raises(ValueError, match="topk <= 8"):
+        SpecConfig("dflash", block_size=4, topk=9, num_draft_tokens=9).validate()
 
 
 def test_block_forward_is_noncausal_attention_over_context(tmp_path, backend_name):

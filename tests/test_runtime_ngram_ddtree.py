@@ -51,8 +51,9 @@ def _repetitive_prompts(rng, n=3):
 
 @pytest.mark.parametrize("spec", [SpecConfig("ngram", topk=1, num_steps=4), SpecConfig("ngram", topk=3, num_steps=3, ngram_size=2),
                                   SpecConfig("dflash", topk=2, num_draft_tokens=6, block_size=4),
-                                  SpecConfig("dflash", topk=4, num_draft_tokens=12, block_size=6)],
-                         ids=["ngram-chain", "ngram-tree", "ddtree-small", "ddtree"])
+                                  SpecConfig("dflash", topk=4, num_draft_tokens=12, block_size=6),
+                                  SpecConfig("dflash", topk=3, num_draft_tokens=3, block_size=2)],
+                         ids=["ngram-chain", "ngram-tree", "ddtree-small", "ddtree", "ddtree-one-level"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_lossless(tmp_path, seed, spec, page_size, backend_name):
     cfg, w = tiny_llama(tmp_path, seed, vocab=V)
