@@ -902,8 +902,12 @@ class DFlashStrategy(Strategy):
             return self.propose_block(eng, rb, rows, P), chain_tree(P, self.B), self.B - 1
         vals, toks = self.block_top(eng, rb, rows, P, self.K)
         parent_list, scores, tokens = ops.ddtree_candidates(vals, toks)
-        selected = scores.topk(self.D - 1, dim=-1).indices.sort(dim=-1).values
-        draft_tokens = torch.cat([eng.roots[rows][:, None], tokens.gather(1, selected)], 1)
+        roots = eng.roots[rows]
+        if scores.shape[1] <= ops.EAGLE_MAX_CANDIDATES:   # one launch: the D - 1 best, in order
+            selected, draft_tokens = ops.select_draft_tokens(scores, tokens, roots, self.D)
+        else:
+            selected = scores.topk(self.D - 1, dim=-1).indices.sort(dim=-1).values
+            draft_tokens = torch.cat([roots[:, None], tokens.gather(1, selected)], 1)
         tree = ops.build_tree(parent_list, selected, P.to(torch.int32), self.K, self.B - 1, self.D)
         return draft_tokens, tree, self.B - 1
 

@@ -71,6 +71,19 @@ def test_lossless(tmp_path, seed, spec, page_size, backend_name):
         assert res.accept_lengths == flat.accept_lengths
 
 
+def test_ddtree_selection_past_the_fused_select(tmp_path, seed, backend_name, monkeypatch):
+    """A DDTree with more candidates than ``ops.select_draft_tokens`` takes (made small
+    here) selects its nodes with PyTorch ops: the same outputs and acceptance."""
+    from specattn import ops
+    cfg, w = tiny_llama(tmp_path, seed, vocab=V)
+    prompts = _repetitive_prompts(random.Random(seed))
+    p, spec = SamplingParams(max_new_tokens=24), SpecConfig("dflash", topk=3, num_draft_tokens=8, block_size=5)
+    fused = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=96).generate(prompts, p)
+    monkeypatch.setattr(ops, "EAGLE_MAX_CANDIDATES", 4)
+    torch_path = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=96).generate(prompts, p)
+    assert torch_path.tokens == fused.tokens and torch_path.accept_lengths == fused.accept_lengths
+
+
 def test_ngram_accepts_on_repeated_text(tmp_path, seed, backend_name):
     """A target that copies (its greedy output of a repeated span repeats too, for a model
     with strong copying: here the check is only that n-gram drafts get accepted when the
