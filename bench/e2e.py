@@ -1,18 +1,17 @@
 """``specattn bench e2e``: the main job measured end to end on the real model.
 
 For every algorithm x batch size (default: target-only decoding, EAGLE chain, EAGLE tree,
-DFlash, DDTree and n-gram at batch 1, 4, 16, 64; target-only and n-gram on the copy-heavy set) the suite builds the runtime's engine on one GPU, in one
-process (CUDA graphs on, the ``triton`` backend, bf16 by default), runs every generation once
-untimed (warm-up: a new prompt length can trigger a Triton compile), then times generations
-of the committed eval prompts
-(``spec_runtime/data/eval_prompts.txt``, never used for training).  Batch size ``b`` serves
-``n = max(min_requests, requests_per_row * b)`` prompts (rounded down to a multiple of ``b``
-and to the prompt set) with up to ``max_new_tokens`` each (a request ends after the model's
-end-of-turn token, as served; ``stop_at_eos=False`` makes every request run the full length)
-through ``b`` request rows: one
-``generate`` call whose waiting prompts take the rows of finished requests (continuous
-batching), so batch 1 averages over several prompts and a speculative batch does not idle
-while its slowest request finishes.
+DFlash, DDTree and n-gram at batch 1, 4, 16, 64; target-only and n-gram on the copy-heavy
+set) the suite builds the runtime's engine on one GPU, in one process (CUDA graphs on, the
+``triton`` backend, bf16 by default), runs every generation once untimed (warm-up: a new
+prompt length can trigger a Triton compile), then times generations of the committed eval
+prompts (``spec_runtime/data/eval_prompts.txt``, never used for training).  Batch size ``b``
+serves ``n = max(min_requests, requests_per_row * b)`` prompts (rounded down to a multiple
+of ``b`` and to the prompt set) with up to ``max_new_tokens`` each (a request ends after the
+model's end-of-turn token, as served; ``stop_at_eos=False`` makes every request run the full
+length) through ``b`` request rows: one ``generate`` call whose waiting prompts take the rows
+of finished requests (continuous batching), so batch 1 averages over several prompts and a
+speculative batch does not idle while its slowest request finishes.
 
 One row per pair (the JSON's ``rows``):
 

@@ -672,9 +672,10 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
     """Triton :func:`specattn.ops.qkv_rope_store` (one launch; ``x2``: the second input of an
     EAGLE-3 draft layer, normalized on its own; ``norm_weight`` (and ``norm_weight2``) None:
     folded into ``w_qkv``; ``q_norm_weight`` / ``k_norm_weight``: per-head norms, each
-    program then holds a whole head).  float8_e4m3fn caches (``k_scale`` / ``v_scale`` as validated by
-    the wrapper) are quantized in the kernel: ``x / scale`` in float32 (IEEE division), then
-    saturating round to nearest even on the bits, stored through a uint8 view of the cache.
+    program then holds a whole head).  float8_e4m3fn caches (``k_scale`` / ``v_scale`` as
+    validated by the wrapper) are quantized in the kernel: ``x / scale`` in float32 (IEEE
+    division), then saturating round to nearest even on the bits, stored through a uint8 view
+    of the cache.
 
     Raises:
         ValueError: ``head_dim`` not a power of two >= 32 (the two half-head accumulators
@@ -697,9 +698,9 @@ def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_
                 v_scale: float = 1.0, q_norm_weight: Optional[torch.Tensor] = None,
                 k_norm_weight: Optional[torch.Tensor] = None) -> None:
     """One launch of ``_qkv_rope_kernel``; ``config``: a :func:`qkv_tile_config` tuple
-    (default: chosen from ``M``; with a per-head norm its head split is ignored).  float8_e4m3fn caches go to the kernel as uint8 views
-    (``CACHE_FP8``: quantized with ``k_scale`` / ``v_scale`` in the kernel); other caches as
-    they are (the scales unread)."""
+    (default: chosen from ``M``; with a per-head norm its head split is ignored).
+    float8_e4m3fn caches go to the kernel as uint8 views (``CACHE_FP8``: quantized with
+    ``k_scale`` / ``v_scale`` in the kernel); other caches as they are (the scales unread)."""
     M, K = x.shape
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
