@@ -82,6 +82,10 @@ def train_cmd(
     top_k: int = typer.Option(0, help="Top-k of the sampled responses (0 = off)."),
     num_seeds: int = typer.Option(2000, help="Raw-text seeds (first words of prompts, common openers) continued "
                                             "by sampling."),
+    self_prompts: int = typer.Option(0, help="User queries the target writes itself (sampled continuations of "
+                                             "its chat template's pre-query text, Magpie-style), added to "
+                                             "--prompts; those that end within --self-prompt-max-tokens count."),
+    self_prompt_max_tokens: int = typer.Option(96, help="Length limit of a self-written query."),
     seed_max_new_tokens: int = typer.Option(256, help="Length limit of the seed continuations."),
     seed_temperature: float = typer.Option(0.9, help="Temperature of the seed continuations."),
     data_time_budget_s: float = typer.Option(120.0, help="Start no generation batch after this many seconds "
@@ -158,6 +162,7 @@ def train_cmd(
     for name, v in (("gen-batch", gen_batch), ("max-new-tokens", max_new_tokens), ("seq-len", seq_len),
                     ("batch-size", batch_size), ("steps", steps), ("ttt-steps", opt.get("ttt_steps", 1)),
                     ("seed-max-new-tokens", seed_max_new_tokens), ("loss-chunk", loss_chunk),
+                    ("self-prompt-max-tokens", self_prompt_max_tokens),
                     ("eval-batches", eval_batches), ("draft-layers", opt.get("draft_layers", 1)),
                     ("num-context-layers", opt.get("num_context_layers", 1)),
                     ("num-anchors", opt.get("num_anchors", 1))):
@@ -170,6 +175,7 @@ def train_cmd(
         if not 2 <= opt["block_size"] <= seq_len:
             _fail(f"--block-size must be in [2, --seq-len {seq_len}], got {opt['block_size']}")
     for name, v in (("samples-per-prompt", samples_per_prompt), ("num-seeds", num_seeds),
+                    ("self-prompts", self_prompts),
                     ("warmup-steps", warmup_steps), ("eval-every", eval_every), ("top-k", top_k),
                     ("time-budget-s", time_budget_s), ("data-time-budget-s", data_time_budget_s),
                     ("weight-decay", weight_decay), ("grad-clip", grad_clip)):
@@ -202,7 +208,8 @@ def train_cmd(
 
     gen = GenConfig(gen_batch=gen_batch, max_new_tokens=max_new_tokens, greedy=greedy,
                     samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k,
-                    seed_max_new_tokens=seed_max_new_tokens, seed_temperature=seed_temperature, backend=backend,
+                    seed_max_new_tokens=seed_max_new_tokens, seed_temperature=seed_temperature,
+                    self_prompts=self_prompts, self_prompt_max_tokens=self_prompt_max_tokens, backend=backend,
                     cuda_graph=cuda_graph, time_budget_s=data_time_budget_s, seed=seed)
     tc = TrainConfig(kind=kind, seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr,
                      min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps, weight_decay=weight_decay,

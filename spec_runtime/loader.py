@@ -22,6 +22,7 @@ import torch
 
 __all__ = [
     "LlamaConfig", "check_decoder_shape", "check_weight_shapes", "load_gguf", "load_hf_dir", "load_tokenizer", "apply_chat_template",
+    "chat_user_prefix_ids",
     "load_hf_oracle", "hf_greedy", "write_random_hf_dir",
 ]
 
@@ -394,6 +395,32 @@ def apply_chat_template(tokenizer, prompt: str) -> list[int]:
     if hasattr(out, "keys"):  # some versions return a BatchEncoding regardless
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+def chat_user_prefix_ids(tokenizer) -> list[int]:
+    """Token ids of the tokenizer's chat template up to where a user message's text begins
+    (for SmolLM2: the default system message, then ``<|im_start|>user\n``): the "pre-query
+    template" from which an aligned model, asked to continue, writes a user query itself
+    (Magpie: Xu et al., "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned
+    LLMs with Nothing", arXiv 2406.08464).
+
+    Raises:
+        ValueError: no chat template, or one whose rendering of a user message does not
+            start with the tokens of its text before that message.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("tokenizer has no chat template")
+    sentinel = "\u2063specattn-user-text\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
+    cut = text.find(sentinel)
+    if cut < 0:
+        raise ValueError("the chat template does not render the user's text verbatim")
+    ids = [int(t) for t in tokenizer.encode(text[:cut], add_special_tokens=False)]
+    full = apply_chat_template(tokenizer, "Hello")
+    if not ids or full[:len(ids)] != ids:
+        raise ValueError("the chat template's text before the user message does not tokenize to a prefix "
+                         "of a rendered conversation")
+    return ids
 
 
 # ----------------------------------------------------------------------------- HF oracle

@@ -124,7 +124,7 @@ from .loader import LlamaConfig
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
 
 __all__ = ["DATA_DIR", "DEFAULT_TRAIN_PROMPTS", "DEFAULT_EVAL_PROMPTS", "KINDS", "read_prompts",
-           "SequenceData", "GenConfig", "generate_data", "seed_texts", "pack_sequences", "collate",
+           "SequenceData", "GenConfig", "generate_data", "generate_self_prompts", "seed_texts", "pack_sequences", "collate",
            "target_features", "step_valid", "soft_ce", "DRAFTER_KINDS", "sample_anchors", "block_valid",
            "dflash_config_for", "TrainConfig", "TrainResult", "train", "evaluate", "implied_accept_length",
            "export", "model_card"]
@@ -264,8 +264,11 @@ class GenConfig:
 
     ``greedy``: one greedy response per prompt; ``samples_per_prompt`` sampled ones at
     ``temperature`` / ``top_p`` / ``top_k``; seeds continue at ``seed_temperature`` for up to
-    ``seed_max_new_tokens``.  ``time_budget_s``: start no new chunk after that many seconds
-    (0 = no limit).  ``cuda_graph`` None: on for CUDA devices."""
+    ``seed_max_new_tokens``.  ``self_prompts``: user queries the target writes itself from
+    its chat template's pre-query text (:func:`generate_self_prompts`), sampled at
+    ``self_prompt_temperature`` for up to ``self_prompt_max_tokens``.  ``time_budget_s``: start
+    no new chunk after that many seconds (0 = no limit; the self-prompts and the responses
+    each have that budget).  ``cuda_graph`` None: on for CUDA devices."""
 
     gen_batch: int = 64
     max_new_tokens: int = 384
@@ -276,17 +279,25 @@ class GenConfig:
     top_k: int = 0
     seed_max_new_tokens: int = 256
     seed_temperature: float = 0.9
+    self_prompts: int = 0
+    self_prompt_max_tokens: int = 96
+    self_prompt_temperature: float = 1.0
     backend: str = "torch_reference"
     cuda_graph: Optional[bool] = None
     time_budget_s: float = 0.0
     seed: int = 0
 
     def validate(self) -> None:
-        if self.gen_batch < 1 or self.max_new_tokens < 1 or self.seed_max_new_tokens < 1:
-            raise ValueError("gen_batch, max_new_tokens and seed_max_new_tokens must be >= 1")
+        if (self.gen_batch < 1 or self.max_new_tokens < 1 or self.seed_max_new_tokens < 1
+                or self.self_prompt_max_tokens < 1):
+            raise ValueError("gen_batch, max_new_tokens, seed_max_new_tokens and self_prompt_max_tokens "
+                             "must be >= 1")
+        if self.self_prompts < 0:
+            raise ValueError("self_prompts must be >= 0")
         if self.samples_per_prompt < 0 or (not self.greedy and self.samples_per_prompt == 0):
             raise ValueError("need greedy responses or samples_per_prompt >= 1")
-        if self.temperature <= 0 or self.seed_temperature <= 0 or not 0 < self.top_p <= 1:
+        if (self.temperature <= 0 or self.seed_temperature <= 0 or self.self_prompt_temperature <= 0
+                or not 0 < self.top_p <= 1):
             raise ValueError("temperatures must be > 0 and top_p in (0, 1]")
         if self.time_budget_s < 0:
             raise ValueError("time_budget_s must be >= 0")
@@ -306,6 +317,73 @@ def seed_texts(prompts: Sequence[str], n: int, seed: int = 0) -> List[str]:
             words = rng.choice(prompts).split()
             out.append(" ".join(words[:rng.randint(1, min(4, len(words)))]))
     return out
+
+
+def generate_self_prompts(config: LlamaConfig, weights: Dict[str, torch.Tensor], pre_query: Sequence[int], *,
+                          gen: GenConfig, device="cpu", dtype=torch.float32, progress: bool = True, console=None
+                          ) -> Tuple[List[List[int]], dict]:
+    """User queries written by the target itself: ``gen.self_prompts`` continuations of the
+    chat template's pre-query text (``loader.chat_user_prefix_ids``), sampled at
+    ``gen.self_prompt_temperature`` (full vocabulary) for up to ``gen.self_prompt_max_tokens``;
+    an aligned chat model continues it with a plausible user message and ends it with its
+    end-of-turn token (Magpie: Xu et al., arXiv 2406.08464).  Prompts from the target's own
+    distribution widen a hand-written prompt set, and unlike prompts from another model they
+    are in the target's style.
+
+    Args:
+        config, weights: the target (``weights`` moved to ``device`` / ``dtype`` in place).
+        pre_query: token ids of the template up to the user's text (non-empty).
+        gen: :class:`GenConfig` (``self_prompts``, ``self_prompt_*``, ``gen_batch``, ``seed``,
+            ``backend``, ``cuda_graph``, ``time_budget_s``).
+
+    Returns:
+        ``(queries, meta)``: the token ids (end token excluded) of every continuation that
+        ended with an end token within the limit, in generation order (cut ones are dropped:
+        a query cut mid-sentence is not a user message); ``meta``: requested / ended /
+        generated tokens / seconds / whether the time budget cut it short.
+
+    Raises:
+        ValueError: bad ``gen``, empty ``pre_query``, or a target without end tokens.
+    """
+    from .engine import Engine, SpecConfig
+    from .sampling import SamplingParams
+    gen.validate()
+    if not pre_query:
+        raise ValueError("pre_query is empty")
+    eos = set(config.eos_token_ids)
+    if not eos:
+        raise ValueError("the target has no end token: a query's end cannot be recognised")
+    dev = torch.empty(0, device=device).device
+    cuda_graph = dev.type == "cuda" if gen.cuda_graph is None else gen.cuda_graph
+    n, B, L = gen.self_prompts, gen.gen_batch, gen.self_prompt_max_tokens
+    meta = {"requested": n, "ended": 0, "generated_tokens": 0, "seconds": 0.0, "truncated_by_time_budget": False}
+    if n == 0:
+        return [], meta
+    t0 = time.perf_counter()
+    eng = Engine(config, weights, spec=SpecConfig("none"), backend=gen.backend, device=dev, dtype=dtype,
+                 max_batch=min(B, n), max_context=len(pre_query) + L + 16, eos_token_ids=config.eos_token_ids,
+                 cuda_graph=cuda_graph)
+    out: List[List[int]] = []
+    with _progress(progress, console) as bar:
+        task = bar.add_task("writing prompts", total=n, info="")
+        for ci, start in enumerate(range(0, n, B)):
+            if gen.time_budget_s and time.perf_counter() - t0 > gen.time_budget_s:
+                meta["truncated_by_time_budget"] = True
+                break
+            m = min(B, n - start)
+            params = SamplingParams(max_new_tokens=L, temperature=gen.self_prompt_temperature,
+                                    seed=gen.seed * 100_003 + 50_021 + ci)
+            res = eng.generate([list(pre_query)] * m, params)
+            for toks in res.tokens:
+                meta["generated_tokens"] += len(toks)
+                if toks and toks[-1] in eos:
+                    out.append([int(t) for t in toks[:-1]])
+            bar.update(task, completed=start + m, info=f"{len(out)} ended")
+    del eng
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    meta.update(ended=len(out), seconds=time.perf_counter() - t0)
+    return out, meta
 
 
 def generate_data(config: LlamaConfig, weights: Dict[str, torch.Tensor], prompts: Sequence[Sequence[int]],
@@ -1147,7 +1225,7 @@ def _data_lines(full_log: dict) -> List[str]:
     return [
         "## Data",
         "",
-        f"- prompts: {meta.get('prompts', '?')} training prompts (`{meta.get('prompt_file', '?')}`), chat template "
+        f"- prompts: {meta.get('prompts', '?')} training prompts ({_prompt_sources(meta, gen)}), chat template "
         f"applied; {meta.get('seeds', 0)} raw-text continuation seeds",
         f"- greedy responses: {st.get('greedy_sequences', 0)} sequences, {st.get('greedy_tokens', 0):,} tokens",
         f"- sampled responses (temperature {gen.get('temperature')}, top-p {gen.get('top_p')}, top-k "
@@ -1164,6 +1242,18 @@ def _data_lines(full_log: dict) -> List[str]:
         f"{int(round(tc['eval_frac'] * 100))} % of the prompts / seeds, {_heldout_note(full_log)})",
         "",
     ]
+
+
+def _prompt_sources(meta: dict, gen: dict) -> str:
+    """Where the training prompts came from: the prompt file, plus the target's own queries."""
+    src = f"`{meta.get('prompt_file', '?')}`"
+    sp = meta.get("self_prompts")
+    if not sp:
+        return src
+    return (f"{meta.get('file_prompts', '?')} from {src} and {sp.get('kept', 0)} written by the target itself "
+            f"from its chat template's pre-query text, Magpie-style: {sp.get('requested', 0)} samples at "
+            f"temperature {gen.get('self_prompt_temperature')}, {sp.get('ended', 0)} ended within "
+            f"{gen.get('self_prompt_max_tokens')} tokens, duplicates dropped")
 
 
 def _heldout_note(full_log: dict) -> str:
@@ -1436,12 +1526,27 @@ def run_training(opts: RunOptions, console=None) -> dict:
     else:
         texts = read_prompts(opts.prompts)
         tok = loader.load_tokenizer(path)
+        prompt_meta = {"prompt_file": Path(opts.prompts).name, "file_prompts": len(texts)}
+        if opts.gen.self_prompts:
+            queries, qmeta = generate_self_prompts(cfg, w, loader.chat_user_prefix_ids(tok), gen=opts.gen,
+                                                   device=opts.device, dtype=opts.dtype, progress=opts.progress,
+                                                   console=console)
+            seen = set(texts)
+            for q in queries:   # distinct non-empty texts only
+                t = tok.decode(q, skip_special_tokens=True).strip()
+                if t and t not in seen:
+                    seen.add(t)
+                    texts.append(t)
+            qmeta["kept"] = len(texts) - prompt_meta["file_prompts"]
+            prompt_meta["self_prompts"] = qmeta
+            say(f"prompts: the target wrote {qmeta['kept']} distinct queries ({qmeta['ended']} of "
+                f"{qmeta['requested']} ended within {opts.gen.self_prompt_max_tokens} tokens) in "
+                f"{qmeta['seconds']:.1f} s")
         ids = [loader.apply_chat_template(tok, t) for t in texts]
         seeds = [tok.encode(s, add_special_tokens=False) for s in seed_texts(texts, opts.num_seeds, opts.gen.seed)]
         data = generate_data(cfg, w, ids, seeds, gen=opts.gen, seq_len=opts.train.seq_len, device=opts.device,
                              dtype=opts.dtype, progress=opts.progress, console=console,
-                             meta={"target_model": name, "vocab_size": cfg.vocab_size,
-                                   "prompt_file": Path(opts.prompts).name})
+                             meta={"target_model": name, "vocab_size": cfg.vocab_size, **prompt_meta})
         say(f"data: {data.num_sequences} sequences, {data.tokens.numel()} tokens in "
             f"{data.meta['generation_seconds']:.1f} s ({data.meta['tokens_per_second'] or 0:.0f} generated tokens/s)")
         if opts.data is not None:

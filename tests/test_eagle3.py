@@ -2,6 +2,7 @@
 spec_runtime/drafter_cli.py): checkpoint format, the cache-based inference forward against the
 dense training-time-test forward, the TTT attention mask against a naive per-row loop, the
 chunked distillation loss, data packing, and a tiny end-to-end training run.  CPU, float32."""
+import dataclasses
 import json
 import math
 
@@ -16,7 +17,7 @@ from specattn.spec_runtime.eagle3 import (TOKEN_FREQUENCIES_FILE, Eagle3Config, 
                                           default_aux_layer_ids, frequent_tokens, init_weights, read_token_counts)
 from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, random_weights
 from specattn.spec_runtime.model import LlamaModel
-from specattn.spec_runtime.train_drafter import (GenConfig, SequenceData, collate, generate_data,
+from specattn.spec_runtime.train_drafter import (GenConfig, SequenceData, collate, generate_data, generate_self_prompts,
                                                  implied_accept_length, pack_sequences, read_prompts,
                                                  soft_ce, step_valid, target_features, DEFAULT_EVAL_PROMPTS,
                                                  DEFAULT_TRAIN_PROMPTS)
@@ -368,6 +369,28 @@ def test_prompt_files():
     assert len(set(train)) == len(train) and len(set(ev)) == len(ev) and not set(train) & set(ev)
 
 
+def test_self_prompts(tmp_path):
+    cfg, w = tiny_llama(tmp_path / "target", 9)
+    cfg = dataclasses.replace(cfg, eos_token_ids=list(range(0, cfg.vocab_size, 4)))   # queries end soon
+    eos = set(cfg.eos_token_ids)
+    pre = random_prompts(4, cfg.vocab_size, n=1, max_len=6)[0]
+    gen = GenConfig(gen_batch=8, self_prompts=20, self_prompt_max_tokens=12, seed=5)
+    q, meta = generate_self_prompts(cfg, w, pre, gen=gen, progress=False)
+    assert meta["requested"] == 20 and meta["ended"] == len(q) and 10 <= len(q) <= 20
+    assert all(not eos & set(x) and len(x) < 12 for x in q)       # end token dropped, never cut ones
+    assert len({tuple(x) for x in q}) > len(q) // 2                # rows sample independently
+    assert generate_self_prompts(cfg, w, pre, gen=gen, progress=False)[0] == q     # seeded
+    other = generate_self_prompts(cfg, w, pre, gen=dataclasses.replace(gen, seed=6), progress=False)[0]
+    assert other != q
+    assert generate_self_prompts(cfg, w, pre, gen=dataclasses.replace(gen, self_prompts=0), progress=False)[0] == []
+    with pytest.raises(ValueError, match="pre_query"):
+        generate_self_prompts(cfg, w, [], gen=gen, progress=False)
+    with pytest.raises(ValueError, match="no end token"):
+        generate_self_prompts(dataclasses.replace(cfg, eos_token_ids=[]), w, pre, gen=gen, progress=False)
+    with pytest.raises(ValueError, match="self_prompts"):
+        generate_self_prompts(cfg, w, pre, gen=dataclasses.replace(gen, self_prompts=-1), progress=False)
+
+
 # ----------------------------------------------------------------------------- training end to end
 
 def _tiny_data(tmp_path, cfg, w):
@@ -441,12 +464,14 @@ def test_cli_help_and_bad_arguments(tmp_path):
     runner = CliRunner()
     r = runner.invoke(drafter_app, ["train", "--help"])
     assert r.exit_code == 0
-    for opt in ("--out", "--data", "--ttt-steps", "--time-budget-s", "--gen-batch", "--backend"):
+    for opt in ("--out", "--data", "--ttt-steps", "--time-budget-s", "--gen-batch", "--backend", "--self-prompts"):
         assert opt in r.output
     for bad, word in ((["--steps", "0"], "--steps"), (["--device", "tpu"], "--device"),
                       (["--dtype", "int8"], "--dtype"), (["--eval-frac", "1.5"], "--eval-frac"),
                       (["--backend", "nope"], "--backend"), (["--model", str(tmp_path / "missing")], "--model"),
-                      (["--prompts", str(tmp_path / "none.txt")], "prompt file")):
+                      (["--prompts", str(tmp_path / "none.txt")], "prompt file"),
+                      (["--self-prompts", "-1"], "--self-prompts"),
+                      (["--self-prompt-max-tokens", "0"], "--self-prompt-max-tokens")):
         r = runner.invoke(drafter_app, ["train", "--out", str(tmp_path / "o"), "--device", "cpu", *bad])
         assert r.exit_code == 2, (bad, r.output)
         lines = [l for l in r.output.splitlines() if l.strip()]

@@ -76,6 +76,18 @@ def test_chat_template(tokenizer):
         L.apply_chat_template(tokenizer, ["not", "a", "str"])
 
 
+def test_chat_user_prefix_ids(tokenizer):
+    pre = L.chat_user_prefix_ids(tokenizer)
+    assert tokenizer.decode(pre).endswith("<|im_end|>\n<|im_start|>user\n") and pre[:1] == [1]
+    for text in ("Hi there", "x", "Écris un poème sur la mer."):   # the start of every conversation
+        assert L.apply_chat_template(tokenizer, text)[:len(pre)] == pre
+
+    class NoTemplate:
+        chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        L.chat_user_prefix_ids(NoTemplate())
+
+
 @pytest.mark.slow
 def test_oracle_greedy(hf_oracle, tokenizer):
     ids = L.apply_chat_template(tokenizer, PROMPT)
