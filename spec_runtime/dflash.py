@@ -875,12 +875,13 @@ class DFlashStrategy(Strategy):
         Returns the ``k`` best ``(log-probabilities float32, token ids int64)``, each
         ``[bs, B - 1, k]``, of the drafts at block positions ``1 .. B-1`` (the drafter's fused
         LM head where it has one: the logits are never written)."""
-        B, bs, dev = self.B, rows.shape[0], eng.device
-        ids = torch.full((bs, B), self.drafter.mask_token_id, dtype=torch.int64, device=dev)
-        ids[:, 0] = eng.roots[rows]
-        cols = P[:, None] + torch.arange(B, device=dev)
+        B, bs, n = self.B, rows.shape[0], eng.max_batch + 1
+        masks = eng.constant(("dflash_block_masks", B, n), lambda: torch.full(
+            (n, B - 1), self.drafter.mask_token_id, dtype=torch.int64, device=eng.device))
+        ids = torch.cat([eng.roots[rows][:, None], masks[:bs]], dim=1)
+        cols = P[:, None] + eng.arange(B)
         loc = eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
-        ones = self._ones_mask.expand(bs, -1, -1).contiguous()
+        ones = eng.constant(("dflash_ones_mask", B, n), lambda: self._ones_mask.expand(n, -1, -1).contiguous())[:bs]
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, B, loc, positions=cols.flatten(),
                           tree_mask=ones, host_prefix_lens=rb.host())
         out = eng.forward("draft", ids.flatten(), batch, top_k=k)
@@ -898,8 +899,13 @@ class DFlashStrategy(Strategy):
 
     def _tree(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor):
         """``(draft_tokens [bs, D], TreeInfo, num_steps)`` of this round's chain or DDTree."""
-        if self.K == 1:
-            return self.propose_block(eng, rb, rows, P), chain_tree(P, self.B), self.B - 1
+        if self.K == 1:   # chain_tree(P, B): kept rows sliced, only the positions computed
+            bs, n = rows.shape[0], eng.max_batch + 1
+            c = eng.constant(("dflash_chain_tree", self.B, n),
+                             lambda: chain_tree(torch.zeros(n, dtype=torch.int64, device=eng.device), self.B))
+            tree = ops.TreeInfo(c.tree_mask[:bs], (P[:, None] + eng.arange(self.B)).flatten(),
+                                c.retrive_index[:bs], c.retrive_next_token[:bs], c.retrive_next_sibling[:bs])
+            return self.propose_block(eng, rb, rows, P), tree, self.B - 1
         vals, toks = self.block_top(eng, rb, rows, P, self.K)
         parent_list, scores, tokens = ops.ddtree_candidates(vals, toks)
         roots = eng.roots[rows]
@@ -912,11 +918,11 @@ class DFlashStrategy(Strategy):
         return draft_tokens, tree, self.B - 1
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
-        D, rows, dev = self.D, rb.rows, eng.device
+        D, rows = self.D, rb.rows
         bs = rows.shape[0]
         P = eng.prefix_lens[rows]
         draft_tokens, tree, num_steps = self._tree(eng, rb, rows, P)
-        cols = (P[:, None] + torch.arange(D, device=dev))
+        cols = P[:, None] + eng.arange(D)
         out_cache_loc = eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
