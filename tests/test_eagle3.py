@@ -15,7 +15,7 @@ from specattn.backends import ForwardBatch, ReqToTokenPool, create_backend
 from specattn.spec_runtime.drafter_cli import drafter_app
 from specattn.spec_runtime.eagle3 import (TOKEN_FREQUENCIES_FILE, Eagle3Config, Eagle3Drafter, checkpoint_nbytes,
                                           default_aux_layer_ids, frequent_tokens, init_weights, read_token_counts)
-from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, random_weights
+from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, random_weights, write_random_hf_dir
 from specattn.spec_runtime.model import LlamaModel
 from specattn.spec_runtime.train_drafter import (GenConfig, SequenceData, collate, generate_data, generate_self_prompts,
                                                  implied_accept_length, pack_sequences, read_prompts,
@@ -389,6 +389,50 @@ def test_self_prompts(tmp_path):
         generate_self_prompts(dataclasses.replace(cfg, eos_token_ids=[]), w, pre, gen=gen, progress=False)
     with pytest.raises(ValueError, match="self_prompts"):
         generate_self_prompts(cfg, w, pre, gen=dataclasses.replace(gen, self_prompts=-1), progress=False)
+
+
+def test_run_training_with_self_prompts(tmp_path, monkeypatch):
+    """``run_training`` with ``self_prompts``: the target's own queries join the prompt file's
+    (decoded, distinct, chat-templated), the data meta counts them and the card names them."""
+    from specattn.spec_runtime import loader
+    from specattn.spec_runtime.train_drafter import RunOptions, TrainConfig, run_training
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                      eos_token_ids=list(range(0, 96, 7)))
+    model_dir = write_random_hf_dir(tmp_path / "target", cfg, seed=3)
+
+    class Tok:   # token i <-> the letter chr(48 + i): decode / encode round-trip exactly
+        chat_template = "fake"
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(48 + int(i)) for i in ids)
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) - 48 for c in text]
+    monkeypatch.setattr(loader, "load_tokenizer", lambda path: Tok())
+    monkeypatch.setattr(loader, "chat_user_prefix_ids", lambda tok: [5, 6, 7])
+    monkeypatch.setattr(loader, "apply_chat_template", lambda tok, text: [5, 6, 7] + tok.encode(text) + [8])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ABC\nDEFG\nHI\n")
+    gen = GenConfig(gen_batch=8, max_new_tokens=6, samples_per_prompt=1, seed_max_new_tokens=4,
+                    self_prompts=12, self_prompt_max_tokens=12, seed=2)
+    tc = TrainConfig(kind="eagle3", seq_len=24, batch_size=2, steps=2, ttt_steps=2, warmup_steps=1,
+                     eval_every=0, eval_batches=1, time_budget_s=0, amp=False)
+    res = run_training(RunOptions(out=tmp_path / "out", model=str(model_dir), prompts=prompts,
+                                  data=tmp_path / "data.safetensors", num_seeds=2, gen=gen, train=tc,
+                                  progress=False))
+    meta = SequenceData.load(tmp_path / "data.safetensors").meta
+    sp = meta["self_prompts"]
+    assert sp["requested"] == 12 and 1 <= sp["kept"] <= sp["ended"] <= 12
+    assert meta["file_prompts"] == 3 and meta["prompts"] == 3 + sp["kept"]
+    # every self-written prompt's tokens sit after the pre-query ids in its sequences
+    data = SequenceData.load(tmp_path / "data.safetensors")
+    firsts = {tuple(data.tokens[int(data.offsets[i]):int(data.offsets[i]) + 3].tolist())
+              for i in range(data.num_sequences) if int(data.group[i]) < meta["prompts"]}
+    assert firsts == {(5, 6, 7)}
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"{sp['kept']} written by the target itself" in card and "3 from `prompts.txt`" in card
+    assert res["data_stats"]["sequences"] == data.num_sequences
 
 
 # ----------------------------------------------------------------------------- training end to end
