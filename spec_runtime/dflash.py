@@ -852,7 +852,6 @@ class DFlashStrategy(Strategy):
         self.target_capture_layers = tuple(self.drafter.context_layers)
         self.tokens_per_round = max(self.B, self.D)
         self.emit_width = self.D
-        self._ones_mask: Optional[torch.Tensor] = None
 
     def round_modes(self):
         return [("target", ForwardMode.TARGET_VERIFY), ("draft", ForwardMode.TARGET_VERIFY)]
@@ -881,16 +880,13 @@ class DFlashStrategy(Strategy):
         ids = torch.cat([eng.roots[rows][:, None], masks[:bs]], dim=1)
         cols = P[:, None] + eng.arange(B)
         loc = eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
-        ones = eng.constant(("dflash_ones_mask", B, n), lambda: self._ones_mask.expand(n, -1, -1).contiguous())[:bs]
+        ones = eng.constant(("dflash_ones_mask", B, n),   # packed all-ones [B, B]: non-causal in the block
+                            lambda: pack_tree_mask(torch.ones(n, B, B, dtype=torch.bool, device=eng.device)))[:bs]
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, B, loc, positions=cols.flatten(),
                           tree_mask=ones, host_prefix_lens=rb.host())
         out = eng.forward("draft", ids.flatten(), batch, top_k=k)
         vals, toks = out.top if out.top is not None else ops.topk_log_probs(out.logits, k)
         return vals.view(bs, B, k)[:, 1:], toks.view(bs, B, k)[:, 1:]
-
-    def build(self, eng: "Engine") -> None:
-        # one request's packed all-ones [B, B] block mask (non-causal attention in the block)
-        self._ones_mask = pack_tree_mask(torch.ones(1, self.B, self.B, dtype=torch.bool, device=eng.device))
 
     def propose_block(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
         """The chain's ``draft_tokens [bs, B]``: the roots, then the block's argmax drafts."""
