@@ -173,8 +173,9 @@ def test_triton_kernels_check_scales():
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_triton_fp8_on_gpu(mode, page_size, head_dim, seed):
-    """bf16 queries over fp8 caches (tiles converted in registers), GQA groups 1..8; the
-    Gluon tree-verify kernel does not take fp8, so TARGET_VERIFY runs the portable kernel."""
+    """bf16 queries over fp8 caches (tiles converted in registers), GQA groups 1..8;
+    TARGET_VERIFY with >= 128 packed rows per request runs the Gluon ping-pong kernel (its
+    loader widens each tile in shared memory), fewer the portable kernel."""
     from triton_cases import check
     rng = random.Random(seed)
     for group in (1, rng.randint(2, 7), 8):
@@ -185,6 +186,48 @@ def test_triton_fp8_on_gpu(mode, page_size, head_dim, seed):
                            kv_scales=_scales(rng), rng=rng)
         assert sc.q_dtype == torch.bfloat16
         check(sc, splits=rng.choice([None, 1, 4]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_fp8_tree_verify(page_size, head_dim, seed):
+    """The Gluon ping-pong tree verify over an fp8 cache against the reference, and against
+    the same kernel over the cache widened to bf16 in global memory (exact) with ``k_scale``
+    folded into ``sm_scale`` and ``v_scale`` applied after: equal up to float32 rounding
+    (random trees, prefixes across tile and split edges, fresh scales, float32 outputs
+    poisoned first).  The synchronous schedule and 128-key tiles refuse an fp8 cache."""
+    from triton_cases import check, rel_err
+    from specattn.triton_kernels.attention import paged_attention
+    rng = random.Random(seed)
+    for _ in range(3):
+        hkv = rng.choice([1, 2, 4])
+        group, D = rng.choice([(4, 64), (8, 16), (3, 48), (2, 64)])
+        sc = make_scenario(ForwardMode.TARGET_VERIFY, bs=rng.randint(1, 5), page_size=page_size,
+                           device="cuda", dtype=FP8, num_kv_heads=hkv, num_heads=hkv * group,
+                           head_dim=head_dim, max_prefix=rng.choice([1, 63, 64, 65, 700, 3000]),
+                           D=D, kv_scales=_scales(rng), rng=rng)
+        splits = rng.choice([None, 1, 3])
+        check(sc, splits=splits, kernel_config={"sm90": True})
+        b, pool, lid = sc.batch, sc.kv_pool, sc.layer.layer_id
+        k_scale, v_scale = pool.kv_scales(lid)
+        k8, v8 = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        q = torch.randn(b.num_tokens, hkv * group, head_dim, device="cuda").bfloat16()
+        meta = (sc.req_pool.req_to_token, b.req_pool_indices, b.prefix_lens.int(),
+                b.qo_indptr().int(), b.tree_mask, D)
+        sm_scale, num_splits = head_dim ** -0.5, splits or 2
+        got, wide = (torch.full(q.shape, float("nan"), device="cuda") for _ in range(2))
+        paged_attention(q, k8, v8, *meta, sm_scale, num_splits, got, sm90=True,
+                        k_scale=k_scale, v_scale=v_scale)
+        paged_attention(q, k8.bfloat16(), v8.bfloat16(), *meta, sm_scale * k_scale, num_splits,
+                        wide, sm90=True)
+        assert torch.isfinite(got).all() and rel_err(got, wide * v_scale) < 1e-4
+        with pytest.raises(ValueError, match="ping-pong schedule for an fp8 cache"):
+            paged_attention(q, k8, v8, *meta, sm_scale, num_splits, sm90=True, pingpong=False,
+                            k_scale=k_scale, v_scale=v_scale)
+        with pytest.raises(ValueError, match="block_n must be 64 with an fp8 cache"):
+            paged_attention(q, k8, v8, *meta, sm_scale, num_splits, sm90=True, block_n=128,
+                            k_scale=k_scale, v_scale=v_scale)
 
 
 @pytest.mark.gpu

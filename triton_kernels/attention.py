@@ -277,8 +277,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         off32: int32 slot address offsets (None: whenever every cache element offset fits
             in 31 bits; False forces int64, True is ignored when they do not fit).
         sm90: run TARGET_VERIFY on the Gluon kernel of :mod:`.attention_sm90` (each tile's
-            softmax runs under the previous tile's PV GEMM; ``block_n`` 64 or 128, the other
-            config keys do not apply).  True raises ValueError where
+            softmax runs under the previous tile's PV GEMM; ``block_n`` 64 or 128, only 64
+            over an fp8 cache, which only the ping-pong schedule reads; the other config keys
+            do not apply).  True raises ValueError where
             :func:`~.attention_sm90.sm90_tree_verify_supported` says it cannot run or another
             config key is set; None (default) uses it where it can run, no other key is set
             and a request fills its 128-row tile (``max_q * G >= 128``; below that the Triton
@@ -347,7 +348,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         conflicts = [k for k in ("block_m", "num_warps", "num_stages") if overrides[k] is not None]
         if block_n not in (None, 64, 128):
             conflicts.append(f"block_n={block_n}")
-        why = sm90_tree_verify_supported(q, k_cache, v_cache, tree_mask)
+        why = sm90_tree_verify_supported(q, k_cache, v_cache, tree_mask, pingpong is not False)
     else:
         conflicts = []
         why = ("sm90=False" if sm90 is False
@@ -357,7 +358,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o_part, lse, _, _ = split_partials(num_splits, T, H, Dv, out, prefix_lens)
         sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
                          qo_indptr, tree_mask, max_q, sm_scale, out, o_part, lse, num_splits,
-                         block_n, pingpong=pingpong is not False, page_size=page_size)
+                         block_n, pingpong=pingpong is not False, page_size=page_size,
+                         k_scale=k_scale, v_scale=v_scale)
         if num_splits > 1:
             merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)
         return out

@@ -1,14 +1,16 @@
 """Config sweep of the Triton paged-attention kernels on a GPU (tuning aid, not a bench case).
 
     python3 bench/scripts/attention_sweep.py [--only tree_verify,decode,extend,mla_decode,mla_tree_verify]
-        [--json OUT.json] [--points bs/P/n,..] [--match KEY]
+        [--json OUT.json] [--points bs/P/n,..] [--match KEY] [--kv-dtype fp8_e4m3]
 
 For each workload point (the attention suite's points: GQA 32 q / 8 kv heads, head_dim 128, bf16,
 page 1; MLA 128 heads, 512 + 64, page 64) it times every kernel config of a small grid with
 ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs, median) and prints, per
 point, the default config's time, the best config and its time.  Inputs are random (fresh per
 run), keys at random slots of a larger cache, random 64-token trees.  The MLA points run only
-when ``specattn.triton_kernels.attention_mla`` exists.
+when ``specattn.triton_kernels.attention_mla`` exists.  ``--kv-dtype fp8_e4m3`` keeps the
+caches in fp8 e4m3 (the bf16 draws rounded once, scale 1.0; extend has no fp8 path and is
+skipped) and adds 256-key tiles to the MHA grid (an fp8 key is half a bf16 key's bytes).
 
 Every config is checked against the default config's output first (relative error < 2e-2),
 so a config that miscompiles is reported, not timed.
@@ -56,10 +58,13 @@ def paged_inputs(bs, P, n, Hkv, Dk, Dv, dtype, device, page_size=1, shared_kv=Fa
     return k, v, req_to_token.contiguous()
 
 
-def mha_point(kind, bs, P, n, dtype=torch.bfloat16, H=32, Hkv=8, hd=128, device="cuda"):
+def mha_point(kind, bs, P, n, dtype=torch.bfloat16, H=32, Hkv=8, hd=128, device="cuda",
+              kv_dtype=None):
     from specattn.backends.triton_backend import MAX_KV_SPLITS, split_keys_mha  # its split heuristic
     from specattn.triton_kernels.attention import choose_block_m, paged_attention
     k, v, rtt = paged_inputs(bs, P, n, Hkv, hd, hd, dtype, device)
+    if kv_dtype is not None:
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
     q = torch.randn(bs * n, H, hd, dtype=dtype, device=device)
     rpi = torch.arange(bs, dtype=torch.int64, device=device)
     seq = torch.full((bs,), P, dtype=torch.int32, device=device)
@@ -79,7 +84,8 @@ def mha_point(kind, bs, P, n, dtype=torch.bfloat16, H=32, Hkv=8, hd=128, device=
 
     grid = []
     bms = [16] if n * G <= 16 else ([32, 64] if n * G <= 64 else [64, 128])
-    for bm, bn, w, st in itertools.product(bms, [32, 64, 128], [4, 8], [2, 3, 4]):
+    bns = [32, 64, 128] + ([256] if kv_dtype is not None else [])
+    for bm, bn, w, st in itertools.product(bms, bns, [4, 8], [2, 3, 4]):
         if bm == 128 and w == 4:
             continue
         grid.append(dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
@@ -92,13 +98,16 @@ def mha_point(kind, bs, P, n, dtype=torch.bfloat16, H=32, Hkv=8, hd=128, device=
     return fn, grid, dict(flops=flops, bytes=nbytes, default_splits=split_default)
 
 
-def mla_point(kind, bs, P, n, dtype=torch.bfloat16, H=128, rank=512, rope=64, device="cuda"):
+def mla_point(kind, bs, P, n, dtype=torch.bfloat16, H=128, rank=512, rope=64, device="cuda",
+              kv_dtype=None):
     try:
         from specattn.triton_kernels import attention_mla as M
     except ImportError:
         return None
     kern = M.mla_paged_attention
     k, _, rtt = paged_inputs(bs, P, n, 1, rank + rope, rank, dtype, device, page_size=64)
+    if kv_dtype is not None:
+        k = k.to(kv_dtype)
     q = torch.randn(bs * n, H, rank + rope, dtype=dtype, device=device)
     rpi = torch.arange(bs, dtype=torch.int64, device=device)
     seq = torch.full((bs,), P, dtype=torch.int32, device=device)
@@ -152,6 +161,8 @@ def main(argv=None):
     ap.add_argument("--points", default=None, help="bs/P/n,... (overrides the kinds' points)")
     ap.add_argument("--match", default=None,
                     help="time only the grid configs that set this key (e.g. tma)")
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                    help="the caches' dtype: the points' (bf16) or fp8 e4m3")
     args = ap.parse_args(argv)
     torch.manual_seed(random.randrange(2**31))
     results = []
@@ -160,9 +171,14 @@ def main(argv=None):
     if args.points:
         points = {k: [tuple(int(x) for x in p.split("/")) for p in args.points.split(",")]
                   for k in args.only.split(",")}
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8_e4m3" else None
     for kind in args.only.split(","):
+        if kind == "extend" and kv_dtype is not None:
+            print("extend: no fp8 cache path, skipped")
+            continue
         for bs, P, n in points[kind]:
-            made = (mha_point if not kind.startswith("mla") else mla_point)(kind, bs, P, n)
+            made = (mha_point if not kind.startswith("mla") else mla_point)(kind, bs, P, n,
+                                                                           kv_dtype=kv_dtype)
             if made is None:
                 print(f"{kind}: no MLA kernel module, skipped")
                 break
@@ -192,7 +208,8 @@ def main(argv=None):
             bad = [r for r in rows if r[1] is None]
             for cfg, _, why in bad[:3]:
                 print(f"{'':>18} failed {cfg}: {why}")
-            results.append(dict(kind=kind, bs=bs, P=P, n=n, default_us=t_def * 1e3, meta=meta,
+            results.append(dict(kind=kind, bs=bs, P=P, n=n, kv_dtype=args.kv_dtype,
+                                default_us=t_def * 1e3, meta=meta,
                                 rows=[dict(cfg=c, us=None if t is None else t * 1e3, note=w)
                                       for c, t, w in rows]))
     if args.json:
