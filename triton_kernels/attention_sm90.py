@@ -348,6 +348,19 @@ if HAVE_GLUON:
                     v_desc, [slot0, col], bar, v_buf.slice(r * ROWS, ROWS).slice(b * 64, 64, dim=1))
 
     @gluon.jit
+    def _q_copy(q_smem, Q, q_start, n, m0, hk, stride_qt, stride_qh, GROUP: gl.constexpr,
+                HEAD_DIM: gl.constexpr, LD: gl.constexpr):
+        """``cp.async`` each warpgroup's 64 packed rows of ``q`` into ``q_smem[wg]`` (rows past
+        ``n * GROUP`` zero-filled)."""
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
+        for h in gl.static_range(2):
+            rows = m0 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
+            q_rows = ((q_start + rows // GROUP).to(gl.int64) * stride_qt
+                      + (hk * GROUP + rows % GROUP) * stride_qh)
+            async_copy.async_copy_global_to_shared(q_smem.index(h), Q + q_rows[:, None] + d[None, :],
+                                                   mask=(rows < n * GROUP)[:, None])
+
+    @gluon.jit
     def _tv_loader(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
                    tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
                    stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
@@ -364,13 +377,7 @@ if HAVE_GLUON:
         tiles are loaded a tile ahead."""
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [LW, 1],
                                             [1, 0])
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
-        for h in gl.static_range(2):  # each warpgroup's 64 rows of q
-            rows = m0 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
-            q_rows = ((q_start + rows // GROUP).to(gl.int64) * stride_qt
-                      + (hk * GROUP + rows % GROUP) * stride_qh)
-            async_copy.async_copy_global_to_shared(q_smem.index(h), Q + q_rows[:, None] + d[None, :],
-                                                   mask=(rows < n * GROUP)[:, None])
+        _q_copy(q_smem, Q, q_start, n, m0, hk, stride_qt, stride_qh, GROUP, HEAD_DIM, LD)
         if MASKED_FIRST:  # the compute's order (``_tile_order``): masked tiles first
             n_whole, n_masked = _tile_order(P, lo, hi, BLOCK_N)
         if TMA_ROWS > 0:
@@ -426,13 +433,7 @@ if HAVE_GLUON:
                                             [1, 0])
         dtype: gl.constexpr = Q.dtype.element_ty
         HALF: gl.constexpr = BLOCK_N // 2
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
-        for h in gl.static_range(2):  # each warpgroup's 64 rows of q
-            rows = m0 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
-            q_rows = ((q_start + rows // GROUP).to(gl.int64) * stride_qt
-                      + (hk * GROUP + rows % GROUP) * stride_qh)
-            async_copy.async_copy_global_to_shared(q_smem.index(h), Q + q_rows[:, None] + d[None, :],
-                                                   mask=(rows < n * GROUP)[:, None])
+        _q_copy(q_smem, Q, q_start, n, m0, hk, stride_qt, stride_qh, GROUP, HEAD_DIM, LD)
         async_copy.commit_group()
         for f in gl.static_range(F8_STAGES - 1):  # prologue: tiles 0 .. F8_STAGES - 2 in flight
             if f < n_tiles:
@@ -468,6 +469,28 @@ if HAVE_GLUON:
             gl.thread_barrier()
             mbarrier.arrive(bars.index(st), count=1)
         async_copy.wait_group(0)
+
+    @gluon.jit
+    def _tv_load(q_smem, k_smem, v_smem, k8_smem, v8_smem, bars, Q, K, V, O, O_PART, LSE_PART,
+                 rtt_row, tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
+                 stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
+                 stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale, k_desc, v_desc,
+                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr,
+                 LW: gl.constexpr, MASKED_FIRST: gl.constexpr, F8_STAGES: gl.constexpr):
+        """The loader partition: :func:`_tv_loader_fp8` over an fp8 cache (``F8_STAGES`` > 0,
+        its ring ``k8_smem`` / ``v8_smem``), else :func:`_tv_loader`."""
+        if F8_STAGES > 0:
+            _tv_loader_fp8(q_smem, k_smem, v_smem, k8_smem, v8_smem, bars, Q, K, V, rtt_row,
+                           q_start, n, m0, hk, lo, hi, n_tiles, stride_qt, stride_qh, stride_kt,
+                           stride_vt, GROUP, HEAD_DIM, BLOCK_N, STAGES, F8_STAGES, LW)
+        else:
+            _tv_loader(q_smem, k_smem, v_smem, bars, Q, K, V, O, O_PART, LSE_PART, rtt_row,
+                       tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles, stride_qt,
+                       stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_ps,
+                       stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj, qk_scale, k_desc,
+                       v_desc, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES, TMA_ROWS, LW,
+                       MASKED_FIRST)
 
     @gluon.jit
     def _tv_step(q_op, k_smem, v_smem, bars, i, start, P, hi, tree_row, row_ok, s_zero, p, m_i,
@@ -670,46 +693,30 @@ if HAVE_GLUON:
                                                     [F8_STAGES, BLOCK_N, HEAD_DIM], L8S)
                 v8_smem = gl.allocate_shared_memory(K.dtype.element_ty,
                                                     [F8_STAGES, BLOCK_N, HEAD_DIM], L8S)
-                gl.warp_specialize([
-                    (_tv_wg0, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART, LSE_PART,
+            else:  # no fp8 ring: the 16-bit loader never touches these
+                k8_smem = k_smem
+                v8_smem = v_smem
+            gl.warp_specialize([
+                (_tv_wg0, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART, LSE_PART,
                            rtt_row, tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj,
                            qk_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES,
                            MASKED_FIRST, SCALE_V)),
-                    (_tv_wg1, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART, LSE_PART,
+                (_tv_wg1, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART, LSE_PART,
                            rtt_row, tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj,
                            qk_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES,
                            MASKED_FIRST, SCALE_V)),
-                    (_tv_loader_fp8, (q_smem, k_smem, v_smem, k8_smem, v8_smem, bars, Q, k_base,
-                                      v_base, rtt_row, q_start, n, m0, hk, lo, hi, n_tiles,
-                                      stride_qt, stride_qh, stride_kt, stride_vt, GROUP,
-                                      HEAD_DIM, BLOCK_N, STAGES, F8_STAGES, LW))],
-                                   [4, LW], [216, 40])
-            else:
-                gl.warp_specialize([
-                    (_tv_wg0, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART, LSE_PART,
-                           rtt_row, tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
-                           stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
-                           stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj,
-                           qk_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES,
-                           MASKED_FIRST, SCALE_V)),
-                    (_tv_wg1, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART, LSE_PART,
-                           rtt_row, tree_base, q_start, n, m0, hk, split, P, lo, hi, n_tiles,
-                           stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh,
-                           stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tmj,
-                           qk_scale, v_scale, GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES,
-                           MASKED_FIRST, SCALE_V)),
-                    (_tv_loader, (q_smem, k_smem, v_smem, bars, Q, k_base, v_base, O, O_PART,
-                                  LSE_PART, rtt_row, tree_base, q_start, n, m0, hk, split, P, lo,
-                                  hi, n_tiles, stride_qt, stride_qh, stride_kt, stride_vt,
-                                  stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
-                                  stride_ls, stride_lt, stride_tmj, qk_scale, k_desc, v_desc,
-                                  GROUP, HEAD_DIM, BLOCK_N, NUM_SPLITS, STAGES, TMA_ROWS, LW,
-                                  MASKED_FIRST))],
-                                   [4, LW], [232 if LW == 4 else 224, 40 if LW == 4 else 32])
+                (_tv_load, (q_smem, k_smem, v_smem, k8_smem, v8_smem, bars, Q, k_base, v_base, O,
+                            O_PART, LSE_PART, rtt_row, tree_base, q_start, n, m0, hk, split, P,
+                            lo, hi, n_tiles, stride_qt, stride_qh, stride_kt, stride_vt,
+                            stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls,
+                            stride_lt, stride_tmj, qk_scale, k_desc, v_desc, GROUP, HEAD_DIM,
+                            BLOCK_N, NUM_SPLITS, STAGES, TMA_ROWS, LW, MASKED_FIRST, F8_STAGES))],
+                               [4, LW], [216 if F8_STAGES > 0 else (232 if LW == 4 else 224),
+                                         32 if LW == 8 and F8_STAGES == 0 else 40])
 
 
 def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, qo_indptr,
