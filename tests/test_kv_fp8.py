@@ -192,11 +192,12 @@ def test_triton_fp8_on_gpu(mode, page_size, head_dim, seed):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_fp8_tree_verify(page_size, head_dim, seed):
-    """The Gluon ping-pong tree verify over an fp8 cache against the reference, and against
-    the same kernel over the cache widened to bf16 in global memory (exact) with ``k_scale``
-    folded into ``sm_scale`` and ``v_scale`` applied after: equal up to float32 rounding
-    (random trees, prefixes across tile and split edges, fresh scales, float32 outputs
-    poisoned first).  The synchronous schedule and 128-key tiles refuse an fp8 cache."""
+    """The Gluon ping-pong tree verify over an fp8 cache (bf16 queries; the kernel runs its
+    GEMMs in fp16) against the reference, and against the same kernel on fp16 queries over
+    the cache widened to fp16 in global memory (both exact) with ``k_scale`` folded into
+    ``sm_scale`` and ``v_scale`` applied after: equal up to float32 rounding (random trees,
+    prefixes across tile and split edges, fresh scales, float32 outputs poisoned first).
+    The synchronous schedule and 128-key tiles refuse an fp8 cache."""
     from triton_cases import check, rel_err
     from specattn.triton_kernels.attention import paged_attention
     rng = random.Random(seed)
@@ -219,7 +220,7 @@ def test_gluon_fp8_tree_verify(page_size, head_dim, seed):
         got, wide = (torch.full(q.shape, float("nan"), device="cuda") for _ in range(2))
         paged_attention(q, k8, v8, *meta, sm_scale, num_splits, got, sm90=True,
                         k_scale=k_scale, v_scale=v_scale)
-        paged_attention(q, k8.bfloat16(), v8.bfloat16(), *meta, sm_scale * k_scale, num_splits,
+        paged_attention(q.half(), k8.half(), v8.half(), *meta, sm_scale * k_scale, num_splits,
                         wide, sm90=True)
         assert torch.isfinite(got).all() and rel_err(got, wide * v_scale) < 1e-4
         with pytest.raises(ValueError, match="ping-pong schedule for an fp8 cache"):

@@ -66,12 +66,14 @@ in fact run under it.
 **fp8 (e4m3) caches** (ping-pong only, :func:`_tv_loader_fp8`): wgmma takes no bf16 x fp8
 pair, so the loader widens each tile before the warpgroups see it.  Its 8 warps ``cp.async``
 the raw rows into a 3-stage fp8 ring two tiles ahead (each tile's slots loaded an iteration
-earlier), read back the bytes each thread copied once they land, convert them to ``q``'s
-dtype in registers (exact) and store them into a 4-stage 16-bit ring of the layout above;
-the compute partitions are unchanged (``k_scale`` folds into the score scale, ``v_scale``
-multiplies the accumulator once).  The pool is read as fp8 once and never widened in global
-memory.  The loader's conversion limits it: 0.75-0.79x the bf16 cache's time (H200, the
-attention suite's points), where the portable kernel reached 0.55-0.63x.
+earlier), read back the bytes each thread copied once they land, convert them to fp16 in
+registers (exact, one conversion per pair) and store them into a 4-stage fp16 ring of the
+layout above; ``q`` goes to fp16 once and the compute partitions run in fp16 (``P`` rounded
+to fp16 for the PV GEMM; ``k_scale`` folds into the score scale, ``v_scale`` multiplies the
+accumulator once).  The pool is read as fp8 once and never widened in global memory.
+Widening to bf16 instead (a second conversion per element: sm_90 has no e4m3 -> bf16 one)
+left the loader the bottleneck, 0.72-0.79x the bf16 cache's speed against 0.90-1.02x with
+fp16 tiles (H200, the attention suite's four points).
 
 Scope (:func:`sm90_tree_verify_supported`): TARGET_VERIFY, bf16/fp16 ``q`` with caches of
 its dtype or (ping-pong) fp8 e4m3, ``head_dim == v_head_dim`` in (64, 128), an sm_90 GPU; the rest uses
@@ -421,19 +423,32 @@ if HAVE_GLUON:
         """Loader partition for an fp8 (e4m3) cache: the raw K/V rows of a tile stream by
         ``cp.async`` into an ``F8_STAGES`` ring of fp8 tiles, ``F8_STAGES - 1`` tiles ahead;
         once tile ``t`` has landed, each thread reads back the very bytes it copied (no
-        barrier between the loader's threads), widens them to the query's dtype in registers
-        (exact: every e4m3 value is a bf16 / fp16 normal) and stores them into stage
-        ``t % STAGES`` of the 16-bit ring that the warpgroups read, once both released it.
-        Then a proxy fence, a barrier of the loader's warps and one arrival on the stage's
-        full barrier (count 1).  Neither the pool nor a tile is ever widened in global memory."""
+        barrier between the loader's threads), widens them in registers to the tiles' dtype
+        (``k_smem``'s: fp16, one ``cvt.rn.f16x2.e4m3x2`` per pair, exact since every e4m3
+        value is an fp16 normal) and stores them into stage ``t % STAGES`` of the 16-bit ring
+        that the warpgroups read, once both released it; then a barrier of the loader's
+        warps and one arrival on the stage's full barrier (count 1).  ``q`` in another dtype
+        than the tiles (bf16) is converted once on its way to shared memory (exact for
+        ``|q| < 65504``, as in the portable kernel).  Neither the pool nor a tile is ever
+        widened in global memory."""
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [LW, 1],
                                             [1, 0])
         # 16 fp8 bytes per thread and row segment: one 16-byte cp.async, one 16-byte read back
         L8: gl.constexpr = gl.BlockedLayout([1, 16], [512 // HEAD_DIM, HEAD_DIM // 16], [LW, 1],
                                             [1, 0])
-        dtype: gl.constexpr = Q.dtype.element_ty
+        dtype: gl.constexpr = k_smem.dtype
         HALF: gl.constexpr = BLOCK_N // 2
-        _q_copy(q_smem, Q, q_start, n, m0, hk, stride_qt, stride_qh, GROUP, HEAD_DIM, LD)
+        if dtype == Q.dtype.element_ty:
+            _q_copy(q_smem, Q, q_start, n, m0, hk, stride_qt, stride_qh, GROUP, HEAD_DIM, LD)
+        else:  # fp16 tiles under bf16 queries: q converted once (exact for |q| < 65504)
+            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LD))
+            for h in gl.static_range(2):
+                rows = m0 + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
+                q_rows = ((q_start + rows // GROUP).to(gl.int64) * stride_qt
+                          + (hk * GROUP + rows % GROUP) * stride_qh)
+                x = gl.load(Q + q_rows[:, None] + d[None, :], mask=(rows < n * GROUP)[:, None],
+                            other=0.0)
+                q_smem.index(h).store(x.to(dtype))
         async_copy.commit_group()
         for f in gl.static_range(F8_STAGES - 1):  # prologue: tiles 0 .. F8_STAGES - 2 in flight
             if f < n_tiles:
@@ -548,7 +563,7 @@ if HAVE_GLUON:
         mask code (the online softmax does not depend on the order); else tile 0 peeled,
         then one loop that tests each tile (``_tile_scores``).  ``v_scale`` (``SCALE_V``, an
         fp8 cache's V dequantization scale) multiplies the accumulator once before the store."""
-        dtype: gl.constexpr = Q.dtype.element_ty  # the tiles' (an fp8 cache's are widened to it)
+        dtype: gl.constexpr = k_smem.dtype  # the tiles' (an fp8 cache's are widened to it)
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -653,12 +668,12 @@ if HAVE_GLUON:
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
             NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr = 0,
             LW: gl.constexpr = 8, MASKED_FIRST: gl.constexpr = False,
-            F8_STAGES: gl.constexpr = 0, SCALE_V: gl.constexpr = False):
+            F8_STAGES: gl.constexpr = 0, SCALE_V: gl.constexpr = False,
+            F8_FP16: gl.constexpr = False):
         """Warp-specialized ping-pong tree verify: 4 warps here (warpgroup 0), warpgroup 1
         and the loader (``LW`` warps) as workers, on mbarriers.  ``F8_STAGES`` > 0: an fp8
         cache, widened by the loader (:func:`_tv_loader_fp8`) through a ring of that many
-        fp8 tiles."""
-        dtype: gl.constexpr = Q.dtype.element_ty
+        fp8 tiles; ``F8_FP16``: the tiles (and ``q``) in fp16 rather than ``q``'s dtype."""
         SW: gl.constexpr = SW128  # the TMA descriptors' layout too
         hk = gl.program_id(1)
         pid2 = gl.program_id(2)
@@ -671,9 +686,16 @@ if HAVE_GLUON:
             P, rtt_row, lo, hi = _tv_keys(prefix_lens, req_to_token, req_pool_indices, req, split, n,
                                           stride_rtt, BLOCK_N, NUM_SPLITS)
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-            q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], SW)
-            k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], SW)
-            v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], SW)
+            if F8_FP16:  # fp16 tiles: e4m3 -> fp16 is one cvt per pair, -> bf16 needs a second
+                q_smem = gl.allocate_shared_memory(gl.float16, [2, 64, HEAD_DIM], SW)
+                k_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], SW)
+                v_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], SW)
+            else:
+                q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 64, HEAD_DIM], SW)
+                k_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM],
+                                                   SW)
+                v_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM],
+                                                   SW)
             bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 2, 1],
                                              mbarrier.MBarrierLayout())
             for i in gl.static_range(STAGES):
@@ -748,10 +770,11 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
     holding ``P`` or draft keys first, then its whole prefix tiles); None = with TMA tiles
     only, where it measured faster.  The output depends on the order by rounding only (tests
     set it to compare the TMA and ``cp.async`` paths bit for bit).
-    An fp8 e4m3 cache (ping-pong only, 64-key tiles): the loader widens each tile to ``q``'s
-    dtype in shared memory (:func:`_tv_loader_fp8`; four 16-bit stages behind three fp8
-    ones, per-key ``cp.async`` at any page size); ``k_scale`` folds into the score scale,
-    ``v_scale`` multiplies the accumulator once (both 1.0 for other caches).
+    An fp8 e4m3 cache (ping-pong only, 64-key tiles): the loader widens each tile to fp16 in
+    shared memory and ``q`` once (:func:`_tv_loader_fp8`; four fp16 stages behind three fp8
+    ones, per-key ``cp.async`` at any page size), the GEMMs run in fp16; ``k_scale`` folds
+    into the score scale, ``v_scale`` multiplies the accumulator once (both 1.0 for other
+    caches).
     Raises ValueError for another ``block_n`` (only 64 with an fp8 cache).  No host sync."""
     D = q.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -776,7 +799,8 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
         # 16-bit stages + 3 x 16 KB fp8 stages + q (a fourth fp8 stage measured no faster)
         _tree_verify_ws_kernel[grid](*args, v_scale, None, None, GROUP=G, HEAD_DIM=D, BLOCK_N=64,
                                      NUM_SPLITS=num_splits, STAGES=4, LW=8, F8_STAGES=3,
-                                     SCALE_V=v_scale != 1.0, num_warps=4, maxnreg=128)
+                                     SCALE_V=v_scale != 1.0, F8_FP16=True, num_warps=4,
+                                     maxnreg=128)
         return
     if pingpong:
         block_n = block_n or 64
