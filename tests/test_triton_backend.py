@@ -196,6 +196,16 @@ def test_sm90_tree_verify_errors_and_eligibility():
                                      torch.zeros(8, 2, 16), None)
     for need in ("sm_90", "TARGET_VERIFY", "bf16/fp16", "head_dim == v_head_dim"):
         assert need in why, (need, why)
+    # an fp8 cache under bf16 queries: the ping-pong schedule takes it, the synchronous does not
+    fp8 = torch.zeros(8, 2, 64, dtype=torch.float8_e4m3fn)
+    tm = torch.zeros(1, 4, 1, dtype=torch.int32)
+    q16 = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
+    why = sm90_tree_verify_supported(q16, fp8, fp8, tm)
+    assert "bf16/fp16" not in why and "ping-pong" not in why, why
+    why = sm90_tree_verify_supported(q16, fp8, fp8, tm, pingpong=False)
+    assert "ping-pong schedule for an fp8 cache" in why, why
+    why = sm90_tree_verify_supported(q16.float(), fp8, fp8, tm)
+    assert "bf16/fp16 q" in why, why
     with pytest.raises(ValueError, match="sm90 must be a bool"):
         TritonBackend(sc.req_pool, sc.kv_pool, kernel_config={"sm90": "yes"})
     with pytest.raises(ValueError, match="pingpong must be a bool"):
