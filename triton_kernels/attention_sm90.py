@@ -76,9 +76,9 @@ left the loader the bottleneck, 0.72-0.79x the bf16 cache's speed against 0.90-1
 fp16 tiles (H200, the attention suite's four points).
 
 Scope (:func:`sm90_tree_verify_supported`): TARGET_VERIFY, bf16/fp16 ``q`` with caches of
-its dtype or (ping-pong) fp8 e4m3, ``head_dim == v_head_dim`` in (64, 128), an sm_90 GPU; the rest uses
-:mod:`.attention`.  :func:`.attention.paged_attention` takes this module by default where it
-can run and a request has >= 128 packed rows (``max_q * G``).  No host sync.
+its dtype or (ping-pong) fp8 e4m3, ``head_dim == v_head_dim`` in (64, 128), an sm_90 GPU; the
+rest uses :mod:`.attention`.  :func:`.attention.paged_attention` takes this module by default
+where it can run and a request has >= 128 packed rows (``max_q * G``).  No host sync.
 """
 from __future__ import annotations
 
