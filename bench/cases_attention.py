@@ -73,9 +73,9 @@ tokens) built by :func:`specattn.ops.build_tree` (reference).  ``input_sets=None
 Every request of a point has the same prefix; ``seq_len`` (decode) counts the keys a query
 sees, its own included (``P = seq_len - 1`` committed + 1 new).  ``-p kv_dtype=fp8_e4m3``
 (decode, tree verify, MLA decode and tree verify) keeps the KV cache in fp8 e4m3 (scale 1.0)
-with bf16 queries: the Triton impls read it directly (the Gluon kernels take bf16 caches
-only, so the portable kernels run), the FlashInfer impls are planned with an fp8
-``kv_data_type``, FlashMLA refuses it.
+with bf16 queries: the Triton impls read it directly (GQA tree verify on the ping-pong Gluon
+kernel, which widens each tile to fp16 in shared memory; the rest on the portable kernels),
+the FlashInfer impls are planned with an fp8 ``kv_data_type``, FlashMLA refuses it.
 
 Accounting (the same for every impl of a point, so GB/s and TFLOP/s compare):
 
