@@ -10,9 +10,10 @@ record what a refactor must not change: the multiset of PTX instructions and, wh
 exits 1 if any does.  Equal results mean the change only reordered instructions (e.g. code
 moved into inlined ``@triton.jit`` helpers): a performance-neutral refactor can be shown on
 a machine without a GPU.  Configs: ``CONFIGS`` below (MHA/MLA attention at several mask /
-split / value-split settings, greedy and sampling tree verify).  Compare two revisions
-under the SAME Triton: absolute figures depend on its version (e.g. Triton 3.9 here buffers
-one more pipeline stage than the GPU machine's 3.6, so its shared-memory sizes differ).
+split / value-split settings, greedy and sampling tree verify, and with Gluon the ping-pong
+GQA tree verify over bf16 and fp8 caches).  Compare two revisions under the SAME Triton:
+absolute figures depend on its version (e.g. Triton 3.9 here buffers one more pipeline stage
+than the GPU machine's 3.6, so its shared-memory sizes differ).
 """
 from __future__ import annotations
 
@@ -57,6 +58,17 @@ def _configs():
     out.append(("verify_greedy", T._verify_greedy_kernel, None, dict(BLOCK_D=64, BLOCK_S=8), 4))
     out.append(("verify_sampling", S._tree_sampling_kernel, None,
                 dict(HAS_DRAFT=True, BLOCK_D=64, BLOCK_S=8, BLOCK_V=1024), 4))
+    from specattn.triton_kernels import attention_sm90 as G
+    if G.HAVE_GLUON:  # the Gluon ping-pong tree verify as sm90_tree_verify launches it (page 1)
+        base = dict(GROUP=4, HEAD_DIM=128, BLOCK_N=64, TMA_ROWS=0, LW=8, MASKED_FIRST=False,
+                    k_desc=None, v_desc=None)
+        for splits in (1, 4):
+            out.append((f"gqa_sm90_pingpong_splits{splits}_bf16", G._tree_verify_ws_kernel, "bf16",
+                        dict(base, NUM_SPLITS=splits, STAGES=6, F8_STAGES=0, SCALE_V=False,
+                             F8_FP16=False), 4, dict(maxnreg=128)))
+        out.append(("gqa_sm90_pingpong_fp8", G._tree_verify_ws_kernel, "fp8",
+                    dict(base, NUM_SPLITS=1, STAGES=4, F8_STAGES=3, SCALE_V=True, F8_FP16=True), 4,
+                    dict(maxnreg=128)))
     return out
 
 
@@ -124,16 +136,21 @@ def dump(out: Path) -> None:
     from triton.compiler import ASTSource
     out.mkdir(parents=True, exist_ok=True)
     report = {}
-    for name, fn, dt, consts, warps in _configs():
+    for name, fn, dt, consts, warps, *extra in _configs():
         sig = _signature(fn, dt, consts)
         # as the JIT specialises on a GPU: 16-byte aligned pointers, strides divisible by 16
         # (without it every load compiles to 2-byte scalar loads and the figures mislead)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                  if sig.get(n, "").startswith("*") or n.startswith("stride_")}
-        src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                             options=dict(num_warps=warps, num_stages=2)).asm["ptx"]
+        gluon = type(fn).__name__ == "GluonJITFunction"
+        if gluon:  # Gluon kernels compile from their own source class (no pipeliner stages)
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        else:
+            source = ASTSource
+        src = source(fn=fn, signature=sig, attrs=attrs,
+                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        opts = dict(num_warps=warps, **({} if gluon else {"num_stages": 2}), **(extra[0] if extra else {}))
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
         (out / f"{name}.ptx").write_text(ptx)
         report[name] = {"instructions": _instructions(ptx), **_ptxas(ptx)}
         print(name, sum(report[name]["instructions"].values()), "instructions",
