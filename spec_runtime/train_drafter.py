@@ -124,7 +124,8 @@ from .loader import LlamaConfig
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
 
 __all__ = ["DATA_DIR", "DEFAULT_TRAIN_PROMPTS", "DEFAULT_EVAL_PROMPTS", "KINDS", "read_prompts",
-           "SequenceData", "GenConfig", "generate_data", "generate_self_prompts", "seed_texts", "pack_sequences", "collate",
+           "SequenceData", "GenConfig", "generate_data", "generate_self_prompts", "seed_texts",
+           "pack_sequences", "collate",
            "target_features", "step_valid", "soft_ce", "DRAFTER_KINDS", "sample_anchors", "block_valid",
            "dflash_config_for", "TrainConfig", "TrainResult", "train", "evaluate", "implied_accept_length",
            "export", "model_card"]

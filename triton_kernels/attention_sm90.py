@@ -668,12 +668,11 @@ if HAVE_GLUON:
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
             NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, TMA_ROWS: gl.constexpr = 0,
             LW: gl.constexpr = 8, MASKED_FIRST: gl.constexpr = False,
-            F8_STAGES: gl.constexpr = 0, SCALE_V: gl.constexpr = False,
-            F8_FP16: gl.constexpr = False):
+            F8_STAGES: gl.constexpr = 0, SCALE_V: gl.constexpr = False):
         """Warp-specialized ping-pong tree verify: 4 warps here (warpgroup 0), warpgroup 1
         and the loader (``LW`` warps) as workers, on mbarriers.  ``F8_STAGES`` > 0: an fp8
         cache, widened by the loader (:func:`_tv_loader_fp8`) through a ring of that many
-        fp8 tiles; ``F8_FP16``: the tiles (and ``q``) in fp16 rather than ``q``'s dtype."""
+        fp8 tiles, into fp16 tiles (``q`` too) whatever ``q``'s dtype."""
         SW: gl.constexpr = SW128  # the TMA descriptors' layout too
         hk = gl.program_id(1)
         pid2 = gl.program_id(2)
@@ -686,7 +685,7 @@ if HAVE_GLUON:
             P, rtt_row, lo, hi = _tv_keys(prefix_lens, req_to_token, req_pool_indices, req, split, n,
                                           stride_rtt, BLOCK_N, NUM_SPLITS)
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-            if F8_FP16:  # fp16 tiles: e4m3 -> fp16 is one cvt per pair, -> bf16 needs a second
+            if F8_STAGES > 0:  # fp16 tiles: e4m3 -> fp16 is one cvt per pair, bf16 needs two
                 q_smem = gl.allocate_shared_memory(gl.float16, [2, 64, HEAD_DIM], SW)
                 k_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], SW)
                 v_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], SW)
@@ -799,7 +798,7 @@ def sm90_tree_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
         # 16-bit stages + 3 x 16 KB fp8 stages + q (a fourth fp8 stage measured no faster)
         _tree_verify_ws_kernel[grid](*args, v_scale, None, None, GROUP=G, HEAD_DIM=D, BLOCK_N=64,
                                      NUM_SPLITS=num_splits, STAGES=4, LW=8, F8_STAGES=3,
-                                     SCALE_V=v_scale != 1.0, F8_FP16=True, num_warps=4,
+                                     SCALE_V=v_scale != 1.0, num_warps=4,
                                      maxnreg=128)
         return
     if pingpong:

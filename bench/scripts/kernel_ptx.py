@@ -64,10 +64,10 @@ def _configs():
                     k_desc=None, v_desc=None)
         for splits in (1, 4):
             out.append((f"gqa_sm90_pingpong_splits{splits}_bf16", G._tree_verify_ws_kernel, "bf16",
-                        dict(base, NUM_SPLITS=splits, STAGES=6, F8_STAGES=0, SCALE_V=False,
-                             F8_FP16=False), 4, dict(maxnreg=128)))
+                        dict(base, NUM_SPLITS=splits, STAGES=6, F8_STAGES=0, SCALE_V=False), 4,
+                        dict(maxnreg=128)))
         out.append(("gqa_sm90_pingpong_fp8", G._tree_verify_ws_kernel, "fp8",
-                    dict(base, NUM_SPLITS=1, STAGES=4, F8_STAGES=3, SCALE_V=True, F8_FP16=True), 4,
+                    dict(base, NUM_SPLITS=1, STAGES=4, F8_STAGES=3, SCALE_V=True), 4,
                     dict(maxnreg=128)))
     return out
 
@@ -149,7 +149,8 @@ def dump(out: Path) -> None:
             source = ASTSource
         src = source(fn=fn, signature=sig, attrs=attrs,
                      constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        opts = dict(num_warps=warps, **({} if gluon else {"num_stages": 2}), **(extra[0] if extra else {}))
+        opts = dict(num_warps=warps, **({} if gluon else {"num_stages": 2}),
+                    **(extra[0] if extra else {}))
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
         (out / f"{name}.ptx").write_text(ptx)
         report[name] = {"instructions": _instructions(ptx), **_ptxas(ptx)}
