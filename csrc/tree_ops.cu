@@ -18,8 +18,7 @@
 // bounds and never loop forever on bad values (walks are bounded by D).
 //
 // build_tree (one block per request, a thread per draft token, D <= kBuildMaxD = 512):
-//   1. the request's selected candidates and (up to 1024 wide) its parent_list row go to
-//      shared memory in one round of independent loads;
+//   1. the request's selected candidates go to shared memory;
 //   2. parent of draft j: the root when its beam (candidate / topk) is 0, else the draft
 //      whose candidate equals parent_list[b, beam] (a scan of the shared candidates; none:
 //      a missing parent, -1);
@@ -91,10 +90,9 @@ void check_out(const at::Tensor& t, const char* op, const char* name, at::Scalar
 }
 
 // ------------------------------------------------------------------------------ build_tree
-constexpr int kBuildMaxD = 512;       // mask rows of W <= 16 words; shared memory < 80 KiB
+constexpr int kBuildMaxD = 512;       // mask rows of W <= 16 words; shared memory < 72 KiB
 constexpr int kBuildMaxThreads = 512;
 constexpr int kBuildFiThreads = 256;  // at least this many threads when writing FlashInfer bytes
-constexpr int64_t kBuildMaxSmemWidth = 1024;  // parent_list rows up to this wide are staged in smem
 
 struct BuildTreeArgs {
   IdxView parent_list;  // [bs, width]
@@ -117,7 +115,6 @@ struct BuildTreeArgs {
   int64_t width;  // parent_list.size(1)
   int D;
   int W;
-  bool plist_smem;  // width <= kBuildMaxSmemWidth: the row is staged in shared memory
 };
 
 __device__ __forceinline__ uint32_t low_bits(int n) {
@@ -173,23 +170,17 @@ __global__ void __launch_bounds__(kBuildMaxThreads)
   extern __shared__ int64_t s_build[];
   const int D = a.D, W = a.W;
   int64_t* s_sel = s_build;                                   // [D] candidate of draft j
-  int64_t* s_plist = s_sel + D;                               // [width] or [0]: parent_list row
-  const int64_t plist_n = a.plist_smem ? a.width : 0;
-  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_plist + plist_n);  // [D * W] mask rows
+  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_sel + D);  // [D * W] mask rows
   uint32_t* s_child = s_mask + D * W;                         // [D * W] child bit sets
   int32_t* s_par = reinterpret_cast<int32_t*>(s_child + D * W);  // [D] real parent or -1
   const int64_t b = blockIdx.x;
   const int tid = threadIdx.x, nth = blockDim.x;
   const int64_t prefix = a.seq_len(b);  // independent of the rest: issued first
 
-  // 1. one round of independent global loads: the candidates and the parent_list row (which
-  // step 2 indexes by a candidate: read from global there, it would be a second dependent
-  // DRAM round trip)
   for (int j = tid; j < D; j += nth) {
     s_sel[j] = j >= 1 ? a.selected(b, j - 1) : -1;
     for (int w = 0; w < W; ++w) s_mask[j * W + w] = s_child[j * W + w] = 0u;
   }
-  for (int64_t i = tid; i < plist_n; i += nth) s_plist[i] = a.parent_list(b, i);
   __syncthreads();
 
   // 2. parents
@@ -197,16 +188,11 @@ __global__ void __launch_bounds__(kBuildMaxThreads)
     int p = -1;
     if (j >= 1) {
       const int64_t f = s_sel[j];
-      // 32-bit division where it fits (a 64-bit one is a long software sequence)
-      const int64_t beam = f < 0 ? -1
-                           : (f <= INT32_MAX && a.topk <= INT32_MAX)
-                               ? static_cast<int64_t>(static_cast<uint32_t>(f) / static_cast<uint32_t>(a.topk))
-                               : f / a.topk;
+      const int64_t beam = f >= 0 ? f / a.topk : -1;
       if (beam == 0) {
         p = 0;
       } else if (beam > 0 && beam < a.width) {
-        const int64_t pc = a.plist_smem ? s_plist[beam] : a.parent_list(b, beam);
-#pragma unroll 8
+        const int64_t pc = a.parent_list(b, beam);
         for (int k = 1; k < D; ++k) {  // last match, as the reference's dict (distinct anyway)
           if (s_sel[k] == pc) p = k;
         }
@@ -574,13 +560,11 @@ void build_tree_cuda(const at::Tensor& parent_list, const at::Tensor& selected_i
   a.width = width;
   a.D = D;
   a.W = W;
-  a.plist_smem = width <= kBuildMaxSmemWidth;
   int threads = std::max(32, (D + 31) / 32 * 32);
   if (fi_ptr != nullptr) threads = std::max(threads, kBuildFiThreads);
   const size_t smem = static_cast<size_t>(D) * (sizeof(int64_t) + sizeof(int32_t)) +
-                      (a.plist_smem ? static_cast<size_t>(width) * sizeof(int64_t) : 0) +
                       2 * static_cast<size_t>(D) * W * sizeof(uint32_t);
-  if (smem > 48 * 1024) {  // D > ~400: opt in to more than the default dynamic shared memory
+  if (smem > 48 * 1024) {  // D > 416: opt in to more than the default dynamic shared memory
     C10_CUDA_CHECK(cudaFuncSetAttribute(build_tree_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));

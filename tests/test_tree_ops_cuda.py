@@ -106,7 +106,7 @@ def test_build_tree_edges(seed):
                      impls=("reference", "cuda"))
     check_build_tree(*random_batch(rng, 1, 16, 3, 512, closed=False), 16, 3, 512,
                      impls=("reference", "cuda"))
-    # parent_list rows of 1024 (staged in shared memory) and 1025 (read from global)
+    # wide parent_list rows (1024 and 1025 entries: beams far from the root)
     for topk, num_steps in ((31, 34), (32, 33)):
         check_build_tree(*random_batch(rng, 2, topk, num_steps, 48, closed=False), topk, num_steps, 48,
                          impls=("reference", "cuda"))
