@@ -145,7 +145,13 @@ POINTS = {
 
 def bench(f) -> float:
     """Median ms of one call, replayed from a CUDA graph (no launch overhead; the L2 is not
-    flushed, so small points read partly from the cache: a ranking aid, not a figure)."""
+    flushed, so small points read partly from the cache: a ranking aid, not a figure).
+
+    Triton's ``do_bench_cudagraph`` warms up and captures on a fresh side stream that does
+    not wait for the current one: the inputs' producers (and the reference call) must have
+    finished first, or the side stream reads half-written index tables (an illegal address
+    at a fresh point's first timing)."""
+    torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(f, rep=30, return_mode="median")
 
 
