@@ -128,7 +128,7 @@ __all__ = ["DATA_DIR", "DEFAULT_TRAIN_PROMPTS", "DEFAULT_EVAL_PROMPTS", "KINDS",
            "pack_sequences", "collate",
            "target_features", "step_valid", "soft_ce", "DRAFTER_KINDS", "sample_anchors", "block_valid",
            "dflash_config_for", "TrainConfig", "TrainResult", "train", "evaluate", "implied_accept_length",
-           "export", "model_card"]
+           "greedy_round_leads", "export", "model_card"]
 
 DATA_DIR = Path(__file__).parent / "data"
 DEFAULT_TRAIN_PROMPTS = DATA_DIR / "train_prompts.txt"
@@ -977,9 +977,93 @@ def _batch_stream(n_rows: int, batch_size: int, seed: int):
         yield out
 
 
+def greedy_round_leads(lead: torch.Tensor, segments: torch.Tensor, loss_mask: torch.Tensor,
+                       greedy: Sequence[bool], root_offset: int = 0) -> List[int]:
+    """The rounds a greedy runtime runs over packed, teacher-forced sequences: per sequence,
+    the first round's root is its first generated token, and each next root sits right after
+    the previous round's accepted drafts (root ``p`` -> ``p + lead + 1``).
+
+    Averaging the leading agreements of blocks / chains at *every* (or a random) position
+    over-weights long predictable runs: a random position falls inside a long accepted run
+    more often than a round starts there (length-biased sampling).  The rounds' mean is what
+    the runtime measures on the same greedy text.
+
+    Args:
+        lead: int ``[B, T]``: leading draft agreements of the chain / block whose root is the
+            token at row index ``t + root_offset``, stored at ``t``; ``-1`` where that chain is
+            not fully inside its sequence (the walk of a sequence stops there).
+        segments: int ``[B, T]`` sequence id per token (``-1`` = padding).
+        loss_mask: bool ``[B, T]``: generated tokens.
+        greedy: indexed by sequence id: True for greedily generated sequences (only those are
+            walked: elsewhere the teacher-forced text is not what a greedy round drafts on).
+        root_offset: ``0`` when ``lead[t]`` belongs to the root at ``t`` (DFlash anchors),
+            ``1`` when it belongs to the root at ``t + 1`` (EAGLE-3: the chain at ``t`` reads
+            the token at ``t + 1``).
+
+    Returns:
+        one leading-agreement count per round, in walk order (``1 + mean`` = tokens per
+        verify).
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    if lead.shape != segments.shape or loss_mask.shape != segments.shape or lead.dim() != 2:
+        raise ValueError(f"lead, segments and loss_mask must all be [B, T], got {tuple(lead.shape)}, "
+                         f"{tuple(segments.shape)}, {tuple(loss_mask.shape)}")
+    out: List[int] = []
+    B, T = segments.shape
+    for ld, sg, lm in zip(lead.tolist(), segments.tolist(), loss_mask.bool().tolist()):
+        t = 0
+        while t < T:
+            s = sg[t]
+            if s < 0 or not lm[t] or not greedy[s]:
+                t += 1
+                continue
+            e = t - root_offset                                  # the first generated token is the root
+            while 0 <= e < T and sg[e] == s and ld[e] >= 0 and (e + root_offset < T and sg[e + root_offset] == s):
+                out.append(ld[e])
+                e += ld[e] + 1
+            while t < T and sg[t] == s:
+                t += 1
+    return out
+
+
+def _dflash_all_anchor_leads(drafter: DFlashDrafter, target: LlamaModel, batch: Dict[str, torch.Tensor],
+                             tc: TrainConfig) -> torch.Tensor:
+    """Leading agreements ``[B, T]`` (CPU int64) of the greedy block rooted at every generated
+    token, ``-1`` where the block is not fully inside its sequence; rows go through
+    :meth:`DFlashDrafter.dense_forward` a few at a time (its scores are ``[rows, N, S, T + S]``
+    per head)."""
+    c = target.config
+    seg, lm, tok, pos = batch["segments"], batch["loss_mask"], batch["tokens"], batch["positions"]
+    B, T = seg.shape
+    S = tc.block_size
+    out = torch.full((B, T), -1, dtype=torch.long)
+    feats, th = target_features(c, target.w, tok, pos, seg, drafter.context_layers, target.num_layers)
+    step = max(1, (1 << 24) // max(1, T * S * (T + S)))
+    for b0 in range(0, B, step):
+        sl = slice(b0, b0 + step)
+        anchors, keep = sample_anchors(seg[sl], lm[sl], T, torch.Generator())      # every trained position
+        if anchors.shape[1] == 0:
+            continue
+        full = block_valid(seg[sl], lm[sl], anchors, keep, S)[..., 1:].all(-1) & keep   # [b, N]
+        b, n = full.nonzero().unbind(1)
+        if b.numel() == 0:
+            continue
+        with _autocast(target.device, tc.amp):
+            hid = drafter.dense_forward(tok[sl], feats[sl], pos[sl], anchors, seg[sl], keep, S)
+        k = torch.arange(1, S, device=b.device)
+        rows_h = hid[b, n, 1:].reshape(-1, hid.shape[-1])
+        rows_t = th[sl][b[:, None], anchors[b, n][:, None] + k - 1].reshape(-1, th.shape[-1])
+        _, agree = soft_ce(rows_h.float(), rows_t.float(), drafter.lm_head, tc.loss_chunk)
+        lead = torch.cumprod(agree.view(-1, S - 1).int(), 1).sum(1)
+        out[(b + b0).cpu(), anchors[b, n].cpu()] = lead.cpu().long()
+    return out
+
+
 @torch.no_grad()
 def evaluate(drafter, target: LlamaModel, data: SequenceData, rows: Sequence[Sequence[int]],
-             tc: TrainConfig, max_batches: Optional[int] = None) -> dict:
+             tc: TrainConfig, max_batches: Optional[int] = None, rounds: bool = False) -> dict:
     """Held-out metrics over ``rows`` (packed sequences).
 
     Returns a dict: ``acc`` (per metric entry ``k`` -- TTT step / block position ``k + 1`` --
@@ -992,16 +1076,27 @@ def evaluate(drafter, target: LlamaModel, data: SequenceData, rows: Sequence[Seq
     argmaxes, so the teacher-forced chain / block is the one a greedy round drafts (None
     without greedy rows), ``greedy_chain_rows``.  DFlash anchors come from a generator seeded
     by ``tc.seed`` afresh on every call, so periodic evaluations see the same blocks.
+
+    With ``rounds``, also ``greedy_round_accept_length``: the mean tokens per verify of the
+    rounds a greedy runtime runs over the held-out greedy sequences
+    (:func:`greedy_round_leads`; DFlash: one more pass with a block at every generated
+    token), and ``greedy_rounds``; the chain / block averages above over-weight long
+    predictable runs, this one is what the runtime measures on the same text (None / 0
+    without greedy rows or without ``rounds``).
     """
     K = tc.num_metrics
     agree, valid, loss_sum = [0] * K, [0] * K, [0.0] * K
     kind = data.kind.to(target.device)
     gen = torch.Generator().manual_seed(tc.seed + 3) if tc.kind == "dflash" else None
-    leads = []
+    leads, round_leads = [], []
+    greedy = (data.kind == 0).tolist()
     batches = [rows[i:i + tc.batch_size] for i in range(0, len(rows), tc.batch_size)]
     for b in batches[:max_batches]:
         batch = collate(data, b, tc.seq_len, target.device)
         out = _run_step(drafter, target, batch, tc, gen)
+        if rounds and tc.kind == "dflash":
+            round_leads += greedy_round_leads(_dflash_all_anchor_leads(drafter, target, batch, tc),
+                                              batch["segments"].cpu(), batch["loss_mask"].cpu(), greedy)
         seg = out.entry_seg
         E = seg.numel()
         ok = torch.zeros(K, E, dtype=torch.bool, device=target.device)
@@ -1015,13 +1110,20 @@ def evaluate(drafter, target: LlamaModel, data: SequenceData, rows: Sequence[Seq
                 val[k, out.valids[k]] = True
         seg = seg.to(target.device)
         full = val.all(0) & (seg >= 0) & (kind[seg.clamp(min=0)] == 0)
-        leads.append(torch.cumprod(ok.int(), 0).sum(0)[full].cpu())
+        lead_e = torch.cumprod(ok.int(), 0).sum(0)
+        leads.append(lead_e[full].cpu())
+        if rounds and tc.kind != "dflash":   # EAGLE-3: an entry per row position, the root one further
+            lead_bt = torch.where(full, lead_e, -1).view(batch["segments"].shape).cpu().long()
+            round_leads += greedy_round_leads(lead_bt, batch["segments"].cpu(), batch["loss_mask"].cpu(), greedy,
+                                              root_offset=1)
     acc = [a / v if v else 0.0 for a, v in zip(agree, valid)]
     lead = torch.cat(leads) if leads else torch.zeros(0, dtype=torch.int64)
     chain = [1.0 + float(lead.clamp(max=j + 1).float().mean()) for j in range(K)] if lead.numel() else None
     return {"acc": acc, "loss": [s / v if v else None for s, v in zip(loss_sum, valid)], "valid_rows": valid,
             "accept_length": implied_accept_length(acc), "greedy_chain_accept_length": chain,
-            "greedy_chain_rows": int(lead.numel()), "batches": len(batches[:max_batches])}
+            "greedy_chain_rows": int(lead.numel()), "batches": len(batches[:max_batches]),
+            "greedy_round_accept_length": 1.0 + sum(round_leads) / len(round_leads) if round_leads else None,
+            "greedy_rounds": len(round_leads)}
 
 
 def _new_drafter(target: LlamaModel, tc: TrainConfig, target_model: Optional[str]):
@@ -1160,7 +1262,7 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
     if console is not None and log["stop_reason"] == "time_budget":
         console.print(f"training time budget ({tc.time_budget_s:.0f} s) reached after {step} of {planned} steps")
     t1 = time.perf_counter()
-    final = evaluate(drafter, target, data, eval_rows, tc) if eval_rows else None
+    final = evaluate(drafter, target, data, eval_rows, tc, rounds=True) if eval_rows else None
     log.update(steps_done=step, train_seconds=train_s, final_eval=final, final_eval_seconds=time.perf_counter() - t1,
                init_seed=_init_seed(tc.init_from) if tc.init_from else None,
                train_sequences=len(train_idx), heldout_sequences=len(eval_idx), train_rows=len(train_rows),
@@ -1195,6 +1297,7 @@ def export(drafter, out_dir, log: dict, *, command: str, data_stats: dict, data_
         **head, "steps": log["steps_done"], "seed": tc["seed"],
         "heldout_acc": fe.get("acc"), "heldout_accept_length": fe.get("accept_length"),
         "heldout_greedy_chain_accept_length": fe.get("greedy_chain_accept_length"),
+        "heldout_greedy_round_accept_length": fe.get("greedy_round_accept_length"),
         "data_sequences": data_stats.get("sequences"), "data_tokens": data_stats.get("tokens"),
     }
     drafter.save(out)
@@ -1215,8 +1318,17 @@ def _acceptance_rows(fe: dict, what: str) -> List[str]:
     chain = fe.get("greedy_chain_accept_length")
     rows = [f"| {k + 1} | {a:.3f} | {fe['valid_rows'][k]} | {implied_accept_length(fe['acc'][:k + 1]):.2f} | "
             f"{f'{chain[k]:.2f}' if chain else '-'} |" for k, a in enumerate(fe["acc"])]
-    return rows + ["", f"Implied accept length of {what}: **{fe['accept_length']:.2f}**"
-                   + (f"; measured on greedy sequences: **{chain[-1]:.2f}**." if chain else ".")]
+    lines = rows + ["", f"Implied accept length of {what}: **{fe['accept_length']:.2f}**"
+                    + (f"; measured on greedy sequences: **{chain[-1]:.2f}**." if chain else ".")]
+    walked = fe.get("greedy_round_accept_length")
+    if walked is not None:
+        lines += ["", f"Walked as a greedy runtime walks the same held-out greedy sequences (the first round rooted at "
+                  f"the first generated token, each next one right after the previous round's accepted drafts; "
+                  f"{fe.get('greedy_rounds', 0)} rounds): **{walked:.2f}** tokens per verify, what the runtime "
+                  f"measures on that text.  The measured column averages chains at every start position, which "
+                  f"over-weights long predictable runs (a random position falls inside a long accepted run more "
+                  f"often than a round starts there)."]
+    return lines
 
 
 def _data_lines(full_log: dict) -> List[str]:
@@ -1565,6 +1677,8 @@ def run_training(opts: RunOptions, console=None) -> dict:
         what = "TTT step" if opts.train.kind == "eagle3" else "block position"
         say(f"held-out top-1 agreement per {what}: " + " ".join(f"{a:.3f}" for a in fe["acc"]) +
             f"; implied chain accept length {fe['accept_length']:.2f}" +
-            (f", measured on greedy sequences {chain[-1]:.2f}" if chain else ""))
+            (f", measured on greedy sequences {chain[-1]:.2f}" if chain else "") +
+            (f", walked in greedy rounds {fe['greedy_round_accept_length']:.2f}"
+             if fe.get("greedy_round_accept_length") is not None else ""))
     say(f"wrote {', '.join(str(p) for p in files.values())} ({time.perf_counter() - t0:.0f} s in all)")
     return {"files": files, "log": res.log, "data_stats": stats}

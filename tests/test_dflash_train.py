@@ -22,9 +22,10 @@ from specattn.spec_runtime.engine import Engine, SpecConfig
 from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, random_weights
 from specattn.spec_runtime.model import LlamaModel
 from specattn.spec_runtime.sampling import SamplingParams
-from specattn.spec_runtime.train_drafter import (GenConfig, TrainConfig, block_valid, collate, dflash_config_for,
-                                                 generate_data, implied_accept_length, pack_sequences,
-                                                 sample_anchors, soft_ce, target_features)
+from specattn.spec_runtime.train_drafter import (GenConfig, SequenceData, TrainConfig, block_valid, collate,
+                                                 dflash_config_for, evaluate, generate_data, greedy_round_leads,
+                                                 implied_accept_length, pack_sequences, sample_anchors, soft_ce,
+                                                 target_features)
 from tiny_models import random_prompts, tiny_llama
 
 REAL = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -286,6 +287,77 @@ def test_anchor_sampling_and_teacher_validity():
                 assert bool(got[b, n, k]) == want, (b, n, k)
 
 
+def _packed_sequences(g, rows, T, vocab):
+    """Random packed rows: sequences of a prompt (loss mask 0) then generated tokens, padding
+    (-1) at each row's end; returns tokens, segments, loss_mask, per-sequence (row, start, end)."""
+    tok = torch.randint(0, vocab, (rows, T), generator=g)
+    seg = torch.full((rows, T), -1)
+    lm = torch.zeros(rows, T, dtype=torch.bool)
+    spans, sid = [], 0
+    for b in range(rows):
+        t = 0
+        while t < T - 4:
+            n = int(torch.randint(3, T - t + 1, (1,), generator=g))
+            p = int(torch.randint(1, n, (1,), generator=g))        # prompt length, >= 1 generated token
+            seg[b, t:t + n] = sid
+            lm[b, t + p:t + n] = True
+            spans.append((b, t, t + n, t + p))
+            sid, t = sid + 1, t + n
+    return tok, seg, lm, spans
+
+
+def test_greedy_round_walk(seed):
+    """The rounds of a greedy runtime: from each greedy sequence's first generated token, root
+    ``p`` -> ``p + lead + 1`` (the lead stored at ``p - root_offset``), until a chain that is not
+    inside the sequence; against a per-sequence simulation on random leads."""
+    g = torch.Generator().manual_seed(seed)
+    tok, seg, lm, spans = _packed_sequences(g, 3, 40, 8)
+    lead = torch.randint(-1, 4, seg.shape, generator=g)
+    greedy = (torch.rand(len(spans), generator=g) < 0.7).tolist()
+    for off in (0, 1):
+        want = []
+        for sid, (b, start, end, first) in enumerate(spans):
+            p = first
+            while greedy[sid] and start <= p - off and p < end and int(lead[b, p - off]) >= 0:
+                want.append(int(lead[b, p - off]))
+                p += int(lead[b, p - off]) + 1
+        assert greedy_round_leads(lead, seg, lm, greedy, root_offset=off) == want
+    with pytest.raises(ValueError, match="must all be"):
+        greedy_round_leads(lead[:, 1:], seg, lm, greedy)
+
+
+def test_round_accept_length_equals_block_by_block_rounds(seed):
+    """``evaluate(rounds=True)`` (one dense pass with a block at every generated token, then the
+    walk) == running the rounds one block at a time through ``dense_forward``: the same
+    rounds, the same mean tokens per verify.  A small vocabulary makes agreements common."""
+    cfg, target = _target(seed, vocab=6)
+    dr = _drafter(target, seed + 1, block=4)
+    S = dr.block_size
+    g = torch.Generator().manual_seed(seed)
+    lens = [int(x) for x in torch.randint(8, 30, (5,), generator=g)]
+    seqs = [torch.randint(0, 6, (n,), generator=g).tolist() for n in lens]
+    prompt = [int(torch.randint(1, n - 2, (1,), generator=g)) for n in lens]
+    data = SequenceData.from_sequences(seqs, prompt, [0] * 5, list(range(5)))
+    tc = TrainConfig(kind="dflash", block_size=S, seq_len=32, batch_size=2)
+    rows = pack_sequences(lens, 32)
+    ev = evaluate(dr, target, data, rows, tc, rounds=True)
+    leads = []
+    for s, p0 in zip(seqs, prompt):
+        x = torch.tensor([s])
+        pos = torch.arange(len(s))[None]
+        feats, th = target_features(cfg, target.w, x, pos, None, dr.context_layers)
+        a = p0
+        while a + S - 2 < len(s):                                        # the block's teachers exist
+            hid = dr.dense_forward(x, feats, pos, torch.tensor([[a]]))[0, 0]
+            pred = dr.logits(hid[1:]).argmax(-1)
+            teach = (th[0, a:a + S - 1] @ dr.lm_head.T).argmax(-1)
+            n = int((pred == teach).int().cumprod(0).sum())
+            leads.append(n)
+            a += n + 1
+    assert ev["greedy_rounds"] == len(leads) > 0
+    assert ev["greedy_round_accept_length"] == pytest.approx(1 + sum(leads) / len(leads))
+
+
 def test_weighted_soft_ce_matches_autograd(seed):
     g = torch.Generator().manual_seed(seed)
     M, H, V = 29, 16, 50
@@ -345,7 +417,10 @@ def test_tiny_training_end_to_end(tiny_run):
     chain = ev["greedy_chain_accept_length"]       # seed 7 holds out a prompt: greedy anchors exist
     assert ev["greedy_chain_rows"] > 0 and len(chain) == 3
     assert all(1.0 <= c <= j + 2 for j, c in enumerate(chain)) and chain == sorted(chain)
+    walked = ev["greedy_round_accept_length"]     # the rounds of a greedy runtime over the same text
+    assert ev["greedy_rounds"] > 0 and 1.0 <= walked <= len(chain) + 1
     card = (a / "README.md").read_text()
+    assert f"**{walked:.2f}** tokens per verify" in card
     for text in ("# DFlash drafter", "specattn drafter train", "--kind dflash", "--seed 7", "--block-size 4",
                  "--draft-layers 2", "Held-out acceptance", "| position |", "DFlashDraftModel", "e2e results"):
         assert text in card, text

@@ -490,7 +490,10 @@ def test_tiny_training_end_to_end(tmp_path):
     chain = ev["greedy_chain_accept_length"]      # seed 7 holds out a prompt: greedy rows exist
     assert ev["greedy_chain_rows"] > 0 and len(chain) == 3
     assert all(1.0 <= c <= j + 2 for j, c in enumerate(chain)) and chain == sorted(chain)
+    walked = ev["greedy_round_accept_length"]     # the rounds of a greedy runtime over the same text
+    assert ev["greedy_rounds"] > 0 and 1.0 <= walked <= len(chain) + 1
     card = (a / "README.md").read_text()
+    assert f"**{walked:.2f}** tokens per verify" in card
     assert "specattn drafter train" in card and "--seed 7" in card and "Held-out acceptance" in card
     assert "e2e results" in card
     cfg_json = json.loads((a / "config.json").read_text())
