@@ -80,6 +80,8 @@ class E2EConfig:
     chain: Dict[str, int] = field(default_factory=lambda: dict(topk=1, num_steps=5, num_draft_tokens=6))
     tree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=5, num_draft_tokens=16))
     block_size: int = 16
+    # DFlash chain: (min_batch, block) pairs, a smaller block for large batches (SpecConfig)
+    block_size_by_batch: Sequence[Tuple[int, int]] = ((16, 4),)
     ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_draft_tokens=16))
     ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))
     drafter: Optional[str] = None           # EAGLE drafter folder (default: the shipped one)
@@ -105,7 +107,8 @@ def spec_fields(algo: str, cfg: E2EConfig) -> dict:
     if algo == "eagle_tree":
         return dict(algo="eagle", **cfg.tree)
     if algo == "dflash":
-        return dict(algo="dflash", block_size=cfg.block_size)
+        return dict(algo="dflash", block_size=cfg.block_size,
+                    block_size_by_batch=tuple(tuple(p) for p in cfg.block_size_by_batch))
     if algo == "ddtree":
         return dict(algo="dflash", block_size=cfg.block_size, **cfg.ddtree)
     if algo == "ngram":
@@ -438,6 +441,16 @@ def _eagle_settings(report: dict) -> str:
             + (f", drafting from the {dv:,} most frequent tokens." if dv else "."))
 
 
+def _dflash_settings(report: dict) -> str:
+    """" DFlash chain: block 16, 4 from batch 16." or "" (no DFlash chain rows)."""
+    st = report.get("settings") or {}
+    if "block_size_by_batch" not in st or not any(r.get("algo") == "dflash" for r in report["rows"]):
+        return ""                         # (reports from before the per-batch block say nothing)
+    by_batch = st.get("block_size_by_batch") or []
+    return (f" DFlash chain: block {st['block_size']}"
+            + "".join(f", {b} from batch {m}" for m, b in by_batch) + ".")
+
+
 def _admission_settings(report: dict) -> str:
     """The admission batching of the run: rows free before waiting requests are prefilled."""
     per_bs = {r["bs"]: r["min_free_slots"] for r in report["rows"] if r.get("min_free_slots")}
@@ -463,7 +476,7 @@ def markdown(report: dict) -> str:
              f"torch {report['versions']['torch']}, triton {report['versions']['triton']}; "
              f"{_length_settings(report)}, "
              f"{_prompt_counts(report)}, CUDA graphs, greedy.{_eagle_settings(report)}"
-             f"{_admission_settings(report)}",
+             f"{_dflash_settings(report)}{_admission_settings(report)}",
              "",
              "| prompts | algo | bs | dtype | backend | tokens/s | speedup | accept length | step ms | "
              "kernels/step | kernel ms/step | gpu_busy | lossless |",

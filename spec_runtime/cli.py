@@ -340,6 +340,7 @@ ALGO_OPTIONS = {
     "self_draft": ("--self-draft", ("eagle",)),
     "draft_layers": ("--draft-layers", ("eagle", "dflash")),
     "block_size": ("--block-size", ("dflash",)),
+    "block_size_by_batch": ("--block-size-by-batch", ("dflash",)),
     "draft_vocab": ("--draft-vocab", ("eagle",)),
 }
 
@@ -353,7 +354,7 @@ def _given(ctx: typer.Context, name: str) -> bool:
 def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_steps, num_draft_tokens,
                         draft_layers, block_size, backend, page_size, device, dtype, temperature, top_k,
                         top_p, model, draft_model, self_draft, cuda_graph, threads, ngram_size=4,
-                        draft_vocab=None, kv_cache_dtype="auto") -> List[str]:
+                        draft_vocab=None, kv_cache_dtype="auto", block_size_by_batch="") -> List[str]:
     """Check ``specattn generate``'s arguments before anything loads; returns the prompts.
     Every problem ends the command with one line (:func:`fail`, exit status 2)."""
     def bad(msg: str) -> None:
@@ -416,11 +417,14 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
     if draft_model is not None and not Path(draft_model).exists():
         bad(f"--draft-model {draft_model}: no such file or folder")
     if algo in ("eagle", "dflash"):
-        from .engine import SpecConfig
+        from .strategies import SpecConfig, parse_block_size_by_batch
         try:  # the engine's own bounds (the checks above name the options)
-            SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size).validate()
+            by_batch = parse_block_size_by_batch(block_size_by_batch) if algo == "dflash" else ()
+            SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size,
+                       block_size_by_batch=by_batch).validate()
         except ValueError as e:
-            bad(str(e))
+            bad(f"--block-size-by-batch: {e}" if "MIN_BATCH:BLOCK" in str(e) or "block_size_by_batch" in str(e)
+                else str(e))
 
     if dtype not in DTYPES:
         bad(f"--dtype must be one of {' | '.join(DTYPES)}, got {dtype!r}")
@@ -484,6 +488,10 @@ def generate(
                                                  "topk + (num_steps - 1) * topk^2 + 1)."),
     draft_layers: Optional[int] = typer.Option(None, help="Drafter layers (EAGLE default 3/4 of the target; DFlash 2)."),
     block_size: int = typer.Option(16, help="DFlash block: root + block_size - 1 drafts per round."),
+    block_size_by_batch: str = typer.Option("", "--block-size-by-batch",
+                                            help="DFlash chain: MIN_BATCH:BLOCK,... a smaller block for rounds "
+                                                 "over at least MIN_BATCH requests (e.g. 16:4): a large "
+                                                 "batch pays for every verified token."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab",
                                               help="EAGLE-3: draft only from the N most frequent tokens of "
                                                    "the drafter's token_frequencies.json (FR-Spec; a cheaper "
@@ -527,7 +535,8 @@ def generate(
         num_draft_tokens=num_draft_tokens, draft_layers=draft_layers, block_size=block_size, backend=backend,
         page_size=page_size, device=device, dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p,
         model=model, draft_model=draft_model, self_draft=self_draft, cuda_graph=cuda_graph, threads=threads,
-        ngram_size=ngram_size, draft_vocab=draft_vocab, kv_cache_dtype=kv_cache_dtype)
+        ngram_size=ngram_size, draft_vocab=draft_vocab, kv_cache_dtype=kv_cache_dtype,
+        block_size_by_batch=block_size_by_batch)
     with cpu_threads(threads, device) as n_threads:
         _generate(texts, algo=algo, topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
                   ngram_size=ngram_size,
@@ -536,19 +545,20 @@ def generate(
                   top_k=top_k, top_p=top_p, seed=seed, model=model, draft_model=draft_model,
                   self_draft=self_draft, chat=chat, cuda_graph=cuda_graph, warmup=warmup,
                   as_json=as_json, threads=n_threads, draft_vocab=draft_vocab,
-                  kv_cache_dtype=kv_cache_dtype)
+                  kv_cache_dtype=kv_cache_dtype, block_size_by_batch=block_size_by_batch)
 
 
 def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, backend,
               page_size, device, dtype, max_new_tokens, temperature, top_k, top_p, seed, model, draft_model,
               self_draft, chat, cuda_graph, warmup, as_json, threads, ngram_size=4, draft_vocab=None,
-              kv_cache_dtype="auto") -> None:
+              kv_cache_dtype="auto", block_size_by_batch="") -> None:
     """``specattn generate`` once its arguments are checked: load, build the engine, run,
     report."""
     from . import loader
-    from .engine import SpecConfig
     from .sampling import SamplingParams
-    spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, ngram_size)
+    from .strategies import SpecConfig, parse_block_size_by_batch
+    spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, ngram_size,
+                      parse_block_size_by_batch(block_size_by_batch) if algo == "dflash" else ())
     try:
         cfg, w, tok = load_model(model, DTYPES[dtype])
     except FileNotFoundError as e:
@@ -586,6 +596,7 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
                          topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
                          block_size=block_size)
     report["cpu_threads"] = threads
+    report["block_size_by_batch"] = [list(p) for p in spec.block_size_by_batch] if algo == "dflash" else None
     report["draft_vocab"] = draft_vocab or None
     if algo == "dflash" and drafter_path is not None:
         report["drafter"] = "dflash"

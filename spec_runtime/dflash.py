@@ -111,6 +111,7 @@ from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch, Fo
 
 from .loader import LlamaConfig, check_decoder_shape, check_weight_shapes
 from .drafter_base import TargetSharingDrafter, random_init
+from .graph_runner import padded_sizes
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
 from .strategies import PrefillBatch, SpecConfig, Strategy
 
@@ -839,7 +840,9 @@ class DFlashStrategy(Strategy):
     draft_topk = None    # the block forward is a TARGET_VERIFY with an all-ones mask
 
     def __init__(self, spec: SpecConfig, target, max_context: int = 4096, draft_model=None):
-        self.B, self.K = spec.block_size, spec.topk
+        self.spec, self.K = spec, spec.topk
+        # the largest block (buffers, graph state); a round's own: block_for
+        self.B = max([spec.block_size] + [b for _, b in spec.block_size_by_batch])
         self.D = self.B if self.K == 1 else spec.num_draft_tokens
         self.verify_topk = self.K         # 1: the target verifies a chain
         if draft_model is not None:       # a trained drafter (DFlashDrafter.load)
@@ -856,10 +859,19 @@ class DFlashStrategy(Strategy):
     def round_modes(self):
         return [("target", ForwardMode.TARGET_VERIFY), ("draft", ForwardMode.TARGET_VERIFY)]
 
+    def block_for(self, eng: "Engine", bs: int) -> int:
+        """The block of a round over ``bs`` request rows: ``spec.block_size_for`` of the
+        batch as the engine pads it for its graphs (so eager and replayed rounds agree)."""
+        if not self.spec.block_size_by_batch:
+            return self.spec.block_size
+        return self.spec.block_size_for(next(s for s in padded_sizes(eng.max_batch) if s >= bs))
+
     def graph_state_sizes(self, max_batch: int) -> Dict[str, Tuple[int, int]]:
         return {"target": (max_batch, max_batch * self.D), "draft": (max_batch, max_batch * self.B)}
 
     def per_mode_graph_plan(self, eng: "Engine") -> list:
+        if self.spec.block_size_by_batch:   # a per-mode graph has one block: the block forward runs eagerly
+            return []
         return [("draft", self.drafter, eng.draft_backend, ForwardMode.TARGET_VERIFY, self.B, eng.max_batch)]
 
     def prefill(self, eng: "Engine", pb: "PrefillBatch") -> None:
@@ -874,7 +886,8 @@ class DFlashStrategy(Strategy):
         Returns the ``k`` best ``(log-probabilities float32, token ids int64)``, each
         ``[bs, B - 1, k]``, of the drafts at block positions ``1 .. B-1`` (the drafter's fused
         LM head where it has one: the logits are never written)."""
-        B, bs, n = self.B, rows.shape[0], eng.max_batch + 1
+        bs, n = rows.shape[0], eng.max_batch + 1
+        B = self.block_for(eng, bs)
         masks = eng.constant(("dflash_block_masks", B, n), lambda: torch.full(
             (n, B - 1), self.drafter.mask_token_id, dtype=torch.int64, device=eng.device))
         ids = torch.cat([eng.roots[rows][:, None], masks[:bs]], dim=1)
@@ -897,11 +910,12 @@ class DFlashStrategy(Strategy):
         """``(draft_tokens [bs, D], TreeInfo, num_steps)`` of this round's chain or DDTree."""
         if self.K == 1:   # chain_tree(P, B): kept rows sliced, only the positions computed
             bs, n = rows.shape[0], eng.max_batch + 1
-            c = eng.constant(("dflash_chain_tree", self.B, n),
-                             lambda: chain_tree(torch.zeros(n, dtype=torch.int64, device=eng.device), self.B))
-            tree = ops.TreeInfo(c.tree_mask[:bs], (P[:, None] + eng.arange(self.B)).flatten(),
+            B = self.block_for(eng, bs)
+            c = eng.constant(("dflash_chain_tree", B, n),
+                             lambda: chain_tree(torch.zeros(n, dtype=torch.int64, device=eng.device), B))
+            tree = ops.TreeInfo(c.tree_mask[:bs], (P[:, None] + eng.arange(B)).flatten(),
                                 c.retrive_index[:bs], c.retrive_next_token[:bs], c.retrive_next_sibling[:bs])
-            return self.propose_block(eng, rb, rows, P), tree, self.B - 1
+            return self.propose_block(eng, rb, rows, P), tree, B - 1
         vals, toks = self.block_top(eng, rb, rows, P, self.K)
         parent_list, scores, tokens = ops.ddtree_candidates(vals, toks)
         roots = eng.roots[rows]
@@ -914,8 +928,9 @@ class DFlashStrategy(Strategy):
         return draft_tokens, tree, self.B - 1
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
-        D, rows = self.D, rb.rows
+        rows = rb.rows
         bs = rows.shape[0]
+        D = self.block_for(eng, bs) if self.K == 1 else self.D
         P = eng.prefix_lens[rows]
         draft_tokens, tree, num_steps = self._tree(eng, rb, rows, P)
         cols = P[:, None] + eng.arange(D)

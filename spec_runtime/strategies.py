@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, ForwardOut, RoundBatch
 
 __all__ = ["SpecConfig", "Strategy", "PrefillBatch", "PlainDecoding", "EagleStrategy", "make_strategy",
-           "top_log_probs"]
+           "top_log_probs", "parse_block_size_by_batch"]
 
 Role = str
 ModeList = List[Tuple[Role, ForwardMode]]
@@ -53,7 +53,14 @@ class SpecConfig:
     ``draft_layers``-layer drafter (``None``: 2) and verifies them as a chain, or with
     ``topk > 1`` as a DDTree of ``num_draft_tokens`` nodes.  N-gram drafting copies ``topk``
     chains of ``num_steps`` tokens from the request's own history, matching suffixes of up
-    to ``ngram_size`` tokens (:mod:`.ngram`)."""
+    to ``ngram_size`` tokens (:mod:`.ngram`).
+
+    ``block_size_by_batch``: ``(min_batch, block_size)`` pairs, ``min_batch`` increasing from
+    2: a DFlash chain round over at least ``min_batch`` request rows (counted as the engine
+    pads a batch for its graphs: ``graph_runner.padded_sizes``) drafts and verifies a block
+    of that size instead of ``block_size``.  The verify's tokens are nearly free at batch 1 and what a
+    large batch pays for (docs/runtime.md: block 16 / 4 at batch 64 of the real model 0.75x /
+    0.98x plain decoding, at batch 1 1.61x / 1.41x)."""
 
     algo: str = "none"
     topk: int = 1
@@ -62,12 +69,22 @@ class SpecConfig:
     draft_layers: Optional[int] = None
     block_size: int = 16
     ngram_size: int = 4
+    block_size_by_batch: Tuple[Tuple[int, int], ...] = ()
+
+    def block_size_for(self, batch_rows: int) -> int:
+        """The DFlash block of a round over ``batch_rows`` (padded) request rows."""
+        out = self.block_size
+        for min_batch, block in self.block_size_by_batch:
+            if batch_rows >= min_batch:
+                out = block
+        return out
 
     def tokens_per_round(self) -> int:
         """Most token positions past ``P`` one round writes (what a request's context must
         leave room for): the verified tokens, or the DFlash block when larger."""
         if self.algo == "dflash":
-            return max(self.block_size, self.num_draft_tokens if self.topk > 1 else 0)
+            blocks = [self.block_size] + [b for _, b in self.block_size_by_batch]
+            return max(*blocks, self.num_draft_tokens if self.topk > 1 else 0)
         if self.algo == "ngram":
             return 1 + self.topk * self.num_steps
         if self.algo == "eagle":
@@ -98,6 +115,38 @@ class SpecConfig:
                                  f"2 <= num_draft_tokens <= {n_cand + 1}, got {self.num_draft_tokens}")
         if self.algo == "dflash" and self.block_size < 2:
             raise ValueError(f"dflash needs block_size >= 2, got {self.block_size}")
+        if self.block_size_by_batch:
+            if self.algo != "dflash" or self.topk != 1:
+                raise ValueError("block_size_by_batch applies to DFlash chains (algo dflash, topk 1), got "
+                                 f"algo {self.algo!r}, topk {self.topk}")
+            pairs = self.block_size_by_batch
+            if not all(isinstance(p, (tuple, list)) and len(p) == 2 and all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in p) for p in pairs):
+                raise ValueError(f"block_size_by_batch must hold (min_batch, block_size) int pairs, got {pairs!r}")
+            mins = [m for m, _ in pairs]
+            if mins[0] < 2 or any(b <= a for a, b in zip(mins, mins[1:])):
+                raise ValueError(f"block_size_by_batch's min_batch values must increase from >= 2, got {mins}")
+            if any(b < 2 for _, b in pairs):
+                raise ValueError(f"block_size_by_batch's blocks must be >= 2, got {[b for _, b in pairs]}")
+
+
+def parse_block_size_by_batch(text: str) -> Tuple[Tuple[int, int], ...]:
+    """``"16:4,64:2"`` -> ``((16, 4), (64, 2))`` (the CLIs' form of
+    :attr:`SpecConfig.block_size_by_batch`; ``""`` -> ``()``).
+
+    Raises:
+        ValueError: an entry that is not ``MIN_BATCH:BLOCK`` with integers."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            a, b = part.split(":")
+            out.append((int(a), int(b)))
+        except ValueError:
+            raise ValueError(f"expected MIN_BATCH:BLOCK entries separated by commas (e.g. 16:4,64:2), "
+                             f"got {text!r}") from None
+    return tuple(out)
 
 
 class _RoundRows(NamedTuple):

@@ -240,6 +240,9 @@ def bench_e2e(
     chain: str = typer.Option("1,5,6", help="EAGLE chain: topk,num_steps,num_draft_tokens."),
     tree: str = typer.Option("4,5,16", help="EAGLE tree: topk,num_steps,num_draft_tokens."),
     block_size: int = typer.Option(16, min=2, help="DFlash block."),
+    block_size_by_batch: str = typer.Option("16:4", "--block-size-by-batch",
+                                            help="DFlash chain: MIN_BATCH:BLOCK,... a smaller block for rounds "
+                                                 "over at least MIN_BATCH requests ('' keeps --block-size)."),
     ddtree: str = typer.Option("4,16", help="DDTree: topk,num_draft_tokens (DFlash drafts verified as a tree)."),
     ngram: str = typer.Option("4,4,4", help="N-gram: topk (chains),num_steps,ngram_size."),
     drafter: Optional[Path] = typer.Option(None, help="EAGLE-3 drafter folder (default: the shipped one)."),
@@ -269,6 +272,12 @@ def bench_e2e(
     def triple(text: str, name: str) -> dict:
         return ints(text, name, ("topk", "num_steps", "num_draft_tokens"))
 
+    from specattn.spec_runtime.strategies import SpecConfig, parse_block_size_by_batch
+    try:
+        by_batch = parse_block_size_by_batch(block_size_by_batch)
+        SpecConfig("dflash", block_size=block_size, block_size_by_batch=by_batch).validate()
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--block-size-by-batch")
     try:
         sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
     except ValueError:
@@ -279,6 +288,7 @@ def bench_e2e(
                         max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, min_requests=min_requests,
                         requests_per_row=requests_per_row, min_free_slots=min_free_slots,
                         chain=triple(chain, "--chain"), tree=triple(tree, "--tree"), block_size=block_size,
+                        block_size_by_batch=by_batch,
                         ddtree=ints(ddtree, "--ddtree", ("topk", "num_draft_tokens")),
                         ngram=ints(ngram, "--ngram", ("topk", "num_steps", "ngram_size")),
                         repetitive_algos=rep_names,

@@ -25,6 +25,9 @@ def test_spec_fields():
     assert e2e.spec_fields("none", cfg) == {"algo": "none"}
     assert e2e.spec_fields("eagle_chain", cfg) == {"algo": "eagle", "topk": 1, "num_steps": 4, "num_draft_tokens": 5}
     assert e2e.spec_fields("dflash", cfg)["block_size"] == 16
+    assert e2e.spec_fields("dflash", cfg)["block_size_by_batch"] == ((16, 4),)      # the chain only
+    assert "block_size_by_batch" not in e2e.spec_fields("ddtree", cfg)
+    assert e2e.spec_fields("dflash", e2e.E2EConfig(block_size_by_batch=[[8, 2]]))["block_size_by_batch"] == ((8, 2),)
     for algo in e2e.DEFAULT_ALGOS:
         SpecConfig(**e2e.spec_fields(algo, e2e.E2EConfig())).validate()
     with pytest.raises(ValueError, match="unknown algo"):
@@ -71,6 +74,11 @@ def test_writers(tmp_path):
     assert {"e2e.json", "e2e.md"} <= names
     md = (tmp_path / "h100" / "e2e.md").read_text()
     assert "| chat | eagle_chain | 1 | bfloat16 | triton | 2500.0 | 2.50 | 3.20 |" in md and "error: RuntimeError" in md
+    assert "DFlash chain" not in md                                   # no DFlash rows
+    rep = _report(rows + [dict(rows[1], algo="dflash")])
+    rep["settings"].update(block_size=16, block_size_by_batch=[[16, 4], [64, 2]])
+    e2e.write_results(rep, tmp_path / "h100")
+    assert "DFlash chain: block 16, 4 from batch 16, 2 from batch 64." in (tmp_path / "h100" / "e2e.md").read_text()
     assert json.loads((tmp_path / "h100" / "e2e.json").read_text())["rows"][1]["accept_length"] == 3.2
 
 
@@ -78,6 +86,9 @@ def test_cli_errors():
     runner = CliRunner()
     res = runner.invoke(cli.app, ["bench", "e2e", "--algos", "medusa"])
     assert res.exit_code == 2 and "unknown algo" in res.output
+    for bad in ("16", "1:4", "16:1"):
+        res = runner.invoke(cli.app, ["bench", "e2e", "--block-size-by-batch", bad])
+        assert res.exit_code == 2 and "block-size-by-batch" in res.output, res.output
     res = runner.invoke(cli.app, ["bench", "e2e", "--chain", "1,2"])
     assert res.exit_code == 2 and "topk,num_steps,num_draft_tokens" in res.output
     res = runner.invoke(cli.app, ["bench", "e2e", "--ddtree", "4,500"])

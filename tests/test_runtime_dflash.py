@@ -12,6 +12,7 @@ from specattn.backends import ForwardBatch, ForwardMode, pack_tree_mask
 from specattn.spec_runtime import dflash
 from runtime_backend import check_rows_restored, make_engine, uses_graphs
 from specattn.spec_runtime.engine import Request, SpecConfig
+from specattn.spec_runtime.strategies import parse_block_size_by_batch
 from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, write_random_hf_dir
 from specattn.spec_runtime.sampling import SamplingParams
 
@@ -59,6 +60,23 @@ def test_validate():
         SpecConfig("dflash", block_size=1).validate()
     with pytest.raises(ValueError, match="topk <= 8"):
         SpecConfig("dflash", block_size=4, topk=9, num_draft_tokens=9).validate()
+    spec = SpecConfig("dflash", block_size=16, block_size_by_batch=((16, 4), (64, 2)))
+    spec.validate()
+    assert [spec.block_size_for(b) for b in (1, 15, 16, 63, 64, 200)] == [16, 16, 4, 4, 2, 2]
+    assert spec.tokens_per_round() == 16
+    assert SpecConfig("dflash", block_size=4, block_size_by_batch=((2, 8),)).tokens_per_round() == 8
+    assert parse_block_size_by_batch(" 16:4, 64:2 ") == ((16, 4), (64, 2)) and parse_block_size_by_batch("") == ()
+    for bad, match in ((dict(algo="eagle"), "DFlash chains"), (dict(topk=2, num_draft_tokens=3), "DFlash chains"),
+                       (dict(block_size_by_batch=((1, 4),)), "increase from >= 2"),
+                       (dict(block_size_by_batch=((8, 4), (8, 2))), "increase from >= 2"),
+                       (dict(block_size_by_batch=((8, 1),)), "blocks must be >= 2"),
+                       (dict(block_size_by_batch=((8,),)), "int pairs")):
+        kw = {"algo": "dflash", "block_size_by_batch": ((2, 3),), **bad}
+        with pytest.raises(ValueError, match=match):
+            SpecConfig(**kw).validate()
+    for text in ("16", "16:4:2", "a:4"):
+        with pytest.raises(ValueError, match="MIN_BATCH:BLOCK"):
+            parse_block_size_by_batch(text)
 
 
 def test_block_forward_is_noncausal_attention_over_context(tmp_path, backend_name):
@@ -204,6 +222,40 @@ def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size, b
     check_rows_restored(eng)
 
 
+def test_block_size_by_batch(tmp_path, monkeypatch, backend_name):
+    """A smaller block once the batch is large: with every draft right (the target's own
+    continuation), rounds over 3-4 running requests (padded to 4) accept 2 drafts (block 3),
+    and after two requests end, rounds over 2 accept 5 (block 6); the output stays the
+    target's."""
+    seed = random.randrange(2**31)
+    cfg, w = random_model(tmp_path, seed)
+    prompts = random_prompts(seed, 4)
+    ref = make_engine(backend_name, cfg, dict(w), max_context=128).generate(
+        prompts, SamplingParams(max_new_tokens=NEW + 6)).tokens
+    real = dflash.DFlashStrategy.propose_block
+
+    def oracle(self, engine, rb, rows, P):
+        toks = real(self, engine, rb, rows, P).clone()
+        B = toks.shape[1]
+        for i, (row, p) in enumerate(zip(rows.tolist(), P.tolist())):
+            if row < len(prompts):
+                n = p - len(prompts[row]) + 1
+                toks[i, 1:] = torch.tensor(ref[row][n:n + B - 1])
+        return toks
+
+    monkeypatch.setattr(dflash.DFlashStrategy, "propose_block", oracle)
+    spec = SpecConfig("dflash", block_size=6, block_size_by_batch=((3, 3),))
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=4)
+    limits = [NEW, NEW, 6, 6]
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW), max_new_tokens=limits)
+    assert res.tokens == [t[:n] for t, n in zip(ref, limits)], f"seed={seed}"
+    for per in res.accept_lengths[2:]:
+        assert set(per) == {2}, res.accept_lengths
+    for per in res.accept_lengths[:2]:
+        assert per[0] == 2 and 5 in per and per == sorted(per) and set(per) == {2, 5}, res.accept_lengths
+    check_rows_restored(eng)
+
+
 def test_sampling_smoke(tmp_path, backend_name):
     seed = random.randrange(2**31)
     cfg, w = random_model(tmp_path, seed)
@@ -284,3 +336,24 @@ def test_shipped_dflash_generate_equals_none(gguf_path, backend_name):
     assert b["drafter"] == "dflash"
     assert a["outputs"][0]["tokens"] == b["outputs"][0]["tokens"]
     assert b["mean_accept_length"] > 1.0
+
+
+@pytest.mark.gpu
+def test_block_size_by_batch_cuda(tmp_path, backend_name):
+    """Per-batch blocks on CUDA, eager and with graphs (a round graph per padded batch size,
+    each with its own block): requests of different lengths shrink the batch across the
+    threshold, and the output stays target-only greedy."""
+    seed = random.randrange(2**31)
+    cfg, w = random_model(tmp_path, seed)
+    prompts = random_prompts(seed, 5)
+    limits = [NEW, 7, NEW, 4, 11]
+    kw = dict(device="cuda", max_context=128, max_batch=5)
+    base = make_engine(backend_name, cfg, dict(w), **kw).generate(
+        prompts, SamplingParams(max_new_tokens=NEW), max_new_tokens=limits)
+    spec = SpecConfig("dflash", block_size=6, block_size_by_batch=((3, 3),))
+    for graph in (False, True):
+        eng = make_engine(backend_name, cfg, dict(w), spec=spec, cuda_graph=graph, **kw)
+        res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW), max_new_tokens=limits)
+        assert res.tokens == base.tokens, f"seed={seed} cuda_graph={graph}"
+        assert all(0 <= a <= 5 for per in res.accept_lengths for a in per)
+        check_rows_restored(eng)
