@@ -58,9 +58,9 @@ class SpecConfig:
     ``block_size_by_batch``: ``(min_batch, block_size)`` pairs, ``min_batch`` increasing from
     2: a DFlash chain round over at least ``min_batch`` request rows (counted as the engine
     pads a batch for its graphs: ``graph_runner.padded_sizes``) drafts and verifies a block
-    of that size instead of ``block_size``.  The verify's tokens are nearly free at batch 1 and what a
-    large batch pays for (docs/runtime.md: block 16 / 4 at batch 64 of the real model 0.75x /
-    0.98x plain decoding, at batch 1 1.61x / 1.41x)."""
+    of that size instead of ``block_size``.  The verify's tokens are nearly free at batch 1
+    and what a large batch pays for (docs/runtime.md: block 16 / 4 at batch 64 of the real
+    model 0.75x / 0.98x plain decoding, at batch 1 1.61x / 1.41x)."""
 
     algo: str = "none"
     topk: int = 1
