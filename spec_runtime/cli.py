@@ -418,13 +418,17 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         bad(f"--draft-model {draft_model}: no such file or folder")
     if algo in ("eagle", "dflash"):
         from .strategies import SpecConfig, parse_block_size_by_batch
+        spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size)
         try:  # the engine's own bounds (the checks above name the options)
-            by_batch = parse_block_size_by_batch(block_size_by_batch) if algo == "dflash" else ()
-            SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size,
-                       block_size_by_batch=by_batch).validate()
+            spec.validate()
         except ValueError as e:
-            bad(f"--block-size-by-batch: {e}" if "MIN_BATCH:BLOCK" in str(e) or "block_size_by_batch" in str(e)
-                else str(e))
+            bad(str(e))
+        if block_size_by_batch:
+            try:
+                spec.block_size_by_batch = parse_block_size_by_batch(block_size_by_batch)
+                spec.validate()
+            except ValueError as e:
+                bad(f"--block-size-by-batch: {e}")
 
     if dtype not in DTYPES:
         bad(f"--dtype must be one of {' | '.join(DTYPES)}, got {dtype!r}")
