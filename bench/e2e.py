@@ -78,11 +78,14 @@ class E2EConfig:
     requests_per_row: int = 8               # prompts per request row (continuous batching)
     min_free_slots: Optional[int] = None    # Engine(min_free_slots=min(this, bs)); None: the engine's default
     chain: Dict[str, int] = field(default_factory=lambda: dict(topk=1, num_steps=5, num_draft_tokens=6))
-    tree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=5, num_draft_tokens=16))
+    tree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=5, num_draft_tokens=32))
+    # EAGLE tree / DDTree: (min_batch, num_draft_tokens) pairs, smaller trees for large batches
+    tree_by_batch: Sequence[Tuple[int, int]] = ((2, 16), (32, 8))
     block_size: int = 16
     # DFlash chain: (min_batch, block) pairs, a smaller block for large batches (SpecConfig)
     block_size_by_batch: Sequence[Tuple[int, int]] = ((16, 4),)
-    ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_draft_tokens=16))
+    ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=8, num_draft_tokens=32))
+    ddtree_by_batch: Sequence[Tuple[int, int]] = ((2, 16), (32, 8))
     ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))
     drafter: Optional[str] = None           # EAGLE drafter folder (default: the shipped one)
     draft_vocab: Optional[int] = None       # EAGLE-3: draft from the N most frequent tokens (0: all;
@@ -105,12 +108,13 @@ def spec_fields(algo: str, cfg: E2EConfig) -> dict:
     if algo == "eagle_chain":
         return dict(algo="eagle", **cfg.chain)
     if algo == "eagle_tree":
-        return dict(algo="eagle", **cfg.tree)
+        return dict(algo="eagle", **cfg.tree, num_draft_tokens_by_batch=tuple(tuple(p) for p in cfg.tree_by_batch))
     if algo == "dflash":
         return dict(algo="dflash", block_size=cfg.block_size,
                     block_size_by_batch=tuple(tuple(p) for p in cfg.block_size_by_batch))
     if algo == "ddtree":
-        return dict(algo="dflash", block_size=cfg.block_size, **cfg.ddtree)
+        return dict(algo="dflash", block_size=cfg.block_size, **cfg.ddtree,
+                    num_draft_tokens_by_batch=tuple(tuple(p) for p in cfg.ddtree_by_batch))
     if algo == "ngram":
         return dict(algo="ngram", **cfg.ngram)
     raise ValueError(f"unknown algo {algo!r}; known: {', '.join(ALGOS)}")
@@ -430,25 +434,38 @@ def _cell(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _from_batch(pairs) -> str:
+    """``[[2, 16], [32, 8]]`` -> ``", 16 from batch 2, 8 from batch 32"``."""
+    return "".join(f", {v} from batch {m}" for m, v in pairs or [])
+
+
 def _eagle_settings(report: dict) -> str:
-    """" EAGLE chain / tree (topk, num_steps, num_draft_tokens)[, draft vocabulary]." or ""."""
+    """" EAGLE chain / tree (topk, num_steps, num_draft_tokens)[, tree tokens by batch][, draft
+    vocabulary]." or ""."""
     st = report.get("settings") or {}
     if "chain" not in st or not any(r.get("algo", "").startswith("eagle") for r in report["rows"]):
         return ""
     fmt = lambda c: f"({c['topk']}, {c['num_steps']}, {c['num_draft_tokens']})"   # noqa: E731
     dv = next((r["draft_vocab"] for r in report["rows"] if r.get("draft_vocab")), None)
+    by_batch = f" (tree tokens {st['tree']['num_draft_tokens']}{_from_batch(st['tree_by_batch'])})" \
+        if st.get("tree_by_batch") else ""
     return (f" EAGLE chain {fmt(st['chain'])}, tree {fmt(st['tree'])} (topk, num_steps, num_draft_tokens)"
-            + (f", drafting from the {dv:,} most frequent tokens." if dv else "."))
+            + by_batch + (f", drafting from the {dv:,} most frequent tokens." if dv else "."))
 
 
 def _dflash_settings(report: dict) -> str:
-    """" DFlash chain: block 16, 4 from batch 16." or "" (no DFlash chain rows)."""
+    """" DFlash chain: block 16, 4 from batch 16.  DDTree: topk 8, 32 tokens, 16 from batch 2."
+    or "" (no DFlash rows)."""
     st = report.get("settings") or {}
-    if "block_size_by_batch" not in st or not any(r.get("algo") == "dflash" for r in report["rows"]):
-        return ""                         # (reports from before the per-batch block say nothing)
-    by_batch = st.get("block_size_by_batch") or []
-    return (f" DFlash chain: block {st['block_size']}"
-            + "".join(f", {b} from batch {m}" for m, b in by_batch) + ".")
+    algos = {r.get("algo") for r in report["rows"]}
+    out = ""
+    if "block_size_by_batch" in st and "dflash" in algos:   # (reports from before the per-batch block say nothing)
+        out += f" DFlash chain: block {st['block_size']}{_from_batch(st.get('block_size_by_batch'))}."
+    if "ddtree_by_batch" in st and "ddtree" in algos:
+        dd = st["ddtree"]
+        out += (f" DDTree: topk {dd['topk']}, {dd['num_draft_tokens']} tokens"
+                f"{_from_batch(st.get('ddtree_by_batch'))}.")
+    return out
 
 
 def _admission_settings(report: dict) -> str:

@@ -341,6 +341,7 @@ ALGO_OPTIONS = {
     "draft_layers": ("--draft-layers", ("eagle", "dflash")),
     "block_size": ("--block-size", ("dflash",)),
     "block_size_by_batch": ("--block-size-by-batch", ("dflash",)),
+    "num_draft_tokens_by_batch": ("--num-draft-tokens-by-batch", ("eagle", "dflash")),
     "draft_vocab": ("--draft-vocab", ("eagle",)),
 }
 
@@ -354,7 +355,8 @@ def _given(ctx: typer.Context, name: str) -> bool:
 def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_steps, num_draft_tokens,
                         draft_layers, block_size, backend, page_size, device, dtype, temperature, top_k,
                         top_p, model, draft_model, self_draft, cuda_graph, threads, ngram_size=4,
-                        draft_vocab=None, kv_cache_dtype="auto", block_size_by_batch="") -> List[str]:
+                        draft_vocab=None, kv_cache_dtype="auto", block_size_by_batch="",
+                        num_draft_tokens_by_batch="") -> List[str]:
     """Check ``specattn generate``'s arguments before anything loads; returns the prompts.
     Every problem ends the command with one line (:func:`fail`, exit status 2)."""
     def bad(msg: str) -> None:
@@ -417,18 +419,21 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
     if draft_model is not None and not Path(draft_model).exists():
         bad(f"--draft-model {draft_model}: no such file or folder")
     if algo in ("eagle", "dflash"):
-        from .strategies import SpecConfig, parse_block_size_by_batch
+        from .strategies import SpecConfig, parse_by_batch
         spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size)
         try:  # the engine's own bounds (the checks above name the options)
             spec.validate()
         except ValueError as e:
             bad(str(e))
-        if block_size_by_batch:
-            try:
-                spec.block_size_by_batch = parse_block_size_by_batch(block_size_by_batch)
-                spec.validate()
-            except ValueError as e:
-                bad(f"--block-size-by-batch: {e}")
+        for flag, field, text in (("--block-size-by-batch", "block_size_by_batch", block_size_by_batch),
+                                  ("--num-draft-tokens-by-batch", "num_draft_tokens_by_batch",
+                                   num_draft_tokens_by_batch)):
+            if text:
+                try:
+                    setattr(spec, field, parse_by_batch(text))
+                    spec.validate()
+                except ValueError as e:
+                    bad(f"{flag}: {e}")
 
     if dtype not in DTYPES:
         bad(f"--dtype must be one of {' | '.join(DTYPES)}, got {dtype!r}")
@@ -496,6 +501,10 @@ def generate(
                                             help="DFlash chain: MIN_BATCH:BLOCK,... a smaller block for rounds "
                                                  "over at least MIN_BATCH requests (e.g. 16:4): a large "
                                                  "batch pays for every verified token."),
+    num_draft_tokens_by_batch: str = typer.Option(
+        "", "--num-draft-tokens-by-batch",
+        help="EAGLE and DFlash trees (--topk > 1): MIN_BATCH:TOKENS,... a smaller (or larger) tree for "
+             "rounds over at least MIN_BATCH requests (e.g. 2:16,32:8 after --num-draft-tokens 32)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab",
                                               help="EAGLE-3: draft only from the N most frequent tokens of "
                                                    "the drafter's token_frequencies.json (FR-Spec; a cheaper "
@@ -540,7 +549,7 @@ def generate(
         page_size=page_size, device=device, dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p,
         model=model, draft_model=draft_model, self_draft=self_draft, cuda_graph=cuda_graph, threads=threads,
         ngram_size=ngram_size, draft_vocab=draft_vocab, kv_cache_dtype=kv_cache_dtype,
-        block_size_by_batch=block_size_by_batch)
+        block_size_by_batch=block_size_by_batch, num_draft_tokens_by_batch=num_draft_tokens_by_batch)
     with cpu_threads(threads, device) as n_threads:
         _generate(texts, algo=algo, topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
                   ngram_size=ngram_size,
@@ -549,20 +558,22 @@ def generate(
                   top_k=top_k, top_p=top_p, seed=seed, model=model, draft_model=draft_model,
                   self_draft=self_draft, chat=chat, cuda_graph=cuda_graph, warmup=warmup,
                   as_json=as_json, threads=n_threads, draft_vocab=draft_vocab,
-                  kv_cache_dtype=kv_cache_dtype, block_size_by_batch=block_size_by_batch)
+                  kv_cache_dtype=kv_cache_dtype, block_size_by_batch=block_size_by_batch,
+                  num_draft_tokens_by_batch=num_draft_tokens_by_batch)
 
 
 def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, backend,
               page_size, device, dtype, max_new_tokens, temperature, top_k, top_p, seed, model, draft_model,
               self_draft, chat, cuda_graph, warmup, as_json, threads, ngram_size=4, draft_vocab=None,
-              kv_cache_dtype="auto", block_size_by_batch="") -> None:
+              kv_cache_dtype="auto", block_size_by_batch="", num_draft_tokens_by_batch="") -> None:
     """``specattn generate`` once its arguments are checked: load, build the engine, run,
     report."""
     from . import loader
     from .sampling import SamplingParams
-    from .strategies import SpecConfig, parse_block_size_by_batch
+    from .strategies import SpecConfig, parse_by_batch
     spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, ngram_size,
-                      parse_block_size_by_batch(block_size_by_batch) if algo == "dflash" else ())
+                      parse_by_batch(block_size_by_batch) if algo == "dflash" else (),
+                      parse_by_batch(num_draft_tokens_by_batch) if algo in ("eagle", "dflash") else ())
     try:
         cfg, w, tok = load_model(model, DTYPES[dtype])
     except FileNotFoundError as e:
@@ -601,6 +612,8 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
                          block_size=block_size)
     report["cpu_threads"] = threads
     report["block_size_by_batch"] = [list(p) for p in spec.block_size_by_batch] if algo == "dflash" else None
+    report["num_draft_tokens_by_batch"] = [list(p) for p in spec.num_draft_tokens_by_batch] \
+        if algo in ("eagle", "dflash") else None
     report["draft_vocab"] = draft_vocab or None
     if algo == "dflash" and drafter_path is not None:
         report["drafter"] = "dflash"

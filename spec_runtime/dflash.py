@@ -111,7 +111,6 @@ from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch, Fo
 
 from .loader import LlamaConfig, check_decoder_shape, check_weight_shapes
 from .drafter_base import TargetSharingDrafter, random_init
-from .graph_runner import padded_sizes
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
 from .strategies import PrefillBatch, SpecConfig, Strategy
 
@@ -843,7 +842,7 @@ class DFlashStrategy(Strategy):
         self.spec, self.K = spec, spec.topk
         # the largest block (buffers, graph state); a round's own: block_for
         self.B = max([spec.block_size] + [b for _, b in spec.block_size_by_batch])
-        self.D = self.B if self.K == 1 else spec.num_draft_tokens
+        self.D = self.B if self.K == 1 else spec.max_num_draft_tokens()   # the largest; a round's own: tree_for
         self.verify_topk = self.K         # 1: the target verifies a chain
         if draft_model is not None:       # a trained drafter (DFlashDrafter.load)
             if not isinstance(draft_model, DFlashDrafter):
@@ -864,7 +863,16 @@ class DFlashStrategy(Strategy):
         batch as the engine pads it for its graphs (so eager and replayed rounds agree)."""
         if not self.spec.block_size_by_batch:
             return self.spec.block_size
-        return self.spec.block_size_for(next(s for s in padded_sizes(eng.max_batch) if s >= bs))
+        return self.spec.block_size_for(self.padded_rows(eng, bs))
+
+    def tree_for(self, eng: "Engine", bs: int) -> int:
+        """The tokens a round over ``bs`` request rows verifies: the chain's block, or the
+        DDTree's ``spec.num_draft_tokens_for`` the padded batch."""
+        if self.K == 1:
+            return self.block_for(eng, bs)
+        if not self.spec.num_draft_tokens_by_batch:
+            return self.D
+        return self.spec.num_draft_tokens_for(self.padded_rows(eng, bs))
 
     def graph_state_sizes(self, max_batch: int) -> Dict[str, Tuple[int, int]]:
         return {"target": (max_batch, max_batch * self.D), "draft": (max_batch, max_batch * self.B)}
@@ -906,8 +914,9 @@ class DFlashStrategy(Strategy):
         _, toks = self.block_top(eng, rb, rows, P, 1)
         return torch.cat([eng.roots[rows][:, None], toks[..., 0]], dim=1)
 
-    def _tree(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor):
-        """``(draft_tokens [bs, D], TreeInfo, num_steps)`` of this round's chain or DDTree."""
+    def _tree(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor, D: int):
+        """``(draft_tokens [bs, D], TreeInfo, num_steps)`` of this round's chain or DDTree
+        (``D``: :meth:`tree_for`)."""
         if self.K == 1:   # chain_tree(P, B): kept rows sliced, only the positions computed
             bs, n = rows.shape[0], eng.max_batch + 1
             B = self.block_for(eng, bs)
@@ -920,19 +929,19 @@ class DFlashStrategy(Strategy):
         parent_list, scores, tokens = ops.ddtree_candidates(vals, toks)
         roots = eng.roots[rows]
         if scores.shape[1] <= ops.EAGLE_MAX_CANDIDATES:   # one launch: the D - 1 best, in order
-            selected, draft_tokens = ops.select_draft_tokens(scores, tokens, roots, self.D)
+            selected, draft_tokens = ops.select_draft_tokens(scores, tokens, roots, D)
         else:
-            selected = scores.topk(self.D - 1, dim=-1).indices.sort(dim=-1).values
+            selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
             draft_tokens = torch.cat([roots[:, None], tokens.gather(1, selected)], 1)
-        tree = ops.build_tree(parent_list, selected, P.to(torch.int32), self.K, self.B - 1, self.D)
+        tree = ops.build_tree(parent_list, selected, P.to(torch.int32), self.K, self.B - 1, D)
         return draft_tokens, tree, self.B - 1
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
         rows = rb.rows
         bs = rows.shape[0]
-        D = self.block_for(eng, bs) if self.K == 1 else self.D
+        D = self.tree_for(eng, bs)
         P = eng.prefix_lens[rows]
-        draft_tokens, tree, num_steps = self._tree(eng, rb, rows, P)
+        draft_tokens, tree, num_steps = self._tree(eng, rb, rows, P, D)
         cols = P[:, None] + eng.arange(D)
         out_cache_loc = eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,

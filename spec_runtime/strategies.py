@@ -30,13 +30,14 @@ import torch
 from specattn import ops
 from specattn.backends import ForwardBatch, ForwardMode
 
+from .graph_runner import padded_sizes
 from .sampling import top_log_probs
 
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, ForwardOut, RoundBatch
 
 __all__ = ["SpecConfig", "Strategy", "PrefillBatch", "PlainDecoding", "EagleStrategy", "make_strategy",
-           "top_log_probs", "parse_block_size_by_batch"]
+           "top_log_probs", "parse_by_batch"]
 
 Role = str
 ModeList = List[Tuple[Role, ForwardMode]]
@@ -55,12 +56,16 @@ class SpecConfig:
     chains of ``num_steps`` tokens from the request's own history, matching suffixes of up
     to ``ngram_size`` tokens (:mod:`.ngram`).
 
-    ``block_size_by_batch``: ``(min_batch, block_size)`` pairs, ``min_batch`` increasing from
-    2: a DFlash chain round over at least ``min_batch`` request rows (counted as the engine
-    pads a batch for its graphs: ``graph_runner.padded_sizes``) drafts and verifies a block
-    of that size instead of ``block_size``.  The verify's tokens are nearly free at batch 1
-    and what a large batch pays for (docs/runtime.md: block 16 / 4 at batch 64 of the real
-    model 0.75x / 0.98x plain decoding, at batch 1 1.61x / 1.41x)."""
+    Shapes by batch size: ``(min_batch, value)`` pairs, ``min_batch`` increasing from 2; a
+    round over at least ``min_batch`` request rows (counted as the engine pads a batch for
+    its graphs: ``graph_runner.padded_sizes``, so eager and replayed rounds agree) takes
+    ``value`` instead of the base setting.  The verify's tokens are nearly free at batch 1
+    and what a large batch pays for (docs/runtime.md).
+
+    - ``block_size_by_batch``: the DFlash chain's block (``algo="dflash"``, ``topk = 1``);
+    - ``num_draft_tokens_by_batch``: the verified tree's tokens of EAGLE (any ``topk``) and
+      of a DDTree (``algo="dflash"``, ``topk > 1``); ``topk`` and ``num_steps`` (EAGLE) or
+      ``block_size`` (DDTree) stay, so only the kept candidates change."""
 
     algo: str = "none"
     topk: int = 1
@@ -70,26 +75,62 @@ class SpecConfig:
     block_size: int = 16
     ngram_size: int = 4
     block_size_by_batch: Tuple[Tuple[int, int], ...] = ()
+    num_draft_tokens_by_batch: Tuple[Tuple[int, int], ...] = ()
+
+    @staticmethod
+    def _for(base: int, pairs: Sequence[Tuple[int, int]], batch_rows: int) -> int:
+        out = base
+        for min_batch, value in pairs:
+            if batch_rows >= min_batch:
+                out = value
+        return out
 
     def block_size_for(self, batch_rows: int) -> int:
         """The DFlash block of a round over ``batch_rows`` (padded) request rows."""
-        out = self.block_size
-        for min_batch, block in self.block_size_by_batch:
-            if batch_rows >= min_batch:
-                out = block
-        return out
+        return self._for(self.block_size, self.block_size_by_batch, batch_rows)
+
+    def num_draft_tokens_for(self, batch_rows: int) -> int:
+        """The verified tree's tokens (root included) of a round over ``batch_rows`` (padded)
+        request rows."""
+        return self._for(self.num_draft_tokens, self.num_draft_tokens_by_batch, batch_rows)
+
+    def max_num_draft_tokens(self) -> int:
+        """The largest tree any batch size verifies."""
+        return max([self.num_draft_tokens] + [d for _, d in self.num_draft_tokens_by_batch])
 
     def tokens_per_round(self) -> int:
         """Most token positions past ``P`` one round writes (what a request's context must
         leave room for): the verified tokens, or the DFlash block when larger."""
         if self.algo == "dflash":
             blocks = [self.block_size] + [b for _, b in self.block_size_by_batch]
-            return max(*blocks, self.num_draft_tokens if self.topk > 1 else 0)
+            return max(*blocks, self.max_num_draft_tokens() if self.topk > 1 else 0)
         if self.algo == "ngram":
             return 1 + self.topk * self.num_steps
         if self.algo == "eagle":
-            return max(self.num_draft_tokens, self.num_steps + 1)
+            return max(self.max_num_draft_tokens(), self.num_steps + 1)
         return 1
+
+    def _check_tree_tokens(self, d: int, what: str) -> None:
+        """``d`` verified tokens fit the candidates of this EAGLE tree or DDTree."""
+        if self.algo == "dflash":
+            n_cand = ops.num_tree_candidates(self.topk, self.block_size - 1)
+            if not 2 <= d <= n_cand + 1:
+                raise ValueError(f"dflash trees (DDTree) with topk={self.topk}, block_size={self.block_size} "
+                                 f"need 2 <= {what} <= {n_cand + 1}, got {d}")
+        else:
+            n_cand = ops.num_tree_candidates(self.topk, self.num_steps)
+            if not 2 <= d <= n_cand + 1:
+                raise ValueError(f"eagle with topk={self.topk}, num_steps={self.num_steps} needs "
+                                 f"2 <= {what} <= {n_cand + 1}, got {d}")
+
+    @staticmethod
+    def _check_pairs(name: str, what: str, pairs) -> None:
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in p) for p in pairs):
+            raise ValueError(f"{name} must hold (min_batch, {what}) int pairs, got {pairs!r}")
+        mins = [m for m, _ in pairs]
+        if mins[0] < 2 or any(b <= a for a, b in zip(mins, mins[1:])):
+            raise ValueError(f"{name}'s min_batch values must increase from >= 2, got {mins}")
 
     def validate(self) -> None:
         """Raises ValueError on an unknown algo or bounds that no tree can meet."""
@@ -101,41 +142,38 @@ class SpecConfig:
         if self.algo == "dflash" and self.topk > 1:
             if self.topk > ops.DDTREE_MAX_TOPK:
                 raise ValueError(f"dflash trees (DDTree) take topk <= {ops.DDTREE_MAX_TOPK}, got {self.topk}")
-            n_cand = ops.num_tree_candidates(self.topk, self.block_size - 1)
-            if not 2 <= self.num_draft_tokens <= n_cand + 1:
-                raise ValueError(f"dflash trees (DDTree) with topk={self.topk}, block_size={self.block_size} "
-                                 f"need 2 <= num_draft_tokens <= {n_cand + 1}, got {self.num_draft_tokens}")
+            self._check_tree_tokens(self.num_draft_tokens, "num_draft_tokens")
         if self.algo == "eagle":
             if self.topk < 1 or self.num_steps < 1:
                 raise ValueError(f"eagle needs topk >= 1 and num_steps >= 1, got topk={self.topk}, "
                                  f"num_steps={self.num_steps}")
-            n_cand = ops.num_tree_candidates(self.topk, self.num_steps)
-            if not 2 <= self.num_draft_tokens <= n_cand + 1:
-                raise ValueError(f"eagle with topk={self.topk}, num_steps={self.num_steps} needs "
-                                 f"2 <= num_draft_tokens <= {n_cand + 1}, got {self.num_draft_tokens}")
+            self._check_tree_tokens(self.num_draft_tokens, "num_draft_tokens")
         if self.algo == "dflash" and self.block_size < 2:
             raise ValueError(f"dflash needs block_size >= 2, got {self.block_size}")
         if self.block_size_by_batch:
             if self.algo != "dflash" or self.topk != 1:
                 raise ValueError("block_size_by_batch applies to DFlash chains (algo dflash, topk 1), got "
                                  f"algo {self.algo!r}, topk {self.topk}")
-            pairs = self.block_size_by_batch
-            if not all(isinstance(p, (tuple, list)) and len(p) == 2 and all(
-                    isinstance(x, int) and not isinstance(x, bool) for x in p) for p in pairs):
-                raise ValueError(f"block_size_by_batch must hold (min_batch, block_size) int pairs, got {pairs!r}")
-            mins = [m for m, _ in pairs]
-            if mins[0] < 2 or any(b <= a for a, b in zip(mins, mins[1:])):
-                raise ValueError(f"block_size_by_batch's min_batch values must increase from >= 2, got {mins}")
-            if any(b < 2 for _, b in pairs):
-                raise ValueError(f"block_size_by_batch's blocks must be >= 2, got {[b for _, b in pairs]}")
+            self._check_pairs("block_size_by_batch", "block_size", self.block_size_by_batch)
+            if any(b < 2 for _, b in self.block_size_by_batch):
+                raise ValueError(f"block_size_by_batch's blocks must be >= 2, "
+                                 f"got {[b for _, b in self.block_size_by_batch]}")
+        if self.num_draft_tokens_by_batch:
+            if not (self.algo == "eagle" or (self.algo == "dflash" and self.topk > 1)):
+                raise ValueError("num_draft_tokens_by_batch applies to EAGLE and to DFlash trees (algo dflash, "
+                                 f"topk > 1), got algo {self.algo!r}, topk {self.topk}")
+            self._check_pairs("num_draft_tokens_by_batch", "num_draft_tokens", self.num_draft_tokens_by_batch)
+            for _, d in self.num_draft_tokens_by_batch:
+                self._check_tree_tokens(d, "num_draft_tokens_by_batch's values")
 
 
-def parse_block_size_by_batch(text: str) -> Tuple[Tuple[int, int], ...]:
-    """``"16:4,64:2"`` -> ``((16, 4), (64, 2))`` (the CLIs' form of
-    :attr:`SpecConfig.block_size_by_batch`; ``""`` -> ``()``).
+def parse_by_batch(text: str) -> Tuple[Tuple[int, int], ...]:
+    """``"16:4,64:2"`` -> ``((16, 4), (64, 2))``: the CLIs' form of
+    :attr:`SpecConfig.block_size_by_batch` and :attr:`SpecConfig.num_draft_tokens_by_batch`
+    (``""`` -> ``()``).
 
     Raises:
-        ValueError: an entry that is not ``MIN_BATCH:BLOCK`` with integers."""
+        ValueError: an entry that is not ``MIN_BATCH:VALUE`` with integers."""
     out = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
@@ -144,7 +182,7 @@ def parse_block_size_by_batch(text: str) -> Tuple[Tuple[int, int], ...]:
             a, b = part.split(":")
             out.append((int(a), int(b)))
         except ValueError:
-            raise ValueError(f"expected MIN_BATCH:BLOCK entries separated by commas (e.g. 16:4,64:2), "
+            raise ValueError(f"expected MIN_BATCH:VALUE entries separated by commas (e.g. 16:4,64:2), "
                              f"got {text!r}") from None
     return tuple(out)
 
@@ -254,6 +292,13 @@ class Strategy(ABC):
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
         """One round for ``rb.rows`` (device work only): forwards, verify, commit."""
 
+    @staticmethod
+    def padded_rows(eng: "Engine", bs: int) -> int:
+        """``bs`` request rows as the engine pads a round for its graphs: the batch size that
+        picks a round's shapes by batch (:class:`SpecConfig`), so eager and replayed rounds
+        of one batch size agree."""
+        return next(s for s in padded_sizes(eng.max_batch) if s >= bs)
+
 
 class PlainDecoding(Strategy):
     """Target-only decoding: each round is one DECODE of the roots."""
@@ -309,7 +354,9 @@ class EagleStrategy(Strategy):
     name = "eagle"
 
     def __init__(self, spec: SpecConfig, target, draft_model=None, max_context: int = 4096):
-        self.K, self.S, self.D = spec.topk, spec.num_steps, spec.num_draft_tokens
+        self.spec = spec
+        # D, L: the largest tree and draft extend (buffers, graph state); a round's own: tree_for
+        self.K, self.S, self.D = spec.topk, spec.num_steps, spec.max_num_draft_tokens()
         self.L = min(self.S, self.D - 1) + 1
         if draft_model is not None:
             if draft_model.vocab_size != target.vocab_size or draft_model.device != target.device:
@@ -356,9 +403,21 @@ class EagleStrategy(Strategy):
         return {"target": (max_batch, max_batch * self.D),
                 "draft": (beams, max(beams, max_batch * self.L))}
 
+    def tree_for(self, eng: "Engine", bs: int) -> Tuple[int, int]:
+        """``(D, L)`` of a round over ``bs`` request rows: the verified tokens
+        (``spec.num_draft_tokens_for`` the padded batch) and the draft extend's tokens per
+        request, ``min(num_steps, D - 1) + 1``."""
+        if not self.spec.num_draft_tokens_by_batch:
+            return self.D, self.L
+        D = self.spec.num_draft_tokens_for(self.padded_rows(eng, bs))
+        return D, min(self.S, D - 1) + 1
+
     def per_mode_graph_plan(self, eng: "Engine") -> list:
         if self.eagle3:  # every forward takes or returns hidden states: eager
             return []
+        if self.spec.num_draft_tokens_by_batch:   # a per-mode graph has one shape: only the draft steps'
+            return [("draft", self.drafter, eng.draft_backend, ForwardMode.DECODE, 1, eng.max_batch * self.K)] \
+                if self.S > 1 else []
         plan = [("target", eng.target, eng.target_backend, ForwardMode.TARGET_VERIFY, self.D, eng.max_batch),
                 ("draft", self.drafter, eng.draft_backend, ForwardMode.DRAFT_EXTEND_V2, self.L, eng.max_batch)]
         if self.S > 1:
@@ -570,9 +629,10 @@ class EagleStrategy(Strategy):
         return parent_list, torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1)
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
-        K, S, D, L, sh = self.K, self.S, self.D, self.L, self.shift
+        K, S, sh = self.K, self.S, self.shift
         rows, rtt = rb.rows, eng.req_pool.req_to_token
         bs = rows.shape[0]
+        D, L = self.tree_for(eng, bs)
         # the draft's bookkeeping: fused ops (eagle_beam_step per step, select_draft_tokens,
         # the rows' state in one gather and one scatter; Triton) on CUDA, PyTorch ops
         # elsewhere and beyond the ops' limits (draft_ops_impl)

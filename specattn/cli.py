@@ -238,12 +238,18 @@ def bench_e2e(
                                                  "once this many rows are free (capped by the batch size; "
                                                  "default: the engine's, round(sqrt(bs)) - 1, at least 1)."),
     chain: str = typer.Option("1,5,6", help="EAGLE chain: topk,num_steps,num_draft_tokens."),
-    tree: str = typer.Option("4,5,16", help="EAGLE tree: topk,num_steps,num_draft_tokens."),
+    tree: str = typer.Option("4,5,32", help="EAGLE tree: topk,num_steps,num_draft_tokens."),
+    tree_by_batch: str = typer.Option("2:16,32:8", "--tree-by-batch",
+                                      help="EAGLE tree: MIN_BATCH:TOKENS,... another num_draft_tokens for rounds "
+                                           "over at least MIN_BATCH requests ('' keeps the tree's)."),
     block_size: int = typer.Option(16, min=2, help="DFlash block."),
     block_size_by_batch: str = typer.Option("16:4", "--block-size-by-batch",
                                             help="DFlash chain: MIN_BATCH:BLOCK,... a smaller block for rounds "
                                                  "over at least MIN_BATCH requests ('' keeps --block-size)."),
-    ddtree: str = typer.Option("4,16", help="DDTree: topk,num_draft_tokens (DFlash drafts verified as a tree)."),
+    ddtree: str = typer.Option("8,32", help="DDTree: topk,num_draft_tokens (DFlash drafts verified as a tree)."),
+    ddtree_by_batch: str = typer.Option("2:16,32:8", "--ddtree-by-batch",
+                                        help="DDTree: MIN_BATCH:TOKENS,... another num_draft_tokens for rounds "
+                                             "over at least MIN_BATCH requests ('' keeps --ddtree's)."),
     ngram: str = typer.Option("4,4,4", help="N-gram: topk (chains),num_steps,ngram_size."),
     drafter: Optional[Path] = typer.Option(None, help="EAGLE-3 drafter folder (default: the shipped one)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0,
@@ -272,12 +278,21 @@ def bench_e2e(
     def triple(text: str, name: str) -> dict:
         return ints(text, name, ("topk", "num_steps", "num_draft_tokens"))
 
-    from specattn.spec_runtime.strategies import SpecConfig, parse_block_size_by_batch
-    try:
-        by_batch = parse_block_size_by_batch(block_size_by_batch)
-        SpecConfig("dflash", block_size=block_size, block_size_by_batch=by_batch).validate()
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--block-size-by-batch")
+    from specattn.spec_runtime.strategies import SpecConfig, parse_by_batch
+    tree_cfg, ddtree_cfg = triple(tree, "--tree"), ints(ddtree, "--ddtree", ("topk", "num_draft_tokens"))
+    checks = (("--block-size-by-batch", block_size_by_batch,
+               lambda v: SpecConfig("dflash", block_size=block_size, block_size_by_batch=v)),
+              ("--tree-by-batch", tree_by_batch,
+               lambda v: SpecConfig("eagle", **tree_cfg, num_draft_tokens_by_batch=v)),
+              ("--ddtree-by-batch", ddtree_by_batch,
+               lambda v: SpecConfig("dflash", block_size=block_size, **ddtree_cfg, num_draft_tokens_by_batch=v)))
+    by_batch = {}
+    for flag, text, spec_of in checks:
+        try:
+            by_batch[flag] = parse_by_batch(text)
+            spec_of(by_batch[flag]).validate()
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint=flag)
     try:
         sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
     except ValueError:
@@ -287,9 +302,10 @@ def bench_e2e(
     cfg = e2e.E2EConfig(algos=names, batch_sizes=sizes, backend=backend, dtype=dtype,
                         max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, min_requests=min_requests,
                         requests_per_row=requests_per_row, min_free_slots=min_free_slots,
-                        chain=triple(chain, "--chain"), tree=triple(tree, "--tree"), block_size=block_size,
-                        block_size_by_batch=by_batch,
-                        ddtree=ints(ddtree, "--ddtree", ("topk", "num_draft_tokens")),
+                        chain=triple(chain, "--chain"), tree=tree_cfg, block_size=block_size,
+                        block_size_by_batch=by_batch["--block-size-by-batch"],
+                        tree_by_batch=by_batch["--tree-by-batch"],
+                        ddtree=ddtree_cfg, ddtree_by_batch=by_batch["--ddtree-by-batch"],
                         ngram=ints(ngram, "--ngram", ("topk", "num_steps", "ngram_size")),
                         repetitive_algos=rep_names,
                         drafter=str(drafter) if drafter else None, draft_vocab=draft_vocab,

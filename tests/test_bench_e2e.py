@@ -28,6 +28,11 @@ def test_spec_fields():
     assert e2e.spec_fields("dflash", cfg)["block_size_by_batch"] == ((16, 4),)      # the chain only
     assert "block_size_by_batch" not in e2e.spec_fields("ddtree", cfg)
     assert e2e.spec_fields("dflash", e2e.E2EConfig(block_size_by_batch=[[8, 2]]))["block_size_by_batch"] == ((8, 2),)
+    assert e2e.spec_fields("eagle_tree", cfg)["num_draft_tokens_by_batch"] == ((2, 16), (32, 8))   # trees only
+    assert e2e.spec_fields("ddtree", cfg)["num_draft_tokens_by_batch"] == ((2, 16), (32, 8))
+    assert "num_draft_tokens_by_batch" not in e2e.spec_fields("eagle_chain", cfg)
+    assert e2e.spec_fields("ddtree", e2e.E2EConfig(ddtree_by_batch=[]))["num_draft_tokens_by_batch"] == ()
+    assert e2e.spec_fields("eagle_tree", e2e.E2EConfig(tree_by_batch=[[4, 6]]))["num_draft_tokens_by_batch"] == ((4, 6),)
     for algo in e2e.DEFAULT_ALGOS:
         SpecConfig(**e2e.spec_fields(algo, e2e.E2EConfig())).validate()
     with pytest.raises(ValueError, match="unknown algo"):
@@ -79,6 +84,14 @@ def test_writers(tmp_path):
     rep["settings"].update(block_size=16, block_size_by_batch=[[16, 4], [64, 2]])
     e2e.write_results(rep, tmp_path / "h100")
     assert "DFlash chain: block 16, 4 from batch 16, 2 from batch 64." in (tmp_path / "h100" / "e2e.md").read_text()
+    rep = _report(rows + [dict(rows[1], algo="ddtree"), dict(rows[1], algo="eagle_tree")])
+    rep["settings"].update(block_size=16, block_size_by_batch=[[16, 4]], ddtree=dict(topk=8, num_draft_tokens=32),
+                           ddtree_by_batch=[[2, 16], [32, 8]], chain=dict(topk=1, num_steps=5, num_draft_tokens=6),
+                           tree=dict(topk=4, num_steps=5, num_draft_tokens=32), tree_by_batch=[[2, 16]])
+    e2e.write_results(rep, tmp_path / "h100")
+    md = (tmp_path / "h100" / "e2e.md").read_text()
+    assert "DDTree: topk 8, 32 tokens, 16 from batch 2, 8 from batch 32." in md and "DFlash chain" not in md
+    assert "tree (4, 5, 32) (topk, num_steps, num_draft_tokens) (tree tokens 32, 16 from batch 2)." in md
     assert json.loads((tmp_path / "h100" / "e2e.json").read_text())["rows"][1]["accept_length"] == 3.2
 
 
@@ -89,6 +102,10 @@ def test_cli_errors():
     for bad in ("16", "1:4", "16:1"):
         res = runner.invoke(cli.app, ["bench", "e2e", "--block-size-by-batch", bad])
         assert res.exit_code == 2 and "block-size-by-batch" in res.output, res.output
+    for flag, bad, why in (("--tree-by-batch", "2:99", "<= 69"), ("--ddtree-by-batch", "1:8", "increase from"),
+                           ("--ddtree-by-batch", "2-8", "MIN_BATCH:VALUE")):
+        res = runner.invoke(cli.app, ["bench", "e2e", flag, bad])
+        assert res.exit_code == 2 and flag in res.output and why in res.output, res.output
     res = runner.invoke(cli.app, ["bench", "e2e", "--chain", "1,2"])
     assert res.exit_code == 2 and "topk,num_steps,num_draft_tokens" in res.output
     res = runner.invoke(cli.app, ["bench", "e2e", "--ddtree", "4,500"])
@@ -135,8 +152,8 @@ def test_run_e2e_dry_run_on_cpu(tmp_path, seed, monkeypatch):
     conf = e2e.E2EConfig(batch_sizes=(1, 2), max_new_tokens=6, min_requests=2, dtype="float32",
                          backend="torch_reference", prompts=str(prompts), drafter=str(drafter), peers=False,
                          profile=False, model="tiny", device="cpu", block_size=4,
-                         tree=dict(topk=2, num_steps=3, num_draft_tokens=5),
-                         ddtree=dict(topk=2, num_draft_tokens=6), ngram=dict(topk=2, num_steps=3, ngram_size=2),
+                         tree=dict(topk=2, num_steps=3, num_draft_tokens=5), tree_by_batch=((2, 3),),
+                         ddtree=dict(topk=2, num_draft_tokens=6), ddtree_by_batch=((2, 4),), ngram=dict(topk=2, num_steps=3, ngram_size=2),
                          min_free_slots=2)
     report = e2e.run_e2e(conf, on_row=lambda r: seen.append(len(r["rows"])))
     rows = report["rows"]

@@ -50,9 +50,12 @@ def no_model_load(monkeypatch):
     (["--prompts", "nope.txt"], ["--prompts nope.txt", "no such file"]),
     (["--backend", "nope"], ["unknown backend 'nope'", "torch_reference"]),
     (["--algo", "dflash", "--block-size", "1"], ["--block-size must be >= 2", "got 1"]),
-    (["--algo", "dflash", "--block-size-by-batch", "16"], ["--block-size-by-batch", "MIN_BATCH:BLOCK"]),
+    (["--algo", "dflash", "--block-size-by-batch", "16"], ["--block-size-by-batch", "MIN_BATCH:VALUE"]),
     (["--algo", "dflash", "--block-size-by-batch", "1:4"], ["--block-size-by-batch", "increase from >= 2"]),
     (["--algo", "dflash", "--topk", "2", "--block-size-by-batch", "8:4"], ["--block-size-by-batch", "chains"]),
+    (["--algo", "dflash", "--num-draft-tokens-by-batch", "8:4"], ["--num-draft-tokens-by-batch", "DFlash trees"]),
+    (["--algo", "eagle", "--num-draft-tokens-by-batch", "8"], ["--num-draft-tokens-by-batch", "MIN_BATCH:VALUE"]),
+    (["--algo", "eagle", "--num-draft-tokens-by-batch", "8:40"], ["--num-draft-tokens-by-batch", "got 40"]),
     (["--page-size", "0"], ["--page-size must be between 1 and", "got 0"]),
     (["--page-size", "100000"], ["--page-size must be between 1 and", "got 100000"]),
     (["--algo", "medusa"], ["--algo must be one of none | eagle | dflash"]),
@@ -113,6 +116,8 @@ def test_eagle_flags_with_algo_none_are_named(no_model_load):
     assert "--block-size does not apply to --algo eagle" in line
     line = one_error_line(run(*PROMPT, "--algo", "ngram", "--block-size-by-batch", "8:4"), 2)
     assert "--block-size-by-batch does not apply to --algo ngram" in line
+    line = one_error_line(run(*PROMPT, "--algo", "ngram", "--num-draft-tokens-by-batch", "8:4"), 2)
+    assert "--num-draft-tokens-by-batch does not apply to --algo ngram (only to --algo dflash / eagle)" in line
     line = one_error_line(run(*PROMPT, "--algo", "dflash", "--num-steps", "2"), 2)
     assert "--num-steps does not apply to --algo dflash" in line
     line = one_error_line(run(*PROMPT, "--algo", "dflash", "--draft-vocab", "64"), 2)

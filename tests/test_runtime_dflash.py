@@ -12,7 +12,7 @@ from specattn.backends import ForwardBatch, ForwardMode, pack_tree_mask
 from specattn.spec_runtime import dflash
 from runtime_backend import check_rows_restored, make_engine, uses_graphs
 from specattn.spec_runtime.engine import Request, SpecConfig
-from specattn.spec_runtime.strategies import parse_block_size_by_batch
+from specattn.spec_runtime.strategies import parse_by_batch
 from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, write_random_hf_dir
 from specattn.spec_runtime.sampling import SamplingParams
 
@@ -65,7 +65,7 @@ def test_validate():
     assert [spec.block_size_for(b) for b in (1, 15, 16, 63, 64, 200)] == [16, 16, 4, 4, 2, 2]
     assert spec.tokens_per_round() == 16
     assert SpecConfig("dflash", block_size=4, block_size_by_batch=((2, 8),)).tokens_per_round() == 8
-    assert parse_block_size_by_batch(" 16:4, 64:2 ") == ((16, 4), (64, 2)) and parse_block_size_by_batch("") == ()
+    assert parse_by_batch(" 16:4, 64:2 ") == ((16, 4), (64, 2)) and parse_by_batch("") == ()
     for bad, match in ((dict(algo="eagle"), "DFlash chains"), (dict(topk=2, num_draft_tokens=3), "DFlash chains"),
                        (dict(block_size_by_batch=((1, 4),)), "increase from >= 2"),
                        (dict(block_size_by_batch=((8, 4), (8, 2))), "increase from >= 2"),
@@ -75,8 +75,8 @@ def test_validate():
         with pytest.raises(ValueError, match=match):
             SpecConfig(**kw).validate()
     for text in ("16", "16:4:2", "a:4"):
-        with pytest.raises(ValueError, match="MIN_BATCH:BLOCK"):
-            parse_block_size_by_batch(text)
+        with pytest.raises(ValueError, match="MIN_BATCH:VALUE"):
+            parse_by_batch(text)
 
 
 def test_block_forward_is_noncausal_attention_over_context(tmp_path, backend_name):
