@@ -512,35 +512,50 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def png_bars(report: dict) -> Dict[int, List[Tuple[str, str, float, Optional[float]]]]:
+    """The bars of :func:`render_png`: per batch size, ``(label, algo, tokens/s, accept
+    length)`` in row order; a row of a prompt set other than ``chat`` is labelled
+    ``"algo (set)"``, so the sets' rows of one algorithm stay apart."""
+    out: Dict[int, List[Tuple[str, str, float, Optional[float]]]] = {}
+    for r in report["rows"]:
+        if "error" in r:
+            continue
+        ps = r.get("prompt_set", "chat")
+        label = r["algo"] if ps == "chat" else f"{r['algo']} ({ps})"
+        out.setdefault(r["bs"], []).append((label, r["algo"], r["tokens_per_s"], r.get("accept_length")))
+    return dict(sorted(out.items()))
+
+
 def render_png(report: dict, path: Path) -> bool:
-    """Bar chart of tokens/s per algorithm and batch size (accept length annotated).  Returns
-    False (nothing written) when matplotlib is not installed."""
+    """Bar chart of tokens/s per algorithm (and prompt set) and batch size, accept length
+    annotated (:func:`png_bars`).  Returns False (nothing written) when matplotlib is not
+    installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [r for r in report["rows"] if "error" not in r]
-    algos = list(dict.fromkeys(r["algo"] for r in rows))
-    sizes = sorted({r["bs"] for r in rows})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(3.2 * len(sizes), 3.8), squeeze=False)
+    bars_by_bs = png_bars(report)
+    algos = list(dict.fromkeys(a for bars in bars_by_bs.values() for _, a, _, _ in bars))
+    sizes = list(bars_by_bs)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(3.6 * len(sizes), 4.0), squeeze=False)
     colors = plt.get_cmap("tab10")
     for ax, bs in zip(axes[0], sizes):
-        here = {r["algo"]: r for r in rows if r["bs"] == bs}
-        names = [a for a in algos if a in here]
-        vals = [here[a]["tokens_per_s"] for a in names]
-        bars = ax.bar(range(len(names)), vals, color=[colors(algos.index(a)) for a in names])
-        for b, a in zip(bars, names):
-            acc = here[a].get("accept_length")
+        here = bars_by_bs[bs]
+        drawn = ax.bar(range(len(here)), [v for _, _, v, _ in here],
+                       color=[colors(algos.index(a)) for _, a, _, _ in here], edgecolor="white")
+        for b, (label, a, _, acc) in zip(drawn, here):
+            if label != a:
+                b.set_hatch("//")
             if acc and a not in ("none", "hf_static"):
                 ax.annotate(f"{acc:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()),
                             ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+        ax.set_xticks(range(len(here)), [label for label, _, _, _ in here], rotation=45, ha="right", fontsize=8)
         ax.set_title(f"bs {bs}", fontsize=9)
         ax.set_ylabel("tokens/s" if bs == sizes[0] else "")
     fig.suptitle(f"{report['model']}, {report['device']['name']} ({report['timestamp'][:10]}); "
-                 f"labels: tokens per verify", fontsize=9)
+                 f"labels: tokens per verify; hatched: the repetitive prompt set", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -95,6 +95,23 @@ def test_writers(tmp_path):
     assert json.loads((tmp_path / "h100" / "e2e.json").read_text())["rows"][1]["accept_length"] == 3.2
 
 
+def test_png_bars_keep_prompt_sets_apart():
+    """Both prompt sets run target-only decoding and n-gram at a batch size: each row gets
+    its own bar (the copy-heavy set's labelled), errors get none."""
+    row = dict(backend="triton", dtype="bfloat16", accept_length=1.0)
+    rows = [dict(row, algo="none", bs=1, tokens_per_s=1000.0, prompt_set="chat"),
+            dict(row, algo="ngram", bs=1, tokens_per_s=1400.0, accept_length=1.44, prompt_set="chat"),
+            dict(row, algo="none", bs=1, tokens_per_s=990.0, prompt_set="repetitive"),
+            dict(row, algo="ngram", bs=1, tokens_per_s=1900.0, accept_length=1.96, prompt_set="repetitive"),
+            dict(row, algo="none", bs=4, tokens_per_s=4000.0),                 # no prompt_set: chat
+            dict(algo="hf_static", backend="transformers", dtype="bfloat16", bs=4, error="x")]
+    bars = e2e.png_bars(_report(rows))
+    assert list(bars) == [1, 4]
+    assert bars[1] == [("none", "none", 1000.0, 1.0), ("ngram", "ngram", 1400.0, 1.44),
+                       ("none (repetitive)", "none", 990.0, 1.0), ("ngram (repetitive)", "ngram", 1900.0, 1.96)]
+    assert bars[4] == [("none", "none", 4000.0, 1.0)]
+
+
 def test_cli_errors():
     runner = CliRunner()
     res = runner.invoke(cli.app, ["bench", "e2e", "--algos", "medusa"])
