@@ -9,8 +9,10 @@ import torch
 
 from runtime_backend import check_rows_restored, make_engine, uses_graphs
 from specattn import ops
+from specattn.spec_runtime.eagle3 import Eagle3Drafter
 from specattn.spec_runtime.engine import SpecConfig
 from specattn.spec_runtime.graph_runner import padded_sizes
+from specattn.spec_runtime.model import LlamaModel
 from specattn.spec_runtime.sampling import SamplingParams
 from specattn.spec_runtime.strategies import parse_by_batch
 from tiny_models import tiny_llama
@@ -90,6 +92,24 @@ def test_lossless_and_sized_by_batch(tmp_path, seed, spec, page_size, backend_na
     assert {d for _, d in seen} == {spec.num_draft_tokens, spec.num_draft_tokens_by_batch[0][1]}, seen
     for per in res.accept_lengths:
         assert all(0 <= a <= spec.max_num_draft_tokens() - 1 for a in per), res.accept_lengths
+    check_rows_restored(eng)
+
+
+def test_eagle3_lossless_and_sized_by_batch(tmp_path, seed, backend_name, monkeypatch):
+    """An EAGLE-3 drafter (its entries one index below the tokens, fed the target's features):
+    a tree of 7 tokens over 1-2 rows, 3 over 3-4 (a draft extend of 3 tokens instead of 4)."""
+    cfg, w = tiny_llama(tmp_path, seed, vocab=V, layers=5)
+    target = LlamaModel(cfg, dict(w))
+    drafter = Eagle3Drafter.from_target(target, seed=seed)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 12))] for _ in range(4)]
+    limits, p = [NEW, NEW, 5, 5], SamplingParams(max_new_tokens=NEW)
+    base = make_engine(backend_name, target, max_context=128, max_batch=4).generate(prompts, p, max_new_tokens=limits)
+    spec = SpecConfig("eagle", topk=2, num_steps=3, num_draft_tokens=7, num_draft_tokens_by_batch=((3, 3),))
+    seen = _record_trees(monkeypatch)
+    eng = make_engine(backend_name, target, spec=spec, max_context=128, max_batch=4, draft_model=drafter)
+    assert eng.generate(prompts, p, max_new_tokens=limits).tokens == base.tokens, f"seed={seed}"
+    assert {d for _, d in seen} == {3, 7} and all(d == (3 if bs >= 3 else 7) for bs, d in seen), seen
     check_rows_restored(eng)
 
 
