@@ -918,8 +918,7 @@ class DFlashStrategy(Strategy):
         """``(draft_tokens [bs, D], TreeInfo, num_steps)`` of this round's chain or DDTree
         (``D``: :meth:`tree_for`)."""
         if self.K == 1:   # chain_tree(P, B): kept rows sliced, only the positions computed
-            bs, n = rows.shape[0], eng.max_batch + 1
-            B = self.block_for(eng, bs)
+            bs, n, B = rows.shape[0], eng.max_batch + 1, D     # a chain's D is its block
             c = eng.constant(("dflash_chain_tree", B, n),
                              lambda: chain_tree(torch.zeros(n, dtype=torch.int64, device=eng.device), B))
             tree = ops.TreeInfo(c.tree_mask[:bs], (P[:, None] + eng.arange(B)).flatten(),
