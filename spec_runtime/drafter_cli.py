@@ -4,6 +4,10 @@
 ``drafter_app`` is a typer app with one command, ``train``; the top-level CLI mounts it as
 ``specattn drafter``.  The work is :func:`specattn.spec_runtime.train_drafter.run_training`.
 Bad arguments exit with status 2 and one line on stderr.
+
+Several GPUs: start one process per GPU with ``torchrun`` (``torchrun --nproc-per-node 4 -m
+specattn drafter train --device cuda ...``); the processes share the data generation and
+train data-parallel (``train_drafter.init_distributed``), rank 0 prints and writes.
 """
 from __future__ import annotations
 
@@ -130,10 +134,13 @@ def train_cmd(
 ):
     """Generate data with the target, train a drafter on it (EAGLE-3: training-time test; DFlash:
     blocks at random anchors; both distilled with a soft cross-entropy to the target's
-    distributions) and export it with a model card."""
+    distributions) and export it with a model card.  Under torchrun (one process per GPU,
+    --device cuda) the processes share the data generation and train data-parallel,
+    --batch-size rows each per step."""
     from rich.console import Console
 
-    from .train_drafter import DEFAULT_TRAIN_PROMPTS, GenConfig, RunOptions, TrainConfig, run_training
+    from .train_drafter import (DEFAULT_TRAIN_PROMPTS, GenConfig, RunOptions, TrainConfig, init_distributed,
+                                run_training)
     if kind not in KINDS:
         _fail(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
     mine, other = (EAGLE3_ONLY, DFLASH_ONLY) if kind == "eagle3" else (DFLASH_ONLY, EAGLE3_ONLY)
@@ -216,8 +223,13 @@ def train_cmd(
                      grad_clip=grad_clip, seed=seed, eval_frac=eval_frac, eval_every=eval_every,
                      eval_batches=eval_batches, loss_chunk=loss_chunk, time_budget_s=time_budget_s, amp=amp,
                      init_from=None if init_from is None else str(init_from), **opt)
+    try:
+        dist_ctx, dev = init_distributed(dev)
+    except ValueError as e:
+        _fail(str(e))
     opts = RunOptions(out=out, model=model, prompts=prompts, data=data, num_seeds=num_seeds, device=dev,
-                      dtype=DTYPES[dtype], gen=gen, train=tc, command=_command_line(ctx), progress=progress)
+                      dtype=DTYPES[dtype], gen=gen, train=tc, command=_command_line(ctx), progress=progress,
+                      dist=dist_ctx)
     console = Console(stderr=True)
     from .cli import cpu_threads
     try:
@@ -225,3 +237,7 @@ def train_cmd(
             run_training(opts, console=console)
     except (ValueError, FileNotFoundError, ImportError, KeyError) as e:
         _fail(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
+    finally:
+        if dist_ctx.enabled:
+            import torch.distributed as tdist
+            tdist.destroy_process_group()

@@ -125,6 +125,8 @@ from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
 
 __all__ = ["DATA_DIR", "DEFAULT_TRAIN_PROMPTS", "DEFAULT_EVAL_PROMPTS", "KINDS", "read_prompts",
            "SequenceData", "GenConfig", "generate_data", "generate_self_prompts", "seed_texts",
+           "DistContext", "init_distributed", "generate_data_sharded", "gather_sequence_data", "shard_share",
+           "RANK_SEED_STRIDE",
            "pack_sequences", "collate",
            "target_features", "step_valid", "soft_ce", "DRAFTER_KINDS", "sample_anchors", "block_valid",
            "dflash_config_for", "TrainConfig", "TrainResult", "train", "evaluate", "implied_accept_length",
@@ -489,6 +491,183 @@ def generate_data(config: LlamaConfig, weights: Dict[str, torch.Tensor], prompts
     idx = sorted(range(len(seqs)), key=lambda i: (kinds[i], groups[i]))
     return SequenceData.from_sequences([seqs[i] for i in idx], [plens[i] for i in idx], [kinds[i] for i in idx],
                                        [groups[i] for i in idx], config.eos_token_ids, m)
+
+
+# ----------------------------------------------------------------------------- several GPUs
+
+#: rank ``r`` of a multi-process run samples with ``seed + RANK_SEED_STRIDE * r``
+RANK_SEED_STRIDE = 1_000_003
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in a multi-process run (one process per GPU, started by
+    ``torchrun``; :func:`init_distributed`).  The default is a single process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str) -> Tuple[DistContext, str]:
+    """Join the process group that ``torchrun`` describes (``WORLD_SIZE`` > 1, ``RANK``,
+    ``LOCAL_RANK``, ``MASTER_ADDR`` / ``MASTER_PORT``), NCCL on CUDA and gloo on the CPU.
+
+    Args:
+        device: ``"cuda"`` (each process takes GPU ``LOCAL_RANK``) or ``"cpu"``.
+
+    Returns:
+        ``(context, this process's device)``; ``(DistContext(), device)`` unchanged when
+        ``WORLD_SIZE`` is unset or 1.
+
+    Raises:
+        ValueError: a device index with several processes (``cuda:N``), bad environment
+            values, or more local processes than GPUs.
+    """
+    import os
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        raise ValueError("WORLD_SIZE, RANK and LOCAL_RANK must be integers") from None
+    if world <= 1:
+        return DistContext(), device
+    if not 0 <= rank < world or local < 0:
+        raise ValueError(f"RANK {rank} / LOCAL_RANK {local} do not fit WORLD_SIZE {world}")
+    if device.startswith("cuda:"):
+        raise ValueError(f"--device {device}: with {world} processes each one takes GPU LOCAL_RANK; "
+                         "pass --device cuda")
+    import torch.distributed as dist
+    if device == "cuda":
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA devices")
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return DistContext(rank, world, local), device
+
+
+def _all_gather(ctx: DistContext, obj) -> list:
+    """Every rank's ``obj`` in rank order (``[obj]`` for one process)."""
+    if not ctx.enabled:
+        return [obj]
+    import torch.distributed as dist
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _all_reduce_int(ctx: DistContext, value: int, op: str, device) -> int:
+    """``max`` or ``min`` of an integer over the ranks."""
+    if not ctx.enabled:
+        return int(value)
+    import torch.distributed as dist
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _sync_gradients(ctx: DistContext, params: Sequence[torch.Tensor]) -> None:
+    """Replace every rank's gradients by their mean over the ranks (one all-reduce of the
+    flattened gradients; a missing gradient counts as zeros)."""
+    if not ctx.enabled:
+        return
+    import torch.distributed as dist
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat)
+    flat /= ctx.world_size
+    off = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[off:off + g.numel()].view_as(p).to(p.dtype)
+        off += g.numel()
+
+
+def _broadcast_parameters(ctx: DistContext, params: Sequence[torch.Tensor]) -> None:
+    """Every rank starts from rank 0's weights."""
+    if not ctx.enabled:
+        return
+    import torch.distributed as dist
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.data, 0)
+
+
+def shard_share(n: int, ctx: DistContext) -> int:
+    """This rank's share of ``n`` items dealt round-robin (``n`` for one process)."""
+    return n // ctx.world_size + (1 if ctx.rank < n % ctx.world_size else 0)
+
+
+def gather_sequence_data(parts: Sequence[SequenceData], meta: dict) -> SequenceData:
+    """One :class:`SequenceData` from several ranks' (sequence ids already global), in the
+    stable order :func:`generate_data` returns (by kind, then group)."""
+    seqs, plens, kinds, groups, masks = [], [], [], [], []
+    for d in parts:
+        for i in range(d.num_sequences):
+            s, e = int(d.offsets[i]), int(d.offsets[i + 1])
+            seqs.append(d.tokens[s:e])
+            masks.append(d.loss_mask[s:e])
+            kinds.append(int(d.kind[i]))
+            groups.append(int(d.group[i]))
+    order = sorted(range(len(seqs)), key=lambda i: (kinds[i], groups[i]))
+    lens = torch.tensor([0] + [seqs[i].numel() for i in order], dtype=torch.int64)
+    cat = (lambda xs, dt: torch.cat([xs[i] for i in order]) if order else torch.zeros(0, dtype=dt))
+    return SequenceData(cat(seqs, torch.int32), torch.cumsum(lens, 0), cat(masks, torch.bool),
+                        torch.tensor([kinds[i] for i in order], dtype=torch.int8),
+                        torch.tensor([groups[i] for i in order], dtype=torch.int64), dict(meta))
+
+
+def generate_data_sharded(config: LlamaConfig, weights: Dict[str, torch.Tensor], prompts: Sequence[Sequence[int]],
+                          seeds: Sequence[Sequence[int]] = (), *, gen: GenConfig, seq_len: int,
+                          ctx: DistContext = DistContext(), device="cpu", dtype=torch.float32,
+                          progress: bool = True, console=None, meta: Optional[dict] = None) -> SequenceData:
+    """:func:`generate_data` over several processes: rank ``r`` answers prompts and seeds
+    ``r, r + W, ...`` (``W`` = world size), sampling with ``gen.seed + RANK_SEED_STRIDE * r``,
+    and every rank receives the whole data (groups numbered as for one process: prompt ``i``
+    is group ``i``, seed ``j`` group ``len(prompts) + j``).  One process: exactly
+    :func:`generate_data`.
+
+    The meta's counts are sums over the ranks, its ``generation_seconds`` the slowest
+    rank's and ``tokens_per_second`` the whole run's; ``world_size`` records ``W``.
+
+    Raises:
+        ValueError: as :func:`generate_data`, also when a rank has no prompt or seed (fewer
+            than ``W`` of them).
+    """
+    if not ctx.enabled:
+        return generate_data(config, weights, prompts, seeds, gen=gen, seq_len=seq_len, device=device,
+                             dtype=dtype, progress=progress, console=console, meta=meta)
+    W, r = ctx.world_size, ctx.rank
+    mine_p, mine_s = list(prompts[r::W]), list(seeds[r::W])
+    if not mine_p and not mine_s:
+        raise ValueError(f"{len(prompts)} prompts and {len(seeds)} seeds for {W} processes: rank {r} has none")
+    part = generate_data(config, weights, mine_p, mine_s, gen=replace(gen, seed=gen.seed + RANK_SEED_STRIDE * r),
+                         seq_len=seq_len, device=device, dtype=dtype, progress=progress, console=console,
+                         meta=meta)
+    local = part.group
+    part.group = torch.where(local < len(mine_p), r + local * W, len(prompts) + r + (local - len(mine_p)) * W)
+    parts = _all_gather(ctx, part)
+    metas = [p.meta for p in parts]
+    m = dict(metas[0])
+    for k in ("skipped_too_long", "chunks_total", "chunks_done", "generated_tokens"):
+        m[k] = sum(x[k] for x in metas)
+    m["truncated_by_time_budget"] = any(x["truncated_by_time_budget"] for x in metas)
+    m["generation_seconds"] = max(x["generation_seconds"] for x in metas)
+    m["engine_setup_seconds"] = max(x["engine_setup_seconds"] for x in metas)
+    m["tokens_per_second"] = m["generated_tokens"] / m["generation_seconds"] if m["generation_seconds"] > 0 else None
+    m.update(prompts=len(prompts), seeds=len(seeds), world_size=W)
+    m["generation"] = {**m["generation"], "seed": gen.seed}
+    return gather_sequence_data(parts, m)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -1169,7 +1348,7 @@ def _bar_info(loss: float, acc: Sequence[Optional[float]]) -> str:
 
 
 def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_model: Optional[str] = None,
-          progress: bool = True, console=None) -> TrainResult:
+          progress: bool = True, console=None, ctx: DistContext = DistContext()) -> TrainResult:
     """Train a fresh drafter of ``tc.kind`` on ``data`` by self-distillation from ``target``.
 
     Args:
@@ -1178,10 +1357,18 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
         tc: :class:`TrainConfig`.
         target_model: name recorded in the drafter's config.
         progress: show a progress bar with loss and per-step / per-position acceptance.
+        ctx: with several processes (:func:`init_distributed`; every rank passes the same
+            ``data`` and ``tc``) the data-parallel run: each step every rank trains on its own
+            ``tc.batch_size`` rows of one shared shuffle (``world_size x batch_size`` rows a
+            step) with its own anchors, the gradients are averaged over the ranks (one
+            all-reduce), so the weights stay identical; the time budget and the re-planned
+            schedule are agreed on (the earliest stop), and the evaluations run on rank 0 only
+            (the others' logs have no evaluation).
 
     Returns:
         :class:`TrainResult`: the drafter (float32 master weights on the target's device)
-        and a JSON-able log (curves, final held-out evaluation, timings, why it stopped).
+        and a JSON-able log (curves, final held-out evaluation, timings, why it stopped);
+        the training curve is rank 0's batches.
 
     Raises:
         ValueError: bad ``tc``, a DFlash drafter that does not fit the target or the size
@@ -1205,14 +1392,20 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
               {"params": [p for n, p in params.items() if not (p.dim() >= 2 and "norm" not in n)],
                "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
-    stream = _batch_stream(len(train_rows), min(tc.batch_size, len(train_rows)), tc.seed)
-    anchor_gen = torch.Generator().manual_seed(tc.seed + 2)
+    plist = list(params.values())
+    _broadcast_parameters(ctx, plist)
+    rank_bs = min(tc.batch_size, max(len(train_rows) // ctx.world_size, 1))
+    stream = _batch_stream(len(train_rows), rank_bs * ctx.world_size, tc.seed)
+    anchor_gen = torch.Generator().manual_seed(tc.seed + 2 + RANK_SEED_STRIDE * ctx.rank)
     planned = tc.steps
-    log = {"kind": tc.kind, "train": [], "eval": [], "planned_steps": [planned], "stop_reason": "steps"}
+    progress = progress and ctx.is_main
+    main = ctx.is_main
+    log = {"kind": tc.kind, "train": [], "eval": [], "planned_steps": [planned], "stop_reason": "steps",
+           "world_size": ctx.world_size, "rows_per_step": rank_bs * ctx.world_size}
     if tc.kind == "dflash":
         n_mask = int((data.tokens == drafter.mask_token_id).sum())
         log["mask_token_id"], log["mask_token_in_data"] = drafter.mask_token_id, n_mask
-        if n_mask and console is not None:
+        if n_mask and console is not None and main:
             console.print(f"warning: the mask token {drafter.mask_token_id} occurs {n_mask} times in the data")
     t0 = time.perf_counter()
     calib_from, calib_t = 5, None
@@ -1220,18 +1413,21 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
     with _progress(progress, console) as bar:
         task = bar.add_task("training", total=planned, info="")
         while step < planned:
-            if tc.time_budget_s and time.perf_counter() - t0 > tc.time_budget_s:
+            over = bool(tc.time_budget_s) and time.perf_counter() - t0 > tc.time_budget_s
+            if _all_reduce_int(ctx, over, "max", dev):      # every rank stops at the same step
                 log["stop_reason"] = "time_budget"
                 break
             lr = _lr_at(step, planned, tc)
             for gr in opt.param_groups:
                 gr["lr"] = lr
-            batch = collate(data, [train_rows[i] for i in next(stream)], tc.seq_len, dev)
+            rows = next(stream)[ctx.rank * rank_bs:(ctx.rank + 1) * rank_bs]
+            batch = collate(data, [train_rows[i] for i in rows], tc.seq_len, dev)
             out = _run_step(drafter, target, batch, tc, anchor_gen)
             opt.zero_grad(set_to_none=True)
             if out.total.requires_grad:
                 out.total.backward()
-            gn = torch.nn.utils.clip_grad_norm_(list(params.values()), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+            _sync_gradients(ctx, plist)
+            gn = torch.nn.utils.clip_grad_norm_(plist, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
             opt.step()
             step += 1
             if step % tc.log_every == 0 or step == 1 or step == planned:
@@ -1242,7 +1438,7 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
                                      "acc": acc, "seconds": time.perf_counter() - t0})
                 bar.update(task, info=_bar_info(loss, acc))
             bar.update(task, completed=step)
-            if tc.eval_every and step % tc.eval_every == 0 and eval_rows and step < planned:
+            if tc.eval_every and step % tc.eval_every == 0 and eval_rows and step < planned and main:
                 ev = evaluate(drafter, target, data, eval_rows, tc, tc.eval_batches)
                 log["eval"].append({"step": step, **ev})
             # re-plan the schedule to fit the time budget (measured after a few warm steps,
@@ -1253,16 +1449,16 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
                                                                       (tc.eval_every and step % tc.eval_every == 0)):
                 per = (time.perf_counter() - calib_t[1]) / (step - calib_t[0])
                 left = tc.time_budget_s - (time.perf_counter() - t0)
-                fit = step + max(int(0.97 * left / per), 0)
+                fit = _all_reduce_int(ctx, step + max(int(0.97 * left / per), 0), "min", dev)
                 if fit < planned:
                     planned = max(fit, step)
                     log["planned_steps"].append(planned)
                     bar.update(task, total=planned)
     train_s = time.perf_counter() - t0
-    if console is not None and log["stop_reason"] == "time_budget":
+    if console is not None and main and log["stop_reason"] == "time_budget":
         console.print(f"training time budget ({tc.time_budget_s:.0f} s) reached after {step} of {planned} steps")
     t1 = time.perf_counter()
-    final = evaluate(drafter, target, data, eval_rows, tc, rounds=True) if eval_rows else None
+    final = evaluate(drafter, target, data, eval_rows, tc, rounds=True) if eval_rows and main else None
     log.update(steps_done=step, train_seconds=train_s, final_eval=final, final_eval_seconds=time.perf_counter() - t1,
                init_seed=_init_seed(tc.init_from) if tc.init_from else None,
                train_sequences=len(train_idx), heldout_sequences=len(eval_idx), train_rows=len(train_rows),
@@ -1580,7 +1776,11 @@ class RunOptions:
 
     ``model``: a GGUF file or HF dir (None: the project's model, fetched).  ``data``: the
     data cache (loaded if it exists, else generated and written there; None: generate, keep
-    nothing).  ``num_seeds``: raw-text continuation seeds.  ``command``: recorded in the card."""
+    nothing).  ``num_seeds``: raw-text continuation seeds.  ``command``: recorded in the card.
+    ``dist``: this process's place in a multi-GPU run (:func:`init_distributed`; ``device``
+    is then this rank's GPU): the ranks share the data generation (:func:`generate_data_sharded`,
+    the self-written prompts too) and train data-parallel (:func:`train`); rank 0 alone
+    prints, writes the data cache and exports."""
 
     out: Path
     model: Optional[str] = None
@@ -1593,6 +1793,7 @@ class RunOptions:
     train: TrainConfig = field(default_factory=TrainConfig)
     command: str = "specattn drafter train"
     progress: bool = True
+    dist: DistContext = field(default_factory=DistContext)
 
 
 def load_target(model: Optional[str], dtype: torch.dtype):
@@ -1610,7 +1811,8 @@ def load_target(model: Optional[str], dtype: torch.dtype):
 
 def run_training(opts: RunOptions, console=None) -> dict:
     """Load the target, load or generate the data, train, export.  Returns
-    ``{"files": {...}, "log": train log, "data_stats": ...}``.
+    ``{"files": {...}, "log": train log, "data_stats": ..., "drafter": the trained drafter}``
+    (``files`` empty on ranks other than 0 of a multi-process run).
 
     Raises:
         ValueError / FileNotFoundError: bad options, missing prompt / model / data files,
@@ -1621,7 +1823,11 @@ def run_training(opts: RunOptions, console=None) -> dict:
     opts.gen.validate()
     if opts.num_seeds < 0:
         raise ValueError("num_seeds must be >= 0")
+    ctx = opts.dist
+    if not ctx.is_main:
+        console = None
     say = console.print if console is not None else (lambda *a, **k: None)
+    progress = opts.progress and ctx.is_main
     t0 = time.perf_counter()
     cfg, w, path, name = load_target(opts.model, opts.dtype)
     # a drafter that cannot be built fails now, before any output and before the data
@@ -1641,9 +1847,17 @@ def run_training(opts: RunOptions, console=None) -> dict:
         tok = loader.load_tokenizer(path)
         prompt_meta = {"prompt_file": Path(opts.prompts).name, "file_prompts": len(texts)}
         if opts.gen.self_prompts:
-            queries, qmeta = generate_self_prompts(cfg, w, loader.chat_user_prefix_ids(tok), gen=opts.gen,
-                                                   device=opts.device, dtype=opts.dtype, progress=opts.progress,
-                                                   console=console)
+            mine = replace(opts.gen, self_prompts=shard_share(opts.gen.self_prompts, ctx),
+                           seed=opts.gen.seed + RANK_SEED_STRIDE * ctx.rank)
+            got = _all_gather(ctx, generate_self_prompts(cfg, w, loader.chat_user_prefix_ids(tok), gen=mine,
+                                                         device=opts.device, dtype=opts.dtype, progress=progress,
+                                                         console=console))
+            queries = [q for qs, _ in got for q in qs]
+            qmeta = dict(got[0][1])
+            for k in ("requested", "ended", "generated_tokens"):
+                qmeta[k] = sum(m[k] for _, m in got)
+            qmeta["seconds"] = max(m["seconds"] for _, m in got)
+            qmeta["truncated_by_time_budget"] = any(m["truncated_by_time_budget"] for _, m in got)
             seen = set(texts)
             for q in queries:   # distinct non-empty texts only
                 t = tok.decode(q, skip_special_tokens=True).strip()
@@ -1657,17 +1871,21 @@ def run_training(opts: RunOptions, console=None) -> dict:
                 f"{qmeta['seconds']:.1f} s")
         ids = [loader.apply_chat_template(tok, t) for t in texts]
         seeds = [tok.encode(s, add_special_tokens=False) for s in seed_texts(texts, opts.num_seeds, opts.gen.seed)]
-        data = generate_data(cfg, w, ids, seeds, gen=opts.gen, seq_len=opts.train.seq_len, device=opts.device,
-                             dtype=opts.dtype, progress=opts.progress, console=console,
-                             meta={"target_model": name, "vocab_size": cfg.vocab_size, **prompt_meta})
+        data = generate_data_sharded(cfg, w, ids, seeds, gen=opts.gen, seq_len=opts.train.seq_len, ctx=ctx,
+                                     device=opts.device, dtype=opts.dtype, progress=progress, console=console,
+                                     meta={"target_model": name, "vocab_size": cfg.vocab_size, **prompt_meta})
         say(f"data: {data.num_sequences} sequences, {data.tokens.numel()} tokens in "
             f"{data.meta['generation_seconds']:.1f} s ({data.meta['tokens_per_second'] or 0:.0f} generated tokens/s)")
-        if opts.data is not None:
+        if opts.data is not None and ctx.is_main:
             data.save(opts.data)
             say(f"data: wrote {opts.data}")
     target = LlamaModel(cfg, w, opts.device, opts.dtype)
-    res = train(target, data, opts.train, target_model=name, progress=opts.progress, console=console)
+    if ctx.enabled:
+        say(f"training on {ctx.world_size} processes, {opts.train.batch_size} rows each per step")
+    res = train(target, data, opts.train, target_model=name, progress=progress, console=console, ctx=ctx)
     stats = data.stats()
+    if not ctx.is_main:
+        return {"files": {}, "log": res.log, "data_stats": stats, "drafter": res.drafter}
     counts = torch.bincount(data.tokens[data.loss_mask.bool()].long(), minlength=cfg.vocab_size)
     files = export(res.drafter, opts.out, res.log, command=opts.command, data_stats=stats, data_meta=data.meta,
                    token_counts=counts)
@@ -1681,4 +1899,4 @@ def run_training(opts: RunOptions, console=None) -> dict:
             (f", walked in greedy rounds {fe['greedy_round_accept_length']:.2f}"
              if fe.get("greedy_round_accept_length") is not None else ""))
     say(f"wrote {', '.join(str(p) for p in files.values())} ({time.perf_counter() - t0:.0f} s in all)")
-    return {"files": files, "log": res.log, "data_stats": stats}
+    return {"files": files, "log": res.log, "data_stats": stats, "drafter": res.drafter}
