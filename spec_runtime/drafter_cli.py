@@ -227,8 +227,14 @@ def train_cmd(
         dist_ctx, dev = init_distributed(dev)
     except ValueError as e:
         _fail(str(e))
+    command = _command_line(ctx)
+    if dist_ctx.enabled:   # the card records the launch
+        import os
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist_ctx.world_size))
+        nodes = f"--nnodes {dist_ctx.world_size // per_node} " if per_node != dist_ctx.world_size else ""
+        command = f"torchrun {nodes}--nproc-per-node {per_node} -m " + command
     opts = RunOptions(out=out, model=model, prompts=prompts, data=data, num_seeds=num_seeds, device=dev,
-                      dtype=DTYPES[dtype], gen=gen, train=tc, command=_command_line(ctx), progress=progress,
+                      dtype=DTYPES[dtype], gen=gen, train=tc, command=command, progress=progress,
                       dist=dist_ctx)
     console = Console(stderr=True)
     from .cli import cpu_threads

@@ -1544,7 +1544,10 @@ def _data_lines(full_log: dict) -> List[str]:
         f"- total {st.get('sequences', 0)} sequences, {st.get('tokens', 0):,} tokens, "
         f"{st.get('loss_tokens', 0):,} trained positions (generated tokens)",
         f"- generated with the project's runtime (target only, {gen.get('backend')} backend, "
-        f"{gen.get('dtype')} on {gen.get('device')}, max {gen.get('max_new_tokens')} new tokens) in "
+        f"{gen.get('dtype')} on "
+        + (f"{meta['world_size']} processes" + (", one GPU each" if str(gen.get("device")).startswith("cuda") else "")
+           if meta.get("world_size", 1) > 1 else f"{gen.get('device')}")
+        + f", max {gen.get('max_new_tokens')} new tokens) in "
         f"{_fmt_s(meta.get('generation_seconds'))}"
         + ("; the data time budget cut generation short" if meta.get("truncated_by_time_budget") else ""),
         f"- held out: {full_log.get('heldout_sequences', 0)} sequences (all samples of "
@@ -1582,17 +1585,22 @@ def _heldout_note(full_log: dict) -> str:
 def _run_lines(full_log: dict) -> List[str]:
     """The model card's schedule, optimizer, hardware and command lines (shared)."""
     tc = full_log["config"]
+    world = full_log.get("world_size", 1)
+    rows = (f"{full_log.get('rows_per_step', world * tc['batch_size'])} rows ({world} processes, data-parallel)"
+            if world > 1 else f"{tc['batch_size']} rows")
     return [
         f"- {full_log['steps_done']} steps (planned {tc['steps']}"
         + (f", time budget {tc['time_budget_s']:.0f} s" if tc["time_budget_s"] else "")
-        + f"; stopped by: {full_log['stop_reason']}), batch {tc['batch_size']} rows x {tc['seq_len']} tokens "
+        + f"; stopped by: {full_log['stop_reason']}), batch {rows} x {tc['seq_len']} tokens "
         "(sequences packed, attention never crosses them)",
         f"- AdamW lr {tc['lr']:g} (warm-up {tc['warmup_steps']}, cosine to {tc['min_lr_ratio']:g}x), weight decay "
         f"{tc['weight_decay']:g}, gradient clip {tc['grad_clip']:g}, seed {tc['seed']}"
         + (f"; initialized from the weights of `{Path(tc['init_from']).name}` (an earlier run), not at random"
            if tc.get("init_from") else ""),
-        f"- {_fmt_s(full_log.get('train_seconds'))} on {full_log.get('device_name')} ({full_log.get('device')}), "
-        f"target in {full_log.get('target_dtype')}" + (", bf16 autocast" if tc["amp"] and
+        f"- {_fmt_s(full_log.get('train_seconds'))} on "
+        + (f"{world} x {full_log.get('device_name')}, " if world > 1 else
+           f"{full_log.get('device_name')} ({full_log.get('device')}), ")
+        + f"target in {full_log.get('target_dtype')}" + (", bf16 autocast" if tc["amp"] and
                                                        str(full_log.get("device", "")).startswith("cuda") else ""),
         "",
         "Command:",

@@ -88,6 +88,8 @@ def test_two_process_training(tmp_path, kind):
     assert info[0]["final_eval"] and info[0]["evals"] == 2 and not info[1]["final_eval"] and info[1]["evals"] == 0
     assert any(f.endswith("model.safetensors") for f in info[0]["files"]) and info[1]["files"] == []
     assert sorted(p.name for p in (out / "drafter").iterdir())[:2] == ["README.md", "config.json"]
+    card = (out / "drafter" / "README.md").read_text()
+    assert "batch 4 rows (2 processes, data-parallel) x 24 tokens" in card and "float32 on 2 processes, max" in card
     losses = info[0]["losses"]
     assert losses[-1] < losses[0]
     data = SequenceData.load(out / "data.safetensors")
