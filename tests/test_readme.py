@@ -93,11 +93,15 @@ def _resolve(tokens):
 def test_every_command_is_one_a_test_or_ci_runs():
     """pip / pytest lines are CI's (plus the torch-build line); python files are the examples
     (tests/test_examples.py runs them); `python -m MOD` answers --help; every `specattn` line
-    parses with its options (those a CPU can run are run below)."""
+    (also one launched as `torchrun ... -m specattn ...`) parses with its options (those a CPU
+    can run are run below)."""
     ci = _ci_lines()
     seen = set()
     for tokens in _all_commands():
         line = shlex.join(tokens)
+        if tokens[0] == "torchrun":   # a multi-process launch of the specattn command line
+            assert "-m" in tokens and tokens[tokens.index("-m") + 1] == "specattn", line
+            tokens = ["specattn", *tokens[tokens.index("-m") + 2:]]
         if tokens[0] == "pip" or tokens[:3] == ["python", "-m", "pytest"]:
             assert line in [shlex.join(t) for t in map(_split, ci) if t] or " ".join(tokens) == TORCH_CPU, line
         elif tokens[0] == "python" and tokens[1] == "-m":
