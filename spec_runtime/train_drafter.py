@@ -43,6 +43,10 @@ Pipeline (``specattn drafter train``; every piece is also a function here)
 4. **Export** (:func:`export`): ``config.json`` + ``model.safetensors`` (bf16) +
    ``README.md`` (model card) + ``train_log.json``.
 
+Several GPUs (``torchrun``, :func:`init_distributed`): the ranks share 1 (prompts and seeds
+dealt round-robin, :func:`generate_data_sharded`) and run 3 / 3' data-parallel (one gradient
+all-reduce per step, :func:`train`).
+
 Optimisation: AdamW (betas 0.9/0.95, weight decay 0.01 on matrices only), linear warm-up
 then cosine decay to 10 % of the peak, gradient clipping at 1.0, peak lr ``1e-3``.  Why: the
 drafter is one 576-wide layer trained from scratch for a few thousand steps, where the
@@ -648,9 +652,9 @@ def generate_data_sharded(config: LlamaConfig, weights: Dict[str, torch.Tensor],
         return generate_data(config, weights, prompts, seeds, gen=gen, seq_len=seq_len, device=device,
                              dtype=dtype, progress=progress, console=console, meta=meta)
     W, r = ctx.world_size, ctx.rank
+    if max(len(prompts), len(seeds)) < W:   # checked alike on every rank: all of them raise
+        raise ValueError(f"{len(prompts)} prompts and {len(seeds)} seeds for {W} processes: a rank would have none")
     mine_p, mine_s = list(prompts[r::W]), list(seeds[r::W])
-    if not mine_p and not mine_s:
-        raise ValueError(f"{len(prompts)} prompts and {len(seeds)} seeds for {W} processes: rank {r} has none")
     part = generate_data(config, weights, mine_p, mine_s, gen=replace(gen, seed=gen.seed + RANK_SEED_STRIDE * r),
                          seq_len=seq_len, device=device, dtype=dtype, progress=progress, console=console,
                          meta=meta)

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from specattn.spec_runtime.loader import LlamaConfig, write_random_hf_dir
-from specattn.spec_runtime.train_drafter import (DistContext, SequenceData, gather_sequence_data, init_distributed,
-                                                 shard_share)
+from specattn.spec_runtime.train_drafter import (DistContext, GenConfig, SequenceData, gather_sequence_data,
+                                                 generate_data_sharded, init_distributed, shard_share)
 
 HERE = Path(__file__).parent
 
@@ -59,6 +59,13 @@ def test_shard_share_and_gather():
     assert m.meta == {"x": 1}
     empty = gather_sequence_data([], {})
     assert empty.num_sequences == 0 and empty.tokens.dtype == torch.int32
+    # more processes than prompts and seeds: every rank raises before any collective
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    for r in range(4):
+        with pytest.raises(ValueError, match="a rank would have none"):
+            generate_data_sharded(cfg, {}, [[1, 2], [3]], [[4]], gen=GenConfig(), seq_len=8,
+                                  ctx=DistContext(r, 4, r), progress=False)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
