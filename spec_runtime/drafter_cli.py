@@ -70,7 +70,8 @@ def train_cmd(
                                                       "spec_runtime/data/train_prompts.txt)."),
     data: Optional[Path] = typer.Option(None, help="Data cache (.safetensors): loaded if it exists (generation "
                                                    "skipped), else generated and written here."),
-    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="cuda | cpu."),
+    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu",
+                               help="cuda | cpu (under torchrun, cuda: each process takes GPU LOCAL_RANK)."),
     dtype: Optional[str] = typer.Option(None, help="Target dtype: float32 | bfloat16 | float16 (default: "
                                                    "bfloat16 on cuda, float32 on cpu)."),
     backend: Optional[str] = typer.Option(None, help="Attention backend for data generation (default: triton "
