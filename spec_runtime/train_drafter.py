@@ -615,7 +615,7 @@ def shard_share(n: int, ctx: DistContext) -> int:
 def gather_sequence_data(parts: Sequence[SequenceData], meta: dict) -> SequenceData:
     """One :class:`SequenceData` from several ranks' (sequence ids already global), in the
     stable order :func:`generate_data` returns (by kind, then group)."""
-    seqs, plens, kinds, groups, masks = [], [], [], [], []
+    seqs, kinds, groups, masks = [], [], [], []
     for d in parts:
         for i in range(d.num_sequences):
             s, e = int(d.offsets[i]), int(d.offsets[i + 1])
@@ -1418,7 +1418,7 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
         task = bar.add_task("training", total=planned, info="")
         while step < planned:
             over = bool(tc.time_budget_s) and time.perf_counter() - t0 > tc.time_budget_s
-            if _all_reduce_int(ctx, over, "max", dev):      # every rank stops at the same step
+            if tc.time_budget_s and _all_reduce_int(ctx, over, "max", dev):   # all ranks stop at one step
                 log["stop_reason"] = "time_budget"
                 break
             lr = _lr_at(step, planned, tc)

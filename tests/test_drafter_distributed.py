@@ -68,13 +68,7 @@ def test_shard_share_and_gather():
                                   ctx=DistContext(r, 4, r), progress=False)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
-def test_two_process_training(tmp_path, kind):
-    """Data generated across 2 ranks (file prompts, self-written prompts and seeds dealt
-    round-robin, sampled with per-rank seeds) is one data set with the single-process group
-    numbering on both ranks; data-parallel training ends with identical weights on both ranks
-    (each rank trains on different rows, so without the gradient all-reduce they would
-    differ); rank 0 alone exports and evaluates."""
+def _launch(tmp_path, kind, *extra):
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                       eos_token_ids=list(range(0, 96, 7)))
@@ -83,12 +77,34 @@ def test_two_process_training(tmp_path, kind):
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(HERE / "dist_worker.py"), str(model_dir), str(out), kind]
+           "--master-port", str(_free_port()), str(HERE / "dist_worker.py"), str(model_dir), str(out), kind, *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     info = [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
     p0, p1 = (load_file(str(out / f"rank{i}.safetensors")) for i in range(2))
     assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
+    return out, info
+
+
+def test_two_process_time_budget():
+    """A time budget ends the run on both ranks at the same step, with the same weights: each
+    rank's clock differs, so they agree on the re-planned schedule (the shortest) and on the
+    budget's stop (the earliest)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        _, info = _launch(Path(d), "dflash", "2.0")
+    assert info[0]["stop_reason"] == info[1]["stop_reason"]
+    assert 0 < info[0]["steps_done"] == info[1]["steps_done"] < 100_000
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_two_process_training(tmp_path, kind):
+    """Data generated across 2 ranks (file prompts, self-written prompts and seeds dealt
+    round-robin, sampled with per-rank seeds) is one data set with the single-process group
+    numbering on both ranks; data-parallel training ends with identical weights on both ranks
+    (each rank trains on different rows, so without the gradient all-reduce they would
+    differ); rank 0 alone exports and evaluates."""
+    out, info = _launch(tmp_path, kind)
     assert info[0]["data_stats"] == info[1]["data_stats"]
     for i in info:
         assert i["world_size"] == 2 and i["rows_per_step"] == 4 and i["steps_done"] == 12
