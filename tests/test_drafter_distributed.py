@@ -86,6 +86,7 @@ def _launch(tmp_path, kind, *extra):
     return out, info
 
 
+@pytest.mark.slow
 def test_two_process_time_budget():
     """A time budget ends the run on both ranks at the same step, with the same weights: each
     rank's clock differs, so they agree on the re-planned schedule (the shortest) and on the
@@ -97,7 +98,7 @@ def test_two_process_time_budget():
     assert 0 < info[0]["steps_done"] == info[1]["steps_done"] < 100_000
 
 
-@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+@pytest.mark.parametrize("kind", ["dflash", pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_two_process_training(tmp_path, kind):
     """Data generated across 2 ranks (file prompts, self-written prompts and seeds dealt
     round-robin, sampled with per-rank seeds) is one data set with the single-process group
