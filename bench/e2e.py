@@ -79,7 +79,7 @@ class E2EConfig:
     min_free_slots: Optional[int] = None    # Engine(min_free_slots=min(this, bs)); None: the engine's default
     chain: Dict[str, int] = field(default_factory=lambda: dict(topk=1, num_steps=5, num_draft_tokens=6))
     tree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=5, num_draft_tokens=32))
-    # EAGLE tree / DDTree: (min_batch, num_draft_tokens) pairs, smaller trees for large batches
+    # EAGLE tree: (min_batch, num_draft_tokens) pairs, smaller trees for large batches (DDTree: ddtree_by_batch)
     tree_by_batch: Sequence[Tuple[int, int]] = ((2, 16), (32, 8))
     block_size: int = 16
     # DFlash chain: (min_batch, block) pairs, a smaller block for large batches (SpecConfig)

@@ -114,14 +114,12 @@ class SpecConfig:
         """``d`` verified tokens fit the candidates of this EAGLE tree or DDTree."""
         if self.algo == "dflash":
             n_cand = ops.num_tree_candidates(self.topk, self.block_size - 1)
-            if not 2 <= d <= n_cand + 1:
-                raise ValueError(f"dflash trees (DDTree) with topk={self.topk}, block_size={self.block_size} "
-                                 f"need 2 <= {what} <= {n_cand + 1}, got {d}")
+            whose = f"dflash trees (DDTree) with topk={self.topk}, block_size={self.block_size} need"
         else:
             n_cand = ops.num_tree_candidates(self.topk, self.num_steps)
-            if not 2 <= d <= n_cand + 1:
-                raise ValueError(f"eagle with topk={self.topk}, num_steps={self.num_steps} needs "
-                                 f"2 <= {what} <= {n_cand + 1}, got {d}")
+            whose = f"eagle with topk={self.topk}, num_steps={self.num_steps} needs"
+        if not 2 <= d <= n_cand + 1:
+            raise ValueError(f"{whose} 2 <= {what} <= {n_cand + 1}, got {d}")
 
     @staticmethod
     def _check_pairs(name: str, what: str, pairs) -> None:

@@ -130,6 +130,7 @@ from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
 __all__ = ["DATA_DIR", "DEFAULT_TRAIN_PROMPTS", "DEFAULT_EVAL_PROMPTS", "KINDS", "read_prompts",
            "SequenceData", "GenConfig", "generate_data", "generate_self_prompts", "seed_texts",
            "DistContext", "init_distributed", "generate_data_sharded", "gather_sequence_data", "shard_share",
+           "merge_rank_meta",
            "RANK_SEED_STRIDE",
            "pack_sequences", "collate",
            "target_features", "step_valid", "soft_ce", "DRAFTER_KINDS", "sample_anchors", "block_valid",
@@ -607,6 +608,18 @@ def _broadcast_parameters(ctx: DistContext, params: Sequence[torch.Tensor]) -> N
             dist.broadcast(p.data, 0)
 
 
+def merge_rank_meta(metas: Sequence[dict], sums: Sequence[str], maxes: Sequence[str]) -> dict:
+    """One meta from the ranks' (rank 0's as the base): ``sums`` added up, ``maxes`` the
+    slowest rank's, ``truncated_by_time_budget`` true if any rank's was."""
+    m = dict(metas[0])
+    for k in sums:
+        m[k] = sum(x[k] for x in metas)
+    for k in maxes:
+        m[k] = max(x[k] for x in metas)
+    m["truncated_by_time_budget"] = any(x["truncated_by_time_budget"] for x in metas)
+    return m
+
+
 def shard_share(n: int, ctx: DistContext) -> int:
     """This rank's share of ``n`` items dealt round-robin (``n`` for one process)."""
     return n // ctx.world_size + (1 if ctx.rank < n % ctx.world_size else 0)
@@ -661,13 +674,8 @@ def generate_data_sharded(config: LlamaConfig, weights: Dict[str, torch.Tensor],
     local = part.group
     part.group = torch.where(local < len(mine_p), r + local * W, len(prompts) + r + (local - len(mine_p)) * W)
     parts = _all_gather(ctx, part)
-    metas = [p.meta for p in parts]
-    m = dict(metas[0])
-    for k in ("skipped_too_long", "chunks_total", "chunks_done", "generated_tokens"):
-        m[k] = sum(x[k] for x in metas)
-    m["truncated_by_time_budget"] = any(x["truncated_by_time_budget"] for x in metas)
-    m["generation_seconds"] = max(x["generation_seconds"] for x in metas)
-    m["engine_setup_seconds"] = max(x["engine_setup_seconds"] for x in metas)
+    m = merge_rank_meta([p.meta for p in parts], ("skipped_too_long", "chunks_total", "chunks_done",
+                                                  "generated_tokens"), ("generation_seconds", "engine_setup_seconds"))
     m["tokens_per_second"] = m["generated_tokens"] / m["generation_seconds"] if m["generation_seconds"] > 0 else None
     m.update(prompts=len(prompts), seeds=len(seeds), world_size=W)
     m["generation"] = {**m["generation"], "seed": gen.seed}
@@ -1865,11 +1873,7 @@ def run_training(opts: RunOptions, console=None) -> dict:
                                                          device=opts.device, dtype=opts.dtype, progress=progress,
                                                          console=console))
             queries = [q for qs, _ in got for q in qs]
-            qmeta = dict(got[0][1])
-            for k in ("requested", "ended", "generated_tokens"):
-                qmeta[k] = sum(m[k] for _, m in got)
-            qmeta["seconds"] = max(m["seconds"] for _, m in got)
-            qmeta["truncated_by_time_budget"] = any(m["truncated_by_time_budget"] for _, m in got)
+            qmeta = merge_rank_meta([m for _, m in got], ("requested", "ended", "generated_tokens"), ("seconds",))
             seen = set(texts)
             for q in queries:   # distinct non-empty texts only
                 t = tok.decode(q, skip_special_tokens=True).strip()

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from specattn.spec_runtime.loader import LlamaConfig, write_random_hf_dir
 from specattn.spec_runtime.train_drafter import (DistContext, GenConfig, SequenceData, gather_sequence_data,
-                                                 generate_data_sharded, init_distributed, shard_share)
+                                                 generate_data_sharded, init_distributed, merge_rank_meta,
+                                                 shard_share)
 
 HERE = Path(__file__).parent
 
@@ -59,6 +60,10 @@ def test_shard_share_and_gather():
     assert m.meta == {"x": 1}
     empty = gather_sequence_data([], {})
     assert empty.num_sequences == 0 and empty.tokens.dtype == torch.int32
+    metas = [{"n": 3, "s": 1.5, "x": "a", "truncated_by_time_budget": False},
+             {"n": 4, "s": 2.5, "x": "b", "truncated_by_time_budget": True}]
+    assert merge_rank_meta(metas, ("n",), ("s",)) == {"n": 7, "s": 2.5, "x": "a", "truncated_by_time_budget": True}
+    assert merge_rank_meta(metas[:1], ("n",), ("s",)) == metas[0]
     # more processes than prompts and seeds: every rank raises before any collective
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
