@@ -341,7 +341,7 @@ ALGO_OPTIONS = {
     "draft_layers": ("--draft-layers", ("eagle", "dflash")),
     "block_size": ("--block-size", ("dflash",)),
     "block_size_by_batch": ("--block-size-by-batch", ("dflash",)),
-    "num_draft_tokens_by_batch": ("--num-draft-tokens-by-batch", ("eagle", "dflash")),
+    "num_draft_tokens_by_batch": ("--num-draft-tokens-by-batch", ("eagle", "dflash", "ngram")),
     "draft_vocab": ("--draft-vocab", ("eagle",)),
 }
 
@@ -418,9 +418,9 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         bad(f"--draft-layers must be >= 1, got {draft_layers}")
     if draft_model is not None and not Path(draft_model).exists():
         bad(f"--draft-model {draft_model}: no such file or folder")
-    if algo in ("eagle", "dflash"):
+    if algo in ("eagle", "dflash", "ngram"):
         from .strategies import SpecConfig, parse_by_batch
-        spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size)
+        spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, ngram_size)
         try:  # the engine's own bounds (the checks above name the options)
             spec.validate()
         except ValueError as e:
@@ -504,7 +504,8 @@ def generate(
     num_draft_tokens_by_batch: str = typer.Option(
         "", "--num-draft-tokens-by-batch",
         help="EAGLE and DFlash trees (--topk > 1): MIN_BATCH:TOKENS,... a smaller (or larger) tree for "
-             "rounds over at least MIN_BATCH requests (e.g. 2:16,32:8 after --num-draft-tokens 32)."),
+             "rounds over at least MIN_BATCH requests (e.g. 2:16,32:8 after --num-draft-tokens 32); "
+             "n-gram: TOKENS = 1 + chains * num_steps keeps that many of its --topk chains."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab",
                                               help="EAGLE-3: draft only from the N most frequent tokens of "
                                                    "the drafter's token_frequencies.json (FR-Spec; a cheaper "
@@ -573,7 +574,7 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
     from .strategies import SpecConfig, parse_by_batch
     spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, ngram_size,
                       parse_by_batch(block_size_by_batch) if algo == "dflash" else (),
-                      parse_by_batch(num_draft_tokens_by_batch) if algo in ("eagle", "dflash") else ())
+                      parse_by_batch(num_draft_tokens_by_batch) if algo in ("eagle", "dflash", "ngram") else ())
     try:
         cfg, w, tok = load_model(model, DTYPES[dtype])
     except FileNotFoundError as e:
@@ -613,7 +614,7 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
     report["cpu_threads"] = threads
     report["block_size_by_batch"] = [list(p) for p in spec.block_size_by_batch] if algo == "dflash" else None
     report["num_draft_tokens_by_batch"] = [list(p) for p in spec.num_draft_tokens_by_batch] \
-        if algo in ("eagle", "dflash") else None
+        if algo in ("eagle", "dflash", "ngram") else None
     report["draft_vocab"] = draft_vocab or None
     if algo == "dflash" and drafter_path is not None:
         report["drafter"] = "dflash"

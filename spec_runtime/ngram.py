@@ -18,7 +18,9 @@ position ``P``, ``history[row, 0 .. P]`` = every token so far, root last):
 3. the tree: the root and ``topk`` chains of ``num_steps`` drafts hanging off it (a fixed
    shape: mask, depths and sibling links are built once); TARGET_VERIFY over its
    ``D = 1 + topk * num_steps`` tokens, verify, compaction + KV move, commit; the emitted
-   tokens are appended to ``history``.
+   tokens are appended to ``history``.  With ``SpecConfig.num_draft_tokens_by_batch`` a
+   round over a large batch keeps fewer chains (its best matches): the verify's tokens are
+   nearly free at batch 1 and what a large batch pays for.
 
 Nothing serializes the round: the lookup is device work inside the round's CUDA graph.
 """
@@ -75,10 +77,19 @@ class NgramStrategy(Strategy):
     drafter = None
 
     def __init__(self, spec: SpecConfig):
-        self.K, self.S, self.n = spec.topk, spec.num_steps, spec.ngram_size
-        self.D = 1 + self.K * self.S
+        self.spec, self.S, self.n = spec, spec.num_steps, spec.ngram_size
+        self.D = spec.max_num_draft_tokens()          # the largest; a round's own: chains_for
+        self.K = (self.D - 1) // self.S
         self.verify_topk = self.K
         self.tokens_per_round = self.emit_width = self.D
+
+    def chains_for(self, eng: "Engine", bs: int) -> int:
+        """The chains of a round over ``bs`` request rows: ``topk``, or what
+        ``spec.num_draft_tokens_for`` the padded batch (as the engine pads it for its graphs)
+        leaves room for."""
+        if not self.spec.num_draft_tokens_by_batch:
+            return self.K
+        return (self.spec.num_draft_tokens_for(self.padded_rows(eng, bs)) - 1) // self.S
 
     def round_modes(self):
         return [("target", ForwardMode.TARGET_VERIFY)]
@@ -87,11 +98,14 @@ class NgramStrategy(Strategy):
         return {"target": (max_batch, max_batch * self.D)}
 
     def per_mode_graph_plan(self, eng: "Engine") -> list:
+        if self.spec.num_draft_tokens_by_batch:   # a per-mode graph has one shape: the verify runs eagerly
+            return []
         return [("target", eng.target, eng.target_backend, ForwardMode.TARGET_VERIFY, self.D, eng.max_batch)]
 
     def build(self, eng: "Engine") -> None:
         self.history = torch.zeros(eng.max_batch + 1, eng.max_context, dtype=torch.int64, device=eng.device)
-        self.tree_mask, self.depth, self.next_token, self.next_sibling = chains_tree_shape(self.K, self.S, eng.device)
+        chains = {self.spec.topk} | {(d - 1) // self.S for _, d in self.spec.num_draft_tokens_by_batch}
+        self.shapes = {k: chains_tree_shape(k, self.S, eng.device) for k in chains}   # per chain count
 
     def row_state(self) -> List[torch.Tensor]:
         return [self.history]
@@ -105,19 +119,22 @@ class NgramStrategy(Strategy):
         h[pb.rows, pb.batch.extend_lens.long()] = eng.roots[pb.rows].to(h.dtype)
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
-        K, S, D, dev = self.K, self.S, self.D, eng.device
+        S, dev = self.S, eng.device
         rows = rb.rows
         bs = rows.shape[0]
+        K = self.chains_for(eng, bs)
+        D = 1 + K * S
         P = eng.prefix_lens[rows]
         drafts, _ = ops.ngram_candidates(self.history[rows], P, self.n, K, S, check_values=False)
         draft_tokens = torch.cat([eng.roots[rows][:, None], drafts.flatten(1)], 1)     # [bs, D]
         j = eng.arange(D)
         # the tree's value-independent fields are the same every round: kept engine constants
+        one = self.shapes[K]
         shape = eng.constant(("ngram_tree", bs, K, S), lambda: (
-            self.tree_mask.expand(bs, D, self.tree_mask.shape[-1]).contiguous(),
+            one[0].expand(bs, D, one[0].shape[-1]).contiguous(),
             (torch.arange(bs, device=dev)[:, None] * D + torch.arange(D, device=dev)),
-            self.next_token.expand(bs, D).contiguous(), self.next_sibling.expand(bs, D).contiguous()))
-        tree = ops.TreeInfo(shape[0], (P[:, None] + self.depth[None, :]).flatten(), shape[1], shape[2], shape[3])
+            one[2].expand(bs, D).contiguous(), one[3].expand(bs, D).contiguous()))
+        tree = ops.TreeInfo(shape[0], (P[:, None] + one[1][None, :]).flatten(), shape[1], shape[2], shape[3])
         out_cache_loc = eng.req_pool.req_to_token[rows[:, None], P[:, None] + j].long().flatten()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())

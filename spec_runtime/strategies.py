@@ -65,7 +65,9 @@ class SpecConfig:
     - ``block_size_by_batch``: the DFlash chain's block (``algo="dflash"``, ``topk = 1``);
     - ``num_draft_tokens_by_batch``: the verified tree's tokens of EAGLE (any ``topk``) and
       of a DDTree (``algo="dflash"``, ``topk > 1``); ``topk`` and ``num_steps`` (EAGLE) or
-      ``block_size`` (DDTree) stay, so only the kept candidates change."""
+      ``block_size`` (DDTree) stay, so only the kept candidates change.  N-gram drafting
+      verifies ``1 + topk * num_steps`` tokens; its values ``1 + c * num_steps`` keep ``c``
+      (``1 <= c <= topk``) of its chains, the best matches."""
 
     algo: str = "none"
     topk: int = 1
@@ -89,14 +91,19 @@ class SpecConfig:
         """The DFlash block of a round over ``batch_rows`` (padded) request rows."""
         return self._for(self.block_size, self.block_size_by_batch, batch_rows)
 
+    def base_num_draft_tokens(self) -> int:
+        """The verified tree's tokens (root included) without a batch-size entry:
+        ``num_draft_tokens``, or n-gram drafting's ``1 + topk * num_steps``."""
+        return 1 + self.topk * self.num_steps if self.algo == "ngram" else self.num_draft_tokens
+
     def num_draft_tokens_for(self, batch_rows: int) -> int:
         """The verified tree's tokens (root included) of a round over ``batch_rows`` (padded)
         request rows."""
-        return self._for(self.num_draft_tokens, self.num_draft_tokens_by_batch, batch_rows)
+        return self._for(self.base_num_draft_tokens(), self.num_draft_tokens_by_batch, batch_rows)
 
     def max_num_draft_tokens(self) -> int:
         """The largest tree any batch size verifies."""
-        return max([self.num_draft_tokens] + [d for _, d in self.num_draft_tokens_by_batch])
+        return max([self.base_num_draft_tokens()] + [d for _, d in self.num_draft_tokens_by_batch])
 
     def tokens_per_round(self) -> int:
         """Most token positions past ``P`` one round writes (what a request's context must
@@ -105,7 +112,7 @@ class SpecConfig:
             blocks = [self.block_size] + [b for _, b in self.block_size_by_batch]
             return max(*blocks, self.max_num_draft_tokens() if self.topk > 1 else 0)
         if self.algo == "ngram":
-            return 1 + self.topk * self.num_steps
+            return self.max_num_draft_tokens()
         if self.algo == "eagle":
             return max(self.max_num_draft_tokens(), self.num_steps + 1)
         return 1
@@ -157,12 +164,16 @@ class SpecConfig:
                 raise ValueError(f"block_size_by_batch's blocks must be >= 2, "
                                  f"got {[b for _, b in self.block_size_by_batch]}")
         if self.num_draft_tokens_by_batch:
-            if not (self.algo == "eagle" or (self.algo == "dflash" and self.topk > 1)):
-                raise ValueError("num_draft_tokens_by_batch applies to EAGLE and to DFlash trees (algo dflash, "
-                                 f"topk > 1), got algo {self.algo!r}, topk {self.topk}")
+            if not (self.algo in ("eagle", "ngram") or (self.algo == "dflash" and self.topk > 1)):
+                raise ValueError("num_draft_tokens_by_batch applies to EAGLE, n-gram and DFlash trees (algo "
+                                 f"dflash, topk > 1), got algo {self.algo!r}, topk {self.topk}")
             self._check_pairs("num_draft_tokens_by_batch", "num_draft_tokens", self.num_draft_tokens_by_batch)
             for _, d in self.num_draft_tokens_by_batch:
-                self._check_tree_tokens(d, "num_draft_tokens_by_batch's values")
+                if self.algo != "ngram":
+                    self._check_tree_tokens(d, "num_draft_tokens_by_batch's values")
+                elif (d - 1) % self.num_steps or not 1 <= (d - 1) // self.num_steps <= self.topk:
+                    raise ValueError(f"ngram's num_draft_tokens_by_batch values are 1 + chains * num_steps with "
+                                     f"1 <= chains <= topk={self.topk}, num_steps={self.num_steps}, got {d}")
 
 
 def parse_by_batch(text: str) -> Tuple[Tuple[int, int], ...]:

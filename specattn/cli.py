@@ -251,6 +251,9 @@ def bench_e2e(
                                         help="DDTree: MIN_BATCH:TOKENS,... another num_draft_tokens for rounds "
                                              "over at least MIN_BATCH requests ('' keeps --ddtree's)."),
     ngram: str = typer.Option("4,4,4", help="N-gram: topk (chains),num_steps,ngram_size."),
+    ngram_by_batch: str = typer.Option("", "--ngram-by-batch",
+                                       help="N-gram: MIN_BATCH:TOKENS,... fewer chains (TOKENS = 1 + chains * "
+                                            "num_steps) for rounds over at least MIN_BATCH requests."),
     drafter: Optional[Path] = typer.Option(None, help="EAGLE-3 drafter folder (default: the shipped one)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0,
                                               help="EAGLE-3: draft only from the N most frequent tokens "
@@ -280,12 +283,15 @@ def bench_e2e(
 
     from specattn.spec_runtime.strategies import SpecConfig, parse_by_batch
     tree_cfg, ddtree_cfg = triple(tree, "--tree"), ints(ddtree, "--ddtree", ("topk", "num_draft_tokens"))
+    ngram_cfg = ints(ngram, "--ngram", ("topk", "num_steps", "ngram_size"))
     checks = (("--block-size-by-batch", block_size_by_batch,
                lambda v: SpecConfig("dflash", block_size=block_size, block_size_by_batch=v)),
               ("--tree-by-batch", tree_by_batch,
                lambda v: SpecConfig("eagle", **tree_cfg, num_draft_tokens_by_batch=v)),
               ("--ddtree-by-batch", ddtree_by_batch,
-               lambda v: SpecConfig("dflash", block_size=block_size, **ddtree_cfg, num_draft_tokens_by_batch=v)))
+               lambda v: SpecConfig("dflash", block_size=block_size, **ddtree_cfg, num_draft_tokens_by_batch=v)),
+              ("--ngram-by-batch", ngram_by_batch,
+               lambda v: SpecConfig("ngram", **ngram_cfg, num_draft_tokens_by_batch=v)))
     by_batch = {}
     for flag, text, spec_of in checks:
         try:
@@ -306,7 +312,7 @@ def bench_e2e(
                         block_size_by_batch=by_batch["--block-size-by-batch"],
                         tree_by_batch=by_batch["--tree-by-batch"],
                         ddtree=ddtree_cfg, ddtree_by_batch=by_batch["--ddtree-by-batch"],
-                        ngram=ints(ngram, "--ngram", ("topk", "num_steps", "ngram_size")),
+                        ngram=ngram_cfg, ngram_by_batch=by_batch["--ngram-by-batch"],
                         repetitive_algos=rep_names,
                         drafter=str(drafter) if drafter else None, draft_vocab=draft_vocab,
                         prompts=str(prompts) if prompts else None,

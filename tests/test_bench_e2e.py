@@ -33,6 +33,7 @@ def test_spec_fields():
     assert "num_draft_tokens_by_batch" not in e2e.spec_fields("eagle_chain", cfg)
     assert e2e.spec_fields("ddtree", e2e.E2EConfig(ddtree_by_batch=[]))["num_draft_tokens_by_batch"] == ()
     assert e2e.spec_fields("eagle_tree", e2e.E2EConfig(tree_by_batch=[[4, 6]]))["num_draft_tokens_by_batch"] == ((4, 6),)
+    assert e2e.spec_fields("ngram", e2e.E2EConfig(ngram_by_batch=[[16, 9]]))["num_draft_tokens_by_batch"] == ((16, 9),)
     for algo in e2e.DEFAULT_ALGOS:
         SpecConfig(**e2e.spec_fields(algo, e2e.E2EConfig())).validate()
     with pytest.raises(ValueError, match="unknown algo"):
@@ -92,6 +93,12 @@ def test_writers(tmp_path):
     md = (tmp_path / "h100" / "e2e.md").read_text()
     assert "DDTree: topk 8, 32 tokens, 16 from batch 2, 8 from batch 32." in md and "DFlash chain" not in md
     assert "tree (4, 5, 32) (topk, num_steps, num_draft_tokens) (tree tokens 32, 16 from batch 2)." in md
+    assert "N-gram" not in md
+    rep = _report(rows + [dict(rows[1], algo="ngram")])
+    rep["settings"].update(ngram=dict(topk=4, num_steps=4, ngram_size=3), ngram_by_batch=[[16, 9], [32, 5]])
+    e2e.write_results(rep, tmp_path / "h100")
+    assert ("N-gram: 4 chains of 4 (suffixes of up to 3 tokens), 17 tokens, 9 from batch 16, 5 from batch 32."
+            in (tmp_path / "h100" / "e2e.md").read_text())
     assert json.loads((tmp_path / "h100" / "e2e.json").read_text())["rows"][1]["accept_length"] == 3.2
 
 
@@ -120,7 +127,8 @@ def test_cli_errors():
         res = runner.invoke(cli.app, ["bench", "e2e", "--block-size-by-batch", bad])
         assert res.exit_code == 2 and "block-size-by-batch" in res.output, res.output
     for flag, bad, why in (("--tree-by-batch", "2:99", "<= 69"), ("--ddtree-by-batch", "1:8", "increase from"),
-                           ("--ddtree-by-batch", "2-8", "MIN_BATCH:VALUE")):
+                           ("--ddtree-by-batch", "2-8", "MIN_BATCH:VALUE"), ("--ngram-by-batch", "16:8", "got 8"),
+                           ("--ngram-by-batch", "16:21", "got 21")):     # 1 + chains * 4 with <= 4 chains
         res = runner.invoke(cli.app, ["bench", "e2e", flag, bad])
         assert res.exit_code == 2 and flag in res.output and why in res.output, res.output
     res = runner.invoke(cli.app, ["bench", "e2e", "--chain", "1,2"])

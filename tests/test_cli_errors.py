@@ -116,8 +116,11 @@ def test_eagle_flags_with_algo_none_are_named(no_model_load):
     assert "--block-size does not apply to --algo eagle" in line
     line = one_error_line(run(*PROMPT, "--algo", "ngram", "--block-size-by-batch", "8:4"), 2)
     assert "--block-size-by-batch does not apply to --algo ngram" in line
-    line = one_error_line(run(*PROMPT, "--algo", "ngram", "--num-draft-tokens-by-batch", "8:4"), 2)
-    assert "--num-draft-tokens-by-batch does not apply to --algo ngram (only to --algo dflash / eagle)" in line
+    line = one_error_line(run(*PROMPT, "--num-draft-tokens-by-batch", "8:4"), 2)
+    assert "--num-draft-tokens-by-batch does not apply to --algo none (only to --algo dflash / eagle / ngram)" in line
+    line = one_error_line(run(*PROMPT, "--algo", "ngram", "--topk", "2", "--num-steps", "3",
+                              "--num-draft-tokens-by-batch", "8:5"), 2)
+    assert "--num-draft-tokens-by-batch: ngram's num_draft_tokens_by_batch values are 1 + chains * num_steps" in line
     line = one_error_line(run(*PROMPT, "--algo", "dflash", "--num-steps", "2"), 2)
     assert "--num-steps does not apply to --algo dflash" in line
     line = one_error_line(run(*PROMPT, "--algo", "dflash", "--draft-vocab", "64"), 2)

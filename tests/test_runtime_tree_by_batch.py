@@ -37,8 +37,10 @@ def test_validate():
     grows.validate()
     assert grows.tokens_per_round() == 9 and grows.num_draft_tokens_for(7) == 3
     assert SpecConfig("eagle", topk=1, num_steps=3, num_draft_tokens=4).num_draft_tokens_for(64) == 4
-    bad = [(dict(algo="dflash", topk=1), "DFlash trees"), (dict(algo="ngram"), "EAGLE and"),
-           (dict(algo="none"), "EAGLE and"),
+    bad = [(dict(algo="dflash", topk=1), "DFlash trees"), (dict(algo="none"), "applies to EAGLE, n-gram"),
+           (dict(algo="ngram"), r"1 \+ chains \* num_steps with 1 <= chains <= topk=2, num_steps=3, got 3"),
+           (dict(algo="ngram", num_draft_tokens_by_batch=((2, 10),)), "got 10"),     # 3 chains > topk 2
+           (dict(algo="ngram", num_draft_tokens_by_batch=((2, 1),)), "got 1"),       # no chain
            (dict(num_draft_tokens_by_batch=((1, 4),)), "increase from >= 2"),
            (dict(num_draft_tokens_by_batch=((4, 4), (4, 3))), "increase from >= 2"),
            (dict(num_draft_tokens_by_batch=((4, 1),)), "2 <= num_draft_tokens_by_batch's values"),
@@ -56,6 +58,10 @@ def test_validate():
         SpecConfig("dflash", topk=3, block_size=5, num_draft_tokens=4,
                    num_draft_tokens_by_batch=((2, hi + 1),)).validate()
     assert parse_by_batch("2:16, 32:8") == ((2, 16), (32, 8))
+    ngram = SpecConfig("ngram", topk=4, num_steps=3, num_draft_tokens_by_batch=((16, 7), (32, 4)))
+    ngram.validate()                                        # 4 chains of 3 drafts, then 2, then 1
+    assert [ngram.num_draft_tokens_for(b) for b in (1, 15, 16, 32)] == [13, 13, 7, 4]
+    assert ngram.max_num_draft_tokens() == ngram.tokens_per_round() == 13
 
 
 def _record_trees(monkeypatch) -> list:
@@ -94,6 +100,43 @@ def test_lossless_and_sized_by_batch(tmp_path, seed, spec, page_size, backend_na
     check_rows_restored(eng)
 
 
+NGRAM = SpecConfig("ngram", topk=3, num_steps=2, ngram_size=3, num_draft_tokens_by_batch=((3, 3),))
+
+
+def _repeating_prompts(seed: int) -> list:
+    """Four prompts that repeat a span (the n-gram lookups find matches)."""
+    rng, prompts = random.Random(seed), []
+    for _ in range(4):
+        span = [rng.randrange(V) for _ in range(rng.randint(2, 5))]
+        prompts.append([rng.randrange(V) for _ in range(rng.randint(0, 3))] + span * rng.randint(2, 4))
+    return prompts
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_ngram_lossless_and_sized_by_batch(tmp_path, seed, page_size, backend_name, monkeypatch):
+    """N-gram drafting keeps 3 chains over 1-2 rows and its best one over 3-4 rows.  Every
+    output is the target's."""
+    cfg, w = tiny_llama(tmp_path, seed, vocab=V)
+    prompts = _repeating_prompts(seed)
+    limits, p = [NEW, NEW, 5, 5], SamplingParams(max_new_tokens=NEW)
+    base = make_engine(backend_name, cfg, dict(w), max_context=128, max_batch=4).generate(
+        prompts, p, max_new_tokens=limits)
+    seen, real = [], ops.ngram_candidates
+
+    def ngram_candidates(history, P, ngram_size, topk, num_steps, **kw):
+        seen.append((history.shape[0], topk))
+        return real(history, P, ngram_size, topk, num_steps, **kw)
+
+    monkeypatch.setattr(ops, "ngram_candidates", ngram_candidates)
+    eng = make_engine(backend_name, cfg, dict(w), spec=NGRAM, max_context=128, max_batch=4, page_size=page_size)
+    res = eng.generate(prompts, p, max_new_tokens=limits)
+    assert res.tokens == base.tokens, f"seed={seed}"
+    assert {k for _, k in seen} == {1, 3} and all(k == (1 if bs >= 3 else 3) for bs, k in seen), seen
+    for per in res.accept_lengths:
+        assert all(0 <= a <= 2 for a in per), res.accept_lengths
+    check_rows_restored(eng)
+
+
 def test_eagle3_lossless_and_sized_by_batch(tmp_path, seed, backend_name, monkeypatch):
     """An EAGLE-3 drafter (its entries one index below the tokens, fed the target's features):
     a tree of 7 tokens over 1-2 rows, 3 over 3-4 (a draft extend of 3 tokens instead of 4)."""
@@ -129,3 +172,18 @@ def test_graphs_lossless(tmp_path, seed, spec, backend_name):
     assert eng.generate(prompts, p, max_new_tokens=limits).tokens == base.tokens, f"seed={seed}"
     eager = make_engine(backend_name, cfg, dict(w), spec=spec, cuda_graph=False, **kw)
     assert eager.generate(prompts, p, max_new_tokens=limits).tokens == base.tokens, f"seed={seed}"
+
+
+@pytest.mark.gpu
+def test_ngram_graphs_lossless(tmp_path, seed, backend_name):
+    """CUDA graphs: n-gram rounds of 3 chains and of 1 chain, replayed (a whole-round graph
+    per padded batch size; a host-planned backend runs these verifies eagerly), give the
+    target's output."""
+    cfg, w = tiny_llama(tmp_path, seed, vocab=V)
+    prompts = _repeating_prompts(seed)
+    limits, p = [NEW, NEW, 5, 5], SamplingParams(max_new_tokens=NEW)
+    kw = dict(device="cuda", max_context=128, max_batch=4)
+    base = make_engine(backend_name, cfg, dict(w), **kw).generate(prompts, p, max_new_tokens=limits)
+    eng = make_engine(backend_name, cfg, dict(w), spec=NGRAM, cuda_graph=True, **kw)
+    assert uses_graphs(eng) or not eng.whole_round_graphs
+    assert eng.generate(prompts, p, max_new_tokens=limits).tokens == base.tokens, f"seed={seed}"
