@@ -87,8 +87,8 @@ class E2EConfig:
     ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=8, num_draft_tokens=32))
     ddtree_by_batch: Sequence[Tuple[int, int]] = ((2, 16), (32, 8))
     ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))
-    # n-gram: (min_batch, num_draft_tokens) pairs, fewer chains (1 + chains * num_steps tokens) for large batches
-    ngram_by_batch: Sequence[Tuple[int, int]] = ()
+    # n-gram: (min_batch, topk) pairs, fewer chains for large batches (SpecConfig: 1 + topk * num_steps tokens)
+    ngram_topk_by_batch: Sequence[Tuple[int, int]] = ((16, 1),)
     drafter: Optional[str] = None           # EAGLE drafter folder (default: the shipped one)
     draft_vocab: Optional[int] = None       # EAGLE-3: draft from the N most frequent tokens (0: all;
                                             # None: eagle3.default_draft_vocab_size of the drafter)
@@ -118,7 +118,8 @@ def spec_fields(algo: str, cfg: E2EConfig) -> dict:
         return dict(algo="dflash", block_size=cfg.block_size, **cfg.ddtree,
                     num_draft_tokens_by_batch=tuple(tuple(p) for p in cfg.ddtree_by_batch))
     if algo == "ngram":
-        return dict(algo="ngram", **cfg.ngram, num_draft_tokens_by_batch=tuple(tuple(p) for p in cfg.ngram_by_batch))
+        return dict(algo="ngram", **cfg.ngram, num_draft_tokens_by_batch=tuple(
+            (m, 1 + k * cfg.ngram["num_steps"]) for m, k in cfg.ngram_topk_by_batch))
     raise ValueError(f"unknown algo {algo!r}; known: {', '.join(ALGOS)}")
 
 
@@ -457,7 +458,7 @@ def _eagle_settings(report: dict) -> str:
 
 def _dflash_settings(report: dict) -> str:
     """" DFlash chain: block 16, 4 from batch 16.  DDTree: topk 8, 32 tokens, 16 from batch 2.
-    N-gram: 4 chains of 4 (...), 17 tokens, 5 from batch 32." or "" (no such rows)."""
+    N-gram: 4 chains of 4 (...), 1 from batch 16." or "" (no such rows)."""
     st = report.get("settings") or {}
     algos = {r.get("algo") for r in report["rows"]}
     out = ""
@@ -467,10 +468,10 @@ def _dflash_settings(report: dict) -> str:
         dd = st["ddtree"]
         out += (f" DDTree: topk {dd['topk']}, {dd['num_draft_tokens']} tokens"
                 f"{_from_batch(st.get('ddtree_by_batch'))}.")
-    if "ngram_by_batch" in st and "ngram" in algos:
+    if "ngram_topk_by_batch" in st and "ngram" in algos:
         ng = st["ngram"]
-        out += (f" N-gram: {ng['topk']} chains of {ng['num_steps']} (suffixes of up to {ng['ngram_size']} tokens), "
-                f"{1 + ng['topk'] * ng['num_steps']} tokens{_from_batch(st.get('ngram_by_batch'))}.")
+        out += (f" N-gram: {ng['topk']} chains of {ng['num_steps']} (suffixes of up to {ng['ngram_size']} tokens)"
+                f"{_from_batch(st.get('ngram_topk_by_batch'))}.")
     return out
 
 

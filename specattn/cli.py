@@ -251,9 +251,9 @@ def bench_e2e(
                                         help="DDTree: MIN_BATCH:TOKENS,... another num_draft_tokens for rounds "
                                              "over at least MIN_BATCH requests ('' keeps --ddtree's)."),
     ngram: str = typer.Option("4,4,4", help="N-gram: topk (chains),num_steps,ngram_size."),
-    ngram_by_batch: str = typer.Option("", "--ngram-by-batch",
-                                       help="N-gram: MIN_BATCH:TOKENS,... fewer chains (TOKENS = 1 + chains * "
-                                            "num_steps) for rounds over at least MIN_BATCH requests."),
+    ngram_topk_by_batch: str = typer.Option("16:1", "--ngram-topk-by-batch",
+                                            help="N-gram: MIN_BATCH:TOPK,... fewer chains (the best matches) for "
+                                                 "rounds over at least MIN_BATCH requests ('' keeps --ngram's)."),
     drafter: Optional[Path] = typer.Option(None, help="EAGLE-3 drafter folder (default: the shipped one)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0,
                                               help="EAGLE-3: draft only from the N most frequent tokens "
@@ -290,12 +290,15 @@ def bench_e2e(
                lambda v: SpecConfig("eagle", **tree_cfg, num_draft_tokens_by_batch=v)),
               ("--ddtree-by-batch", ddtree_by_batch,
                lambda v: SpecConfig("dflash", block_size=block_size, **ddtree_cfg, num_draft_tokens_by_batch=v)),
-              ("--ngram-by-batch", ngram_by_batch,
-               lambda v: SpecConfig("ngram", **ngram_cfg, num_draft_tokens_by_batch=v)))
+              ("--ngram-topk-by-batch", ngram_topk_by_batch,
+               lambda v: SpecConfig("ngram", **ngram_cfg, num_draft_tokens_by_batch=tuple(
+                   (m, 1 + k * ngram_cfg["num_steps"]) for m, k in v))))
     by_batch = {}
     for flag, text, spec_of in checks:
         try:
             by_batch[flag] = parse_by_batch(text)
+            if flag == "--ngram-topk-by-batch" and not all(1 <= k <= ngram_cfg["topk"] for _, k in by_batch[flag]):
+                raise ValueError(f"each TOPK must be between 1 and --ngram's topk ({ngram_cfg['topk']}), got {text!r}")
             spec_of(by_batch[flag]).validate()
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint=flag)
@@ -312,7 +315,7 @@ def bench_e2e(
                         block_size_by_batch=by_batch["--block-size-by-batch"],
                         tree_by_batch=by_batch["--tree-by-batch"],
                         ddtree=ddtree_cfg, ddtree_by_batch=by_batch["--ddtree-by-batch"],
-                        ngram=ngram_cfg, ngram_by_batch=by_batch["--ngram-by-batch"],
+                        ngram=ngram_cfg, ngram_topk_by_batch=by_batch["--ngram-topk-by-batch"],
                         repetitive_algos=rep_names,
                         drafter=str(drafter) if drafter else None, draft_vocab=draft_vocab,
                         prompts=str(prompts) if prompts else None,

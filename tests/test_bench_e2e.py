@@ -33,7 +33,9 @@ def test_spec_fields():
     assert "num_draft_tokens_by_batch" not in e2e.spec_fields("eagle_chain", cfg)
     assert e2e.spec_fields("ddtree", e2e.E2EConfig(ddtree_by_batch=[]))["num_draft_tokens_by_batch"] == ()
     assert e2e.spec_fields("eagle_tree", e2e.E2EConfig(tree_by_batch=[[4, 6]]))["num_draft_tokens_by_batch"] == ((4, 6),)
-    assert e2e.spec_fields("ngram", e2e.E2EConfig(ngram_by_batch=[[16, 9]]))["num_draft_tokens_by_batch"] == ((16, 9),)
+    ngram = e2e.E2EConfig(ngram=dict(topk=3, num_steps=2, ngram_size=4), ngram_topk_by_batch=[[8, 2], [32, 1]])
+    assert e2e.spec_fields("ngram", ngram)["num_draft_tokens_by_batch"] == ((8, 5), (32, 3))   # 1 + topk * 2
+    assert e2e.spec_fields("ngram", cfg)["num_draft_tokens_by_batch"] == ((16, 5),)     # one chain of 4 from batch 16
     for algo in e2e.DEFAULT_ALGOS:
         SpecConfig(**e2e.spec_fields(algo, e2e.E2EConfig())).validate()
     with pytest.raises(ValueError, match="unknown algo"):
@@ -95,9 +97,9 @@ def test_writers(tmp_path):
     assert "tree (4, 5, 32) (topk, num_steps, num_draft_tokens) (tree tokens 32, 16 from batch 2)." in md
     assert "N-gram" not in md
     rep = _report(rows + [dict(rows[1], algo="ngram")])
-    rep["settings"].update(ngram=dict(topk=4, num_steps=4, ngram_size=3), ngram_by_batch=[[16, 9], [32, 5]])
+    rep["settings"].update(ngram=dict(topk=4, num_steps=4, ngram_size=3), ngram_topk_by_batch=[[16, 2], [32, 1]])
     e2e.write_results(rep, tmp_path / "h100")
-    assert ("N-gram: 4 chains of 4 (suffixes of up to 3 tokens), 17 tokens, 9 from batch 16, 5 from batch 32."
+    assert ("N-gram: 4 chains of 4 (suffixes of up to 3 tokens), 2 from batch 16, 1 from batch 32."
             in (tmp_path / "h100" / "e2e.md").read_text())
     assert json.loads((tmp_path / "h100" / "e2e.json").read_text())["rows"][1]["accept_length"] == 3.2
 
@@ -127,8 +129,8 @@ def test_cli_errors():
         res = runner.invoke(cli.app, ["bench", "e2e", "--block-size-by-batch", bad])
         assert res.exit_code == 2 and "block-size-by-batch" in res.output, res.output
     for flag, bad, why in (("--tree-by-batch", "2:99", "<= 69"), ("--ddtree-by-batch", "1:8", "increase from"),
-                           ("--ddtree-by-batch", "2-8", "MIN_BATCH:VALUE"), ("--ngram-by-batch", "16:8", "got 8"),
-                           ("--ngram-by-batch", "16:21", "got 21")):     # 1 + chains * 4 with <= 4 chains
+                           ("--ddtree-by-batch", "2-8", "MIN_BATCH:VALUE"), ("--ngram-topk-by-batch", "16:0", "between 1 and"),
+                           ("--ngram-topk-by-batch", "16:5", "topk (4), got '16:5'"), ("--ngram-topk-by-batch", "0:1", "from >= 2")):
         res = runner.invoke(cli.app, ["bench", "e2e", flag, bad])
         assert res.exit_code == 2 and flag in res.output and why in res.output, res.output
     res = runner.invoke(cli.app, ["bench", "e2e", "--chain", "1,2"])
