@@ -19,8 +19,9 @@ position ``P``, ``history[row, 0 .. P]`` = every token so far, root last):
    shape: mask, depths and sibling links are built once); TARGET_VERIFY over its
    ``D = 1 + topk * num_steps`` tokens, verify, compaction + KV move, commit; the emitted
    tokens are appended to ``history``.  With ``SpecConfig.num_draft_tokens_by_batch`` a
-   round over a large batch keeps fewer chains (its best matches): the verify's tokens are
-   nearly free at batch 1 and what a large batch pays for.
+   round over a large batch keeps fewer chains (its best matches), or none: then the round
+   verifies the root alone, a decode step (the verify's tokens are nearly free at batch 1
+   and what a large batch pays for).
 
 Nothing serializes the round: the lookup is device work inside the round's CUDA graph.
 """
@@ -43,17 +44,18 @@ __all__ = ["NgramStrategy", "chains_tree_shape"]
 
 def chains_tree_shape(branches: int, depth: int, device=None) -> Tuple[torch.Tensor, ...]:
     """The fixed tree of a root with ``branches`` chains of ``depth`` drafts: node 0 is the
-    root, node ``1 + k * depth + s`` is draft ``s`` (depth ``s + 1``) of chain ``k``.
+    root, node ``1 + k * depth + s`` is draft ``s`` (depth ``s + 1``) of chain ``k``
+    (``branches = 0``: the root alone).
 
     Returns ``(tree_mask int32 [D, W], depth int64 [D], next_token int64 [D],
     next_sibling int64 [D])`` with ``D = 1 + branches * depth``, ``W = ceil(D / 32)``, in the
     layout :func:`specattn.ops.build_tree` produces per request (draft-local indices).
 
     Raises:
-        ValueError: ``branches < 1`` or ``depth < 1``.
+        ValueError: ``branches < 0`` or ``depth < 1``.
     """
-    if branches < 1 or depth < 1:
-        raise ValueError(f"need branches >= 1 and depth >= 1, got {branches}, {depth}")
+    if branches < 0 or depth < 1:
+        raise ValueError(f"need branches >= 0 and depth >= 1, got {branches}, {depth}")
     D = 1 + branches * depth
     node = torch.arange(D)
     k, s = (node - 1) // depth, (node - 1) % depth        # chain and depth - 1 of node >= 1
@@ -63,7 +65,7 @@ def chains_tree_shape(branches: int, depth: int, device=None) -> Tuple[torch.Ten
     same = (k[:, None] == k[None, :]) & (s[None, :] <= s[:, None]) & (node[None, :] > 0) & (node[:, None] > 0)
     dense |= same
     nxt = torch.where((node > 0) & (s + 1 < depth), node + 1, -1)
-    nxt[0] = 1
+    nxt[0] = 1 if D > 1 else -1
     sib = torch.where((node > 0) & (s == 0) & (k + 1 < branches), node + depth, -1)
     out = (pack_tree_mask(dense), dep, nxt, sib)
     return tuple(t.to(device) for t in out) if device is not None else out
@@ -125,8 +127,11 @@ class NgramStrategy(Strategy):
         K = self.chains_for(eng, bs)
         D = 1 + K * S
         P = eng.prefix_lens[rows]
-        drafts, _ = ops.ngram_candidates(self.history[rows], P, self.n, K, S, check_values=False)
-        draft_tokens = torch.cat([eng.roots[rows][:, None], drafts.flatten(1)], 1)     # [bs, D]
+        if K:
+            drafts, _ = ops.ngram_candidates(self.history[rows], P, self.n, K, S, check_values=False)
+            draft_tokens = torch.cat([eng.roots[rows][:, None], drafts.flatten(1)], 1)     # [bs, D]
+        else:   # no chain: the root alone, a decode step through the verify path
+            draft_tokens = eng.roots[rows][:, None]
         j = eng.arange(D)
         # the tree's value-independent fields are the same every round: kept engine constants
         one = self.shapes[K]

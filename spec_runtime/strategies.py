@@ -67,7 +67,8 @@ class SpecConfig:
       of a DDTree (``algo="dflash"``, ``topk > 1``); ``topk`` and ``num_steps`` (EAGLE) or
       ``block_size`` (DDTree) stay, so only the kept candidates change.  N-gram drafting
       verifies ``1 + topk * num_steps`` tokens; its values ``1 + c * num_steps`` keep ``c``
-      (``1 <= c <= topk``) of its chains, the best matches."""
+      (``0 <= c <= topk``) of its chains, the best matches (``c = 0``: the root alone,
+      speculation off from that batch size)."""
 
     algo: str = "none"
     topk: int = 1
@@ -171,9 +172,9 @@ class SpecConfig:
             for _, d in self.num_draft_tokens_by_batch:
                 if self.algo != "ngram":
                     self._check_tree_tokens(d, "num_draft_tokens_by_batch's values")
-                elif (d - 1) % self.num_steps or not 1 <= (d - 1) // self.num_steps <= self.topk:
+                elif (d - 1) % self.num_steps or not 0 <= (d - 1) // self.num_steps <= self.topk or d < 1:
                     raise ValueError(f"ngram's num_draft_tokens_by_batch values are 1 + chains * num_steps with "
-                                     f"1 <= chains <= topk={self.topk}, num_steps={self.num_steps}, got {d}")
+                                     f"0 <= chains <= topk={self.topk}, num_steps={self.num_steps}, got {d}")
 
 
 def parse_by_batch(text: str) -> Tuple[Tuple[int, int], ...]:

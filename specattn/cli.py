@@ -252,8 +252,9 @@ def bench_e2e(
                                              "over at least MIN_BATCH requests ('' keeps --ddtree's)."),
     ngram: str = typer.Option("4,4,4", help="N-gram: topk (chains),num_steps,ngram_size."),
     ngram_topk_by_batch: str = typer.Option("16:1", "--ngram-topk-by-batch",
-                                            help="N-gram: MIN_BATCH:TOPK,... fewer chains (the best matches) for "
-                                                 "rounds over at least MIN_BATCH requests ('' keeps --ngram's)."),
+                                            help="N-gram: MIN_BATCH:TOPK,... fewer chains (the best matches; 0: "
+                                                 "none, a decode step) for rounds over at least MIN_BATCH requests "
+                                                 "('' keeps --ngram's)."),
     drafter: Optional[Path] = typer.Option(None, help="EAGLE-3 drafter folder (default: the shipped one)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0,
                                               help="EAGLE-3: draft only from the N most frequent tokens "
@@ -297,8 +298,9 @@ def bench_e2e(
     for flag, text, spec_of in checks:
         try:
             by_batch[flag] = parse_by_batch(text)
-            if flag == "--ngram-topk-by-batch" and not all(1 <= k <= ngram_cfg["topk"] for _, k in by_batch[flag]):
-                raise ValueError(f"each TOPK must be between 1 and --ngram's topk ({ngram_cfg['topk']}), got {text!r}")
+            if flag == "--ngram-topk-by-batch" and not all(0 <= k <= ngram_cfg["topk"] for _, k in by_batch[flag]):
+                raise ValueError(f"each TOPK must be between 0 (no speculation) and --ngram's topk "
+                                 f"({ngram_cfg['topk']}), got {text!r}")
             spec_of(by_batch[flag]).validate()
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint=flag)

@@ -129,7 +129,7 @@ def test_cli_errors():
         res = runner.invoke(cli.app, ["bench", "e2e", "--block-size-by-batch", bad])
         assert res.exit_code == 2 and "block-size-by-batch" in res.output, res.output
     for flag, bad, why in (("--tree-by-batch", "2:99", "<= 69"), ("--ddtree-by-batch", "1:8", "increase from"),
-                           ("--ddtree-by-batch", "2-8", "MIN_BATCH:VALUE"), ("--ngram-topk-by-batch", "16:0", "between 1 and"),
+                           ("--ddtree-by-batch", "2-8", "MIN_BATCH:VALUE"), ("--ngram-topk-by-batch", "16:-1", "between 0 (no speculation) and"),
                            ("--ngram-topk-by-batch", "16:5", "topk (4), got '16:5'"), ("--ngram-topk-by-batch", "0:1", "from >= 2")):
         res = runner.invoke(cli.app, ["bench", "e2e", flag, bad])
         assert res.exit_code == 2 and flag in res.output and why in res.output, res.output

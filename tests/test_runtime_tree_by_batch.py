@@ -38,9 +38,9 @@ def test_validate():
     assert grows.tokens_per_round() == 9 and grows.num_draft_tokens_for(7) == 3
     assert SpecConfig("eagle", topk=1, num_steps=3, num_draft_tokens=4).num_draft_tokens_for(64) == 4
     bad = [(dict(algo="dflash", topk=1), "DFlash trees"), (dict(algo="none"), "applies to EAGLE, n-gram"),
-           (dict(algo="ngram"), r"1 \+ chains \* num_steps with 1 <= chains <= topk=2, num_steps=3, got 3"),
+           (dict(algo="ngram"), r"1 \+ chains \* num_steps with 0 <= chains <= topk=2, num_steps=3, got 3"),
            (dict(algo="ngram", num_draft_tokens_by_batch=((2, 10),)), "got 10"),     # 3 chains > topk 2
-           (dict(algo="ngram", num_draft_tokens_by_batch=((2, 1),)), "got 1"),       # no chain
+           (dict(algo="ngram", num_draft_tokens_by_batch=((2, 0),)), "got 0"),       # not even the root
            (dict(num_draft_tokens_by_batch=((1, 4),)), "increase from >= 2"),
            (dict(num_draft_tokens_by_batch=((4, 4), (4, 3))), "increase from >= 2"),
            (dict(num_draft_tokens_by_batch=((4, 1),)), "2 <= num_draft_tokens_by_batch's values"),
@@ -62,6 +62,7 @@ def test_validate():
     ngram.validate()                                        # 4 chains of 3 drafts, then 2, then 1
     assert [ngram.num_draft_tokens_for(b) for b in (1, 15, 16, 32)] == [13, 13, 7, 4]
     assert ngram.max_num_draft_tokens() == ngram.tokens_per_round() == 13
+    SpecConfig("ngram", topk=4, num_steps=3, num_draft_tokens_by_batch=((16, 7), (32, 1))).validate()   # off from 32
 
 
 def _record_trees(monkeypatch) -> list:
@@ -101,6 +102,7 @@ def test_lossless_and_sized_by_batch(tmp_path, seed, spec, page_size, backend_na
 
 
 NGRAM = SpecConfig("ngram", topk=3, num_steps=2, ngram_size=3, num_draft_tokens_by_batch=((3, 3),))
+NGRAM_OFF = SpecConfig("ngram", topk=2, num_steps=3, ngram_size=2, num_draft_tokens_by_batch=((3, 1),))
 
 
 def _repeating_prompts(seed: int) -> list:
@@ -112,10 +114,11 @@ def _repeating_prompts(seed: int) -> list:
     return prompts
 
 
+@pytest.mark.parametrize("spec,chains", [(NGRAM, (1, 3)), (NGRAM_OFF, (0, 2))], ids=["fewer", "off"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_ngram_lossless_and_sized_by_batch(tmp_path, seed, page_size, backend_name, monkeypatch):
-    """N-gram drafting keeps 3 chains over 1-2 rows and its best one over 3-4 rows.  Every
-    output is the target's."""
+def test_ngram_lossless_and_sized_by_batch(tmp_path, seed, spec, chains, page_size, backend_name, monkeypatch):
+    """N-gram drafting keeps 3 chains over 1-2 rows and its best one over 3-4 rows (or 2
+    chains, then none: the root alone, nothing looked up).  Every output is the target's."""
     cfg, w = tiny_llama(tmp_path, seed, vocab=V)
     prompts = _repeating_prompts(seed)
     limits, p = [NEW, NEW, 5, 5], SamplingParams(max_new_tokens=NEW)
@@ -128,12 +131,17 @@ def test_ngram_lossless_and_sized_by_batch(tmp_path, seed, page_size, backend_na
         return real(history, P, ngram_size, topk, num_steps, **kw)
 
     monkeypatch.setattr(ops, "ngram_candidates", ngram_candidates)
-    eng = make_engine(backend_name, cfg, dict(w), spec=NGRAM, max_context=128, max_batch=4, page_size=page_size)
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=4, page_size=page_size)
     res = eng.generate(prompts, p, max_new_tokens=limits)
     assert res.tokens == base.tokens, f"seed={seed}"
-    assert {k for _, k in seen} == {1, 3} and all(k == (1 if bs >= 3 else 3) for bs, k in seen), seen
+    few, many = chains
+    assert {k for _, k in seen} == {few, many} - {0} and all(k == many for bs, k in seen if bs < 3), seen
+    assert all(k == few for bs, k in seen if bs >= 3), seen
+    assert any(bs >= 3 for bs, _ in seen) or few == 0, seen          # rounds over 3-4 rows ran
     for per in res.accept_lengths:
-        assert all(0 <= a <= 2 for a in per), res.accept_lengths
+        assert all(0 <= a <= spec.num_steps for a in per), res.accept_lengths
+    if few == 0:   # rounds over 3-4 rows looked nothing up and accepted nothing
+        assert len(seen) < res.num_rounds and min(a for per in res.accept_lengths for a in per) == 0
     check_rows_restored(eng)
 
 
@@ -176,7 +184,7 @@ def test_graphs_lossless(tmp_path, seed, spec, backend_name):
 
 @pytest.mark.gpu
 def test_ngram_graphs_lossless(tmp_path, seed, backend_name):
-    """CUDA graphs: n-gram rounds of 3 chains and of 1 chain, replayed (a whole-round graph
+    """CUDA graphs: n-gram rounds of 3 chains and of 1 (or 2 and none), replayed (a whole-round graph
     per padded batch size; a host-planned backend runs these verifies eagerly), give the
     target's output."""
     cfg, w = tiny_llama(tmp_path, seed, vocab=V)
@@ -184,6 +192,7 @@ def test_ngram_graphs_lossless(tmp_path, seed, backend_name):
     limits, p = [NEW, NEW, 5, 5], SamplingParams(max_new_tokens=NEW)
     kw = dict(device="cuda", max_context=128, max_batch=4)
     base = make_engine(backend_name, cfg, dict(w), **kw).generate(prompts, p, max_new_tokens=limits)
-    eng = make_engine(backend_name, cfg, dict(w), spec=NGRAM, cuda_graph=True, **kw)
-    assert uses_graphs(eng) or not eng.whole_round_graphs
-    assert eng.generate(prompts, p, max_new_tokens=limits).tokens == base.tokens, f"seed={seed}"
+    for spec in (NGRAM, NGRAM_OFF):
+        eng = make_engine(backend_name, cfg, dict(w), spec=spec, cuda_graph=True, **kw)
+        assert uses_graphs(eng) or not eng.whole_round_graphs
+        assert eng.generate(prompts, p, max_new_tokens=limits).tokens == base.tokens, f"seed={seed} {spec}"
