@@ -456,7 +456,7 @@ def _eagle_settings(report: dict) -> str:
             + by_batch + (f", drafting from the {dv:,} most frequent tokens." if dv else "."))
 
 
-def _dflash_settings(report: dict) -> str:
+def _dflash_ngram_settings(report: dict) -> str:
     """" DFlash chain: block 16, 4 from batch 16.  DDTree: topk 8, 32 tokens, 16 from batch 2.
     N-gram: 4 chains of 4 (...), 1 from batch 16." or "" (no such rows)."""
     st = report.get("settings") or {}
@@ -500,7 +500,7 @@ def markdown(report: dict) -> str:
              f"torch {report['versions']['torch']}, triton {report['versions']['triton']}; "
              f"{_length_settings(report)}, "
              f"{_prompt_counts(report)}, CUDA graphs, greedy.{_eagle_settings(report)}"
-             f"{_dflash_settings(report)}{_admission_settings(report)}",
+             f"{_dflash_ngram_settings(report)}{_admission_settings(report)}",
              "",
              "| prompts | algo | bs | dtype | backend | tokens/s | speedup | accept length | step ms | "
              "kernels/step | kernel ms/step | gpu_busy | lossless |",

@@ -172,7 +172,7 @@ class SpecConfig:
             for _, d in self.num_draft_tokens_by_batch:
                 if self.algo != "ngram":
                     self._check_tree_tokens(d, "num_draft_tokens_by_batch's values")
-                elif (d - 1) % self.num_steps or not 0 <= (d - 1) // self.num_steps <= self.topk or d < 1:
+                elif d < 1 or (d - 1) % self.num_steps or (d - 1) // self.num_steps > self.topk:
                     raise ValueError(f"ngram's num_draft_tokens_by_batch values are 1 + chains * num_steps with "
                                      f"0 <= chains <= topk={self.topk}, num_steps={self.num_steps}, got {d}")
 
