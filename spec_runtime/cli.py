@@ -366,9 +366,11 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         bad(f"--draft-vocab must be >= 0 (0: the full vocabulary), got {draft_vocab}")
     if draft_vocab and self_draft:
         bad("--draft-vocab applies to EAGLE-3 drafters, not to --self-draft")
-    if prompt is not None and not prompt.strip():
+    if isinstance(prompt, str):   # a direct call with one prompt
+        prompt = [prompt]
+    if any(not p.strip() for p in prompt or []):
         bad("--prompt is empty; give the text to continue, e.g. --prompt \"What is the capital of France?\"")
-    texts: List[str] = [prompt] if prompt is not None else []
+    texts: List[str] = list(prompt or [])
     if prompts is not None:
         if not prompts.is_file():
             bad(f"--prompts {prompts}: no such file")
@@ -486,7 +488,7 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
 
 def generate(
     ctx: typer.Context,
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="One prompt."),
+    prompt: Optional[List[str]] = typer.Option(None, "--prompt", help="A prompt (repeat the option for several)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="A file with one prompt per line."),
     algo: str = typer.Option("none", help="none | eagle | dflash | ngram"),
     topk: int = typer.Option(1, help="EAGLE beams per step (1 = chain); DFlash: > 1 verifies a tree "

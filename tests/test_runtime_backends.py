@@ -194,6 +194,9 @@ def test_generate_command_json(tiny, monkeypatch):
     assert r["warmup"] is False and r["warmup_seconds"] is None and r["draft_backend"] == "torch_reference"
     res = _cli(monkeypatch, tiny)                                                      # the text report
     assert res.exit_code == 0 and "no warm-up" in res.stdout, res.output
+    res = _cli(monkeypatch, tiny, "--prompt", "a second one", "--json")               # --prompt repeated
+    assert res.exit_code == 0, res.output
+    assert len(json.loads(res.stdout)["outputs"]) == 2
 
 
 def test_generate_command_bad_backend(tiny, monkeypatch):
