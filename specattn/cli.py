@@ -292,8 +292,8 @@ def bench_e2e(
               ("--ddtree-by-batch", ddtree_by_batch,
                lambda v: SpecConfig("dflash", block_size=block_size, **ddtree_cfg, num_draft_tokens_by_batch=v)),
               ("--ngram-topk-by-batch", ngram_topk_by_batch,
-               lambda v: SpecConfig("ngram", **ngram_cfg, num_draft_tokens_by_batch=tuple(
-                   (m, 1 + k * ngram_cfg["num_steps"]) for m, k in v))))
+               lambda v: SpecConfig(**e2e.spec_fields("ngram", e2e.E2EConfig(ngram=ngram_cfg,
+                                                                              ngram_topk_by_batch=v)))))
     by_batch = {}
     for flag, text, spec_of in checks:
         try:

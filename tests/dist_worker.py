@@ -55,7 +55,8 @@ def main(model_dir: str, out_dir: str, kind: str, budget_s: str = "0") -> None:
     log = res["log"]
     (out / f"rank{ctx.rank}.json").write_text(json.dumps({
         "files": sorted(str(p) for p in res["files"].values()), "data_stats": res["data_stats"],
-        "steps_done": log["steps_done"], "stop_reason": log["stop_reason"], "world_size": log["world_size"], "rows_per_step": log["rows_per_step"],
+        "steps_done": log["steps_done"], "stop_reason": log["stop_reason"], "world_size": log["world_size"],
+        "rows_per_step": log["rows_per_step"],
         "evals": len(log["eval"]), "final_eval": log["final_eval"] is not None,
         "losses": [e["loss"] for e in log["train"]]}))
     dist.destroy_process_group()

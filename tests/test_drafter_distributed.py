@@ -92,13 +92,11 @@ def _launch(tmp_path, kind, *extra):
 
 
 @pytest.mark.slow
-def test_two_process_time_budget():
+def test_two_process_time_budget(tmp_path):
     """A time budget ends the run on both ranks at the same step, with the same weights: each
     rank's clock differs, so they agree on the re-planned schedule (the shortest) and on the
     budget's stop (the earliest)."""
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        _, info = _launch(Path(d), "dflash", "2.0")
+    _, info = _launch(tmp_path, "dflash", "2.0")
     assert info[0]["stop_reason"] == info[1]["stop_reason"]
     assert 0 < info[0]["steps_done"] == info[1]["steps_done"] < 100_000
 
