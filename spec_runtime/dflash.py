@@ -708,10 +708,12 @@ class DFlashDrafter(TargetSharingDrafter):
                          pool) -> None:
         """Materialize every draft layer's context K/V for ``T`` committed tokens (features
         ``[T, taps * hidden]``, RoPE ``positions [T]``, slots ``loc [T]``) into ``pool``: one
-        ``fc`` GEMM + one fused :func:`specattn.ops.materialize_kv` for all layers."""
-        ops.materialize_kv(self.context_hidden(features), self.w["w_kv"], self.w["k_norm"], positions,
-                           self.cos_sin_cache, loc, pool.k_buffer, pool.v_buffer,
-                           eps=self.config.rms_norm_eps, check_values=False,  # our own slots
+        ``fc`` GEMM + one fused :func:`specattn.ops.materialize_kv` for all layers, whose
+        GEMM prologue applies ``hidden_norm`` (:meth:`context_hidden`'s mathematics)."""
+        ops.materialize_kv(features.to(self.dtype) @ self.w["fc.weight"].T, self.w["w_kv"], self.w["k_norm"],
+                           positions, self.cos_sin_cache, loc, pool.k_buffer, pool.v_buffer,
+                           eps=self.config.rms_norm_eps, hidden_norm_weight=self.w["hidden_norm.weight"],
+                           check_values=False,  # our own slots
                            **dict(zip(("k_scale", "v_scale"), pool.kv_scales(0))))
 
     # ------------------------------------------------------------------ training (dense)
@@ -888,61 +890,73 @@ class DFlashStrategy(Strategy):
         self.drafter.write_context_kv(pb.out.features, pb.batch.positions, pb.batch.out_cache_loc, eng.draft_pool)
 
     def block_top(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor,
-                  k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                  k: int, slots: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One non-causal drafter forward per request over ``[root, MASK x (B-1)]`` at positions
-        ``P .. P+B-1`` (``TARGET_VERIFY``, all-ones tree mask; slots ``req_to_token[row, P:P+B]``).
-        Returns the ``k`` best ``(log-probabilities float32, token ids int64)``, each
-        ``[bs, B - 1, k]``, of the drafts at block positions ``1 .. B-1`` (the drafter's fused
-        LM head where it has one: the logits are never written)."""
+        ``P .. P+B-1`` (``TARGET_VERIFY``, all-ones tree mask; slots ``req_to_token[row, P:P+B]``;
+        ``slots``: those ``(positions, slots)``, int64 ``[bs * B]`` each, when the caller has
+        them).  Returns the block's input ids ``[bs, B]`` and the ``k`` best
+        ``(log-probabilities float32, token ids int64)``, each ``[bs, B - 1, k]``, of the drafts
+        at block positions ``1 .. B-1`` (the drafter's fused LM head where it has one: the
+        logits are never written)."""
         bs, n = rows.shape[0], eng.max_batch + 1
         B = self.block_for(eng, bs)
         masks = eng.constant(("dflash_block_masks", B, n), lambda: torch.full(
             (n, B - 1), self.drafter.mask_token_id, dtype=torch.int64, device=eng.device))
         ids = torch.cat([eng.roots[rows][:, None], masks[:bs]], dim=1)
-        cols = P[:, None] + eng.arange(B)
-        loc = eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
+        positions, loc = slots if slots is not None else self.block_slots(eng, rows, P, B)
         ones = eng.constant(("dflash_ones_mask", B, n),   # packed all-ones [B, B]: non-causal in the block
                             lambda: pack_tree_mask(torch.ones(n, B, B, dtype=torch.bool, device=eng.device)))[:bs]
-        batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, B, loc, positions=cols.flatten(),
+        batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, B, loc, positions=positions,
                           tree_mask=ones, host_prefix_lens=rb.host())
         out = eng.forward("draft", ids.flatten(), batch, top_k=k)
         vals, toks = out.top if out.top is not None else ops.topk_log_probs(out.logits, k)
-        return vals.view(bs, B, k)[:, 1:], toks.view(bs, B, k)[:, 1:]
+        return ids, vals.view(bs, B, k)[:, 1:], toks.view(bs, B, k)[:, 1:]
 
-    def propose_block(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
-        """The chain's ``draft_tokens [bs, B]``: the roots, then the block's argmax drafts."""
-        _, toks = self.block_top(eng, rb, rows, P, 1)
-        return torch.cat([eng.roots[rows][:, None], toks[..., 0]], dim=1)
+    @staticmethod
+    def block_slots(eng: "Engine", rows: torch.Tensor, P: torch.Tensor, n: int
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``P + j`` and KV slots ``req_to_token[row, P + j]`` of ``j < n`` tokens
+        per request: int64 ``[bs * n]`` each (request-major)."""
+        cols = P[:, None] + eng.arange(n)
+        return cols.flatten(), eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
+
+    def propose_block(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor,
+                      slots: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """The chain's ``draft_tokens [bs, B]``: the roots, then the block's argmax drafts
+        (``slots``: as :meth:`block_top`)."""
+        ids, _, toks = self.block_top(eng, rb, rows, P, 1, slots)
+        return torch.cat([ids[:, :1], toks[..., 0]], dim=1)
 
     def _tree(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor, D: int):
-        """``(draft_tokens [bs, D], TreeInfo, num_steps)`` of this round's chain or DDTree
-        (``D``: :meth:`tree_for`)."""
-        if self.K == 1:   # chain_tree(P, B): kept rows sliced, only the positions computed
+        """``(draft_tokens [bs, D], TreeInfo, num_steps, (positions, out_cache_loc))`` of this
+        round's chain or DDTree (``D``: :meth:`tree_for`; the last pair: :meth:`block_slots`
+        of ``D`` tokens, the verify's slots and the committed tokens' positions)."""
+        if self.K == 1:   # chain_tree(P, B): kept rows sliced; the block's positions and slots
             bs, n, B = rows.shape[0], eng.max_batch + 1, D     # a chain's D is its block
             c = eng.constant(("dflash_chain_tree", B, n),
                              lambda: chain_tree(torch.zeros(n, dtype=torch.int64, device=eng.device), B))
-            tree = ops.TreeInfo(c.tree_mask[:bs], (P[:, None] + eng.arange(B)).flatten(),
-                                c.retrive_index[:bs], c.retrive_next_token[:bs], c.retrive_next_sibling[:bs])
-            return self.propose_block(eng, rb, rows, P), tree, B - 1
-        vals, toks = self.block_top(eng, rb, rows, P, self.K)
+            slots = self.block_slots(eng, rows, P, B)
+            tree = ops.TreeInfo(c.tree_mask[:bs], slots[0], c.retrive_index[:bs], c.retrive_next_token[:bs],
+                                c.retrive_next_sibling[:bs])
+            return self.propose_block(eng, rb, rows, P, slots), tree, B - 1, slots
+        ids, vals, toks = self.block_top(eng, rb, rows, P, self.K)
         parent_list, scores, tokens = ops.ddtree_candidates(vals, toks)
-        roots = eng.roots[rows]
+        roots = ids[:, 0]
         if scores.shape[1] <= ops.EAGLE_MAX_CANDIDATES:   # one launch: the D - 1 best, in order
             selected, draft_tokens = ops.select_draft_tokens(scores, tokens, roots, D)
         else:
             selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
             draft_tokens = torch.cat([roots[:, None], tokens.gather(1, selected)], 1)
-        tree = ops.build_tree(parent_list, selected, P.to(torch.int32), self.K, self.B - 1, D)
-        return draft_tokens, tree, self.B - 1
+        tree = ops.build_tree(parent_list, selected, P, self.K, self.B - 1, D)
+        return draft_tokens, tree, self.B - 1, self.block_slots(eng, rows, P, D)
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
         rows = rb.rows
         bs = rows.shape[0]
         D = self.tree_for(eng, bs)
-        P = eng.prefix_lens[rows]
-        draft_tokens, tree, num_steps = self._tree(eng, rb, rows, P, D)
-        cols = P[:, None] + eng.arange(D)
-        out_cache_loc = eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
+        P = eng.prefix_lens[rows].to(torch.int32)   # (once: every consumer takes int32)
+        draft_tokens, tree, num_steps, (positions, out_cache_loc) = self._tree(eng, rb, rows, P, D)
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
         t = eng.forward("target", draft_tokens.flatten(), batch, capture_layers=self.target_capture_layers,
@@ -951,5 +965,5 @@ class DFlashStrategy(Strategy):
                                            hidden_states=t.features)
         # context KV of root + accepted drafts, compacted to rows 0 .. a (positions P .. P+a);
         # the other rows land past the new prefix and are rewritten before any read
-        self.drafter.write_context_kv(cp.hidden_states, cols.flatten(), cp.tgt_loc, eng.draft_pool)
+        self.drafter.write_context_kv(cp.hidden_states, positions, cp.tgt_loc, eng.draft_pool)
         eng.commit(rb, rows, P, cp.predicts.view(bs, D).long(), n_acc)

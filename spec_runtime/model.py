@@ -176,7 +176,8 @@ class LlamaModel:
         ``logit_rows``, int64 ``[R]``, when given: the final norm and LM head run on those
         rows only) and the residual stream after each layer in ``capture_layers``, side by
         side in layer order: ``[T, n * hidden_size]`` (None when no layer is captured;
-        the fused path copies each into its columns, no concatenation), by the fused ops
+        the fused path's residual GEMM of each such layer also writes its columns, no
+        concatenation), by the fused ops
         when ``self.fused`` (module docstring), else ``logits(forward(...))``.  With
         ``top_k`` (1-16) on the fused path, the first item is instead ``(values float32 [R, top_k], indices int64 [R, top_k])``, the best
         log-probabilities per row from :func:`specattn.ops.rms_norm_matmul_topk` (the
@@ -206,10 +207,9 @@ class LlamaModel:
                                         return_row_sumsq=True)
             act = ops.rms_norm_swiglu(h, None, w[p + "mlp.gate_proj.folded_weight"],
                                       w[p + "mlp.up_proj.folded_weight"], eps, row_sumsq=ss)
-            _, ss = ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], h, return_row_sumsq=True)
-            if i in capture_layers:
-                j = cap.index(i)
-                captured[:, j * H:(j + 1) * H].copy_(h)
+            j = cap.index(i) if i in capture_layers else None   # captured: written by the same launch
+            _, ss = ops.matmul_residual(act, w[p + "mlp.down_proj.weight"], h, return_row_sumsq=True,
+                                        copy_to=None if j is None else captured[:, j * H:(j + 1) * H])
         if logit_rows is not None:
             h, ss = h[logit_rows], None
         if top_k is not None and top_k <= ops.TOPK_MAX_K:

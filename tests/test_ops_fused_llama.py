@@ -201,6 +201,24 @@ def test_matmul_residual(M, K, N, dt, impl, seed):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 @pytest.mark.parametrize("M,K,N", SHAPES)
+def test_matmul_residual_copy_to(M, K, N, dt, impl, seed):
+    """``copy_to``: a column block of a wider, NaN-poisoned tensor receives exactly the
+    updated residual (bit for bit), with the sums of squares still returned; the columns
+    around it stay poisoned."""
+    x, w = act(M, K, dt, scale=1.0), lin(N, K, dt)
+    residual = act(M, N, dt)
+    plain = matmul_residual(x, w, residual.clone(), impl=impl)
+    wide = torch.full((M, 3 * N), float("nan"), dtype=dt, device=DEV)
+    out, ss = matmul_residual(x, w, residual, return_row_sumsq=True, copy_to=wide[:, N:2 * N], impl=impl)
+    assert out is residual and torch.equal(out, plain)
+    assert torch.equal(wide[:, N:2 * N], out)
+    assert wide[:, :N].isnan().all() and wide[:, 2 * N:].isnan().all()
+    assert torch.allclose(ss.double().sum(0), out.double().pow(2).sum(-1), rtol=1e-5, atol=1e-30)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N", SHAPES)
 def test_rms_norm_swiglu(M, K, N, dt, impl, seed, nan_empty):
     x, g = act(M, K, dt), gain(K, dt)
     wg, wu = lin(N, K, dt), lin(N, K, dt)
@@ -825,6 +843,9 @@ def test_gemm_op_errors(seed):
         (lambda i: matmul_residual(x, w, act(N, M, dt).T, impl=i), ValueError, "residual"),
         (lambda i: matmul_residual(x, w, act(1, N, dt).expand(M, N), impl=i), ValueError,
          "residual"),
+        (lambda i: matmul_residual(x, w, res.clone(), copy_to=act(M, N + 1, dt), impl=i), ValueError, "copy_to"),
+        (lambda i: matmul_residual(x, w, res.clone(), copy_to=act(N, M, dt).T, impl=i), ValueError, "copy_to"),
+        (lambda i: matmul_residual(x, w, res, copy_to=res, impl=i), ValueError, "overlap"),
     ]
     for impl in IMPLS:
         for fn, exc, match in bad:

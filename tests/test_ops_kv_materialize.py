@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specattn.ops import (apply_rope_neox_reference, make_cos_sin_cache, materialize_kv,
+from specattn.ops import (apply_rope_neox_reference, llama_rms_norm_reference, make_cos_sin_cache, materialize_kv,
                           materialize_kv_reference, registry, rms_norm_reference,
                           stack_kv_proj_weights)
 
@@ -272,6 +272,8 @@ def test_bad_inputs_raise_before_any_write(override, exc, match):
     (dict(k_scale=0.5), ValueError, "only applies to a float8"),
     (dict(v_scale=torch.tensor(1.0)), TypeError, "v_scale must be a Python float"),
     (dict(impl="nope"), ValueError, "impl must be"),
+    (dict(hidden_norm_weight=torch.ones(39)), ValueError, "hidden_norm_weight must have shape"),
+    (dict(hidden_norm_weight=torch.ones(40, dtype=torch.bfloat16)), ValueError, "hidden_norm_weight must have dtype"),
 ])
 def test_bad_options(kw, exc, match):
     inp = _inputs(seed=10)
@@ -293,6 +295,26 @@ def test_reference_directly_is_callable(seed):
     K, V = _naive(inp, 1e-6)
     torch.testing.assert_close(inp["v_buffers"][2][inp["out_cache_loc"]].double(), V[2],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_hidden_norm_weight_norms_the_rows_first(seed):
+    """``hidden_norm_weight``: the same caches as the normed rows (Llama RMSNorm, the same
+    ``eps``) given without it; rows far from unit rms, so a skipped norm would show."""
+    g = torch.Generator().manual_seed(seed)
+    inp = _inputs(seed=seed)
+    inp["hidden"] = 3 * inp["hidden"] + 0.5
+    gamma = 1 + 0.3 * torch.randn(inp["hidden"].shape[1], generator=g)
+    normed = dict(inp, hidden=llama_rms_norm_reference(inp["hidden"], gamma, 1e-4),
+                  k_buffers=[b.clone() for b in inp["k_buffers"]], v_buffers=[b.clone() for b in inp["v_buffers"]])
+    raw = dict(inp, k_buffers=[b.clone() for b in inp["k_buffers"]], v_buffers=[b.clone() for b in inp["v_buffers"]])
+    _run(inp, eps=1e-4, hidden_norm_weight=gamma)
+    _run(normed, eps=1e-4)
+    _run(raw, eps=1e-4)
+    loc = inp["out_cache_loc"]
+    for got, exp, unnormed in zip(inp["k_buffers"] + inp["v_buffers"], normed["k_buffers"] + normed["v_buffers"],
+                                  raw["k_buffers"] + raw["v_buffers"]):
+        assert torch.equal(got[loc], exp[loc])
+    assert not torch.allclose(inp["v_buffers"][0][loc], raw["v_buffers"][0][loc], rtol=1e-2, atol=1e-2)
 
 
 def test_check_values_false_same_result_and_skips_checks(seed):

@@ -196,8 +196,8 @@ def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size, b
     expected = {i: [] for i in range(len(prompts))}
     real = dflash.DFlashStrategy.propose_block
 
-    def oracle(self, engine, rb, rows, P):
-        toks = real(self, engine, rb, rows, P).clone()      # the drafter still runs
+    def oracle(self, engine, rb, rows, P, slots=None):
+        toks = real(self, engine, rb, rows, P, slots).clone()      # the drafter still runs
         for i, (row, p) in enumerate(zip(rows.tolist(), P.tolist())):
             if row >= len(prompts):                          # a padding row
                 continue
@@ -234,8 +234,8 @@ def test_block_size_by_batch(tmp_path, monkeypatch, backend_name):
         prompts, SamplingParams(max_new_tokens=NEW + 6)).tokens
     real = dflash.DFlashStrategy.propose_block
 
-    def oracle(self, engine, rb, rows, P):
-        toks = real(self, engine, rb, rows, P).clone()
+    def oracle(self, engine, rb, rows, P, slots=None):
+        toks = real(self, engine, rb, rows, P, slots).clone()
         B = toks.shape[1]
         for i, (row, p) in enumerate(zip(rows.tolist(), P.tolist())):
             if row < len(prompts):

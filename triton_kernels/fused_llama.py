@@ -322,8 +322,8 @@ def _topk_parts(acc, rows, cols, rmask, cmask, key_ptr, m_ptr, s_ptr, TOPK: tl.c
 
 @triton.jit
 def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N, K, eps,
-                 ss_ptr, ld_ss, n_parts, tk_m_ptr, tk_s_ptr,
-                 HAS_NORM: tl.constexpr, HAS_G: tl.constexpr, PRESCALE: tl.constexpr,
+                 ss_ptr, ld_ss, n_parts, tk_m_ptr, tk_s_ptr, cp_ptr, ldc,
+                 HAS_NORM: tl.constexpr, HAS_G: tl.constexpr, PRESCALE: tl.constexpr, COPY: tl.constexpr,
                  HAS_SS: tl.constexpr, SS_OUT: tl.constexpr, NP: tl.constexpr,
                  EPILOGUE: tl.constexpr, TOPK: tl.constexpr,
                  IEEE: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -375,6 +375,8 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
     else:
         out = _cast(acc, out_ptr.dtype.element_ty, INTERP)
         tl.store(optrs, out, mask=omask)
+        if COPY:  # the stored values once more, into a second [M, N] view
+            tl.store(cp_ptr + rows.to(tl.int64)[:, None] * ldc + cols[None, :], out, mask=omask)
     if SS_OUT:  # this tile's share of each row's sum of squares, of the values as stored
         of = out.to(tl.float32)
         of = tl.where(omask, of, 0.0)
@@ -543,15 +545,16 @@ def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: t
                  weight2: Optional[torch.Tensor], out: torch.Tensor, eps: float,
                  epilogue: int, config: Optional[Tuple[int, ...]] = None,
                  has_norm: Optional[bool] = None, row_sumsq: Optional[torch.Tensor] = None,
-                 want_sumsq: bool = False, topk_parts: Optional[Tuple[torch.Tensor, ...]] = None
-                 ) -> Optional[torch.Tensor]:
+                 want_sumsq: bool = False, topk_parts: Optional[Tuple[torch.Tensor, ...]] = None,
+                 copy_to: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """``has_norm`` (default: ``norm_weight`` given): the RMSNorm prologue; with it and no
     ``norm_weight`` the norm's weight is folded into ``weight`` (and ``weight2``).
     ``row_sumsq``: the ``[P, M]`` partial sums of squares of ``x`` (the norm reads them
     instead of summing ``x``).  ``want_sumsq`` (residual epilogue): also return the
     ``[P, M]`` float32 partial sums of squares of the updated output, ``P`` its column
     tiles.  ``topk_parts`` (top-k epilogue; ``out`` only gives the key buffer's view):
-    ``(key [M, C, k], m, s [M, C])``, ``C`` the column tiles of ``config``."""
+    ``(key [M, C, k], m, s [M, C])``, ``C`` the column tiles of ``config``.  ``copy_to``
+    (store epilogues): an ``[M, N]`` view that also receives the stored values."""
     M, K = x.shape
     N = weight.shape[0]
     if M == 0 or N == 0:
@@ -571,8 +574,10 @@ def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: t
     tk = topk_parts if topk_parts is not None else (out, out, out)
     args = (x, x.stride(0), weight if norm_weight is None else norm_weight, weight,
             weight.stride(0), w2, w2.stride(0), tk[0], out.stride(0), M, N, K, float(eps),
-            out if ss is None else ss, 0 if ss is None else ss.stride(0), n_parts, tk[1], tk[2])
+            out if ss is None else ss, 0 if ss is None else ss.stride(0), n_parts, tk[1], tk[2],
+            out if copy_to is None else copy_to, 0 if copy_to is None else copy_to.stride(0))
     kwargs = dict(HAS_NORM=has_norm, HAS_G=has_g, PRESCALE=has_g and x.dtype == torch.float16,
+                  COPY=copy_to is not None,
                   HAS_SS=has_norm and ss is not None, SS_OUT=want_sumsq,
                   NP=max(triton.next_power_of_2(n_parts), 2),
                   EPILOGUE=epilogue, TOPK=1 if topk_parts is None else topk_parts[0].shape[2],
@@ -639,12 +644,13 @@ def rms_norm_matmul_topk(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w
 
 @on_tensor_device
 def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
-                    return_row_sumsq: bool = False):
+                    return_row_sumsq: bool = False, copy_to: Optional[torch.Tensor] = None):
     """Triton :func:`specattn.ops.matmul_residual` (one launch, in place; with
     ``return_row_sumsq`` also the ``[P, M]`` partial sums of squares of the updated rows, one
-    row per column tile of the launch)."""
+    row per column tile of the launch; ``copy_to`` also gets the updated rows)."""
     require_device(x, "matmul_residual", _INTERPRET)
-    ss = _launch_gemm(x, None, weight, None, residual, 0.0, _RESIDUAL, want_sumsq=return_row_sumsq)
+    ss = _launch_gemm(x, None, weight, None, residual, 0.0, _RESIDUAL, want_sumsq=return_row_sumsq,
+                      copy_to=copy_to)
     return (residual, ss) if return_row_sumsq else residual
 
 

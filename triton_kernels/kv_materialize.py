@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from ._util import bf16_bits, fp8e4m3_bits, next_pow2, on_tensor_device
+from .fused_llama import rms_norm_matmul
 
 __all__ = ["materialize_kv", "materialize_kv_epilogue"]
 
@@ -255,9 +256,11 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
                    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                    out_cache_loc: torch.Tensor, k_buffers: Sequence[torch.Tensor],
                    v_buffers: Sequence[torch.Tensor], *, eps: float, kv_bias=None,
-                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                   k_scale: float = 1.0, v_scale: float = 1.0, hidden_norm_weight=None) -> None:
     """Triton :func:`specattn.ops.materialize_kv` (signature of ``materialize_kv_reference``):
-    one torch GEMM in the input dtype, then :func:`materialize_kv_epilogue` (one launch).
+    one torch GEMM in the input dtype (with ``hidden_norm_weight``: one
+    :func:`~specattn.triton_kernels.fused_llama.rms_norm_matmul`, the norm in its prologue),
+    then :func:`materialize_kv_epilogue` (one launch).
 
     Raises:
         RuntimeError: tensors on the CPU without ``TRITON_INTERPRET=1`` (Triton needs a GPU
@@ -268,7 +271,8 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
                            f"on {hidden.device} (set TRITON_INTERPRET=1 to run it on the CPU)")
     if hidden.shape[0] == 0:
         return
-    kv = torch.mm(hidden, w_kv.t())
+    kv = torch.mm(hidden, w_kv.t()) if hidden_norm_weight is None else \
+        rms_norm_matmul(hidden, hidden_norm_weight, w_kv, eps)
     materialize_kv_epilogue(kv, k_norm_weight, positions, cos_sin_cache, out_cache_loc,
                             k_buffers, v_buffers, eps=eps, kv_bias=kv_bias, k_scale=k_scale,
                             v_scale=v_scale)

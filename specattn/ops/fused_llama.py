@@ -223,11 +223,13 @@ def qkv_rope_store_reference(x: torch.Tensor, norm_weight: Optional[torch.Tensor
 
 
 def matmul_residual_reference(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
-                              return_row_sumsq: bool = False):
+                              return_row_sumsq: bool = False, copy_to: Optional[torch.Tensor] = None):
     """Reference of :func:`matmul_residual`: ``residual += x @ weight.T`` (in ``x.dtype``, in
-    place); returns ``residual``, with ``return_row_sumsq`` also ``[1, M]`` float32
-    ``sum(residual^2)`` per row (no validation)."""
+    place; then ``copy_to[:] = residual`` when given); returns ``residual``, with
+    ``return_row_sumsq`` also ``[1, M]`` float32 ``sum(residual^2)`` per row (no validation)."""
     residual += x @ weight.T
+    if copy_to is not None:
+        copy_to.copy_(residual)
     if return_row_sumsq:
         return residual, residual.float().pow(2).sum(-1)[None, :]
     return residual
@@ -417,7 +419,8 @@ def rms_norm_matmul_topk(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w
 
 
 def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
-                    return_row_sumsq: bool = False, impl: str = "auto"):
+                    return_row_sumsq: bool = False, copy_to: Optional[torch.Tensor] = None,
+                    impl: str = "auto"):
     """``residual += x @ weight.T`` in place, in one launch (o_proj / down_proj with the
     residual add).  With ``return_row_sumsq`` the same launch also returns each updated
     row's sum of squares (of the values as stored), as ``P`` float32 partial sums
@@ -433,26 +436,34 @@ def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
         residual: ``[M, N]``, ``x.dtype``, contiguous last dim, rows not overlapping each
             other, disjoint from ``x`` and ``weight``; updated in place.
         return_row_sumsq: also return the partial sums of squares.
+        copy_to: optional ``[M, N]``, ``x.dtype``, contiguous last dim, rows not overlapping,
+            disjoint from ``residual``, ``x`` and ``weight``: also receives the updated rows
+            (e.g. a column block of a wider tensor that collects a model's hidden states after
+            several layers), in the same launch.
         impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
     Returns:
         ``residual``, or ``(residual, row_sumsq [P, M] float32)``.
     Raises:
         TypeError: a non-tensor argument.  ValueError: wrong ranks, shapes, dtypes or devices,
-        ``K == 0``, a weight or residual without a contiguous last dim, a residual whose rows
-        overlap or that overlaps ``x`` / ``weight``.  RuntimeError: a forced ``impl``
-        unavailable here.
+        ``K == 0``, a weight or residual (or ``copy_to``) without a contiguous last dim, a
+        residual (or ``copy_to``) whose rows overlap or that overlaps ``x`` / ``weight`` (or
+        each other).  RuntimeError: a forced ``impl`` unavailable here.
     """
     x = _check_x(x)
     _check_weight("weight", weight, x)
     M, N = x.shape[0], weight.shape[0]
-    check_tensor("residual", residual, dtypes=(x.dtype,), device=x.device, shape=(M, N))
-    if M > 0 and N > 0 and (residual.stride(1) != 1 or (M > 1 and residual.stride(0) < N)):
-        raise ValueError(f"residual must have a contiguous last dim and non-overlapping rows, "
-                         f"got strides {list(residual.stride())}")
-    _check_disjoint("residual", residual, "x", x)
-    _check_disjoint("residual", residual, "weight", weight)
+    outs = [("residual", residual)] + ([] if copy_to is None else [("copy_to", copy_to)])
+    for name, t in outs:
+        check_tensor(name, t, dtypes=(x.dtype,), device=x.device, shape=(M, N))
+        if M > 0 and N > 0 and (t.stride(1) != 1 or (M > 1 and t.stride(0) < N)):
+            raise ValueError(f"{name} must have a contiguous last dim and non-overlapping rows, "
+                             f"got strides {list(t.stride())}")
+        _check_disjoint(name, t, "x", x)
+        _check_disjoint(name, t, "weight", weight)
+    if copy_to is not None:
+        _check_disjoint("copy_to", copy_to, "residual", residual)
     return _run("matmul_residual", impl, x.device)(x, weight, residual,
-                                                    return_row_sumsq=bool(return_row_sumsq))
+                                                    return_row_sumsq=bool(return_row_sumsq), copy_to=copy_to)
 
 
 def rms_norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gate: torch.Tensor,

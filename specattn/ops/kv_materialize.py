@@ -30,6 +30,8 @@ Implementations (registry op ``materialize_kv``; all take the reference's signat
   ``x * (1 / scale)`` with the reciprocal rounded to float32 once, which is how torch's CUDA
   division by a Python scalar (so the reference run on a GPU, and SGLang's
   ``set_kv_buffer``) computes ``x / scale``.
+  With ``hidden_norm_weight`` (DFlash's ``hidden_norm`` applied to un-normed rows) the GEMM
+  is :func:`specattn.ops.rms_norm_matmul` instead, the norm in its prologue (Triton).
 - ``triton``: the same GEMM, then one Triton launch
   (:mod:`specattn.triton_kernels.kv_materialize`); per-layer caches through a device table of
   offsets built once per buffer list (first call per buffer list must be eager, before any
@@ -79,6 +81,7 @@ import torch
 from . import registry
 from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
 from .fp8 import FLOAT_DTYPES, KV_CACHE_DTYPES, check_kv_scale, quantize_kv
+from .fused_llama import llama_rms_norm_reference, rms_norm_matmul
 
 
 # ------------------------------------------------------------------------------------------
@@ -170,11 +173,15 @@ def materialize_kv_reference(hidden: torch.Tensor, w_kv: torch.Tensor,
                              cos_sin_cache: torch.Tensor, out_cache_loc: torch.Tensor,
                              k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
                              *, eps: float, kv_bias: Optional[torch.Tensor] = None,
-                             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Plain-PyTorch reference of :func:`materialize_kv` (no validation; float32 math)."""
+                             k_scale: float = 1.0, v_scale: float = 1.0,
+                             hidden_norm_weight: Optional[torch.Tensor] = None) -> None:
+    """Plain-PyTorch reference of :func:`materialize_kv` (no validation; float32 math after
+    ``hidden_norm_weight``'s RMSNorm, which runs in ``hidden``'s dtype as the model's does)."""
     num_layers = len(k_buffers)
     _, hkv, d = k_buffers[0].shape
     t = hidden.shape[0]
+    if hidden_norm_weight is not None:
+        hidden = llama_rms_norm_reference(hidden, hidden_norm_weight, eps)
     kv = hidden.float() @ w_kv.float().t()  # ONE GEMM for all layers: [T, L*2*Hkv*D]
     if kv_bias is not None:
         kv = kv + kv_bias.float()
@@ -206,7 +213,7 @@ def _load_cuda():
 
     def materialize_kv_cuda(hidden, w_kv, k_norm_weight, positions, cos_sin_cache, out_cache_loc,
                             k_buffers, v_buffers, *, eps, kv_bias=None, k_scale=1.0,
-                            v_scale=1.0):
+                            v_scale=1.0, hidden_norm_weight=None):
         if hidden.device.type != "cuda":
             raise RuntimeError(f"cuda implementation of materialize_kv unavailable for tensors "
                                f"on {hidden.device}")
@@ -216,7 +223,9 @@ def _load_cuda():
                              f"got {d}; use impl='triton'")
         if hidden.shape[0] == 0:
             return
-        kv = torch.mm(hidden, w_kv.t())  # the ONE GEMM: [T, L*2*Hkv*D] in hidden's dtype
+        # the ONE GEMM: [T, L*2*Hkv*D] in hidden's dtype (with the norm in its prologue)
+        kv = torch.mm(hidden, w_kv.t()) if hidden_norm_weight is None else \
+            rms_norm_matmul(hidden, hidden_norm_weight, w_kv, eps)
         op(kv, k_norm_weight, positions, cos_sin_cache, out_cache_loc, list(k_buffers),
            list(v_buffers), float(eps), kv_bias, float(k_scale), float(v_scale))
 
@@ -253,8 +262,8 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
                    out_cache_loc: torch.Tensor, k_buffers: Sequence[torch.Tensor],
                    v_buffers: Sequence[torch.Tensor], *, eps: float = 1e-6,
                    kv_bias: Optional[torch.Tensor] = None, k_scale: float = 1.0,
-                   v_scale: float = 1.0, check_values: bool = True,
-                   impl: str = "auto") -> None:
+                   v_scale: float = 1.0, hidden_norm_weight: Optional[torch.Tensor] = None,
+                   check_values: bool = True, impl: str = "auto") -> None:
     """Compute the K/V of every DFlash draft layer for context tokens and write them into the
     draft KV cache, in place.
 
@@ -299,6 +308,12 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
             saturating: no inf/NaN from overflow), so ``k ~= cache.float() * k_scale``
             (SGLang's ``set_kv_buffer`` divides by the layer's ``k_scale`` likewise).  Must be
             1.0 for non-fp8 caches.
+        hidden_norm_weight: optional ``[hidden_size]`` tensor of ``hidden``'s dtype: RMSNorm
+            ``hidden`` with this weight and ``eps`` first (Llama's, as
+            :func:`specattn.ops.rms_norm_matmul`), i.e. pass DFlash's ``fc`` output and its
+            ``hidden_norm`` weight instead of the normed states.  The fast paths run the norm
+            in the GEMM's prologue (:func:`specattn.ops.rms_norm_matmul`, its precision
+            contract): one launch instead of a norm's several.
         impl: ``"auto"`` | ``"cuda"`` | ``"triton"`` | ``"reference"``.  ``"auto"``: CUDA
             when the extension is built and the tensors are on a GPU (Triton for head dims
             above 256), else Triton on a GPU, else the reference.  The fast paths' precision
@@ -344,6 +359,9 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
                  shape=(num_layers, d))
     if kv_bias is not None:
         check_tensor("kv_bias", kv_bias, dtypes=FLOAT_DTYPES, device=dev, shape=(rows,))
+    if hidden_norm_weight is not None:
+        check_tensor("hidden_norm_weight", hidden_norm_weight, dtypes=(hidden.dtype,), device=dev,
+                     shape=(hidden_size,))
     check_tensor("positions", positions, dtypes=INDEX_DTYPES, device=dev, shape=(num_tokens,))
     check_tensor("out_cache_loc", out_cache_loc, dtypes=INDEX_DTYPES, device=dev,
                  shape=(num_tokens,))
@@ -371,4 +389,5 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
         impl = "triton" if avail["triton"] is None else "reference"
     registry.dispatch("materialize_kv", impl, dev)(
         hidden, w_kv, k_norm_weight, positions, cos_sin_cache, out_cache_loc, k_buffers,
-        v_buffers, eps=float(eps), kv_bias=kv_bias, k_scale=k_scale, v_scale=v_scale)
+        v_buffers, eps=float(eps), kv_bias=kv_bias, k_scale=k_scale, v_scale=v_scale,
+        hidden_norm_weight=hidden_norm_weight)
