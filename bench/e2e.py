@@ -84,6 +84,8 @@ class E2EConfig:
     block_size: int = 16
     # DFlash chain: (min_batch, block) pairs, a smaller block for large batches (SpecConfig)
     block_size_by_batch: Sequence[Tuple[int, int]] = ((16, 4),)
+    # DFlash chain: (min_batch, tokens) pairs, verify only the block's first tokens (SpecConfig)
+    dflash_verify_by_batch: Sequence[Tuple[int, int]] = ()
     ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=8, num_draft_tokens=32))
     ddtree_by_batch: Sequence[Tuple[int, int]] = ((2, 16), (32, 8))
     ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))
@@ -113,7 +115,8 @@ def spec_fields(algo: str, cfg: E2EConfig) -> dict:
         return dict(algo="eagle", **cfg.tree, num_draft_tokens_by_batch=tuple(tuple(p) for p in cfg.tree_by_batch))
     if algo == "dflash":
         return dict(algo="dflash", block_size=cfg.block_size,
-                    block_size_by_batch=tuple(tuple(p) for p in cfg.block_size_by_batch))
+                    block_size_by_batch=tuple(tuple(p) for p in cfg.block_size_by_batch),
+                    num_draft_tokens_by_batch=tuple(tuple(p) for p in cfg.dflash_verify_by_batch))
     if algo == "ddtree":
         return dict(algo="dflash", block_size=cfg.block_size, **cfg.ddtree,
                     num_draft_tokens_by_batch=tuple(tuple(p) for p in cfg.ddtree_by_batch))
@@ -463,7 +466,9 @@ def _dflash_ngram_settings(report: dict) -> str:
     algos = {r.get("algo") for r in report["rows"]}
     out = ""
     if "block_size_by_batch" in st and "dflash" in algos:   # (reports from before the per-batch block say nothing)
-        out += f" DFlash chain: block {st['block_size']}{_from_batch(st.get('block_size_by_batch'))}."
+        out += f" DFlash chain: block {st['block_size']}{_from_batch(st.get('block_size_by_batch'))}"
+        verify = st.get("dflash_verify_by_batch")
+        out += f"; the verify keeps its first {_from_batch(verify)[2:]} tokens." if verify else "."
     if "ddtree_by_batch" in st and "ddtree" in algos:
         dd = st["ddtree"]
         out += (f" DDTree: topk {dd['topk']}, {dd['num_draft_tokens']} tokens"

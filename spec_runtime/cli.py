@@ -507,6 +507,7 @@ def generate(
         "", "--num-draft-tokens-by-batch",
         help="EAGLE and DFlash trees (--topk > 1): MIN_BATCH:TOKENS,... a smaller (or larger) tree for "
              "rounds over at least MIN_BATCH requests (e.g. 2:16,32:8 after --num-draft-tokens 32); "
+             "a DFlash chain: verify only the block's first TOKENS (root included); "
              "n-gram: TOKENS = 1 + chains * num_steps keeps that many of its --topk chains (1: none)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab",
                                               help="EAGLE-3: draft only from the N most frequent tokens of "

@@ -868,12 +868,11 @@ class DFlashStrategy(Strategy):
         return self.spec.block_size_for(self.padded_rows(eng, bs))
 
     def tree_for(self, eng: "Engine", bs: int) -> int:
-        """The tokens a round over ``bs`` request rows verifies: the chain's block, or the
-        DDTree's ``spec.num_draft_tokens_for`` the padded batch."""
-        if self.K == 1:
-            return self.block_for(eng, bs)
+        """The tokens a round over ``bs`` request rows verifies: the chain's block (or its
+        first ``spec.num_draft_tokens_for`` the padded batch), or the DDTree's
+        ``spec.num_draft_tokens_for`` the padded batch."""
         if not self.spec.num_draft_tokens_by_batch:
-            return self.D
+            return self.block_for(eng, bs) if self.K == 1 else self.D
         return self.spec.num_draft_tokens_for(self.padded_rows(eng, bs))
 
     def graph_state_sizes(self, max_batch: int) -> Dict[str, Tuple[int, int]]:
@@ -890,17 +889,19 @@ class DFlashStrategy(Strategy):
         self.drafter.write_context_kv(pb.out.features, pb.batch.positions, pb.batch.out_cache_loc, eng.draft_pool)
 
     def block_top(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor,
-                  k: int, slots: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  k: int, slots: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                  n_out: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One non-causal drafter forward per request over ``[root, MASK x (B-1)]`` at positions
         ``P .. P+B-1`` (``TARGET_VERIFY``, all-ones tree mask; slots ``req_to_token[row, P:P+B]``;
         ``slots``: those ``(positions, slots)``, int64 ``[bs * B]`` each, when the caller has
         them).  Returns the block's input ids ``[bs, B]`` and the ``k`` best
-        ``(log-probabilities float32, token ids int64)``, each ``[bs, B - 1, k]``, of the drafts
-        at block positions ``1 .. B-1`` (the drafter's fused LM head where it has one: the
-        logits are never written)."""
+        ``(log-probabilities float32, token ids int64)``, each ``[bs, n_out - 1, k]``, of the
+        drafts at block positions ``1 .. n_out-1`` (``n_out``: default ``B``; the LM head runs
+        on those rows only, and where the drafter has a fused one the logits are never
+        written)."""
         bs, n = rows.shape[0], eng.max_batch + 1
         B = self.block_for(eng, bs)
+        n_out = B if n_out is None else n_out
         masks = eng.constant(("dflash_block_masks", B, n), lambda: torch.full(
             (n, B - 1), self.drafter.mask_token_id, dtype=torch.int64, device=eng.device))
         ids = torch.cat([eng.roots[rows][:, None], masks[:bs]], dim=1)
@@ -909,9 +910,15 @@ class DFlashStrategy(Strategy):
                             lambda: pack_tree_mask(torch.ones(n, B, B, dtype=torch.bool, device=eng.device)))[:bs]
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, B, loc, positions=positions,
                           tree_mask=ones, host_prefix_lens=rb.host())
-        out = eng.forward("draft", ids.flatten(), batch, top_k=k)
+        if n_out == B:   # every row (the root's row is one wasted head row: cheaper than a gather)
+            out = eng.forward("draft", ids.flatten(), batch, top_k=k)
+            vals, toks = out.top if out.top is not None else ops.topk_log_probs(out.logits, k)
+            return ids, vals.view(bs, B, k)[:, 1:], toks.view(bs, B, k)[:, 1:]
+        head_rows = eng.constant(("dflash_head_rows", B, n_out, n), lambda: (   # b * B + j, 1 <= j < n_out
+            torch.arange(n, device=eng.device)[:, None] * B + torch.arange(1, n_out, device=eng.device)).flatten())
+        out = eng.forward("draft", ids.flatten(), batch, top_k=k, logit_rows=head_rows[:bs * (n_out - 1)])
         vals, toks = out.top if out.top is not None else ops.topk_log_probs(out.logits, k)
-        return ids, vals.view(bs, B, k)[:, 1:], toks.view(bs, B, k)[:, 1:]
+        return ids, vals.view(bs, n_out - 1, k), toks.view(bs, n_out - 1, k)
 
     @staticmethod
     def block_slots(eng: "Engine", rows: torch.Tensor, P: torch.Tensor, n: int
@@ -922,24 +929,26 @@ class DFlashStrategy(Strategy):
         return cols.flatten(), eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
 
     def propose_block(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor,
-                      slots: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """The chain's ``draft_tokens [bs, B]``: the roots, then the block's argmax drafts
-        (``slots``: as :meth:`block_top`)."""
-        ids, _, toks = self.block_top(eng, rb, rows, P, 1, slots)
+                      slots: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                      n_out: Optional[int] = None) -> torch.Tensor:
+        """The chain's ``draft_tokens [bs, n_out]`` (default ``[bs, B]``): the roots, then the
+        block's argmax drafts (``slots``, ``n_out``: as :meth:`block_top`)."""
+        ids, _, toks = self.block_top(eng, rb, rows, P, 1, slots, n_out)
         return torch.cat([ids[:, :1], toks[..., 0]], dim=1)
 
     def _tree(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor, D: int):
         """``(draft_tokens [bs, D], TreeInfo, num_steps, (positions, out_cache_loc))`` of this
         round's chain or DDTree (``D``: :meth:`tree_for`; the last pair: :meth:`block_slots`
         of ``D`` tokens, the verify's slots and the committed tokens' positions)."""
-        if self.K == 1:   # chain_tree(P, B): kept rows sliced; the block's positions and slots
-            bs, n, B = rows.shape[0], eng.max_batch + 1, D     # a chain's D is its block
-            c = eng.constant(("dflash_chain_tree", B, n),
-                             lambda: chain_tree(torch.zeros(n, dtype=torch.int64, device=eng.device), B))
-            slots = self.block_slots(eng, rows, P, B)
+        if self.K == 1:   # chain_tree(P, D): kept rows sliced; the block's positions and slots
+            bs, n, B = rows.shape[0], eng.max_batch + 1, self.block_for(eng, rows.shape[0])
+            c = eng.constant(("dflash_chain_tree", D, n),
+                             lambda: chain_tree(torch.zeros(n, dtype=torch.int64, device=eng.device), D))
+            block = self.block_slots(eng, rows, P, B)
+            slots = block if D == B else tuple(t.view(bs, B)[:, :D].reshape(-1) for t in block)
             tree = ops.TreeInfo(c.tree_mask[:bs], slots[0], c.retrive_index[:bs], c.retrive_next_token[:bs],
                                 c.retrive_next_sibling[:bs])
-            return self.propose_block(eng, rb, rows, P, slots), tree, B - 1, slots
+            return self.propose_block(eng, rb, rows, P, block, D), tree, D - 1, slots
         ids, vals, toks = self.block_top(eng, rb, rows, P, self.K)
         parent_list, scores, tokens = ops.ddtree_candidates(vals, toks)
         roots = ids[:, 0]

@@ -65,7 +65,10 @@ class SpecConfig:
     - ``block_size_by_batch``: the DFlash chain's block (``algo="dflash"``, ``topk = 1``);
     - ``num_draft_tokens_by_batch``: the verified tree's tokens of EAGLE (any ``topk``) and
       of a DDTree (``algo="dflash"``, ``topk > 1``); ``topk`` and ``num_steps`` (EAGLE) or
-      ``block_size`` (DDTree) stay, so only the kept candidates change.  N-gram drafting
+      ``block_size`` (DDTree) stay, so only the kept candidates change.  A DFlash chain
+      (``topk = 1``) verifies its whole block without an entry, and with one the first
+      ``value`` tokens of it (root included; at most the round's block): the drafter still
+      runs the block it was trained on, the verify pays for fewer tokens.  N-gram drafting
       verifies ``1 + topk * num_steps`` tokens; its values ``1 + c * num_steps`` keep ``c``
       (``0 <= c <= topk``) of its chains, the best matches (``c = 0``: the root alone,
       speculation off from that batch size)."""
@@ -99,7 +102,11 @@ class SpecConfig:
 
     def num_draft_tokens_for(self, batch_rows: int) -> int:
         """The verified tree's tokens (root included) of a round over ``batch_rows`` (padded)
-        request rows."""
+        request rows; a DFlash chain's: its verified chain (the block, or the entry's value
+        when smaller)."""
+        if self.algo == "dflash" and self.topk == 1:
+            block = self.block_size_for(batch_rows)
+            return min(block, self._for(block, self.num_draft_tokens_by_batch, batch_rows))
         return self._for(self.base_num_draft_tokens(), self.num_draft_tokens_by_batch, batch_rows)
 
     def max_num_draft_tokens(self) -> int:
@@ -165,12 +172,16 @@ class SpecConfig:
                 raise ValueError(f"block_size_by_batch's blocks must be >= 2, "
                                  f"got {[b for _, b in self.block_size_by_batch]}")
         if self.num_draft_tokens_by_batch:
-            if not (self.algo in ("eagle", "ngram") or (self.algo == "dflash" and self.topk > 1)):
-                raise ValueError("num_draft_tokens_by_batch applies to EAGLE, n-gram and DFlash trees (algo "
-                                 f"dflash, topk > 1), got algo {self.algo!r}, topk {self.topk}")
+            if self.algo not in ("eagle", "ngram", "dflash"):
+                raise ValueError("num_draft_tokens_by_batch applies to EAGLE, n-gram and DFlash, got algo "
+                                 f"{self.algo!r}")
             self._check_pairs("num_draft_tokens_by_batch", "num_draft_tokens", self.num_draft_tokens_by_batch)
             for _, d in self.num_draft_tokens_by_batch:
-                if self.algo != "ngram":
+                if self.algo == "dflash" and self.topk == 1:
+                    if d < 2:
+                        raise ValueError(f"a DFlash chain's num_draft_tokens_by_batch values (verified tokens, "
+                                         f"root included) must be >= 2, got {d}")
+                elif self.algo != "ngram":
                     self._check_tree_tokens(d, "num_draft_tokens_by_batch's values")
                 elif d < 1 or (d - 1) % self.num_steps or (d - 1) // self.num_steps > self.topk:
                     raise ValueError(f"ngram's num_draft_tokens_by_batch values are 1 + chains * num_steps with "

@@ -246,6 +246,10 @@ def bench_e2e(
     block_size_by_batch: str = typer.Option("16:4", "--block-size-by-batch",
                                             help="DFlash chain: MIN_BATCH:BLOCK,... a smaller block for rounds "
                                                  "over at least MIN_BATCH requests ('' keeps --block-size)."),
+    dflash_verify_by_batch: str = typer.Option("", "--dflash-verify-by-batch",
+                                               help="DFlash chain: MIN_BATCH:TOKENS,... verify only the block's "
+                                                    "first TOKENS (root included) for rounds over at least "
+                                                    "MIN_BATCH requests ('' verifies the whole block)."),
     ddtree: str = typer.Option("8,32", help="DDTree: topk,num_draft_tokens (DFlash drafts verified as a tree)."),
     ddtree_by_batch: str = typer.Option("2:16,32:8", "--ddtree-by-batch",
                                         help="DDTree: MIN_BATCH:TOKENS,... another num_draft_tokens for rounds "
@@ -287,6 +291,8 @@ def bench_e2e(
     ngram_cfg = ints(ngram, "--ngram", ("topk", "num_steps", "ngram_size"))
     checks = (("--block-size-by-batch", block_size_by_batch,
                lambda v: SpecConfig("dflash", block_size=block_size, block_size_by_batch=v)),
+              ("--dflash-verify-by-batch", dflash_verify_by_batch,
+               lambda v: SpecConfig("dflash", block_size=block_size, num_draft_tokens_by_batch=v)),
               ("--tree-by-batch", tree_by_batch,
                lambda v: SpecConfig("eagle", **tree_cfg, num_draft_tokens_by_batch=v)),
               ("--ddtree-by-batch", ddtree_by_batch,
@@ -315,6 +321,7 @@ def bench_e2e(
                         requests_per_row=requests_per_row, min_free_slots=min_free_slots,
                         chain=triple(chain, "--chain"), tree=tree_cfg, block_size=block_size,
                         block_size_by_batch=by_batch["--block-size-by-batch"],
+                        dflash_verify_by_batch=by_batch["--dflash-verify-by-batch"],
                         tree_by_batch=by_batch["--tree-by-batch"],
                         ddtree=ddtree_cfg, ddtree_by_batch=by_batch["--ddtree-by-batch"],
                         ngram=ngram_cfg, ngram_topk_by_batch=by_batch["--ngram-topk-by-batch"],

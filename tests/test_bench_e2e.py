@@ -28,6 +28,8 @@ def test_spec_fields():
     assert e2e.spec_fields("dflash", cfg)["block_size_by_batch"] == ((16, 4),)      # the chain only
     assert "block_size_by_batch" not in e2e.spec_fields("ddtree", cfg)
     assert e2e.spec_fields("dflash", e2e.E2EConfig(block_size_by_batch=[[8, 2]]))["block_size_by_batch"] == ((8, 2),)
+    assert e2e.spec_fields("dflash", cfg)["num_draft_tokens_by_batch"] == ()       # the chain verifies its block
+    assert e2e.spec_fields("dflash", e2e.E2EConfig(dflash_verify_by_batch=[[16, 4]]))["num_draft_tokens_by_batch"] == ((16, 4),)
     assert e2e.spec_fields("eagle_tree", cfg)["num_draft_tokens_by_batch"] == ((2, 16), (32, 8))   # trees only
     assert e2e.spec_fields("ddtree", cfg)["num_draft_tokens_by_batch"] == ((2, 16), (32, 8))
     assert "num_draft_tokens_by_batch" not in e2e.spec_fields("eagle_chain", cfg)
@@ -87,6 +89,10 @@ def test_writers(tmp_path):
     rep["settings"].update(block_size=16, block_size_by_batch=[[16, 4], [64, 2]])
     e2e.write_results(rep, tmp_path / "h100")
     assert "DFlash chain: block 16, 4 from batch 16, 2 from batch 64." in (tmp_path / "h100" / "e2e.md").read_text()
+    rep["settings"].update(block_size_by_batch=[], dflash_verify_by_batch=[[4, 8], [16, 4]])
+    e2e.write_results(rep, tmp_path / "h100")
+    assert ("DFlash chain: block 16; the verify keeps its first 8 from batch 4, 4 from batch 16 tokens."
+            in (tmp_path / "h100" / "e2e.md").read_text())
     rep = _report(rows + [dict(rows[1], algo="ddtree"), dict(rows[1], algo="eagle_tree")])
     rep["settings"].update(block_size=16, block_size_by_batch=[[16, 4]], ddtree=dict(topk=8, num_draft_tokens=32),
                            ddtree_by_batch=[[2, 16], [32, 8]], chain=dict(topk=1, num_steps=5, num_draft_tokens=6),
@@ -130,7 +136,8 @@ def test_cli_errors():
         assert res.exit_code == 2 and "block-size-by-batch" in res.output, res.output
     for flag, bad, why in (("--tree-by-batch", "2:99", "<= 69"), ("--ddtree-by-batch", "1:8", "increase from"),
                            ("--ddtree-by-batch", "2-8", "MIN_BATCH:VALUE"), ("--ngram-topk-by-batch", "16:-1", "between 0 (no speculation) and"),
-                           ("--ngram-topk-by-batch", "16:5", "topk (4), got '16:5'"), ("--ngram-topk-by-batch", "0:1", "from >= 2")):
+                           ("--ngram-topk-by-batch", "16:5", "topk (4), got '16:5'"), ("--ngram-topk-by-batch", "0:1", "from >= 2"),
+                           ("--dflash-verify-by-batch", "16:1", "must be >= 2")):
         res = runner.invoke(cli.app, ["bench", "e2e", flag, bad])
         assert res.exit_code == 2 and flag in res.output and why in res.output, res.output
     res = runner.invoke(cli.app, ["bench", "e2e", "--chain", "1,2"])

@@ -53,7 +53,7 @@ def no_model_load(monkeypatch):
     (["--algo", "dflash", "--block-size-by-batch", "16"], ["--block-size-by-batch", "MIN_BATCH:VALUE"]),
     (["--algo", "dflash", "--block-size-by-batch", "1:4"], ["--block-size-by-batch", "increase from >= 2"]),
     (["--algo", "dflash", "--topk", "2", "--block-size-by-batch", "8:4"], ["--block-size-by-batch", "chains"]),
-    (["--algo", "dflash", "--num-draft-tokens-by-batch", "8:4"], ["--num-draft-tokens-by-batch", "DFlash trees"]),
+    (["--algo", "dflash", "--num-draft-tokens-by-batch", "8:1"], ["--num-draft-tokens-by-batch", "must be >= 2"]),
     (["--algo", "eagle", "--num-draft-tokens-by-batch", "8"], ["--num-draft-tokens-by-batch", "MIN_BATCH:VALUE"]),
     (["--algo", "eagle", "--num-draft-tokens-by-batch", "8:40"], ["--num-draft-tokens-by-batch", "got 40"]),
     (["--page-size", "0"], ["--page-size must be between 1 and", "got 0"]),

@@ -446,8 +446,8 @@ def test_engine_drafts_with_the_trained_drafter(tiny_run, monkeypatch):
     rounds = []
     real = dflash.DFlashStrategy.propose_block
 
-    def record(self, eng, rb, rows, P, slots=None):
-        toks = real(self, eng, rb, rows, P, slots)
+    def record(self, eng, rb, rows, P, *args):
+        toks = real(self, eng, rb, rows, P, *args)
         rounds.extend((r, p, t) for r, p, t in zip(rows.tolist(), P.tolist(), toks.tolist()) if r < len(prompts))
         return toks
 

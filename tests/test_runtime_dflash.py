@@ -66,6 +66,13 @@ def test_validate():
     assert spec.tokens_per_round() == 16
     assert SpecConfig("dflash", block_size=4, block_size_by_batch=((2, 8),)).tokens_per_round() == 8
     assert parse_by_batch(" 16:4, 64:2 ") == ((16, 4), (64, 2)) and parse_by_batch("") == ()
+    # a chain's verified tokens by batch: the first of its block, never more than the block
+    spec = SpecConfig("dflash", block_size=16, block_size_by_batch=((16, 4),), num_draft_tokens_by_batch=((4, 8), (32, 6)))
+    spec.validate()
+    assert [spec.num_draft_tokens_for(b) for b in (1, 3, 4, 15, 16, 32)] == [16, 16, 8, 8, 4, 4]
+    assert spec.tokens_per_round() == 16
+    with pytest.raises(ValueError, match="must be >= 2"):
+        SpecConfig("dflash", block_size=8, num_draft_tokens_by_batch=((4, 1),)).validate()
     for bad, match in ((dict(algo="eagle"), "DFlash chains"), (dict(topk=2, num_draft_tokens=3), "DFlash chains"),
                        (dict(block_size_by_batch=((1, 4),)), "increase from >= 2"),
                        (dict(block_size_by_batch=((8, 4), (8, 2))), "increase from >= 2"),
@@ -196,8 +203,8 @@ def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size, b
     expected = {i: [] for i in range(len(prompts))}
     real = dflash.DFlashStrategy.propose_block
 
-    def oracle(self, engine, rb, rows, P, slots=None):
-        toks = real(self, engine, rb, rows, P, slots).clone()      # the drafter still runs
+    def oracle(self, engine, rb, rows, P, *args):
+        toks = real(self, engine, rb, rows, P, *args).clone()      # the drafter still runs
         for i, (row, p) in enumerate(zip(rows.tolist(), P.tolist())):
             if row >= len(prompts):                          # a padding row
                 continue
@@ -222,11 +229,12 @@ def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size, b
     check_rows_restored(eng)
 
 
-def test_block_size_by_batch(tmp_path, monkeypatch, backend_name):
-    """A smaller block once the batch is large: with every draft right (the target's own
-    continuation), rounds over 3-4 running requests (padded to 4) accept 2 drafts (block 3),
-    and after two requests end, rounds over 2 accept 5 (block 6); the output stays the
-    target's."""
+@pytest.mark.parametrize("by", ["block", "verify"])
+def test_block_size_by_batch(tmp_path, monkeypatch, backend_name, by):
+    """A smaller block, or a shorter verified chain of the same block, once the batch is
+    large: with every draft right (the target's own continuation), rounds over 3-4 running
+    requests (padded to 4) accept 2 drafts (block 3, or 3 of block 6's tokens verified), and
+    after two requests end, rounds over 2 accept 5 (block 6); the output stays the target's."""
     seed = random.randrange(2**31)
     cfg, w = random_model(tmp_path, seed)
     prompts = random_prompts(seed, 4)
@@ -234,8 +242,8 @@ def test_block_size_by_batch(tmp_path, monkeypatch, backend_name):
         prompts, SamplingParams(max_new_tokens=NEW + 6)).tokens
     real = dflash.DFlashStrategy.propose_block
 
-    def oracle(self, engine, rb, rows, P, slots=None):
-        toks = real(self, engine, rb, rows, P, slots).clone()
+    def oracle(self, engine, rb, rows, P, *args):
+        toks = real(self, engine, rb, rows, P, *args).clone()
         B = toks.shape[1]
         for i, (row, p) in enumerate(zip(rows.tolist(), P.tolist())):
             if row < len(prompts):
@@ -244,7 +252,8 @@ def test_block_size_by_batch(tmp_path, monkeypatch, backend_name):
         return toks
 
     monkeypatch.setattr(dflash.DFlashStrategy, "propose_block", oracle)
-    spec = SpecConfig("dflash", block_size=6, block_size_by_batch=((3, 3),))
+    spec = SpecConfig("dflash", block_size=6, **{("block_size_by_batch" if by == "block"
+                                                  else "num_draft_tokens_by_batch"): ((3, 3),)})
     eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=4)
     limits = [NEW, NEW, 6, 6]
     res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW), max_new_tokens=limits)
@@ -340,8 +349,8 @@ def test_shipped_dflash_generate_equals_none(gguf_path, backend_name):
 
 @pytest.mark.gpu
 def test_block_size_by_batch_cuda(tmp_path, backend_name):
-    """Per-batch blocks on CUDA, eager and with graphs (a round graph per padded batch size,
-    each with its own block): requests of different lengths shrink the batch across the
+    """Per-batch blocks and per-batch verified chains on CUDA, eager and with graphs (a
+    round graph per padded batch size, each with its own block or chain): requests of different lengths shrink the batch across the
     threshold, and the output stays target-only greedy."""
     seed = random.randrange(2**31)
     cfg, w = random_model(tmp_path, seed)
@@ -350,10 +359,10 @@ def test_block_size_by_batch_cuda(tmp_path, backend_name):
     kw = dict(device="cuda", max_context=128, max_batch=5)
     base = make_engine(backend_name, cfg, dict(w), **kw).generate(
         prompts, SamplingParams(max_new_tokens=NEW), max_new_tokens=limits)
-    spec = SpecConfig("dflash", block_size=6, block_size_by_batch=((3, 3),))
-    for graph in (False, True):
+    for by, graph in [(b, g) for b in ("block_size_by_batch", "num_draft_tokens_by_batch") for g in (False, True)]:
+        spec = SpecConfig("dflash", block_size=6, **{by: ((3, 3),)})   # a smaller block, or a shorter verify
         eng = make_engine(backend_name, cfg, dict(w), spec=spec, cuda_graph=graph, **kw)
         res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW), max_new_tokens=limits)
-        assert res.tokens == base.tokens, f"seed={seed} cuda_graph={graph}"
+        assert res.tokens == base.tokens, f"seed={seed} cuda_graph={graph} {by}"
         assert all(0 <= a <= 5 for per in res.accept_lengths for a in per)
         check_rows_restored(eng)
