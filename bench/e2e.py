@@ -83,9 +83,9 @@ class E2EConfig:
     tree_by_batch: Sequence[Tuple[int, int]] = ((2, 16), (32, 8))
     block_size: int = 16
     # DFlash chain: (min_batch, block) pairs, a smaller block for large batches (SpecConfig)
-    block_size_by_batch: Sequence[Tuple[int, int]] = ((16, 4),)
+    block_size_by_batch: Sequence[Tuple[int, int]] = ()
     # DFlash chain: (min_batch, tokens) pairs, verify only the block's first tokens (SpecConfig)
-    dflash_verify_by_batch: Sequence[Tuple[int, int]] = ()
+    dflash_verify_by_batch: Sequence[Tuple[int, int]] = ((4, 8), (16, 4))
     ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=8, num_draft_tokens=32))
     ddtree_by_batch: Sequence[Tuple[int, int]] = ((2, 16), (32, 8))
     ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))

@@ -243,10 +243,10 @@ def bench_e2e(
                                       help="EAGLE tree: MIN_BATCH:TOKENS,... another num_draft_tokens for rounds "
                                            "over at least MIN_BATCH requests ('' keeps the tree's)."),
     block_size: int = typer.Option(16, min=2, help="DFlash block."),
-    block_size_by_batch: str = typer.Option("16:4", "--block-size-by-batch",
+    block_size_by_batch: str = typer.Option("", "--block-size-by-batch",
                                             help="DFlash chain: MIN_BATCH:BLOCK,... a smaller block for rounds "
                                                  "over at least MIN_BATCH requests ('' keeps --block-size)."),
-    dflash_verify_by_batch: str = typer.Option("", "--dflash-verify-by-batch",
+    dflash_verify_by_batch: str = typer.Option("4:8,16:4", "--dflash-verify-by-batch",
                                                help="DFlash chain: MIN_BATCH:TOKENS,... verify only the block's "
                                                     "first TOKENS (root included) for rounds over at least "
                                                     "MIN_BATCH requests ('' verifies the whole block)."),

@@ -25,11 +25,11 @@ def test_spec_fields():
     assert e2e.spec_fields("none", cfg) == {"algo": "none"}
     assert e2e.spec_fields("eagle_chain", cfg) == {"algo": "eagle", "topk": 1, "num_steps": 4, "num_draft_tokens": 5}
     assert e2e.spec_fields("dflash", cfg)["block_size"] == 16
-    assert e2e.spec_fields("dflash", cfg)["block_size_by_batch"] == ((16, 4),)      # the chain only
+    assert e2e.spec_fields("dflash", cfg)["block_size_by_batch"] == ()      # the chain keeps its block
     assert "block_size_by_batch" not in e2e.spec_fields("ddtree", cfg)
     assert e2e.spec_fields("dflash", e2e.E2EConfig(block_size_by_batch=[[8, 2]]))["block_size_by_batch"] == ((8, 2),)
-    assert e2e.spec_fields("dflash", cfg)["num_draft_tokens_by_batch"] == ()       # the chain verifies its block
-    assert e2e.spec_fields("dflash", e2e.E2EConfig(dflash_verify_by_batch=[[16, 4]]))["num_draft_tokens_by_batch"] == ((16, 4),)
+    assert e2e.spec_fields("dflash", cfg)["num_draft_tokens_by_batch"] == ((4, 8), (16, 4))   # and verifies less of it
+    assert e2e.spec_fields("dflash", e2e.E2EConfig(dflash_verify_by_batch=[]))["num_draft_tokens_by_batch"] == ()
     assert e2e.spec_fields("eagle_tree", cfg)["num_draft_tokens_by_batch"] == ((2, 16), (32, 8))   # trees only
     assert e2e.spec_fields("ddtree", cfg)["num_draft_tokens_by_batch"] == ((2, 16), (32, 8))
     assert "num_draft_tokens_by_batch" not in e2e.spec_fields("eagle_chain", cfg)
