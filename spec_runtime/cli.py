@@ -502,7 +502,9 @@ def generate(
     block_size_by_batch: str = typer.Option("", "--block-size-by-batch",
                                             help="DFlash chain: MIN_BATCH:BLOCK,... a smaller block for rounds "
                                                  "over at least MIN_BATCH requests (e.g. 16:4): a large "
-                                                 "batch pays for every verified token."),
+                                                 "batch pays for every verified token (a block shorter than "
+                                                 "the drafter's costs acceptance; --num-draft-tokens-by-batch "
+                                                 "verifies part of the block instead)."),
     num_draft_tokens_by_batch: str = typer.Option(
         "", "--num-draft-tokens-by-batch",
         help="EAGLE and DFlash trees (--topk > 1): MIN_BATCH:TOKENS,... a smaller (or larger) tree for "
