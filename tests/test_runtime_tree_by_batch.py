@@ -37,7 +37,8 @@ def test_validate():
     grows.validate()
     assert grows.tokens_per_round() == 9 and grows.num_draft_tokens_for(7) == 3
     assert SpecConfig("eagle", topk=1, num_steps=3, num_draft_tokens=4).num_draft_tokens_for(64) == 4
-    bad = [(dict(algo="dflash", topk=1), "DFlash trees"), (dict(algo="none"), "applies to EAGLE, n-gram"),
+    bad = [(dict(algo="dflash", topk=1, num_draft_tokens_by_batch=((2, 1),)), "chain's .* must be >= 2"),
+           (dict(algo="none"), "applies to EAGLE, n-gram and DFlash"),
            (dict(algo="ngram"), r"1 \+ chains \* num_steps with 0 <= chains <= topk=2, num_steps=3, got 3"),
            (dict(algo="ngram", num_draft_tokens_by_batch=((2, 10),)), "got 10"),     # 3 chains > topk 2
            (dict(algo="ngram", num_draft_tokens_by_batch=((2, 0),)), "got 0"),       # not even the root
