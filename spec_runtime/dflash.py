@@ -955,7 +955,7 @@ class DFlashStrategy(Strategy):
         if scores.shape[1] <= ops.EAGLE_MAX_CANDIDATES:   # one launch: the D - 1 best, in order
             selected, draft_tokens = ops.select_draft_tokens(scores, tokens, roots, D)
         else:
-            selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
+            selected = ops.order_keys(scores).topk(D - 1, dim=-1).indices.sort(dim=-1).values   # the fused order
             draft_tokens = torch.cat([roots[:, None], tokens.gather(1, selected)], 1)
         tree = ops.build_tree(parent_list, selected, P, self.K, self.B - 1, D)
         return draft_tokens, tree, self.B - 1, self.block_slots(eng, rows, P, D)

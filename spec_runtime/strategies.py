@@ -665,7 +665,7 @@ class EagleStrategy(Strategy):
         P = rs.P
         parent_list, scores, tokens = self._draft(eng, rb, rows, rs, draft_ops)
         if draft_ops is None:
-            selected = scores.topk(D - 1, dim=-1).indices.sort(dim=-1).values
+            selected = ops.order_keys(scores).topk(D - 1, dim=-1).indices.sort(dim=-1).values   # the fused order
             draft_tokens = torch.cat([rs.roots[:, None], tokens.gather(1, selected)], 1)
         else:
             selected, draft_tokens = ops.select_draft_tokens(scores, tokens, rs.roots, D, impl=draft_ops)

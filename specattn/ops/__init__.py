@@ -40,13 +40,13 @@ from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, mate
 from .kv_move import move_kv_cache, move_kv_cache_reference
 from .ngram import ngram_candidates, ngram_candidates_reference
 from .rows import MAX_ROW_TENSORS, gather_rows, gather_rows_reference, scatter_rows, scatter_rows_reference
-from .topk import MAX_K as TOPK_MAX_K, topk_log_probs, topk_log_probs_reference
+from .topk import MAX_K as TOPK_MAX_K, order_keys, topk_log_probs, topk_log_probs_reference
 from .tree import (TreeInfo, build_tree, build_tree_reference, flashinfer_mask_bytes,
                    num_tree_candidates)
 from .verify import (VerifyResult, tree_speculative_sampling, tree_speculative_sampling_reference,
                      verify_tree_greedy, verify_tree_greedy_reference)
 
-__all__ = ["registry", "move_kv_cache", "move_kv_cache_reference",
+__all__ = ["registry", "move_kv_cache", "move_kv_cache_reference", "order_keys",
            "TreeInfo", "build_tree", "build_tree_reference", "num_tree_candidates",
            "flashinfer_mask_bytes",
            "VerifyResult", "verify_tree_greedy", "verify_tree_greedy_reference",
