@@ -46,6 +46,7 @@ with a markdown table; :func:`render_png` draws the bar chart (matplotlib, where
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import subprocess
@@ -124,6 +125,19 @@ def spec_fields(algo: str, cfg: E2EConfig) -> dict:
         return dict(algo="ngram", **cfg.ngram, num_draft_tokens_by_batch=tuple(
             (m, 1 + k * cfg.ngram["num_steps"]) for m, k in cfg.ngram_topk_by_batch))
     raise ValueError(f"unknown algo {algo!r}; known: {', '.join(ALGOS)}")
+
+
+_PATH_SETTINGS = ("drafter", "dflash_drafter", "prompts", "repetitive_prompts", "model")
+
+
+def _drafter_record(folder) -> Optional[dict]:
+    """``{"name", "sha256"}`` of a drafter folder: its name and the first 16 hex digits of the
+    SHA-256 of its ``model.safetensors`` (which weights a run used); None without a folder."""
+    if folder is None:
+        return None
+    weights = Path(folder) / "model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights.is_file() else None
+    return {"name": Path(folder).name, "sha256": digest}
 
 
 def git_commit() -> Optional[str]:
@@ -331,9 +345,12 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                      "transformers": module_version("transformers")},
         "commit": git_commit(),
         "timestamp": stamp,
-        "settings": {k: v for k, v in asdict(cfg).items()},
+        # files by name: a results file names no machine's paths (the drafters' weights by digest)
+        "settings": {k: (Path(v).name if k in _PATH_SETTINGS and v is not None else v)
+                     for k, v in asdict(cfg).items()},
+        "drafters": {"eagle": _drafter_record(drafter_path), "dflash": _drafter_record(dflash_path)},
         "ceilings": asdict(ceilings) if ceilings is not None else None,
-        "model": "SmolLM2-135M-Instruct" if cfg.model is None else str(cfg.model),
+        "model": "SmolLM2-135M-Instruct" if cfg.model is None else Path(cfg.model).name,
         "num_prompts": {name: len(texts) for name, (texts, _) in sets.items()},
         "rows": rows,
     }

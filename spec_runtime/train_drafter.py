@@ -1419,6 +1419,13 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
         log["mask_token_id"], log["mask_token_in_data"] = drafter.mask_token_id, n_mask
         if n_mask and console is not None and main:
             console.print(f"warning: the mask token {drafter.mask_token_id} occurs {n_mask} times in the data")
+    if tc.init_from and eval_rows and main:
+        # the starting weights on the same held-out rows as the final evaluation: whether
+        # this run improved on the run it continues (the split may differ from that run's)
+        t1 = time.perf_counter()
+        log["init_eval"] = evaluate(drafter, target, data, eval_rows, tc, rounds=True)
+        log["init_eval_seconds"] = time.perf_counter() - t1
+    _all_reduce_int(ctx, 0, "max", dev)   # the other ranks wait here: every rank's clock starts together
     t0 = time.perf_counter()
     calib_from, calib_t = 5, None
     step = 0
@@ -1520,9 +1527,11 @@ def export(drafter, out_dir, log: dict, *, command: str, data_stats: dict, data_
     return {n: out / n for n in names}
 
 
-def _acceptance_rows(fe: dict, what: str) -> List[str]:
+def _acceptance_rows(fe: dict, what: str, init: Optional[dict] = None) -> List[str]:
     """The model card's held-out acceptance table rows (after its header) and the summary
-    line for ``what`` (e.g. ``"a 7-draft chain"``), from the final evaluation ``fe``."""
+    line for ``what`` (e.g. ``"a 7-draft chain"``), from the final evaluation ``fe``; with
+    ``init`` (the evaluation of an ``--init-from`` run's starting weights), a line comparing
+    them."""
     chain = fe.get("greedy_chain_accept_length")
     rows = [f"| {k + 1} | {a:.3f} | {fe['valid_rows'][k]} | {implied_accept_length(fe['acc'][:k + 1]):.2f} | "
             f"{f'{chain[k]:.2f}' if chain else '-'} |" for k, a in enumerate(fe["acc"])]
@@ -1536,6 +1545,13 @@ def _acceptance_rows(fe: dict, what: str) -> List[str]:
                   f"measures on that text.  The measured column averages chains at every start position, which "
                   f"over-weights long predictable runs (a random position falls inside a long accepted run more "
                   f"often than a round starts there)."]
+    if init:
+        lines += ["", f"The weights this run started from (`--init-from`), on the same held-out sequences: implied "
+                  f"accept length {init['accept_length']:.2f}"
+                  + (f", walked {init['greedy_round_accept_length']:.2f}"
+                     if init.get("greedy_round_accept_length") is not None else "")
+                  + " tokens per verify; top-1 agreement at the first three positions "
+                  + " / ".join(f"{a:.3f}" for a in init["acc"][:3]) + "."]
     return lines
 
 
@@ -1673,7 +1689,7 @@ def model_card(drafter, full_log: dict) -> str:
                   "start positions), the mean tokens per verify of such a chain, `1 + min(k, leading agreements)`:",
                   "", "| step | top-1 agreement | rows | implied accept length | measured greedy accept length |",
                   "|---|---|---|---|---|"]
-        lines += _acceptance_rows(fe, f"a {len(fe['acc'])}-draft chain")
+        lines += _acceptance_rows(fe, f"a {len(fe['acc'])}-draft chain", full_log.get("init_eval"))
     else:
         lines.append("No held-out data (eval fraction 0).")
     lines += ["", "End-to-end speed-ups and measured accept lengths with the runtime are in the project's e2e "
@@ -1746,7 +1762,7 @@ def _dflash_card(drafter: DFlashDrafter, full_log: dict) -> str:
                   "mean tokens per verify, `1 + min(k, leading agreements)`:",
                   "", "| position | top-1 agreement | rows | implied accept length | measured greedy accept length |",
                   "|---|---|---|---|---|"]
-        lines += _acceptance_rows(fe, f"the {len(fe['acc'])}-draft block")
+        lines += _acceptance_rows(fe, f"the {len(fe['acc'])}-draft block", full_log.get("init_eval"))
     else:
         lines.append("No held-out data (eval fraction 0).")
     lines += ["", "End-to-end speed-ups and measured accept lengths with the runtime are in the project's e2e "
@@ -1914,5 +1930,10 @@ def run_training(opts: RunOptions, console=None) -> dict:
             (f", measured on greedy sequences {chain[-1]:.2f}" if chain else "") +
             (f", walked in greedy rounds {fe['greedy_round_accept_length']:.2f}"
              if fe.get("greedy_round_accept_length") is not None else ""))
+    ini = res.log.get("init_eval")
+    if ini:
+        say(f"the starting weights (--init-from) on the same held-out rows: implied chain accept length "
+            f"{ini['accept_length']:.2f}" + (f", walked in greedy rounds {ini['greedy_round_accept_length']:.2f}"
+                                             if ini.get("greedy_round_accept_length") is not None else ""))
     say(f"wrote {', '.join(str(p) for p in files.values())} ({time.perf_counter() - t0:.0f} s in all)")
     return {"files": files, "log": res.log, "data_stats": stats, "drafter": res.drafter}

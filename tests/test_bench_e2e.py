@@ -1,6 +1,7 @@
 """``specattn bench e2e`` on the CPU: its pieces (algorithm specs, timing arithmetic on a tiny
 engine, the markdown / JSON / PNG writers), the command's argument errors, and the schema of
 every committed e2e results file (so the README's figures cannot drift from them)."""
+import hashlib
 import json
 from pathlib import Path
 
@@ -202,6 +203,9 @@ def test_run_e2e_dry_run_on_cpu(tmp_path, seed, monkeypatch):
             x["tokens_per_s"] for x in rows if x["algo"] == "none" and x["bs"] == r["bs"]
             and x["prompt_set"] == r["prompt_set"]))
     assert {r["drafter"] for r in rows if r["algo"].startswith("eagle")} == {drafter.name}
+    digest = hashlib.sha256((drafter / "model.safetensors").read_bytes()).hexdigest()[:16]
+    assert report["drafters"]["eagle"] == {"name": drafter.name, "sha256": digest}
+    assert report["settings"]["drafter"] == drafter.name and report["settings"]["prompts"] == "prompts.txt"
     paths = e2e.write_results(report, tmp_path / "out")
     assert (tmp_path / "out" / "e2e.md").read_text() == e2e.markdown(report)
     assert {(r["bs"], r["min_free_slots"]) for r in rows} == {(1, 1), (2, 2)}

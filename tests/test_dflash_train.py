@@ -503,6 +503,26 @@ def test_cli_errors(tmp_path, tiny_run):
         assert len(lines) == 1 and word in lines[0], (bad, r.output)
 
 
+def test_init_from_run_evaluates_its_starting_weights(tiny_run, tmp_path):
+    """A run with ``--init-from`` evaluates the weights it starts from on the held-out rows of
+    its final evaluation (``init_eval``): with a negligible learning rate the two agree, and the
+    card states the starting figures; a run from a random init has no ``init_eval``."""
+    tmp, args, (a, _) = tiny_run
+    assert "init_eval" not in json.loads((a / "train_log.json").read_text())
+    cont = [x if x != "3e-3" else "1e-12" for x in args]
+    cont[cont.index("--steps") + 1] = "1"
+    r = CliRunner().invoke(drafter_app, cont + ["--out", str(tmp_path / "c"), "--init-from", str(a)])
+    assert r.exit_code == 0, r.output
+    log = json.loads((tmp_path / "c" / "train_log.json").read_text())
+    ini, fin = log["init_eval"], log["final_eval"]
+    assert ini["greedy_rounds"] == fin["greedy_rounds"] > 0 and ini["valid_rows"] == fin["valid_rows"]
+    assert ini["acc"] == pytest.approx(fin["acc"]) and ini["greedy_round_accept_length"] == pytest.approx(
+        fin["greedy_round_accept_length"])
+    card = (tmp_path / "c" / "README.md").read_text()
+    assert (f"The weights this run started from (`--init-from`), on the same held-out sequences: implied accept "
+            f"length {ini['accept_length']:.2f}, walked {ini['greedy_round_accept_length']:.2f}") in card
+
+
 def test_init_from_a_trained_drafter(tiny_run):
     """``TrainConfig.init_from``: a fresh DFlash drafter (another seed) takes every weight of
     a trained folder, the stacked context K/V projection included."""
