@@ -485,7 +485,10 @@ def _dflash_ngram_settings(report: dict) -> str:
     if "block_size_by_batch" in st and "dflash" in algos:   # (reports from before the per-batch block say nothing)
         out += f" DFlash chain: block {st['block_size']}{_from_batch(st.get('block_size_by_batch'))}"
         verify = st.get("dflash_verify_by_batch")
-        out += f"; the verify keeps its first {_from_batch(verify)[2:]} tokens." if verify else "."
+        kept = [f"{v} from batch {m}" for m, v in verify or []]
+        if kept:
+            kept[0] = kept[0].replace(" from", " tokens from", 1)
+        out += f"; the verify keeps its first {', '.join(kept)}." if kept else "."
     if "ddtree_by_batch" in st and "ddtree" in algos:
         dd = st["ddtree"]
         out += (f" DDTree: topk {dd['topk']}, {dd['num_draft_tokens']} tokens"

@@ -357,14 +357,17 @@ def bench_e2e(
 
 
 @bench_app.command("plot")
-def bench_plot(results: Path = typer.Argument(..., help="A suite's JSON (e.g. bench/results/h100/e2e.json).")):
-    """Redraw a suite's PNG from its JSON (needs matplotlib)."""
+def bench_plot(results: Path = typer.Argument(..., help="An e2e run's JSON (e.g. bench/results/h100/e2e.json).")):
+    """Rewrite an e2e run's markdown table and redraw its PNG from its JSON (the PNG needs
+    matplotlib)."""
     from specattn.bench import e2e
     if not results.is_file():
         raise typer.BadParameter(f"no such file: {results}", param_hint="RESULTS")
     report = json.loads(results.read_text())
     if report.get("suite") != e2e.SUITE:
         raise typer.BadParameter(f"{results} is not an e2e results file", param_hint="RESULTS")
+    results.with_suffix(".md").write_text(e2e.markdown(report))
+    typer.echo(f"wrote {results.with_suffix('.md')}")
     png = results.with_suffix(".png")
     if not e2e.render_png(report, png):
         typer.echo("matplotlib is not installed: pip install matplotlib", err=True)

@@ -92,8 +92,11 @@ def test_writers(tmp_path):
     assert "DFlash chain: block 16, 4 from batch 16, 2 from batch 64." in (tmp_path / "h100" / "e2e.md").read_text()
     rep["settings"].update(block_size_by_batch=[], dflash_verify_by_batch=[[4, 8], [16, 4]])
     e2e.write_results(rep, tmp_path / "h100")
-    assert ("DFlash chain: block 16; the verify keeps its first 8 from batch 4, 4 from batch 16 tokens."
+    assert ("DFlash chain: block 16; the verify keeps its first 8 tokens from batch 4, 4 from batch 16."
             in (tmp_path / "h100" / "e2e.md").read_text())
+    (tmp_path / "h100" / "e2e.md").write_text("stale")   # bench plot rewrites the table from the JSON
+    res = CliRunner().invoke(cli.app, ["bench", "plot", str(tmp_path / "h100" / "e2e.json")])
+    assert (tmp_path / "h100" / "e2e.md").read_text() == e2e.markdown(rep) and "e2e.md" in res.output
     rep = _report(rows + [dict(rows[1], algo="ddtree"), dict(rows[1], algo="eagle_tree")])
     rep["settings"].update(block_size=16, block_size_by_batch=[[16, 4]], ddtree=dict(topk=8, num_draft_tokens=32),
                            ddtree_by_batch=[[2, 16], [32, 8]], chain=dict(topk=1, num_steps=5, num_draft_tokens=6),
