@@ -93,8 +93,8 @@ class E2EConfig:
     # n-gram: (min_batch, topk) pairs, fewer chains for large batches (SpecConfig: 1 + topk * num_steps tokens)
     ngram_topk_by_batch: Sequence[Tuple[int, int]] = ((16, 1),)
     drafter: Optional[str] = None           # EAGLE drafter folder (default: the shipped one)
-    draft_vocab: Optional[int] = None       # EAGLE-3: draft from the N most frequent tokens (0: all;
-                                            # None: eagle3.default_draft_vocab_size of the drafter)
+    draft_vocab: Optional[int] = None       # EAGLE-3 and DFlash: draft from the N most frequent tokens (0: all;
+                                            # None: drafter_base.default_draft_vocab_size of each drafter)
     dflash_drafter: Optional[str] = None    # DFlash drafter folder (default: the shipped one)
     prompts: Optional[str] = None           # prompt file (default: the chat eval set)
     repetitive_prompts: Optional[str] = None  # the copy-heavy set (default: the packaged one)
@@ -328,10 +328,12 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
     target = LlamaModel(cfg_model, weights, cfg.device, dtype)
     drafter_path = cfg.drafter or default_drafter(cfg_model)
     dflash_path = cfg.dflash_drafter or default_drafter(cfg_model, "dflash")
-    draft_vocab = cfg.draft_vocab
+    from specattn.spec_runtime.drafter_base import default_draft_vocab_size
+    draft_vocab, dflash_vocab = cfg.draft_vocab, cfg.draft_vocab
     if draft_vocab is None and drafter_path is not None:
-        from specattn.spec_runtime.eagle3 import default_draft_vocab_size
         draft_vocab = default_draft_vocab_size(drafter_path)
+    if dflash_vocab is None and dflash_path is not None:
+        dflash_vocab = default_draft_vocab_size(dflash_path)
     eos_ids = tuple(cfg_model.eos_token_ids) if cfg.stop_at_eos else ()
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     say("measuring the ceilings")
@@ -383,7 +385,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                 draft = Eagle3Drafter.load(drafter_path, target, draft_vocab_size=draft_vocab or None)
             elif spec.algo == "dflash" and dflash_path is not None:
                 from specattn.spec_runtime.dflash import DFlashDrafter
-                draft = DFlashDrafter.load(dflash_path, target)
+                draft = DFlashDrafter.load(dflash_path, target, draft_vocab_size=dflash_vocab or None)
             tag = f"{set_name} {algo} bs={bs}"
             say(f"{tag}: building the engine (CUDA graphs)")
             eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
@@ -397,7 +399,8 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                                 if draft is not None else
                                 ("self-speculative" if spec.algo == "eagle" else
                                  ("random-init" if spec.algo == "dflash" else None))),
-                       draft_vocab=(draft_vocab or None) if spec.algo == "eagle" and draft is not None else None,
+                       draft_vocab=((draft_vocab if spec.algo == "eagle" else dflash_vocab) or None)
+                       if draft is not None else None,
                        whole_round_graphs=eng.whole_round_graphs, min_free_slots=eng.min_free_slots)
             if algo == "none":
                 base_out[set_name, bs], base_tps[set_name, bs] = outs, row["tokens_per_s"]
@@ -469,7 +472,8 @@ def _eagle_settings(report: dict) -> str:
     if "chain" not in st or not any(r.get("algo", "").startswith("eagle") for r in report["rows"]):
         return ""
     fmt = lambda c: f"({c['topk']}, {c['num_steps']}, {c['num_draft_tokens']})"   # noqa: E731
-    dv = next((r["draft_vocab"] for r in report["rows"] if r.get("draft_vocab")), None)
+    dv = next((r["draft_vocab"] for r in report["rows"] if r.get("draft_vocab") and r["algo"].startswith("eagle")),
+              None)
     by_batch = f" (tree tokens {st['tree']['num_draft_tokens']}{_from_batch(st['tree_by_batch'])})" \
         if st.get("tree_by_batch") else ""
     return (f" EAGLE chain {fmt(st['chain'])}, tree {fmt(st['tree'])} (topk, num_steps, num_draft_tokens)"
@@ -488,7 +492,9 @@ def _dflash_ngram_settings(report: dict) -> str:
         kept = [f"{v} from batch {m}" for m, v in verify or []]
         if kept:
             kept[0] = kept[0].replace(" from", " tokens from", 1)
-        out += f"; the verify keeps its first {', '.join(kept)}." if kept else "."
+        out += f"; the verify keeps its first {', '.join(kept)}" if kept else ""
+        dv = next((r["draft_vocab"] for r in report["rows"] if r.get("draft_vocab") and r["algo"] == "dflash"), None)
+        out += f"; drafting from the {dv:,} most frequent tokens." if dv else "."
     if "ddtree_by_batch" in st and "ddtree" in algos:
         dd = st["ddtree"]
         out += (f" DDTree: topk {dd['topk']}, {dd['num_draft_tokens']} tokens"

@@ -229,16 +229,16 @@ def default_drafter(cfg, algo: str = "eagle") -> Optional[Path]:
 
 
 def drafter_factory(path, device: str, dtype: torch.dtype, draft_vocab_size: Optional[int] = None):
-    """``target -> drafter`` for the drafter in ``path``: an EAGLE-3 folder (with
-    ``draft_vocab_size``: drafting from that many of its most frequent tokens), a DFlash
-    folder, or a Llama checkpoint (GGUF or HF folder) over the target's vocabulary."""
+    """``target -> drafter`` for the drafter in ``path``: an EAGLE-3 or DFlash folder (with
+    ``draft_vocab_size``: drafting from that many of its most frequent tokens), or a Llama
+    checkpoint (GGUF or HF folder) over the target's vocabulary."""
     def make(target):
         if is_eagle3_dir(path):
             from .eagle3 import Eagle3Drafter
             return Eagle3Drafter.load(path, target, draft_vocab_size=draft_vocab_size)
         if is_dflash_dir(path):
             from .dflash import DFlashDrafter
-            return DFlashDrafter.load(path, target)
+            return DFlashDrafter.load(path, target, draft_vocab_size=draft_vocab_size)
         from .model import LlamaModel
         cfg, w, _ = load_model(str(path), dtype)
         return LlamaModel(cfg, w, device, dtype)
@@ -342,7 +342,7 @@ ALGO_OPTIONS = {
     "block_size": ("--block-size", ("dflash",)),
     "block_size_by_batch": ("--block-size-by-batch", ("dflash",)),
     "num_draft_tokens_by_batch": ("--num-draft-tokens-by-batch", ("eagle", "dflash", "ngram")),
-    "draft_vocab": ("--draft-vocab", ("eagle",)),
+    "draft_vocab": ("--draft-vocab", ("eagle", "dflash")),
 }
 
 
@@ -365,7 +365,7 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
     if draft_vocab is not None and draft_vocab < 0:
         bad(f"--draft-vocab must be >= 0 (0: the full vocabulary), got {draft_vocab}")
     if draft_vocab and self_draft:
-        bad("--draft-vocab applies to EAGLE-3 drafters, not to --self-draft")
+        bad("--draft-vocab applies to EAGLE-3 and DFlash drafters, not to --self-draft")
     if isinstance(prompt, str):   # a direct call with one prompt
         prompt = [prompt]
     if any(not p.strip() for p in prompt or []):
@@ -512,10 +512,11 @@ def generate(
              "a DFlash chain: verify only the block's first TOKENS (root included); "
              "n-gram: TOKENS = 1 + chains * num_steps keeps that many of its --topk chains (1: none)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab",
-                                              help="EAGLE-3: draft only from the N most frequent tokens of "
-                                                   "the drafter's token_frequencies.json (FR-Spec; a cheaper "
-                                                   "draft LM head); 0 = all.  Default: 16384 for a drafter "
-                                                   "that ships token counts over a larger vocabulary, else all."),
+                                              help="EAGLE-3 and DFlash: draft only from the N most frequent "
+                                                   "tokens of the drafter's token_frequencies.json (FR-Spec; a "
+                                                   "cheaper draft LM head); 0 = all.  Default: 16384 for a "
+                                                   "drafter that ships token counts over a larger vocabulary, "
+                                                   "else all."),
     backend: str = typer.Option("torch_reference", help="Attention backend (see `specattn info`)."),
     page_size: int = typer.Option(1, help=f"KV page size, 1 .. {MAX_PAGE_SIZE} (FlashMLA: 64)."),
     device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="cpu | cuda | cuda:N"),
@@ -593,11 +594,12 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
     drafter_path = None
     if algo == "eagle" and not self_draft:
         drafter_path = draft_model or default_drafter(cfg)
-        if draft_vocab is None and drafter_path is not None and is_eagle3_dir(drafter_path):
-            from .eagle3 import default_draft_vocab_size
-            draft_vocab = default_draft_vocab_size(drafter_path)
     elif algo == "dflash":
         drafter_path = draft_model or default_drafter(cfg, "dflash")
+    if draft_vocab is None and drafter_path is not None and (is_eagle3_dir(drafter_path) or
+                                                             is_dflash_dir(drafter_path)):
+        from .drafter_base import default_draft_vocab_size
+        draft_vocab = default_draft_vocab_size(drafter_path)
     try:
         eng = engine_for(cfg, w, ids, spec, backend=backend, device=device, dtype=DTYPES[dtype],
                          max_new_tokens=max_new_tokens, cuda_graph=cuda_graph, page_size=page_size,

@@ -511,6 +511,7 @@ class DFlashDrafter(TargetSharingDrafter):
                        for i in range(self.num_layers)]
         self.cos_sin_cache: Optional[torch.Tensor] = None
         self._fused: Optional[Dict[str, object]] = None   # inference weights (reserve_positions)
+        self.draft_vocab: Optional[torch.Tensor] = None     # set_draft_vocab: a reduced draft vocabulary
         self._reserve_rope(max_positions)
 
     # ------------------------------------------------------------------ construction / io
@@ -532,14 +533,18 @@ class DFlashDrafter(TargetSharingDrafter):
 
     @classmethod
     def load(cls, path, target: LlamaModel, *, dtype: Optional[torch.dtype] = None,
-             max_positions: Optional[int] = None) -> "DFlashDrafter":
-        """Load ``path/config.json`` + ``path/model.safetensors`` (z-lab's layout) for ``target``.
+             max_positions: Optional[int] = None, draft_vocab_size: Optional[int] = None) -> "DFlashDrafter":
+        """Load ``path/config.json`` + ``path/model.safetensors`` (z-lab's layout) for ``target``;
+        ``draft_vocab_size``: draft only from that many of the most frequent tokens of
+        ``path/token_frequencies.json`` (:meth:`set_draft_vocab`; None or the vocabulary
+        size: all).
 
         Raises:
-            FileNotFoundError: missing folder or files.  ValueError: not a DFlash config this
-                runtime runs, or a checkpoint that does not fit ``target`` (hidden size,
-                vocabulary, target depth, tap layers, mask token, tensor names / shapes; the
-                message says which).
+            FileNotFoundError: missing folder or files (the counts file only with a
+                ``draft_vocab_size``).  ValueError: not a DFlash config this runtime runs, a
+                checkpoint that does not fit ``target`` (hidden size, vocabulary, target
+                depth, tap layers, mask token, tensor names / shapes; the message says
+                which), or a bad ``draft_vocab_size``.
         """
         from safetensors.torch import load_file
         path = Path(path)
@@ -553,10 +558,36 @@ class DFlashDrafter(TargetSharingDrafter):
             raise ValueError(f"{cfg_file}: {e}") from None
         weights = load_file(str(w_file), device="cpu")
         try:
-            return cls(target, max_positions=max_positions or max(config.max_position_embeddings, 4096),
-                       config=config, weights=weights, dtype=dtype)
+            drafter = cls(target, max_positions=max_positions or max(config.max_position_embeddings, 4096),
+                          config=config, weights=weights, dtype=dtype)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+        drafter.load_draft_vocab(path, draft_vocab_size)
+        return drafter
+
+    def set_draft_vocab(self, token_ids: Optional[torch.Tensor]) -> None:
+        """Draft only from ``token_ids`` (int ``[V']``, distinct target token ids; None: the
+        full vocabulary again): the block's LM head at inference (:meth:`forward_logits`)
+        runs over those rows of the target's head, so its cost shrinks ``V / V'`` times;
+        tokens outside are never drafted, which costs acceptance, never correctness (the
+        verify is unchanged).  FR-Spec's frequency-ranked draft vocabulary (Zhao et al.,
+        arXiv 2502.14856), as for EAGLE-3 (:meth:`Eagle3Drafter.set_draft_vocab`).  Training
+        (:meth:`logits`) keeps the full vocabulary.
+
+        Raises:
+            ValueError: not a 1-D integer tensor, empty, repeated ids, or ids outside
+                ``[0, vocab_size)``.
+        """
+        self.draft_vocab = None if token_ids is None else self._check_draft_vocab(token_ids)
+        if self._fused is not None:
+            self._fused["head"] = self._folded_head()
+
+    def _folded_head(self) -> torch.Tensor:
+        """The inference LM head: the target's (the draft vocabulary's rows of it) with the
+        final ``norm`` folded in."""
+        head = self.lm_head if self.draft_vocab is None else self.lm_head[self.draft_vocab]
+        with torch.no_grad():
+            return ops.fold_rms_norm_weight(head.detach().to(self.dtype), self.w["norm.weight"])
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """Checkpoint-named tensors (z-lab's names; detached views in the drafter's dtype)."""
@@ -600,8 +631,7 @@ class DFlashDrafter(TargetSharingDrafter):
                 gate_up.append(tuple(ops.fold_rms_norm_weight(w[p + f"{x}_proj.weight"].detach(),
                                                               w[p + "post_attention_layernorm.weight"])
                                      for x in ("gate", "up")))
-            head = ops.fold_rms_norm_weight(self.lm_head.detach().to(self.dtype), w["norm.weight"])
-        self._fused = dict(qkv=qkv, gate_up=gate_up, head=head)
+        self._fused = dict(qkv=qkv, gate_up=gate_up, head=self._folded_head())
 
     # ------------------------------------------------------------------ model interface
 
@@ -665,13 +695,21 @@ class DFlashDrafter(TargetSharingDrafter):
         (:func:`~specattn.ops.rms_norm_matmul` / ``rms_norm_matmul_topk``): the same
         mathematics as :meth:`forward` + :meth:`logits`, rounded differently (float32 inside
         each launch).  Otherwise it is :meth:`forward` + :meth:`logits` (then ``top_k`` is
-        computed from the logits).  Writes the block's K/V at ``batch.out_cache_loc``;
-        ``capture_layers`` is accepted for interface parity only; no host sync."""
+        computed from the logits).  With a draft vocabulary (:meth:`set_draft_vocab`) the
+        logits cover its columns only (``[.., V']``, :meth:`draft_token_ids` maps them) and
+        the top-k are over it, as target token ids.  Writes the block's K/V at
+        ``batch.out_cache_loc``; ``capture_layers`` is accepted for interface parity only; no
+        host sync."""
         f = self._fused
         if f is None or self.w["fc.weight"].requires_grad:
             hidden, _ = self.forward(input_ids, batch, backend)
             logits = self.logits(hidden if logit_rows is None else hidden[logit_rows])
-            return (logits if top_k is None else ops.topk_log_probs(logits, top_k)), None
+            if self.draft_vocab is not None:
+                logits = logits[:, self.draft_vocab]
+            if top_k is None:
+                return logits, None
+            vals, cols = ops.topk_log_probs(logits, top_k)
+            return (vals, self.draft_token_ids(cols)), None
         c, w = self.config, self.w
         T, eps, pool = input_ids.shape[0], c.rms_norm_eps, backend.kv_pool
         h = self.embed(input_ids)  # (a new tensor: the residual stream, updated in place)
@@ -690,7 +728,8 @@ class DFlashDrafter(TargetSharingDrafter):
         if logit_rows is not None:
             h, ss = h[logit_rows], None
         if top_k is not None:
-            return ops.rms_norm_matmul_topk(h, None, f["head"], eps, top_k, row_sumsq=ss), None
+            return ops.rms_norm_matmul_topk(h, None, f["head"], eps, top_k, row_sumsq=ss,
+                                            column_ids=self.draft_vocab), None
         return ops.rms_norm_matmul(h, None, f["head"], eps, out_dtype=torch.float32, row_sumsq=ss), None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -852,6 +891,9 @@ class DFlashStrategy(Strategy):
             self.drafter = draft_model
         else:
             self.drafter = DFlashDrafter(target, spec.draft_layers or 2, max_positions=max_context)
+        vocab = self.drafter.draft_vocab
+        if vocab is not None and vocab.numel() < self.K:
+            raise ValueError(f"topk={self.K} exceeds the drafter's {vocab.numel()}-token draft vocabulary")
         self.drafter.reserve_positions(max_context)   # the RoPE table and the fused inference path
         self.target_capture_layers = tuple(self.drafter.context_layers)
         self.tokens_per_round = max(self.B, self.D)

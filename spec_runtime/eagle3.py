@@ -55,7 +55,8 @@ from specattn import ops
 from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch
 
 from .loader import LlamaConfig, check_decoder_shape, check_weight_shapes
-from .drafter_base import TargetSharingDrafter, random_init
+from .drafter_base import (DEFAULT_DRAFT_VOCAB, TOKEN_FREQUENCIES_FILE, TargetSharingDrafter, default_draft_vocab_size,
+                           frequent_tokens, random_init, read_token_counts)
 from .model import apply_rope, rms_norm, rope_cos_sin
 
 __all__ = ["ARCHITECTURE", "default_aux_layer_ids", "Eagle3Config", "Eagle3Drafter", "init_weights",
@@ -66,13 +67,6 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 #: architecture names other EAGLE-3 Llama checkpoints use (accepted by :meth:`Eagle3Config.from_hf_dict`)
 _ACCEPTED_ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-#: per-token counts of the training data's generated tokens (JSON ``{"vocab_size", "counts"}``),
-#: beside the checkpoint: the frequency ranking of a draft vocabulary (engines ignore it)
-TOKEN_FREQUENCIES_FILE = "token_frequencies.json"
-#: the draft vocabulary the project's commands use for an EAGLE-3 folder that ships token counts
-#: (:func:`default_draft_vocab_size`): for SmolLM2 the 16,384 most frequent of 49,152 tokens
-#: cover 98.8 % of the target's generated tokens, and each draft step's LM head reads a third
-DEFAULT_DRAFT_VOCAB = 16384
 
 
 def default_aux_layer_ids(num_layers: int) -> List[int]:
@@ -373,12 +367,7 @@ class Eagle3Drafter(TargetSharingDrafter):
             drafter = cls(target, config, weights, dtype=dtype)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
-        if draft_vocab_size is not None and draft_vocab_size != drafter.vocab_size:
-            counts = read_token_counts(path)
-            if counts.numel() != drafter.vocab_size:
-                raise ValueError(f"{path}: token counts cover {counts.numel()} ids, the target has "
-                                 f"{drafter.vocab_size}")
-            drafter.set_draft_vocab(frequent_tokens(counts, draft_vocab_size))
+        drafter.load_draft_vocab(path, draft_vocab_size)
         return drafter
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
@@ -483,24 +472,9 @@ class Eagle3Drafter(TargetSharingDrafter):
             self.draft_vocab = self._draft_head = None
             self._fold_head()
             return
-        ids = torch.as_tensor(token_ids)
-        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"token_ids must be a non-empty 1-D integer tensor, got {ids.dtype} "
-                             f"{tuple(ids.shape)}")
-        ids = ids.to(torch.int64).cpu()
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            raise ValueError(f"token_ids must lie in [0, {self.vocab_size}), got [{int(ids.min())}, "
-                             f"{int(ids.max())}]")
-        if ids.unique().numel() != ids.numel():
-            raise ValueError("token_ids holds repeated ids")
-        self.draft_vocab = ids.to(self.device)
+        self.draft_vocab = self._check_draft_vocab(token_ids)
         self._draft_head = self.lm_head[self.draft_vocab].contiguous()
         self._fold_head()
-
-    def draft_token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        """Target token ids of logits ``columns`` (int64, any shape): ``draft_vocab[columns]``
-        with a draft vocabulary, else ``columns`` itself."""
-        return columns if self.draft_vocab is None else self.draft_vocab[columns]
 
     # ------------------------------------------------------------------ inference
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
@@ -670,56 +644,6 @@ class Eagle3Drafter(TargetSharingDrafter):
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def frequent_tokens(counts: torch.Tensor, n: int) -> torch.Tensor:
-    """The ``n`` most frequent token ids by ``counts`` (``[V]``, a count per token id), most
-    frequent first, ties (and never-seen ids) to the lower id: the draft vocabulary of
-    :meth:`Eagle3Drafter.set_draft_vocab` (FR-Spec ranks by frequency in a corpus; here the
-    target's own generated tokens, ``TOKEN_FREQUENCIES_FILE`` of a trained drafter).
-
-    Raises:
-        ValueError: ``counts`` not 1-D or ``n`` outside ``[1, len(counts)]``.
-    """
-    counts = torch.as_tensor(counts)
-    if counts.dim() != 1 or not 1 <= int(n) <= counts.numel():
-        raise ValueError(f"need 1-D counts and 1 <= n <= {counts.numel()}, got {tuple(counts.shape)}, n={n}")
-    return torch.argsort(-counts.to(torch.int64).cpu(), stable=True)[:int(n)].clone()
-
-
-def default_draft_vocab_size(path) -> Optional[int]:
-    """The draft vocabulary size the project's commands pick when none is given for the
-    drafter folder ``path``: :data:`DEFAULT_DRAFT_VOCAB` when the folder is an EAGLE-3
-    drafter with ``TOKEN_FREQUENCIES_FILE`` over a larger vocabulary, else None (the full
-    vocabulary).  Never raises: a malformed counts file is reported when it is loaded."""
-    f = Path(path) / TOKEN_FREQUENCIES_FILE
-    if not f.is_file():
-        return None
-    try:
-        vocab = int(json.loads(f.read_text()).get("vocab_size", 0))
-    except (ValueError, TypeError, AttributeError):
-        return None
-    return DEFAULT_DRAFT_VOCAB if vocab > DEFAULT_DRAFT_VOCAB else None
-
-
-def read_token_counts(path) -> torch.Tensor:
-    """int64 ``[V]`` token counts from a drafter folder's ``TOKEN_FREQUENCIES_FILE``.
-
-    Raises:
-        FileNotFoundError: the file is missing.  ValueError: it is malformed.
-    """
-    f = Path(path) / TOKEN_FREQUENCIES_FILE
-    if not f.is_file():
-        raise FileNotFoundError(f"{f} not found (written by `specattn drafter train`; a draft "
-                                f"vocabulary needs the target's token counts)")
-    try:
-        d = json.loads(f.read_text())
-        counts = torch.tensor(d["counts"], dtype=torch.int64)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{f}: not a token-count file ({e})") from None
-    if counts.dim() != 1 or counts.numel() != d.get("vocab_size") or bool((counts < 0).any()):
-        raise ValueError(f"{f}: counts must be {d.get('vocab_size')} non-negative integers")
-    return counts
-
 
 def _replace(config: Eagle3Config, **kw) -> Eagle3Config:
     from dataclasses import replace

@@ -1494,9 +1494,9 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
 def export(drafter, out_dir, log: dict, *, command: str, data_stats: dict, data_meta: dict,
            token_counts: Optional[torch.Tensor] = None) -> Dict[str, Path]:
     """Write ``config.json``, ``model.safetensors`` (bf16), ``README.md`` and
-    ``train_log.json`` into ``out_dir`` (EAGLE-3 with ``token_counts``, int ``[V]`` counts of
-    the generated tokens: also ``token_frequencies.json``, the ranking of a draft
-    vocabulary); returns their paths.  The training summary goes into ``config.json`` under
+    ``train_log.json`` into ``out_dir`` (with ``token_counts``, int ``[V]`` counts of the
+    generated tokens: also ``token_frequencies.json``, the ranking of a draft vocabulary);
+    returns their paths.  The training summary goes into ``config.json`` under
     ``specattn.training``."""
     out = Path(out_dir)
     fe = log.get("final_eval") or {}
@@ -1520,7 +1520,7 @@ def export(drafter, out_dir, log: dict, *, command: str, data_stats: dict, data_
     (out / "train_log.json").write_text(json.dumps(full, indent=2) + "\n")
     (out / "README.md").write_text(model_card(drafter, full))
     names = ["config.json", "model.safetensors", "README.md", "train_log.json"]
-    if token_counts is not None and not isinstance(drafter, DFlashDrafter):
+    if token_counts is not None:
         (out / TOKEN_FREQUENCIES_FILE).write_text(json.dumps(
             {"vocab_size": int(token_counts.numel()), "counts": [int(c) for c in token_counts.tolist()]}) + "\n")
         names.append(TOKEN_FREQUENCIES_FILE)

@@ -261,9 +261,9 @@ def bench_e2e(
                                                  "('' keeps --ngram's)."),
     drafter: Optional[Path] = typer.Option(None, help="EAGLE-3 drafter folder (default: the shipped one)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0,
-                                              help="EAGLE-3: draft only from the N most frequent tokens "
-                                                   "(FR-Spec); 0 = all.  Default: 16384 for a drafter that "
-                                                   "ships token counts over a larger vocabulary, else all."),
+                                              help="EAGLE-3 and DFlash: draft only from the N most frequent "
+                                                   "tokens (FR-Spec); 0 = all.  Default: 16384 for a drafter "
+                                                   "that ships token counts over a larger vocabulary, else all."),
     dflash_drafter: Optional[Path] = typer.Option(None, help="DFlash drafter folder (default: the shipped one)."),
     prompts: Optional[Path] = typer.Option(None, help="Prompt file (default: the eval set)."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also time HF transformers' static-cache generate."),

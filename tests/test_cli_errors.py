@@ -70,7 +70,7 @@ def no_model_load(monkeypatch):
     (["--algo", "eagle", "--draft-model", "no_such_drafter"], ["--draft-model no_such_drafter"]),
     (["--algo", "eagle", "--draft-layers", "0"], ["--draft-layers must be >= 1"]),
     (["--algo", "eagle", "--draft-vocab", "-1"], ["--draft-vocab must be >= 0"]),
-    (["--algo", "eagle", "--self-draft", "--draft-vocab", "8"], ["--draft-vocab applies to EAGLE-3 drafters"]),
+    (["--algo", "eagle", "--self-draft", "--draft-vocab", "8"], ["--draft-vocab applies to EAGLE-3 and DFlash drafters"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("-") else None)
 def test_bad_arguments_are_one_line(no_model_load, args, words):
     line = one_error_line(run(*PROMPT, *args), 2)
@@ -123,8 +123,8 @@ def test_eagle_flags_with_algo_none_are_named(no_model_load):
     assert "--num-draft-tokens-by-batch: ngram's num_draft_tokens_by_batch values are 1 + chains * num_steps" in line
     line = one_error_line(run(*PROMPT, "--algo", "dflash", "--num-steps", "2"), 2)
     assert "--num-steps does not apply to --algo dflash" in line
-    line = one_error_line(run(*PROMPT, "--algo", "dflash", "--draft-vocab", "64"), 2)
-    assert "--draft-vocab does not apply to --algo dflash" in line
+    line = one_error_line(run(*PROMPT, "--algo", "ngram", "--draft-vocab", "64"), 2)
+    assert "--draft-vocab does not apply to --algo ngram (only to --algo dflash / eagle)" in line
 
 
 @pytest.mark.parametrize("args,bounds", [

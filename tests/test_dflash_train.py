@@ -18,6 +18,7 @@ from specattn.spec_runtime import dflash
 from specattn.spec_runtime.dflash import (DFlashConfig, DFlashDrafter, checkpoint_nbytes, context_layer_ids,
                                           fit_intermediate_size, init_weights)
 from specattn.spec_runtime.drafter_cli import drafter_app
+from specattn.spec_runtime.drafter_base import frequent_tokens, read_token_counts
 from specattn.spec_runtime.engine import Engine, SpecConfig
 from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, random_weights
 from specattn.spec_runtime.model import LlamaModel
@@ -404,7 +405,10 @@ def tiny_run(tmp_path_factory):
 
 def test_tiny_training_end_to_end(tiny_run):
     tmp, args, (a, b) = tiny_run
-    assert sorted(p.name for p in a.iterdir()) == ["README.md", "config.json", "model.safetensors", "train_log.json"]
+    assert sorted(p.name for p in a.iterdir()) == ["README.md", "config.json", "model.safetensors",
+                                                   "token_frequencies.json", "train_log.json"]
+    small = DFlashDrafter.load(a, LlamaModel(*load_hf_dir(tmp / "target")), draft_vocab_size=5)
+    assert small.draft_vocab.tolist() == frequent_tokens(read_token_counts(a), 5).tolist()
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()   # same seed
     log = json.loads((a / "train_log.json").read_text())
     assert log["kind"] == "dflash" and log["steps_done"] == 30 and log["stop_reason"] == "steps"

@@ -14,6 +14,7 @@ from runtime_backend import check_rows_restored, make_engine, uses_graphs
 from specattn.spec_runtime.engine import Request, SpecConfig
 from specattn.spec_runtime.strategies import parse_by_batch
 from specattn.spec_runtime.loader import LlamaConfig, load_hf_dir, write_random_hf_dir
+from specattn.spec_runtime.model import rms_norm as rms_norm_ref
 from specattn.spec_runtime.sampling import SamplingParams
 
 NEW = 24
@@ -186,6 +187,42 @@ def test_dflash_lossless_random_models(tmp_path, block_size, backend_name):
     assert all(0 <= a <= block_size - 1 for per in res.accept_lengths for a in per)
     assert res.num_forward_target == 1 + max(len(per) for per in res.accept_lengths)
     check_rows_restored(eng)
+
+
+@pytest.mark.parametrize("topk", [1, 4])
+def test_dflash_draft_vocab_lossless(tmp_path, topk, backend_name):
+    """A DFlash chain / DDTree drafting from a random subset of the vocabulary (FR-Spec) stays
+    lossless; every draft lies in the subset (drafted as target ids, fused and unfused head
+    alike); topk above the subset is refused; None restores the full vocabulary."""
+    seed = random.randrange(2**31)
+    cfg, w = random_model(tmp_path, seed)
+    prompts = random_prompts(seed)
+    p = SamplingParams(max_new_tokens=NEW)
+    spec = SpecConfig("dflash", block_size=4, topk=topk, num_draft_tokens=4 if topk == 1 else 6)
+    base = make_engine(backend_name, cfg, dict(w), max_context=128).generate(prompts, p)
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128)
+    drafter = eng.strategy.drafter
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:V // 3]
+    drafter.set_draft_vocab(vocab)
+    drafted = []
+    block_top = eng.strategy.block_top
+    eng.strategy.block_top = lambda *a, **k: (lambda r: drafted.append(r[2]) or r)(block_top(*a, **k))
+    assert eng.generate(prompts, p).tokens == base.tokens, f"seed={seed}"
+    allowed = set(vocab.tolist())
+    assert drafted and all(set(t.flatten().tolist()) <= allowed for t in drafted)
+    # the unfused head (trainable weights) drafts the same top-k over the subset
+    h = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).to(drafter.dtype)
+    fused = ops.rms_norm_matmul_topk(h, None, drafter._fused["head"], cfg.rms_norm_eps, 3,
+                                     column_ids=drafter.draft_vocab)
+    ref = ops.topk_log_probs(drafter.logits(rms_norm_ref(h, drafter.w["norm.weight"], cfg.rms_norm_eps))
+                             [:, drafter.draft_vocab], 3)
+    assert torch.equal(fused[1], drafter.draft_token_ids(ref[1]))
+    drafter.set_draft_vocab(torch.arange(2))
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        make_engine(backend_name, cfg, dict(w), spec=SpecConfig("dflash", block_size=4, topk=4, num_draft_tokens=6),
+                    max_context=128, draft_model=drafter)
+    drafter.set_draft_vocab(None)
+    assert drafter.draft_vocab is None and drafter._fused["head"].shape[0] == V
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
