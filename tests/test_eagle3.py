@@ -603,6 +603,8 @@ def test_training_continues_from_a_drafter(tmp_path):
     first = json.loads((tmp_path / "a" / "train_log.json").read_text())["final_eval"]["acc"]
     second = json.loads((tmp_path / "b" / "train_log.json").read_text())["final_eval"]["acc"]
     assert second == pytest.approx(first, abs=0.02)         # one step at lr 1e-9: the same drafter
+    init = json.loads((tmp_path / "b" / "train_log.json").read_text())["init_eval"]["acc"]
+    assert init == pytest.approx(second, abs=1e-6)           # the starting weights, on the same rows
     card = (tmp_path / "b" / "README.md").read_text()
     assert "initialized from the weights of `a`" in card
     assert "same seed, same split" in card and "optimistic" not in card     # both runs: --seed 3
