@@ -572,7 +572,8 @@ class DFlashDrafter(TargetSharingDrafter):
         tokens outside are never drafted, which costs acceptance, never correctness (the
         verify is unchanged).  FR-Spec's frequency-ranked draft vocabulary (Zhao et al.,
         arXiv 2502.14856), as for EAGLE-3 (:meth:`Eagle3Drafter.set_draft_vocab`).  Training
-        (:meth:`logits`) keeps the full vocabulary.
+        (:meth:`logits`) keeps the full vocabulary.  Set it before building an engine: a
+        captured CUDA graph keeps the head it was captured with.
 
         Raises:
             ValueError: not a 1-D integer tensor, empty, repeated ids, or ids outside

@@ -39,9 +39,9 @@ def random_init(param_shapes: Dict[str, Tuple[int, ...]], seed: int = 0, std: fl
 
 def frequent_tokens(counts: torch.Tensor, n: int) -> torch.Tensor:
     """The ``n`` most frequent token ids by ``counts`` (``[V]``, a count per token id), most
-    frequent first, ties (and never-seen ids) to the lower id: the draft vocabulary of
-    :meth:`TargetSharingDrafter.set_draft_vocab` (FR-Spec ranks by frequency in a corpus; here the
-    target's own generated tokens, ``TOKEN_FREQUENCIES_FILE`` of a trained drafter).
+    frequent first, ties (and never-seen ids) to the lower id: the draft vocabulary a drafter's
+    ``set_draft_vocab`` takes (FR-Spec ranks by frequency in a corpus; here the target's own
+    generated tokens, ``TOKEN_FREQUENCIES_FILE`` of a trained drafter).
 
     Raises:
         ValueError: ``counts`` not 1-D or ``n`` outside ``[1, len(counts)]``.
@@ -92,7 +92,8 @@ class TargetSharingDrafter:
     own only their layers (:attr:`w`) and read the target's embedding table and LM head.
 
     Subclasses set ``target``, ``config`` (``hidden_size``, ``num_key_value_heads``,
-    ``head_dim``), ``num_layers``, ``device``, ``dtype`` and ``w``."""
+    ``head_dim``), ``num_layers``, ``device``, ``dtype``, ``w`` and ``draft_vocab`` (None or
+    the int64 ids their ``set_draft_vocab`` keeps)."""
 
     @property
     def vocab_size(self) -> int:
