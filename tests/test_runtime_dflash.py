@@ -358,6 +358,31 @@ def test_dflash_lossless_cuda(tmp_path, block_size, backend_name):
     assert [len(t) for t in res.tokens] == [NEW] * len(prompts)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk", [1, 4])
+def test_dflash_draft_vocab_graphs_cuda(tmp_path, topk, backend_name):
+    """On CUDA with whole-round graphs, a DFlash chain / DDTree drafting from a random third of
+    the vocabulary (set before the engine captures its graphs) == target-only greedy."""
+    seed = random.randrange(2**31)
+    cfg, w = random_model(tmp_path, seed)
+    prompts = random_prompts(seed, 5)
+    kw = dict(device="cuda", max_context=128, max_batch=5)
+    base = make_engine(backend_name, cfg, dict(w), **kw).generate(prompts, SamplingParams(max_new_tokens=NEW))
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:V // 3]
+
+    def drafter(target):
+        d = dflash.DFlashDrafter(target, 2, max_positions=128, seed=seed)
+        d.set_draft_vocab(vocab)
+        return d
+
+    spec = SpecConfig("dflash", block_size=4, topk=topk, num_draft_tokens=4 if topk == 1 else 6)
+    eng = make_engine(backend_name, cfg, dict(w), spec=spec, cuda_graph=True, draft_model=drafter, **kw)
+    assert (uses_graphs(eng) or bool(eng.eager_routed)) and eng.strategy.drafter.draft_vocab is not None
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    assert res.tokens == base.tokens, f"seed={seed}"
+    check_rows_restored(eng)
+
+
 @pytest.mark.slow
 def test_shipped_dflash_generate_equals_none(gguf_path, backend_name):
     """``specattn generate --algo dflash`` picks the shipped DFlash drafter for the default
