@@ -43,7 +43,7 @@ construction raises ``UnsupportedError`` naming what is missing.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -220,6 +220,10 @@ class Engine:
             :func:`default_min_free_slots` of ``max_batch``.  SGLang's ``min_free_slots``
             delayer (its default for DFlash drafters) is the same rule.
         max_admission_delay: the most rounds a free row waits for others (>= 0).
+        overlap: whether :meth:`generate` queues round ``n + 1`` before it reads round
+            ``n`` (None, the default: with whole-round graphs, where the GPU then runs while
+            the host reads; eager rounds gain nothing from it, but run it the same way with
+            True).
         kv_cache_dtype: the target's KV cache dtype (default: the model's);
             ``torch.float8_e4m3fn`` stores it in e4m3 with ``kv_scales = (k_scale, v_scale)``
             (each a float or one per layer; an MLA latent has one scale, so both must be equal,
@@ -255,7 +259,7 @@ class Engine:
                  cuda_graph: bool = False, draft_model=None, page_size: int = 1,
                  prefill_graph_tokens: int = 4096, min_free_slots: Optional[int] = None,
                  max_admission_delay: int = 16, kv_cache_dtype: Optional[torch.dtype] = None,
-                 kv_scales: Tuple = (1.0, 1.0)):
+                 kv_scales: Tuple = (1.0, 1.0), overlap: Optional[bool] = None):
         self.spec = spec or SpecConfig()
         self.spec.validate()
         if page_size < 1 or max_context % page_size:
@@ -272,6 +276,7 @@ class Engine:
             raise ValueError(f"max_admission_delay must be >= 0, got {max_admission_delay}")
         self.prefill_graph_tokens = prefill_graph_tokens
         self.min_free_slots, self.max_admission_delay = min_free_slots, max_admission_delay
+        self.overlap = overlap
         self.eos = set(eos_token_ids)
         if weights is not None:
             self.target = LlamaModel(config, weights, "cpu" if device is None else device, dtype)
@@ -787,6 +792,17 @@ class Engine:
             return True
         return rounds_held >= self.max_admission_delay
 
+    @staticmethod
+    def rows_to_launch(running: Sequence[Request], in_flight: Sequence[Sequence[Request]],
+                       unread_roots: Sequence[Request] = ()) -> List[Request]:
+        """The requests of ``running`` the next round serves: all but those that the rounds
+        in flight (``in_flight``: each one's requests, each round emitting at least one
+        token per request) and their roots not yet read (``unread_roots``: requests of
+        prefills whose roots the host has not emitted) surely finish by their token limit."""
+        due = Counter(id(r) for snap in in_flight for r in snap)
+        due.update(id(r) for r in unread_roots)
+        return [r for r in running if len(r.output) + due[id(r)] < r.max_new_tokens]
+
     def _emit(self, req: Request, tokens: Sequence[int]) -> None:
         for t in tokens:
             req.output.append(int(t))
@@ -858,7 +874,8 @@ class Engine:
                      > self.max_context)
             raise ValueError(f"prompt {r.rid}: length {len(r.prompt)} + max_new_tokens "
                              f"{r.max_new_tokens} does not fit max_context {self.max_context}")
-        overlap = self.whole_round_graphs and need + self._margin(True) <= self.max_context
+        overlap = (self.whole_round_graphs if self.overlap is None else self.overlap) and \
+            need + self._margin(True) <= self.max_context
         self.params = params
         self.generator.manual_seed(params.seed if params.seed is not None else 0)
         self.num_forward_target = 0
@@ -906,12 +923,16 @@ class Engine:
                 admit()
             if progress is not None:
                 progress(sum(len(r.output) for r in reqs))
-            if running and len(pending) < (2 if overlap else 1):
+            # a request the rounds in flight surely finish (each emits >= 1 token per row)
+            # joins no further round: e.g. a length-limited request's last plain step
+            launch = self.rows_to_launch(running, [snap for snap, _, _ in pending],
+                                         [r for _, adm in admissions for r in adm.reqs])
+            if launch and len(pending) < (2 if overlap else 1):
                 buf = host[k % 3] if host is not None else None
                 k += 1
                 # the device may be up to two rounds past what the host has read
-                bound = max(len(r.prompt) + len(r.output) for r in running) + 2 * self.strategy.tokens_per_round + 2
-                pending.append((list(running), n_admitted, self._launch([r.row for r in running], buf, bound)))
+                bound = max(len(r.prompt) + len(r.output) for r in launch) + 2 * self.strategy.tokens_per_round + 2
+                pending.append((launch, n_admitted, self._launch([r.row for r in launch], buf, bound)))
                 n_rounds += 1
                 if overlap and len(pending) < 2:
                     continue

@@ -184,6 +184,44 @@ def test_more_prompts_than_rows(tmp_path, spec, backend_name):
 
 @pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("eagle", 1, 3, 4), SpecConfig("eagle", 3, 3, 8, 2),
                                   SpecConfig("dflash", block_size=4), SpecConfig("ngram", 2, 2, 5)], ids=str)
+def test_overlapped_loop(tmp_path, spec, backend_name):
+    """The host loop of whole-round graphs (``overlap``: round ``n + 1`` queued before round
+    ``n`` is read), run here on eager rounds: continuous batching with EOS and length stops
+    gives every request what a batch of its own would, tokens of finished requests'
+    in-flight rounds are dropped, and a request the rounds in flight surely finish joins no
+    further round (plain decoding spends exactly one step per generated token past the root)."""
+    seed, cfg, w, prompts, limits, want = continuous_batching_case(tmp_path, spec, backend_name, 5, 9)
+    limits[:3] = [2, 7, 1]    # a root and one round, a longer one, a root alone
+    n = len(prompts)
+    for eos in ([], [want.tokens[0][0]]):
+        kw = dict(spec=spec, max_context=128, eos_token_ids=eos)
+        ref = make_engine(backend_name, cfg, dict(w), max_batch=n, **kw).generate(
+            prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
+        for max_batch in (1, 2):
+            eng = make_engine(backend_name, cfg, dict(w), max_batch=max_batch, overlap=True, **kw)
+            got = eng.generate(prompts, SamplingParams(max_new_tokens=20), max_new_tokens=limits)
+            assert got.tokens == ref.tokens and got.finish_reasons == ref.finish_reasons, \
+                f"seed={seed} max_batch={max_batch} eos={eos}"
+            check_rows_restored(eng)
+            if spec.algo == "none" and not eos and max_batch == 1:   # no wasted step at a length limit
+                assert got.num_rounds == sum(m - 1 for m in limits)
+    assert make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128).overlap is None
+
+
+def test_rows_to_launch():
+    """A request joins the next round unless the rounds in flight surely finish it."""
+    from specattn.spec_runtime.engine import Engine, Request
+    a, b, c = (Request(i, [1], row=i, max_new_tokens=m) for i, m in enumerate((4, 4, 9)))
+    a.output, b.output, c.output = [5, 6, 7], [5, 6], [5]
+    assert Engine.rows_to_launch([a, b, c], []) == [a, b, c]
+    assert Engine.rows_to_launch([a, b, c], [[a, b, c]]) == [b, c]          # a: 3 + 1 >= 4
+    assert Engine.rows_to_launch([a, b, c], [[a, b, c], [b, c]]) == [c]     # b: 2 + 2 >= 4
+    assert Engine.rows_to_launch([a, b], [[a, b], [a, b]]) == []
+    assert Engine.rows_to_launch([a, b, c], [], [a]) == [b, c]               # a's root is still to come
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("eagle", 1, 3, 4), SpecConfig("eagle", 3, 3, 8, 2),
+                                  SpecConfig("dflash", block_size=4), SpecConfig("ngram", 2, 2, 5)], ids=str)
 def test_per_mode_graph_plan(tmp_path, spec, monkeypatch):
     """Backends that plan on the host (FlashInfer, FlashMLA) get per-mode graphs: the engine
     asks the strategy for its plan, sizes each backend's graph state for every entry and
