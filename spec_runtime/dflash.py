@@ -112,7 +112,7 @@ from specattn.backends import AttentionBackend, AttentionLayer, ForwardBatch, Fo
 from .loader import LlamaConfig, check_decoder_shape, check_weight_shapes
 from .drafter_base import TargetSharingDrafter, random_init
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
-from .strategies import PrefillBatch, SpecConfig, Strategy
+from .strategies import PrefillBatch, SpecConfig, Strategy, check_draft_vocab_topk
 
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, RoundBatch
@@ -892,9 +892,7 @@ class DFlashStrategy(Strategy):
             self.drafter = draft_model
         else:
             self.drafter = DFlashDrafter(target, spec.draft_layers or 2, max_positions=max_context)
-        vocab = self.drafter.draft_vocab
-        if vocab is not None and vocab.numel() < self.K:
-            raise ValueError(f"topk={self.K} exceeds the drafter's {vocab.numel()}-token draft vocabulary")
+        check_draft_vocab_topk(self.drafter, self.K)
         self.drafter.reserve_positions(max_context)   # the RoPE table and the fused inference path
         self.target_capture_layers = tuple(self.drafter.context_layers)
         self.tokens_per_round = max(self.B, self.D)

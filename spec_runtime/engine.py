@@ -926,8 +926,9 @@ class Engine:
             # a request the rounds in flight surely finish (each emits >= 1 token per row)
             # joins no further round: e.g. a length-limited request's last plain step
             launch = self.rows_to_launch(running, [snap for snap, _, _ in pending],
-                                         [r for _, adm in admissions for r in adm.reqs])
-            if launch and len(pending) < (2 if overlap else 1):
+                                         [r for _, adm in admissions for r in adm.reqs]) \
+                if running and len(pending) < (2 if overlap else 1) else []
+            if launch:
                 buf = host[k % 3] if host is not None else None
                 k += 1
                 # the device may be up to two rounds past what the host has read

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # the engine imports this module
     from .engine import Engine, ForwardOut, RoundBatch
 
 __all__ = ["SpecConfig", "Strategy", "PrefillBatch", "PlainDecoding", "EagleStrategy", "make_strategy",
-           "top_log_probs", "parse_by_batch"]
+           "top_log_probs", "parse_by_batch", "check_draft_vocab_topk"]
 
 Role = str
 ModeList = List[Tuple[Role, ForwardMode]]
@@ -186,6 +186,15 @@ class SpecConfig:
                 elif d < 1 or (d - 1) % self.num_steps or (d - 1) // self.num_steps > self.topk:
                     raise ValueError(f"ngram's num_draft_tokens_by_batch values are 1 + chains * num_steps with "
                                      f"0 <= chains <= topk={self.topk}, num_steps={self.num_steps}, got {d}")
+
+
+def check_draft_vocab_topk(drafter, topk: int) -> None:
+    """Raises ValueError when ``drafter`` drafts from a draft vocabulary (``draft_vocab``,
+    int64 ``[V']``) of fewer than ``topk`` tokens: a round could not draft ``topk`` distinct
+    tokens per position."""
+    vocab = getattr(drafter, "draft_vocab", None)
+    if vocab is not None and vocab.numel() < topk:
+        raise ValueError(f"topk={topk} exceeds the drafter's {vocab.numel()}-token draft vocabulary")
 
 
 def parse_by_batch(text: str) -> Tuple[Tuple[int, int], ...]:
@@ -387,9 +396,7 @@ class EagleStrategy(Strategy):
             n = spec.draft_layers or max(1, 3 * target.num_layers // 4)
             self.drafter = target.with_layers(n)
         self.eagle3 = hasattr(self.drafter, "aux_layer_ids")
-        vocab = getattr(self.drafter, "draft_vocab", None)
-        if vocab is not None and vocab.numel() < self.K:
-            raise ValueError(f"topk={self.K} exceeds the drafter's {vocab.numel()}-token draft vocabulary")
+        check_draft_vocab_topk(self.drafter, self.K)
         if hasattr(self.drafter, "reserve_positions"):   # fused paths read a RoPE table
             self.drafter.reserve_positions(max_context)
         self.shift = 1 if self.eagle3 else 0
