@@ -929,28 +929,34 @@ class DFlashStrategy(Strategy):
         (same slots and positions as the target's)."""
         self.drafter.write_context_kv(pb.out.features, pb.batch.positions, pb.batch.out_cache_loc, eng.draft_pool)
 
-    def block_top(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor,
-                  k: int, slots: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    def block_inputs(self, eng: "Engine", rows: torch.Tensor) -> ops.ExtendCacheLocs:
+        """The block's inputs for request ``rows``, in one launch (:func:`ops.extend_cache_locs`):
+        the prefix lengths ``P`` (int32 ``[bs]``), positions ``P .. P+B-1`` and KV slots
+        ``req_to_token[row, P:P+B]`` (int64 ``[bs * B]`` each, request-major) and the input
+        ids ``[root, MASK x (B-1)]`` (int64 ``[bs, B]``); ``B``: :meth:`block_for`."""
+        return ops.extend_cache_locs(rows, eng.prefix_lens, eng.req_pool.req_to_token,
+                                     self.block_for(eng, rows.shape[0]), roots=eng.roots,
+                                     fill_id=self.drafter.mask_token_id, check_values=False)
+
+    def block_top(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, k: int,
+                  block: Optional[ops.ExtendCacheLocs] = None,
                   n_out: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One non-causal drafter forward per request over ``[root, MASK x (B-1)]`` at positions
         ``P .. P+B-1`` (``TARGET_VERIFY``, all-ones tree mask; slots ``req_to_token[row, P:P+B]``;
-        ``slots``: those ``(positions, slots)``, int64 ``[bs * B]`` each, when the caller has
-        them).  Returns the block's input ids ``[bs, B]`` and the ``k`` best
-        ``(log-probabilities float32, token ids int64)``, each ``[bs, n_out - 1, k]``, of the
-        drafts at block positions ``1 .. n_out-1`` (``n_out``: default ``B``; the LM head runs
-        on those rows only, and where the drafter has a fused one the logits are never
-        written)."""
+        ``block``: :meth:`block_inputs` when the caller has them).  Returns the block's input
+        ids ``[bs, B]`` and the ``k`` best ``(log-probabilities float32, token ids int64)``,
+        each ``[bs, n_out - 1, k]``, of the drafts at block positions ``1 .. n_out-1``
+        (``n_out``: default ``B``; the LM head runs on those rows only, and where the drafter
+        has a fused one the logits are never written)."""
         bs, n = rows.shape[0], eng.max_batch + 1
         B = self.block_for(eng, bs)
         n_out = B if n_out is None else n_out
-        masks = eng.constant(("dflash_block_masks", B, n), lambda: torch.full(
-            (n, B - 1), self.drafter.mask_token_id, dtype=torch.int64, device=eng.device))
-        ids = torch.cat([eng.roots[rows][:, None], masks[:bs]], dim=1)
-        positions, loc = slots if slots is not None else self.block_slots(eng, rows, P, B)
+        block = self.block_inputs(eng, rows) if block is None else block
+        ids = block.input_ids
         ones = eng.constant(("dflash_ones_mask", B, n),   # packed all-ones [B, B]: non-causal in the block
                             lambda: pack_tree_mask(torch.ones(n, B, B, dtype=torch.bool, device=eng.device)))[:bs]
-        batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, B, loc, positions=positions,
-                          tree_mask=ones, host_prefix_lens=rb.host())
+        batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, block.seq_lens, B, block.out_cache_loc,
+                          positions=block.positions, tree_mask=ones, host_prefix_lens=rb.host())
         if n_out == B:   # every row (the root's row is one wasted head row: cheaper than a gather)
             out = eng.forward("draft", ids.flatten(), batch, top_k=k)
             vals, toks = out.top if out.top is not None else ops.topk_log_probs(out.logits, k)
@@ -961,36 +967,31 @@ class DFlashStrategy(Strategy):
         vals, toks = out.top if out.top is not None else ops.topk_log_probs(out.logits, k)
         return ids, vals.view(bs, n_out - 1, k), toks.view(bs, n_out - 1, k)
 
-    @staticmethod
-    def block_slots(eng: "Engine", rows: torch.Tensor, P: torch.Tensor, n: int
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Positions ``P + j`` and KV slots ``req_to_token[row, P + j]`` of ``j < n`` tokens
-        per request: int64 ``[bs * n]`` each (request-major)."""
-        cols = P[:, None] + eng.arange(n)
-        return cols.flatten(), eng.req_pool.req_to_token[rows[:, None], cols].long().flatten()
-
-    def propose_block(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor,
-                      slots: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    def propose_block(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor,
+                      block: Optional[ops.ExtendCacheLocs] = None,
                       n_out: Optional[int] = None) -> torch.Tensor:
         """The chain's ``draft_tokens [bs, n_out]`` (default ``[bs, B]``): the roots, then the
-        block's argmax drafts (``slots``, ``n_out``: as :meth:`block_top`)."""
-        ids, _, toks = self.block_top(eng, rb, rows, P, 1, slots, n_out)
+        block's argmax drafts (``block``, ``n_out``: as :meth:`block_top`)."""
+        ids, _, toks = self.block_top(eng, rb, rows, 1, block, n_out)
         return torch.cat([ids[:, :1], toks[..., 0]], dim=1)
 
-    def _tree(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, P: torch.Tensor, D: int):
-        """``(draft_tokens [bs, D], TreeInfo, num_steps, (positions, out_cache_loc))`` of this
-        round's chain or DDTree (``D``: :meth:`tree_for`; the last pair: :meth:`block_slots`
-        of ``D`` tokens, the verify's slots and the committed tokens' positions)."""
+    def _tree(self, eng: "Engine", rb: "RoundBatch", rows: torch.Tensor, D: int):
+        """``(P int32 [bs], draft_tokens [bs, D], TreeInfo, num_steps, (positions,
+        out_cache_loc))`` of this round's chain or DDTree (``D``: :meth:`tree_for`; the last
+        pair: int64 ``[bs * D]`` each, the verify's positions and slots, ``P + j`` and
+        ``req_to_token[row, P + j]``, also the committed tokens' positions)."""
+        block = self.block_inputs(eng, rows)
+        P = block.seq_lens
         if self.K == 1:   # chain_tree(P, D): kept rows sliced; the block's positions and slots
             bs, n, B = rows.shape[0], eng.max_batch + 1, self.block_for(eng, rows.shape[0])
             c = eng.constant(("dflash_chain_tree", D, n),
                              lambda: chain_tree(torch.zeros(n, dtype=torch.int64, device=eng.device), D))
-            block = self.block_slots(eng, rows, P, B)
-            slots = block if D == B else tuple(t.view(bs, B)[:, :D].reshape(-1) for t in block)
+            slots = (block.positions, block.out_cache_loc) if D == B else \
+                tuple(t.view(bs, B)[:, :D].reshape(-1) for t in (block.positions, block.out_cache_loc))
             tree = ops.TreeInfo(c.tree_mask[:bs], slots[0], c.retrive_index[:bs], c.retrive_next_token[:bs],
                                 c.retrive_next_sibling[:bs])
-            return self.propose_block(eng, rb, rows, P, block, D), tree, D - 1, slots
-        ids, vals, toks = self.block_top(eng, rb, rows, P, self.K)
+            return P, self.propose_block(eng, rb, rows, block, D), tree, D - 1, slots
+        ids, vals, toks = self.block_top(eng, rb, rows, self.K, block)
         parent_list, scores, tokens = ops.ddtree_candidates(vals, toks)
         roots = ids[:, 0]
         if scores.shape[1] <= ops.EAGLE_MAX_CANDIDATES:   # one launch: the D - 1 best, in order
@@ -999,21 +1000,22 @@ class DFlashStrategy(Strategy):
             selected = ops.order_keys(scores).topk(D - 1, dim=-1).indices.sort(dim=-1).values   # the fused order
             draft_tokens = torch.cat([roots[:, None], tokens.gather(1, selected)], 1)
         tree = ops.build_tree(parent_list, selected, P, self.K, self.B - 1, D)
-        return draft_tokens, tree, self.B - 1, self.block_slots(eng, rows, P, D)
+        verify = block if D == self.block_for(eng, rows.shape[0]) else \
+            ops.extend_cache_locs(rows, eng.prefix_lens, eng.req_pool.req_to_token, D, check_values=False)
+        return P, draft_tokens, tree, self.B - 1, (verify.positions, verify.out_cache_loc)
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
         rows = rb.rows
         bs = rows.shape[0]
         D = self.tree_for(eng, bs)
-        P = eng.prefix_lens[rows].to(torch.int32)   # (once: every consumer takes int32)
-        draft_tokens, tree, num_steps, (positions, out_cache_loc) = self._tree(eng, rb, rows, P, D)
+        P, draft_tokens, tree, num_steps, (positions, out_cache_loc) = self._tree(eng, rb, rows, D)
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
         t = eng.forward("target", draft_tokens.flatten(), batch, capture_layers=self.target_capture_layers,
                         top_k=eng.greedy_top_k)
         cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t, num_steps, out_cache_loc,
-                                           hidden_states=t.features)
+                                           hidden_states=t.features, chain=self.K == 1)
         # context KV of root + accepted drafts, compacted to rows 0 .. a (positions P .. P+a);
         # the other rows land past the new prefix and are rewritten before any read
         self.drafter.write_context_kv(cp.hidden_states, positions, cp.tgt_loc, eng.draft_pool)
-        eng.commit(rb, rows, P, cp.predicts.view(bs, D).long(), n_acc)
+        eng.commit(rb, rows, P, cp.predicts.view(bs, D), n_acc)

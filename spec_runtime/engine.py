@@ -645,12 +645,15 @@ class Engine:
 
     def verify_and_compact(self, draft_tokens: torch.Tensor, tree: ops.TreeInfo, target: ForwardOut,
                            num_steps: int, out_cache_loc: torch.Tensor,
-                           hidden_states: Optional[torch.Tensor] = None):
+                           hidden_states: Optional[torch.Tensor] = None, chain: bool = False):
         """Greedy or lossless stochastic tree verify of ``draft_tokens [bs, n]`` against the
         target's forward over them (``target``: float32 ``logits [bs*n, V]``, or when greedy
         the argmax of a forward asked ``top_k=greedy_top_k``), then accepted-path
         compaction (tokens and, when given, ``hidden_states [bs*n, *]``) and one KV move for
-        all target layers.  Returns ``(CompactedPath, accept_length int64 [bs])``; device
+        all target layers.  ``chain``: the tree is one chain in token order (``draft_tokens``
+        column ``j`` at depth ``j``), so every accepted path is already at the front of its
+        block and both are skipped (compaction would return its inputs, the move copy every
+        slot onto itself).  Returns ``(CompactedPath, accept_length int32 [bs])``; device
         work only."""
         bs, n = draft_tokens.shape
         args = (draft_tokens, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling)
@@ -659,25 +662,26 @@ class Engine:
         else:
             probs = logits_to_probs(target.logits, self.params).view(bs, n, -1)
             res = ops.tree_speculative_sampling(*args, probs, num_steps, generator=self.generator)
+        if chain:
+            return ops.CompactedPath(self.arange(bs * n), res.predicts, hidden_states, out_cache_loc,
+                                     out_cache_loc, out_cache_loc), res.accept_length
         cp = ops.compact_accepted_path(res.accept_index, res.accept_length, out_cache_loc, n,
                                        predicts=res.predicts, hidden_states=hidden_states)
         # hazards stay within each request's block; slots are the engine's own: no checks
         self.target_pool.move_kv_cache(cp.tgt_loc, cp.src_loc, group_size=n, check_values=False)
-        return cp, res.accept_length.long()
+        return cp, res.accept_length
 
     def commit(self, rb: RoundBatch, rows: torch.Tensor, prefix_lens: torch.Tensor, path: torch.Tensor,
                accept_length: torch.Tensor, also: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
-        """Emit each request's accepted drafts + bonus (``path [bs, n]``, compacted, int64)
-        into ``rb``, commit ``prefix_lens += accept_length + 1`` and make the bonus the new
-        root; ``also``: up to 6 more ``(state [rows, ...], new values [bs, ...])`` pairs the
-        strategy keeps per request row, written in the same :func:`ops.scatter_rows` launch.
-        Device work only."""
-        bs, n = path.shape
-        rb.emit_tokens[:, :n].copy_(path)
-        torch.add(accept_length, 1, out=rb.emit_count)
-        roots = path.gather(1, accept_length[:, None]).squeeze(1)
-        ops.scatter_rows(rows, [(self.prefix_lens, prefix_lens + rb.emit_count), (self.roots, roots), *also],
-                         check_values=False)
+        """Emit each request's accepted drafts + bonus (``path [bs, n]``, compacted, int32 or
+        int64) into ``rb``, commit ``prefix_lens += accept_length + 1`` and make the bonus
+        the new root (one :func:`ops.commit_accepted` launch); ``also``: up to 8 more
+        ``(state [rows, ...], new values [bs, ...])`` pairs the strategy keeps per request
+        row, written in one :func:`ops.scatter_rows` launch.  Device work only."""
+        ops.commit_accepted(rows, self.prefix_lens, self.roots, prefix_lens, path.contiguous(), accept_length,
+                            rb.emitted, check_values=False)
+        if also:
+            ops.scatter_rows(rows, list(also), check_values=False)
 
     # ------------------------------------------------------------------ driver
     def _margin(self, overlap: bool) -> int:

@@ -126,12 +126,15 @@ class NgramStrategy(Strategy):
         bs = rows.shape[0]
         K = self.chains_for(eng, bs)
         D = 1 + K * S
-        P = eng.prefix_lens[rows]
+        # P, the verify's slots req_to_token[row, P + j] and the roots, in one launch
+        loc = ops.extend_cache_locs(rows, eng.prefix_lens, eng.req_pool.req_to_token, D, roots=eng.roots,
+                                    check_values=False)
+        P, out_cache_loc, roots = loc.seq_lens, loc.out_cache_loc, loc.input_ids[:, :1]
         if K:
             drafts, _ = ops.ngram_candidates(self.history[rows], P, self.n, K, S, check_values=False)
-            draft_tokens = torch.cat([eng.roots[rows][:, None], drafts.flatten(1)], 1)     # [bs, D]
+            draft_tokens = torch.cat([roots, drafts.flatten(1)], 1)     # [bs, D]
         else:   # no chain: the root alone, a decode step through the verify path
-            draft_tokens = eng.roots[rows][:, None]
+            draft_tokens = roots
         j = eng.arange(D)
         # the tree's value-independent fields are the same every round: kept engine constants
         one = self.shapes[K]
@@ -140,11 +143,10 @@ class NgramStrategy(Strategy):
             (torch.arange(bs, device=dev)[:, None] * D + torch.arange(D, device=dev)),
             one[2].expand(bs, D).contiguous(), one[3].expand(bs, D).contiguous()))
         tree = ops.TreeInfo(shape[0], (P[:, None] + one[1][None, :]).flatten(), shape[1], shape[2], shape[3])
-        out_cache_loc = eng.req_pool.req_to_token[rows[:, None], P[:, None] + j].long().flatten()
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
         t = eng.forward("target", draft_tokens.flatten(), batch, top_k=eng.greedy_top_k)
-        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t, S, out_cache_loc)
+        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t, S, out_cache_loc, chain=K <= 1)
         path = cp.predicts.view(bs, D).long()
         # every emitted token joins the history (positions past the new root are rewritten later)
         self.history[rows[:, None], P[:, None] + 1 + j] = path

@@ -347,13 +347,15 @@ class PlainDecoding(Strategy):
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
         rows = rb.rows
-        P, roots = ops.gather_rows(rows, [eng.prefix_lens, eng.roots], check_values=False)
-        loc = eng.req_pool.req_to_token[rows, P]
-        batch = eng.batch(ForwardMode.DECODE, rows, P, 1, loc, host_prefix_lens=rb.host())
-        nxt = eng.next_tokens(eng.forward("target", roots, batch, top_k=eng.greedy_top_k))
-        rb.emit_tokens[:, 0] = nxt
-        rb.emit_count.fill_(1)
-        ops.scatter_rows(rows, [(eng.prefix_lens, P + 1), (eng.roots, nxt.contiguous())], check_values=False)
+        bs = rows.shape[0]
+        # P, the position and slot of the root, and the root, in one launch
+        loc = ops.extend_cache_locs(rows, eng.prefix_lens, eng.req_pool.req_to_token, 1, roots=eng.roots,
+                                    check_values=False)
+        batch = eng.batch(ForwardMode.DECODE, rows, loc.seq_lens, 1, loc.out_cache_loc, positions=loc.positions,
+                          host_prefix_lens=rb.host())
+        nxt = eng.next_tokens(eng.forward("target", loc.input_ids.view(bs), batch, top_k=eng.greedy_top_k))
+        none_accepted = eng.constant(("no_drafts", bs), lambda: torch.zeros(bs, dtype=torch.int32, device=eng.device))
+        eng.commit(rb, rows, loc.seq_lens, nxt.reshape(bs, 1), none_accepted)
 
 
 class EagleStrategy(Strategy):
@@ -677,12 +679,13 @@ class EagleStrategy(Strategy):
         else:
             selected, draft_tokens = ops.select_draft_tokens(scores, tokens, rs.roots, D, impl=draft_ops)
         tree = ops.build_tree(parent_list, selected, P.to(torch.int32), K, S, D)
-        out_cache_loc = rtt[rows[:, None], P[:, None] + eng.arange(D)].long().flatten()
+        out_cache_loc = ops.extend_cache_locs(rows, eng.prefix_lens, rtt, D, check_values=False).out_cache_loc
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
         t = eng.forward("target", draft_tokens.flatten(), batch, capture_layers=self.target_capture_layers,
                         top_k=eng.greedy_top_k)
-        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t, S, out_cache_loc, hidden_states=t.features)
+        cp, n_acc = eng.verify_and_compact(draft_tokens, tree, t, S, out_cache_loc, hidden_states=t.features,
+                                           chain=K == 1 and D == S + 1)   # all S drafts: in order
         path = cp.predicts.view(bs, D).long()          # accepted drafts + bonus first
         first = P + (1 - sh)                            # the drafter entry of path[:, 0]
         if 1 - sh + L <= D:  # the verify's slots already hold these columns (req_to_token is unchanged since)

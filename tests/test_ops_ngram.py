@@ -42,13 +42,14 @@ def _naive_ngram(hist, P, n, K, S):
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_ngram_candidates_match_naive(seed, impl):
     """Both implementations against the definition on fresh random histories with a small
-    alphabet (many matches and ties of length), rows with P = 0, fewer matches than chains,
+    alphabet (many matches and ties of length), int32 and int64 prefix lengths, rows with P = 0, fewer matches than chains,
     and a history longer than one Triton tile; outputs poisoned first where possible."""
     rng = random.Random(seed)
     for W, bs in ((40, 5), (7, 3), (1500, 2)):
         hist = torch.tensor([[rng.randrange(4) for _ in range(W)] for _ in range(bs)])
         P = torch.tensor([0] + [rng.randrange(0, W) for _ in range(bs - 1)])
         for n, K, S in ((1, 1, 3), (3, 2, 4), (4, 6, 2), (2, 9, 1)):
+            P = P.int() if K % 2 else P.long()   # both index dtypes
             got, L = ops.ngram_candidates(hist, P, n, K, S, impl=impl)
             assert got.shape == (bs, K, S) and L.shape == (bs, K)
             for i in range(bs):

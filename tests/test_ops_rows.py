@@ -1,4 +1,5 @@
-"""``ops.gather_rows`` / ``ops.scatter_rows``: both implementations against a per-row loop
+"""``ops.gather_rows`` / ``ops.scatter_rows`` / ``ops.extend_cache_locs`` /
+``ops.commit_accepted``: both implementations against a per-row loop
 written here, on fresh random state of mixed dtypes and widths (1 element to more than one
 1,024-wide block), repeated and int32 rows, every other row of the state left as it was,
 an empty batch, and validation.  On a CPU-only machine the Triton kernel
@@ -121,3 +122,120 @@ def test_gpu_graph_replay(seed):
     g.replay()
     for t, o in zip(ts, outs):
         assert torch.equal(o, t[rows])
+
+
+def _rtt(R, W):
+    """A ``req_to_token`` of distinct random slots per row (int32)."""
+    return torch.randperm(R * W, device=DEV).view(R, W).to(torch.int32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32], ids=str)
+@pytest.mark.parametrize("n", [1, 5, 16, 1100])
+def test_extend_cache_locs(impl, idx_dtype, n, seed):
+    R, W = 7, 1200
+    rtt = _rtt(R, W)
+    prefix = torch.randint(0, W - n + 1, (R,), device=DEV, dtype=idx_dtype)
+    roots = torch.randint(0, 50000, (R,), device=DEV, dtype=idx_dtype)
+    rows = torch.tensor([4, 0, 6, 4], device=DEV, dtype=idx_dtype)   # a repeat
+    fill = 1 if n % 2 else 16   # (an int argument of 1 reaches a Triton kernel as a constexpr)
+    got = ops.extend_cache_locs(rows, prefix, rtt, n, roots=roots, fill_id=fill, impl=impl)
+    for i, r in enumerate(rows.tolist()):
+        P = int(prefix[r])
+        assert int(got.seq_lens[i]) == P
+        assert got.positions[i * n:(i + 1) * n].tolist() == list(range(P, P + n))
+        assert got.out_cache_loc[i * n:(i + 1) * n].tolist() == rtt[r, P:P + n].tolist()
+        assert got.input_ids[i].tolist() == [int(roots[r])] + [fill] * (n - 1)
+    assert got.seq_lens.dtype == torch.int32 and got.positions.dtype == torch.int64
+    assert got.out_cache_loc.dtype == torch.int64 and got.input_ids.dtype == torch.int64
+    assert ops.extend_cache_locs(rows, prefix, rtt, n, impl=impl).input_ids is None
+
+
+def test_extend_cache_locs_validation():
+    rtt = _rtt(3, 8)
+    prefix = torch.tensor([0, 4, 7], device=DEV)
+    rows = torch.tensor([0, 1], device=DEV)
+    with pytest.raises(IndexError, match="prefix_lens"):
+        ops.extend_cache_locs(rows, prefix, rtt, 5)         # row 1: 4 + 5 > 8
+    with pytest.raises(IndexError, match="rows"):
+        ops.extend_cache_locs(torch.tensor([3], device=DEV), prefix, rtt, 1)
+    with pytest.raises(ValueError, match="n must be"):
+        ops.extend_cache_locs(rows, prefix, rtt, 0)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        ops.extend_cache_locs(rows, prefix, rtt.t(), 1)
+    with pytest.raises(ValueError):
+        ops.extend_cache_locs(rows, prefix.float(), rtt, 1)
+    assert ops.extend_cache_locs(rows[:0], prefix, rtt, 3).positions.numel() == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32], ids=str)
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_commit_accepted(impl, idx_dtype, n, seed):
+    R, bs, W = 9, 3, n + 3
+    prefix = torch.randint(0, 500, (R,), device=DEV)
+    roots = torch.randint(0, 50000, (R,), device=DEV)
+    before_p, before_r = prefix.clone(), roots.clone()
+    rows = torch.tensor([5, 0, 8], device=DEV, dtype=idx_dtype)
+    seq = torch.randint(0, 500, (bs,), device=DEV, dtype=idx_dtype)
+    path = torch.randint(0, 50000, (bs, n), device=DEV, dtype=idx_dtype)
+    acc = torch.randint(0, n, (bs,), device=DEV, dtype=idx_dtype)
+    acc[0] = n - 1   # the edges: every draft accepted, and none
+    acc[-1] = 0
+    emitted = torch.full((bs, 1 + W), -7, dtype=torch.int64, device=DEV)   # poisoned
+    ops.commit_accepted(rows, prefix, roots, seq, path, acc, emitted, impl=impl)
+    for i, r in enumerate(rows.tolist()):
+        a = int(acc[i])
+        assert emitted[i, 0] == a + 1 and emitted[i, 1:1 + n].tolist() == path[i].tolist()
+        assert emitted[i, 1 + n:].tolist() == [-7] * (W - n)      # past the path: untouched
+        assert int(roots[r]) == int(path[i, a]) and int(prefix[r]) == int(seq[i]) + a + 1
+    others = [r for r in range(R) if r not in rows.tolist()]
+    assert torch.equal(prefix[others], before_p[others]) and torch.equal(roots[others], before_r[others])
+
+
+def test_commit_accepted_validation():
+    prefix, roots = torch.zeros(4, dtype=torch.int64, device=DEV), torch.zeros(4, dtype=torch.int64, device=DEV)
+    rows, seq = torch.tensor([0, 1], device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV)
+    path, emitted = torch.zeros(2, 3, dtype=torch.int64, device=DEV), torch.zeros(2, 4, dtype=torch.int64, device=DEV)
+    with pytest.raises(IndexError, match="accept_length"):
+        ops.commit_accepted(rows, prefix, roots, seq, path, torch.tensor([0, 3], device=DEV), emitted)
+    with pytest.raises(IndexError, match="rows"):
+        ops.commit_accepted(torch.tensor([0, 4], device=DEV), prefix, roots, seq, path,
+                            torch.zeros(2, dtype=torch.int64, device=DEV), emitted)
+    with pytest.raises(ValueError, match="emitted"):
+        ops.commit_accepted(rows, prefix, roots, seq, path, torch.zeros(2, dtype=torch.int64, device=DEV),
+                            emitted[:, :3])
+    with pytest.raises(ValueError, match="path"):
+        ops.commit_accepted(rows, prefix, roots, seq, path.t().contiguous().t(), torch.zeros(2, dtype=torch.int64,
+                                                                                             device=DEV), emitted)
+
+
+@pytest.mark.gpu
+def test_gpu_round_ops_graph_replay(seed):
+    """``extend_cache_locs`` and ``commit_accepted`` captured once, replayed on new rows,
+    prefix lengths and paths: the replay matches the references."""
+    R, W, n = 9, 64, 6
+    rtt, prefix = _rtt(R, W), torch.randint(0, W - n, (R,), device=DEV)
+    roots = torch.randint(0, 50000, (R,), device=DEV)
+    rows = torch.randperm(R, device=DEV)[:4]
+    path = torch.randint(0, 50000, (4, n), device=DEV, dtype=torch.int32)
+    acc = torch.randint(0, n, (4,), device=DEV, dtype=torch.int32)
+    emitted = torch.zeros(4, 1 + n, dtype=torch.int64, device=DEV)
+    ops.extend_cache_locs(rows, prefix, rtt, n, roots=roots, fill_id=3)   # compiles outside the capture
+    ops.commit_accepted(rows, prefix.clone(), roots.clone(), prefix[rows], path, acc, emitted.clone())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = ops.extend_cache_locs(rows, prefix, rtt, n, roots=roots, fill_id=3)
+        ops.commit_accepted(rows, prefix, roots, got.seq_lens, path, acc, emitted)
+    rows.copy_(torch.randperm(R, device=DEV)[:4])
+    prefix.copy_(torch.randint(0, W - n, (R,), device=DEV))
+    path.copy_(torch.randint(0, 50000, (4, n), device=DEV, dtype=torch.int32))
+    acc.copy_(torch.randint(0, n, (4,), device=DEV, dtype=torch.int32))
+    p0, r0 = prefix.clone(), roots.clone()
+    want = ops.extend_cache_locs(rows, p0, rtt, n, roots=r0, fill_id=3, impl="reference")
+    want_e = torch.zeros_like(emitted)
+    ops.commit_accepted(rows, p0, r0, want.seq_lens, path, acc, want_e, impl="reference")
+    g.replay()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(emitted, want_e) and torch.equal(prefix, p0) and torch.equal(roots, r0)

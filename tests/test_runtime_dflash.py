@@ -46,6 +46,30 @@ def test_chain_tree_equals_build_tree(D):
         assert torch.equal(a.long(), b.long()), name
 
 
+@pytest.mark.parametrize("D", [2, 5, 16])
+def test_chain_compaction_is_identity(D):
+    """What ``Engine.verify_and_compact(chain=True)`` relies on to skip the compaction and
+    the KV move: on a chain in token order the verified path is already at the front of its
+    block, so compaction returns its inputs and every move pair is the identity (random
+    targets: every accept length from 0 to D - 1 occurs)."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    bs = 4 * D
+    tree = dflash.chain_tree(torch.randint(0, 50, (bs,), generator=g), D)
+    drafts = torch.randint(0, 3, (bs, D), generator=g)
+    target = torch.where(torch.rand(bs, D, generator=g) < 0.7, drafts.roll(-1, 1), 3)
+    target[0], target[1] = drafts[0].roll(-1), 3          # the edges: all accepted, none
+    res = ops.verify_tree_greedy(drafts, tree.retrive_index, tree.retrive_next_token,
+                                 tree.retrive_next_sibling, target, D - 1)
+    assert int(res.accept_length[0]) == D - 1 and int(res.accept_length[1]) == 0
+    loc = torch.randperm(2 * bs * D, generator=g)[:bs * D]
+    hid = torch.randn(bs * D, 3, generator=g)
+    cp = ops.compact_accepted_path(res.accept_index, res.accept_length, loc, D, predicts=res.predicts,
+                                   hidden_states=hid)
+    assert torch.equal(cp.src_index, torch.arange(bs * D))
+    assert torch.equal(cp.predicts, res.predicts) and torch.equal(cp.hidden_states, hid)
+    assert torch.equal(cp.tgt_loc, loc) and torch.equal(cp.src_loc, loc) and torch.equal(cp.out_cache_loc, loc)
+
+
 def test_context_layer_ids():
     assert dflash.context_layer_ids(30, 3) == [1, 14, 27]   # DFlash's rule: 1 .. n-3
     assert dflash.context_layer_ids(36, 1) == [18]          # one tap: the middle layer
@@ -240,9 +264,9 @@ def test_forced_acceptance_full_and_partial(tmp_path, monkeypatch, block_size, b
     expected = {i: [] for i in range(len(prompts))}
     real = dflash.DFlashStrategy.propose_block
 
-    def oracle(self, engine, rb, rows, P, *args):
-        toks = real(self, engine, rb, rows, P, *args).clone()      # the drafter still runs
-        for i, (row, p) in enumerate(zip(rows.tolist(), P.tolist())):
+    def oracle(self, engine, rb, rows, block, *args):
+        toks = real(self, engine, rb, rows, block, *args).clone()      # the drafter still runs
+        for i, (row, p) in enumerate(zip(rows.tolist(), block.seq_lens.tolist())):
             if row >= len(prompts):                          # a padding row
                 continue
             n = p - len(prompts[row]) + 1                    # tokens emitted so far (root last)
@@ -279,10 +303,10 @@ def test_block_size_by_batch(tmp_path, monkeypatch, backend_name, by):
         prompts, SamplingParams(max_new_tokens=NEW + 6)).tokens
     real = dflash.DFlashStrategy.propose_block
 
-    def oracle(self, engine, rb, rows, P, *args):
-        toks = real(self, engine, rb, rows, P, *args).clone()
+    def oracle(self, engine, rb, rows, block, *args):
+        toks = real(self, engine, rb, rows, block, *args).clone()
         B = toks.shape[1]
-        for i, (row, p) in enumerate(zip(rows.tolist(), P.tolist())):
+        for i, (row, p) in enumerate(zip(rows.tolist(), block.seq_lens.tolist())):
             if row < len(prompts):
                 n = p - len(prompts[row]) + 1
                 toks[i, 1:] = torch.tensor(ref[row][n:n + B - 1])

@@ -1,7 +1,8 @@
-"""Triton implementations of :func:`specattn.ops.gather_rows` and
-:func:`specattn.ops.scatter_rows` (registered as ``impl="triton"`` there; the launchers
+"""Triton implementations of :func:`specattn.ops.gather_rows`,
+:func:`specattn.ops.scatter_rows`, :func:`specattn.ops.extend_cache_locs` and
+:func:`specattn.ops.commit_accepted` (registered as ``impl="triton"`` there; the launchers
 have the references' positional signatures): up to ``MAX_TENSORS`` row copies indexed by
-one ``rows`` vector, in one launch.
+one ``rows`` vector, in one launch; a round's slots, and its commit, in one launch each.
 
 ``_rows_kernel``, grid ``(bs,)``: program ``i`` reads ``r = rows[i]`` once, then for each
 tensor pair ``t`` (unrolled: the count and every row width ``W_t``, in elements, are
@@ -12,7 +13,14 @@ vectors at a time, each tensor in its own dtype.  Rows are contiguous ``W_t``-el
 column``.  A row index repeated in a scatter has its writes race (the wrapper documents
 it); a gather may repeat rows freely.
 
-No host sync and no allocation but the gather's outputs, so a call is CUDA-graph
+``_extend_locs_kernel``, grid ``(bs,)``: program ``i`` reads ``r = rows[i]`` and ``P =
+prefix_lens[r]``, then writes ``P`` (int32), the ``n`` positions ``P + j``, their slots
+``req_to_token[r, P + j]`` (int64) and, with roots, the row's input ids ``[roots[r],
+fill_id, ..]``.  ``_commit_kernel``, grid ``(bs,)``: program ``i`` copies its ``n`` path
+tokens into the emitted block (int64) after the count ``a + 1``, and writes the row's new
+root ``path[i, a]`` and prefix length ``P + a + 1`` (``a = accept_length[i]``).
+
+No host sync and no allocation but the gathers' outputs, so a call is CUDA-graph
 capturable.  CPU interpreter (``TRITON_INTERPRET=1``): the same code on CPU tensors (the
 tests); without it, CPU tensors raise RuntimeError.
 """
@@ -28,7 +36,7 @@ import triton.language as tl
 
 from ._util import on_tensor_device, require_device
 
-__all__ = ["gather_rows", "scatter_rows", "MAX_TENSORS"]
+__all__ = ["gather_rows", "scatter_rows", "extend_cache_locs", "commit_accepted", "MAX_TENSORS"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -104,3 +112,73 @@ def scatter_rows(rows: torch.Tensor, pairs: Sequence[Tuple[torch.Tensor, torch.T
     """Triton :func:`specattn.ops.scatter_rows` (one launch; ``pairs`` are ``(dst, src)``)."""
     require_device(rows, "scatter_rows", _INTERPRET)
     _launch(rows, [(src, dst) for dst, src in pairs], scatter=True)
+
+
+@triton.jit
+def _extend_locs_kernel(rows_ptr, prefix_ptr, rtt_ptr, ld_rtt, roots_ptr, fill_id,
+                        seq_out, pos_out, loc_out, ids_out, n,
+                        HAS_ROOTS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    r = tl.load(rows_ptr + i).to(tl.int64)
+    p = tl.load(prefix_ptr + r).to(tl.int64)
+    tl.store(seq_out + i, p.to(tl.int32))
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < n
+        pos = p + j
+        tl.store(pos_out + i * n + j, pos, mask=m)
+        loc = tl.load(rtt_ptr + r * ld_rtt + pos, mask=m, other=0)
+        tl.store(loc_out + i * n + j, loc.to(tl.int64), mask=m)
+        if HAS_ROOTS:
+            root = tl.load(roots_ptr + r).to(tl.int64)
+            ids = tl.where(j == 0, root, fill_id)   # (an int argument: 1 may arrive as a constexpr)
+            tl.store(ids_out + i * n + j, ids, mask=m)
+
+
+@on_tensor_device
+def extend_cache_locs(rows: torch.Tensor, prefix_lens: torch.Tensor, req_to_token: torch.Tensor, n: int,
+                      roots, fill_id: int):
+    """Triton :func:`specattn.ops.extend_cache_locs` (one launch); returns ``(seq_lens,
+    positions, out_cache_loc, input_ids or None)``."""
+    require_device(rows, "extend_cache_locs", _INTERPRET)
+    bs, dev = rows.shape[0], rows.device
+    seq = torch.empty(bs, dtype=torch.int32, device=dev)
+    pos = torch.empty(bs * n, dtype=torch.int64, device=dev)
+    loc = torch.empty(bs * n, dtype=torch.int64, device=dev)
+    ids = torch.empty((bs, n), dtype=torch.int64, device=dev) if roots is not None else None
+    if bs:
+        block = min(MAX_BLOCK, triton.next_power_of_2(n))
+        _extend_locs_kernel[(bs,)](rows, prefix_lens, req_to_token, req_to_token.stride(0),
+                                   roots if roots is not None else rows, int(fill_id),
+                                   seq, pos, loc, ids if ids is not None else loc, n,
+                                   HAS_ROOTS=roots is not None, BLOCK=block, num_warps=1)
+    return seq, pos, loc, ids
+
+
+@triton.jit
+def _commit_kernel(rows_ptr, prefix_ptr, roots_ptr, seq_ptr, path_ptr, acc_ptr, emit_ptr, ld_emit, n,
+                   BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    r = tl.load(rows_ptr + i).to(tl.int64)
+    a = tl.load(acc_ptr + i).to(tl.int64)
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < n
+        t = tl.load(path_ptr + i * n + j, mask=m, other=0)
+        tl.store(emit_ptr + i * ld_emit + 1 + j, t.to(tl.int64), mask=m)
+    tl.store(emit_ptr + i * ld_emit, a + 1)
+    tl.store(roots_ptr + r, tl.load(path_ptr + i * n + a).to(roots_ptr.dtype.element_ty))
+    p = tl.load(seq_ptr + i).to(tl.int64)
+    tl.store(prefix_ptr + r, (p + a + 1).to(prefix_ptr.dtype.element_ty))
+
+
+@on_tensor_device
+def commit_accepted(rows: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.Tensor, seq_lens: torch.Tensor,
+                    path: torch.Tensor, accept_length: torch.Tensor, emitted: torch.Tensor) -> None:
+    """Triton :func:`specattn.ops.commit_accepted` (one launch, in place)."""
+    require_device(rows, "commit_accepted", _INTERPRET)
+    bs, n = path.shape
+    if bs:
+        block = min(MAX_BLOCK, triton.next_power_of_2(n))
+        _commit_kernel[(bs,)](rows, prefix_lens, roots, seq_lens, path, accept_length, emitted,
+                              emitted.stride(0), n, BLOCK=block, num_warps=1)

@@ -19,7 +19,8 @@ implementation (``impl=`` forces one):
   next beams, and the draft tree's tokens from all candidates;
 - :func:`fork_req_to_token_rows`: the ``req_to_token`` rows of beams drafted on scratch rows;
 - :func:`gather_rows`, :func:`scatter_rows`: per-request state read / written by request row,
-  several tensors per launch.
+  several tensors per launch; :func:`extend_cache_locs`: a round's positions and KV slots;
+  :func:`commit_accepted`: a round's emitted tokens, new roots and prefix lengths.
 """
 from . import registry
 from .compaction import CompactedPath, compact_accepted_path, compact_accepted_path_reference
@@ -39,7 +40,9 @@ from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, mate
                              materialize_kv_reference, rms_norm_reference, stack_kv_proj_weights)
 from .kv_move import move_kv_cache, move_kv_cache_reference
 from .ngram import ngram_candidates, ngram_candidates_reference
-from .rows import MAX_ROW_TENSORS, gather_rows, gather_rows_reference, scatter_rows, scatter_rows_reference
+from .rows import (MAX_ROW_TENSORS, ExtendCacheLocs, commit_accepted, commit_accepted_reference,
+                   extend_cache_locs, extend_cache_locs_reference, gather_rows, gather_rows_reference,
+                   scatter_rows, scatter_rows_reference)
 from .topk import MAX_K as TOPK_MAX_K, order_keys, topk_log_probs, topk_log_probs_reference
 from .tree import (TreeInfo, build_tree, build_tree_reference, flashinfer_mask_bytes,
                    num_tree_candidates)
@@ -63,5 +66,6 @@ __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference", "order_keys",
            "select_draft_tokens", "select_draft_tokens_reference", "fork_req_to_token_rows",
            "fork_req_to_token_rows_reference", "EAGLE_MAX_TOPK",
            "EAGLE_MAX_CANDIDATES", "gather_rows", "gather_rows_reference", "scatter_rows",
-           "scatter_rows_reference", "MAX_ROW_TENSORS", "ddtree_candidates",
+           "scatter_rows_reference", "MAX_ROW_TENSORS", "ExtendCacheLocs", "extend_cache_locs",
+           "extend_cache_locs_reference", "commit_accepted", "commit_accepted_reference", "ddtree_candidates",
            "ddtree_candidates_reference", "DDTREE_MAX_TOPK"]

@@ -25,7 +25,7 @@ from typing import Tuple
 import torch
 
 from . import registry
-from .checks import check_index_range, check_tensor
+from .checks import INDEX_DTYPES, check_index_range, check_tensor
 
 __all__ = ["ngram_candidates", "ngram_candidates_reference"]
 
@@ -71,7 +71,7 @@ def ngram_candidates(history: torch.Tensor, prefix_lens: torch.Tensor, ngram_siz
     Args:
         history: int64 ``[bs, W]``: the token at every position, ``history[i, P_i]`` the
             root (positions past it are ignored).
-        prefix_lens: int64 ``[bs]``: ``P_i``, in ``[0, W)`` (checked with one host sync
+        prefix_lens: int32 / int64 ``[bs]``: ``P_i``, in ``[0, W)`` (checked with one host sync
             unless ``check_values=False`` or a CUDA graph is being captured).
         ngram_size: longest suffix matched (>= 1).
         topk, num_steps: chains and drafts per chain (>= 1 each).
@@ -88,7 +88,7 @@ def ngram_candidates(history: torch.Tensor, prefix_lens: torch.Tensor, ngram_siz
         a prefix length outside ``[0, W)``.
     """
     check_tensor("history", history, dim=2, dtypes=(torch.int64,))
-    check_tensor("prefix_lens", prefix_lens, dim=1, dtypes=(torch.int64,), device=history.device,
+    check_tensor("prefix_lens", prefix_lens, dim=1, dtypes=INDEX_DTYPES, device=history.device,
                  shape=[history.shape[0]])
     for name, v in (("ngram_size", ngram_size), ("topk", topk), ("num_steps", num_steps)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
