@@ -40,8 +40,10 @@ consecutive static batches of ``b`` prompts (its ``generate`` has no continuous 
 
 The JSON also holds ``device``, ``versions``, ``commit``, ``timestamp``, ``settings`` and
 ``ceilings`` (the bf16 matmul and copy ceilings, measured).  :func:`write_results` writes it
-with a markdown table; :func:`render_png` draws the bar chart (matplotlib, where installed:
-``specattn bench plot FILE.json`` redraws it from the JSON anywhere).
+with a markdown table, which ends by naming the rows its settings planned but it lacks (a
+run stopped early, e.g. by a time limit: :func:`unmeasured_rows`); :func:`render_png` draws
+the bar chart (matplotlib, where installed: ``specattn bench plot FILE.json`` redraws it
+from the JSON anywhere).
 """
 from __future__ import annotations
 
@@ -547,7 +549,35 @@ def markdown(report: dict) -> str:
                      f"{r['accept_length']:.2f} | {_cell(r.get('step_ms'), '.3f')} | "
                      f"{_cell(r.get('kernels_per_step'), '.0f')} | {_cell(r.get('kernel_ms_per_step'), '.3f')} | "
                      f"{_cell(r.get('gpu_busy'), '.2f')} | {r.get('lossless') or '-'} |")
+    missing = unmeasured_rows(report)
+    if missing:
+        lines += ["", "Not measured (the run stopped before these rows, e.g. at a time limit): "
+                  + ", ".join(f"{s} {a} bs {b}" for s, a, b in missing) + "."]
     return "\n".join(lines) + "\n"
+
+
+def unmeasured_rows(report: dict) -> List[Tuple[str, str, int]]:
+    """``(prompt set, algo, bs)`` of every row the report's settings plan that it lacks, in
+    the order a run measures them: batch sizes outermost, then the chat and repetitive sets
+    (a set with fewer prompts than the batch size plans nothing there), each set's algos,
+    then the HF peer at batch 1 and 16 on the chat set (with peers and the default model).
+    Empty for a complete run; a report without settings plans nothing."""
+    st, counts = report.get("settings") or {}, report.get("num_prompts") or {}
+    if not isinstance(counts, dict):   # one prompt count: the chat set's
+        counts = {"chat": counts}
+    have = {(r.get("prompt_set", "chat"), r.get("algo"), r.get("bs")) for r in report.get("rows", [])}
+    sets = [("chat", list(st.get("algos") or []))]
+    if st.get("repetitive_algos"):
+        sets.append(("repetitive", list(st["repetitive_algos"])))
+    planned = []
+    for bs in st.get("batch_sizes") or []:
+        for name, algos in sets:
+            if counts.get(name, 0) < bs:
+                continue
+            planned += [(name, a, bs) for a in algos]
+            if name == "chat" and st.get("peers") and st.get("model") is None and bs in (1, 16):
+                planned.append((name, "hf_static", bs))
+    return [p for p in planned if p not in have]
 
 
 def png_bars(report: dict) -> Dict[int, List[Tuple[str, str, float, Optional[float]]]]:

@@ -211,6 +211,10 @@ def test_run_e2e_dry_run_on_cpu(tmp_path, seed, monkeypatch):
     assert report["settings"]["drafter"] == drafter.name and report["settings"]["prompts"] == "prompts.txt"
     paths = e2e.write_results(report, tmp_path / "out")
     assert (tmp_path / "out" / "e2e.md").read_text() == e2e.markdown(report)
+    assert e2e.unmeasured_rows(report) == [] and "Not measured" not in e2e.markdown(report)
+    stopped = dict(report, rows=[r for r in rows if not (r["bs"] == 2 and r["algo"] in ("ddtree", "ngram"))])
+    assert e2e.unmeasured_rows(stopped) == [("chat", "ddtree", 2), ("chat", "ngram", 2), ("repetitive", "ngram", 2)]
+    assert e2e.markdown(stopped).endswith("chat ddtree bs 2, chat ngram bs 2, repetitive ngram bs 2.\n")
     assert {(r["bs"], r["min_free_slots"]) for r in rows} == {(1, 1), (2, 2)}
     assert "prefilled once 1 (bs 1), 2 (bs 2) rows are free" in e2e.markdown(report)
 
