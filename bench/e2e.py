@@ -390,6 +390,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                 draft = DFlashDrafter.load(dflash_path, target, draft_vocab_size=dflash_vocab or None)
             tag = f"{set_name} {algo} bs={bs}"
             say(f"{tag}: building the engine (CUDA graphs)")
+            row_start = time.perf_counter()
             eng = Engine(target, spec=spec, backend=cfg.backend, max_batch=bs, max_context=ctx,
                          eos_token_ids=eos_ids, cuda_graph=cfg.device.startswith("cuda"), draft_model=draft,
                          min_free_slots=None if cfg.min_free_slots is None else min(cfg.min_free_slots, bs))
@@ -414,7 +415,8 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
                 row["lossless"] = None
             row["speedup"] = row["tokens_per_s"] / base_tps[set_name, bs] if (set_name, bs) in base_tps else None
             add(row)
-            say(f"{tag}: {row['tokens_per_s']:.1f} tokens/s, accept {row['accept_length']:.2f}")
+            say(f"{tag}: {row['tokens_per_s']:.1f} tokens/s, accept {row['accept_length']:.2f} "
+                f"(the row took {time.perf_counter() - row_start:.0f} s)")
             del eng, draft
             gc.collect()
             if cfg.device.startswith("cuda"):

@@ -450,9 +450,10 @@ def test_engine_drafts_with_the_trained_drafter(tiny_run, monkeypatch):
     rounds = []
     real = dflash.DFlashStrategy.propose_block
 
-    def record(self, eng, rb, rows, P, *args):
-        toks = real(self, eng, rb, rows, P, *args)
-        rounds.extend((r, p, t) for r, p, t in zip(rows.tolist(), P.tolist(), toks.tolist()) if r < len(prompts))
+    def record(self, eng, rb, rows, block, *args):
+        toks = real(self, eng, rb, rows, block, *args)
+        rounds.extend((r, p, t) for r, p, t in zip(rows.tolist(), block.seq_lens.tolist(), toks.tolist())
+                      if r < len(prompts))
         return toks
 
     monkeypatch.setattr(dflash.DFlashStrategy, "propose_block", record)
