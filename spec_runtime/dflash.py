@@ -982,12 +982,11 @@ class DFlashStrategy(Strategy):
         ``req_to_token[row, P + j]``, also the committed tokens' positions)."""
         block = self.block_inputs(eng, rows)
         P = block.seq_lens
-        if self.K == 1:   # chain_tree(P, D): kept rows sliced; the block's positions and slots
-            bs, n, B = rows.shape[0], eng.max_batch + 1, self.block_for(eng, rows.shape[0])
+        if self.K == 1:   # chain_tree(P, D): kept rows sliced
+            bs, n = rows.shape[0], eng.max_batch + 1
             c = eng.constant(("dflash_chain_tree", D, n),
                              lambda: chain_tree(torch.zeros(n, dtype=torch.int64, device=eng.device), D))
-            slots = (block.positions, block.out_cache_loc) if D == B else \
-                tuple(t.view(bs, B)[:, :D].reshape(-1) for t in (block.positions, block.out_cache_loc))
+            slots = self._verify_slots(eng, rows, block, D)
             tree = ops.TreeInfo(c.tree_mask[:bs], slots[0], c.retrive_index[:bs], c.retrive_next_token[:bs],
                                 c.retrive_next_sibling[:bs])
             return P, self.propose_block(eng, rb, rows, block, D), tree, D - 1, slots
@@ -1000,9 +999,15 @@ class DFlashStrategy(Strategy):
             selected = ops.order_keys(scores).topk(D - 1, dim=-1).indices.sort(dim=-1).values   # the fused order
             draft_tokens = torch.cat([roots[:, None], tokens.gather(1, selected)], 1)
         tree = ops.build_tree(parent_list, selected, P, self.K, self.B - 1, D)
-        verify = block if D == self.block_for(eng, rows.shape[0]) else \
-            ops.extend_cache_locs(rows, eng.prefix_lens, eng.req_pool.req_to_token, D, check_values=False)
-        return P, draft_tokens, tree, self.B - 1, (verify.positions, verify.out_cache_loc)
+        return P, draft_tokens, tree, self.B - 1, self._verify_slots(eng, rows, block, D)
+
+    def _verify_slots(self, eng: "Engine", rows: torch.Tensor, block: ops.ExtendCacheLocs,
+                      D: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The verify's positions and slots of ``D`` tokens per request (int64 ``[bs * D]``
+        each): the block's when ``D`` is its size, else one more :func:`ops.extend_cache_locs`."""
+        if D != self.block_for(eng, rows.shape[0]):
+            block = ops.extend_cache_locs(rows, eng.prefix_lens, eng.req_pool.req_to_token, D, check_values=False)
+        return block.positions, block.out_cache_loc
 
     def round(self, eng: "Engine", rb: "RoundBatch") -> None:
         rows = rb.rows
