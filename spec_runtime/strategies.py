@@ -678,8 +678,9 @@ class EagleStrategy(Strategy):
             draft_tokens = torch.cat([rs.roots[:, None], tokens.gather(1, selected)], 1)
         else:
             selected, draft_tokens = ops.select_draft_tokens(scores, tokens, rs.roots, D, impl=draft_ops)
-        tree = ops.build_tree(parent_list, selected, P.to(torch.int32), K, S, D)
-        out_cache_loc = ops.extend_cache_locs(rows, eng.prefix_lens, rtt, D, check_values=False).out_cache_loc
+        loc = ops.extend_cache_locs(rows, eng.prefix_lens, rtt, D, check_values=False)   # P as int32, slots
+        tree = ops.build_tree(parent_list, selected, loc.seq_lens, K, S, D)
+        out_cache_loc = loc.out_cache_loc
         batch = eng.batch(ForwardMode.TARGET_VERIFY, rows, P, D, out_cache_loc, positions=tree.positions,
                           tree_mask=tree.tree_mask, host_prefix_lens=rb.host())
         t = eng.forward("target", draft_tokens.flatten(), batch, capture_layers=self.target_capture_layers,

@@ -122,6 +122,8 @@ def _extend_locs_kernel(rows_ptr, prefix_ptr, rtt_ptr, ld_rtt, roots_ptr, fill_i
     r = tl.load(rows_ptr + i).to(tl.int64)
     p = tl.load(prefix_ptr + r).to(tl.int64)
     tl.store(seq_out + i, p.to(tl.int32))
+    if HAS_ROOTS:
+        root = tl.load(roots_ptr + r).to(tl.int64)
     for j0 in range(0, n, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
         m = j < n
@@ -130,7 +132,6 @@ def _extend_locs_kernel(rows_ptr, prefix_ptr, rtt_ptr, ld_rtt, roots_ptr, fill_i
         loc = tl.load(rtt_ptr + r * ld_rtt + pos, mask=m, other=0)
         tl.store(loc_out + i * n + j, loc.to(tl.int64), mask=m)
         if HAS_ROOTS:
-            root = tl.load(roots_ptr + r).to(tl.int64)
             ids = tl.where(j == 0, root, fill_id)   # (an int argument: 1 may arrive as a constexpr)
             tl.store(ids_out + i * n + j, ids, mask=m)
 
