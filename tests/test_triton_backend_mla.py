@@ -227,6 +227,9 @@ def test_mla_sm90_errors_and_eligibility():
         mla_paged_attention(q, kv, **base, seesaw=True)
     with pytest.raises(ValueError, match="seesaw=True needs the Gluon sm_90 kernel.*sm90=False"):
         mla_paged_attention(q, kv, **base, seesaw=True, sm90=False)
+    with pytest.raises(ValueError, match="seesaw=True needs a bf16/fp16 cache"):
+        mla_paged_attention(q, kv.to(torch.float8_e4m3fn), **base, seesaw=True)
+    assert "fp8" not in (sm90_mla_supported(q, kv.to(torch.float8_e4m3fn), 512) or "")   # an fp8 cache: eligible
     why = sm90_mla_supported(torch.zeros(2, 48, 40), torch.zeros(40, 1, 40), 32)
     for need in ("sm_90", "bf16/fp16", "kv_lora_rank 512", "divisible by 64"):
         assert need in why, (need, why)

@@ -448,6 +448,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     check_mla_config(over, rank)
     if seesaw and block_n == 32:
         raise ValueError("seesaw=True runs 64-key tiles; block_n=32 needs seesaw=False")
+    if seesaw and kv_cache.dtype == torch.float8_e4m3fn:
+        raise ValueError("seesaw=True needs a bf16/fp16 cache; an fp8 cache runs the key split")
     conflicts, why = [], "sm90=False"
     if sm90 is not False:  # None (default) or True: the Gluon kernel where it can run
         conflicts = [k for k in ("block_m", "block_dv", "num_warps", "num_stages", "tma") if over[k]]
@@ -463,7 +465,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         o_part, lse, _, _ = split_partials(num_splits, T, H, rank, out, prefix_lens)
         sm90_mla_attention(q, kv_cache, req_to_token, req_pool_indices, prefix_lens, qo_indptr,
                            tree_mask, max_q, sm_scale, out, o_part, lse, num_splits, block_n or 64,
-                           seesaw=seesaw is not False and block_n != 32, page_size=page_size)
+                           seesaw=seesaw is not False and block_n != 32 and not cast_kv,
+                           page_size=page_size, kv_scale=kv_scale)
         if num_splits > 1:
             merge_partials(o_part, lse, out, num_splits, rank, rank, 4)
         return out

@@ -61,7 +61,17 @@ What limits the seesaw kernel is the latency of refilling a stage (only two 72 K
 fit); measured times against FlashMLA and the variants that did not help:
 ``docs/attention.md``.
 
-Scope (:func:`sm90_mla_supported`): bf16/fp16 ``q`` and cache of the same dtype,
+**fp8 (e4m3) caches** (key split only, :func:`_mla_sm90_fp8_kernel`): wgmma takes no bf16 x
+fp8 pair, so every thread ``cp.async``-copies its share of a tile's raw bytes (16-byte
+vectors, one 64-column block at a time) into a two-stage fp8 ring and, once they land, widens
+exactly those bytes to fp16 (exact: one conversion per pair) into ONE fp16 tile that both
+GEMMs read; ``q`` goes to fp16 once and ``P`` is fp16 for the value GEMM; ``kv_scale`` folds
+into the score scale and multiplies the accumulator once.  The seesaw schedule has no room
+for it: two fp16 tiles, the fp8 ring and ``q`` need about 280 KB of shared memory.  Shared
+memory at ``BLOCK_N = 64``: ``q`` 72 KB + the ring 2 x 36 KB + the fp16 tile 72 KB + ``P`` 8
+KB = 224 KB.
+
+Scope (:func:`sm90_mla_supported`): bf16/fp16 ``q`` with a cache of its dtype or fp8 e4m3,
 ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, heads a multiple of 64, an sm_90 GPU.
 Everything else (and any CPU run: Gluon has no interpreter) uses :mod:`.attention_mla`.
 """
@@ -94,8 +104,8 @@ def sm90_mla_supported(q: torch.Tensor, kv_cache: torch.Tensor,
     """None when :func:`sm90_mla_attention` can run this call, else the reason it cannot (a
     string).  Shapes as in :func:`.attention_mla.mla_paged_attention`."""
     why = sm90_device_needs(q)
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q.dtype:
-        why.append(f"bf16/fp16 q and cache of one dtype (got {q.dtype} / {kv_cache.dtype})")
+    if q.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        why.append(f"bf16/fp16 q with a cache of its dtype or fp8 e4m3 (got {q.dtype} / {kv_cache.dtype})")
     if kv_lora_rank != KV_LORA or q.shape[-1] != KV_LORA + ROPE:
         why.append(f"kv_lora_rank {KV_LORA} and qk_rope_head_dim {ROPE}")
     if q.shape[1] % BLOCK_H != 0:
@@ -624,12 +634,137 @@ if HAVE_GLUON:
                                [4, 4], [232, 40])
 
 
+    @gluon.jit
+    def _copy_tile8(k8, KV, slots, start, hi, stride_kvt, BLOCK_N: gl.constexpr, LDW: gl.constexpr):
+        """cp.async the fp8 rows (512 latent + 64 rope values) of keys ``start + [0, BLOCK_N)``
+        into one ring stage ``[9, BLOCK_N, 64]``, block by 64-column block in ``LDW`` (rows past
+        ``hi`` zero-filled), one commit group."""
+        rows = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LDW))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, LDW))
+        src = KV + slots.to(gl.int64)[:, None] * stride_kvt + cols[None, :]
+        ok = (rows < hi)[:, None]
+        for b in gl.static_range(9):
+            async_copy.async_copy_global_to_shared(k8.index(b), src + b * 64, mask=ok)
+        async_copy.commit_group()
+
+
+    @gluon.jit
+    def _widen(k8, kc, kr, LDW: gl.constexpr):
+        """fp8 stage ``[9, BLOCK_N, 64]`` -> the fp16 tiles (latent ``[BLOCK_N, 512]``, rope
+        ``[BLOCK_N, 64]``), 64 columns at a time in the copy's layout: each thread reads back
+        only the bytes it copied itself."""
+        for b in gl.static_range(8):
+            kc.slice(b * 64, 64, dim=1).store(k8.index(b).load(LDW).to(gl.float16))
+        kr.store(k8.index(8).load(LDW).to(gl.float16))
+
+
+    @gluon.jit
+    def _mla_sm90_fp8_kernel(
+            Q, KV, O, O_PART, LSE_PART, req_to_token, req_pool_indices, prefix_lens, qo_indptr,
+            tree_mask,
+            stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
+            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rtt,
+            stride_tmb, stride_tmj,
+            qk_scale, v_scale,
+            BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
+            DECODE: gl.constexpr):
+        BLOCK_H: gl.constexpr = 64
+        KV_LORA: gl.constexpr = 512
+        ROPE: gl.constexpr = 64
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, BLOCK_N // 2, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, KV_LORA // 2, 16])
+        # q loads (bf16, 8 per thread) and fp8 tile copies / widening (16 per thread)
+        LDQ_C: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+        LDQ_R: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        VEC: gl.constexpr = 16 if BLOCK_N == 64 else 8     # bytes per cp.async: a [BLOCK_N, 64] block per pass
+        LDW: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // 64, 64 // VEC], [8, 1], [1, 0])
+        SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        SW_P: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128 if BLOCK_N >= 64 else BLOCK_N * 2, element_bitwidth=16, rank=2)
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+
+        pid_h = gl.program_id(0)
+        j, req, split, q_start, n = _cta_token(qo_indptr, NUM_SPLITS, DECODE)
+        if j < n:
+            tok = (q_start + j).to(gl.int64)
+            P, rtt_row, lo, hi, tree_row = _cta_keys(
+                prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
+                stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
+            heads_c = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LDQ_C))
+            cols_c = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, LDQ_C))
+            q_c = gl.load(Q + tok * stride_qt + heads_c.to(gl.int64)[:, None] * stride_qh + cols_c[None, :])
+            heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LDQ_R))
+            cols_r = KV_LORA + gl.arange(0, ROPE, layout=gl.SliceLayout(0, LDQ_R))
+            q_r = gl.load(Q + tok * stride_qt + heads_r.to(gl.int64)[:, None] * stride_qh + cols_r[None, :])
+            qc_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_H, KV_LORA], SW, q_c.to(gl.float16))
+            qr_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_H, ROPE], SW, q_r.to(gl.float16))
+            k8a = gl.allocate_shared_memory(gl.float8e4nv, [9, BLOCK_N, 64], RAW)   # ring stage 0
+            k8b = gl.allocate_shared_memory(gl.float8e4nv, [9, BLOCK_N, 64], RAW)   # ring stage 1
+            kc = gl.allocate_shared_memory(gl.float16, [BLOCK_N, KV_LORA], SW)
+            kr = gl.allocate_shared_memory(gl.float16, [BLOCK_N, ROPE], SW)
+            p_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], SW_P)
+
+            m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+            l_part = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+            acc = gl.zeros([BLOCK_H, KV_LORA], gl.float32, layout=O_L)
+            s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+            keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+
+            _copy_tile8(k8a, KV, load_slots(rtt_row, lo, hi, BLOCK_N, LDW), lo, hi, stride_kvt, BLOCK_N, LDW)
+            sl = load_slots(rtt_row, lo + BLOCK_N, hi, BLOCK_N, LDW)
+            n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+            for i in range(n_tiles):
+                start = lo + i * BLOCK_N
+                gl.thread_barrier()   # every warp is done with tile i - 1: its ring stage and the fp16 tile
+                if i % 2 == 0:
+                    _copy_tile8(k8b, KV, sl, start + BLOCK_N, hi, stride_kvt, BLOCK_N, LDW)
+                else:
+                    _copy_tile8(k8a, KV, sl, start + BLOCK_N, hi, stride_kvt, BLOCK_N, LDW)
+                sl = load_slots(rtt_row, start + 2 * BLOCK_N, hi, BLOCK_N, LDW)
+                async_copy.wait_group(1)   # tile i's bytes that this thread copied have landed
+                if i % 2 == 0:
+                    _widen(k8a, kc, kr, LDW)
+                else:
+                    _widen(k8b, kc, kr, LDW)
+                fence_async_shared()
+                gl.thread_barrier()
+                s = warpgroup_mma(qc_smem, kc.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(0, deps=[s])
+                s = gl.where(_visible(start + keys, P, hi, tree_row, TREE)[None, :], s * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                if TREE:
+                    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_use = m_new
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(s - m_use[:, None])
+                l_part = l_part * alpha[:, None] + p
+                m_i = m_new
+                p_smem.store(p.to(gl.float16))
+                fence_async_shared()
+                gl.thread_barrier()
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+                acc = warpgroup_mma(p_smem, kc, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            async_copy.wait_group(0)
+            acc = acc * v_scale
+            heads_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+            store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                      gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, O_L)),
+                      tok + heads_o * 0, heads_o, gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_L)),
+                      heads_o >= 0, split, stride_ot, stride_oh, stride_ps, stride_pt,
+                      stride_ph, stride_ls, stride_lt, NUM_SPLITS)
+
+
 def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
                        req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                        qo_indptr: torch.Tensor, tree_mask: Optional[torch.Tensor], max_q: int,
                        sm_scale: float, out: torch.Tensor, o_part: torch.Tensor,
                        lse: torch.Tensor, num_splits: int, block_n: int = 64,
-                       seesaw: bool = True, page_size: int = 1) -> None:
+                       seesaw: bool = True, page_size: int = 1, kv_scale: float = 1.0) -> None:
     """Launch the Gluon MLA kernel (module docstring).  Called by
     :func:`.attention_mla.mla_paged_attention`, which validates every argument and index,
     allocates ``out`` ``[T, H, 512]`` and, with ``num_splits > 1``, the float32 partials
@@ -645,9 +780,14 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     size -- with a multiple of 64 (and a 16-byte aligned cache and row stride) the seesaw
     kernel copies whole-page tiles by TMA, which assumes the pool's page layout (key ``p`` of
     a request at slot ``page * page_size + p % page_size``; see
-    :func:`.attention_mla.mla_paged_attention`'s ``page_size``).  No host sync."""
+    :func:`.attention_mla.mla_paged_attention`'s ``page_size``); ``kv_scale``: an fp8
+    cache's dequantization scale (the key split's fp8 kernel; ValueError with ``seesaw``).
+    No host sync."""
     if block_n not in (32, 64) or (seesaw and block_n != 64):
         raise ValueError(f"block_n must be 64 (seesaw) or 32/64 (key split), got {block_n}")
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if fp8 and seesaw:
+        raise ValueError("an fp8 cache runs the key split (seesaw=False)")
     bs, H = req_pool_indices.shape[0], q.shape[1]
     ps = o_part.stride() if num_splits > 1 else (0, 0, 0, 0)
     ls = lse.stride() if num_splits > 1 else (0, 0, 0)
@@ -659,6 +799,10 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
             ps[0], ps[1], ps[2], ls[0], ls[1], req_to_token.stride(0), tms[0], tms[1],
             sm_scale * 1.4426950408889634)
     modes = dict(NUM_SPLITS=num_splits, TREE=tree_mask is not None, DECODE=max_q == 1)
+    if fp8:
+        scaled = args[:-1] + (sm_scale * kv_scale * 1.4426950408889634, kv_scale)
+        _mla_sm90_fp8_kernel[grid](*scaled, BLOCK_N=block_n, **modes, num_warps=8)
+        return
     if not seesaw:
         _mla_sm90_kernel[grid](*args, BLOCK_N=block_n, **modes, num_warps=8)
         return
