@@ -770,9 +770,9 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     allocates ``out`` ``[T, H, 512]`` and, with ``num_splits > 1``, the float32 partials
     ``o_part [S, T, H, 512]`` / ``lse [S, T, H]`` it then merges; :func:`sm90_mla_supported`
     must have returned None.  ``q [T, H, 576]`` bf16/fp16 (``[q_nope_absorbed | q_pe]``, H a
-    multiple of 64); ``kv_cache [num_slots, 1, 576]`` of ``q``'s dtype; ``req_to_token`` int32
-    ``[rows, width]``; ``req_pool_indices`` int64 / ``prefix_lens`` int32 ``[bs]``; ``qo_indptr``
-    int32 ``[bs + 1]``; ``tree_mask``: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or None
+    multiple of 64); ``kv_cache [num_slots, 1, 576]`` of ``q``'s dtype or fp8 e4m3 (key
+    split only); ``req_to_token`` int32 ``[rows, width]``; ``req_pool_indices`` int64 /
+    ``prefix_lens`` int32 ``[bs]``; ``qo_indptr`` int32 ``[bs + 1]``; ``tree_mask``: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or None
     (causal); ``max_q``: static bound of new tokens per request (grid axis 1, <= 65535);
     ``sm_scale`` multiplies ``q . k``; ``block_n``: keys per tile, 32 or 64 (ValueError
     otherwise); ``seesaw``: FlashMLA's seesaw schedule (:func:`_mla_seesaw_kernel`, 64-key
