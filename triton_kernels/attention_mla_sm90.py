@@ -189,6 +189,63 @@ if HAVE_GLUON:
         return P, rtt_row, lo, hi, tree_row
 
     @gluon.jit
+    def _load_q(Q, tok, stride_qt, stride_qh, pid_h, LD_C: gl.constexpr, LD_R: gl.constexpr):
+        """Token ``tok``'s ``q`` for heads ``pid_h * 64 + [0, 64)``: the latent part ``[64,
+        512]`` in ``LD_C`` and the rope part ``[64, 64]`` in ``LD_R`` (registers)."""
+        heads_c = pid_h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_C))
+        cols_c = gl.arange(0, 512, layout=gl.SliceLayout(0, LD_C))
+        q_c = gl.load(Q + tok * stride_qt + heads_c.to(gl.int64)[:, None] * stride_qh
+                      + cols_c[None, :])
+        heads_r = pid_h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_R))
+        cols_r = 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, LD_R))
+        q_r = gl.load(Q + tok * stride_qt + heads_r.to(gl.int64)[:, None] * stride_qh
+                      + cols_r[None, :])
+        return q_c, q_r
+
+    @gluon.jit
+    def _ks_tile(qc_smem, qr_smem, kc, kr, p_smem, s_zero, keys, start, P, hi, tree_row,
+                 qk_scale, m_i, l_part, acc, P_T: gl.constexpr, TREE: gl.constexpr,
+                 O_L: gl.constexpr):
+        """One key tile of the key-split schedule, its keys in shared memory (``kc`` latent,
+        ``kr`` rope): the score wgmmas, the online-softmax update, ``P`` (as ``P_T``) through
+        shared memory and the value wgmma.  Returns ``(m_i, l_part, acc)``."""
+        s = warpgroup_mma(qc_smem, kc.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+
+        s = gl.where(_visible(start + keys, P, hi, tree_row, TREE)[None, :], s * qk_scale,
+                     float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        if TREE:  # a tree row may see nothing yet; causal tiles always hold a key
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_part = l_part * alpha[:, None] + p
+
+        p_smem.store(p.to(P_T))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        acc = warpgroup_mma(p_smem, kc, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        return m_new, l_part, acc
+
+    @gluon.jit
+    def _ks_store(O, O_PART, LSE_PART, acc, m_i, l_part, tok, pid_h, split, stride_ot, stride_oh,
+                  stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  NUM_SPLITS: gl.constexpr, O_L: gl.constexpr):
+        """The key split's epilogue: normalise; store the output or this split's partial and
+        log2-sum-exp."""
+        heads_o = pid_h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+        store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                  gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, O_L)),
+                  tok + heads_o * 0, heads_o, gl.arange(0, 512, layout=gl.SliceLayout(0, O_L)),
+                  heads_o >= 0, split, stride_ot, stride_oh, stride_ps, stride_pt,
+                  stride_ph, stride_ls, stride_lt, NUM_SPLITS)
+
+    @gluon.jit
     def _mla_sm90_kernel(
             Q, KV, O, O_PART, LSE_PART, req_to_token, req_pool_indices, prefix_lens, qo_indptr,
             tree_mask,
@@ -223,14 +280,7 @@ if HAVE_GLUON:
                 stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
 
             # q: [64, 512] and [64, 64] into shared memory for the whole kernel
-            heads_c = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD_C))
-            cols_c = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, LD_C))
-            q_c = gl.load(Q + tok * stride_qt + heads_c.to(gl.int64)[:, None] * stride_qh
-                          + cols_c[None, :])
-            heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD_R))
-            cols_r = KV_LORA + gl.arange(0, ROPE, layout=gl.SliceLayout(0, LD_R))
-            q_r = gl.load(Q + tok * stride_qt + heads_r.to(gl.int64)[:, None] * stride_qh
-                          + cols_r[None, :])
+            q_c, q_r = _load_q(Q, tok, stride_qt, stride_qh, pid_h, LD_C, LD_R)
             qc_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], SW_C, q_c)
             qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], SW_C, q_r)
             kc_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], SW_C)
@@ -264,38 +314,12 @@ if HAVE_GLUON:
                 gl.thread_barrier()       # ... and every thread's
 
                 cur = i % 2
-                kc = kc_smem.index(cur)
-                s = warpgroup_mma(qc_smem, kc.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(qr_smem, kr_smem.index(cur).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=[s])
-
-                s = gl.where(_visible(start + keys, P, hi, tree_row, TREE)[None, :], s * qk_scale,
-                             float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                if TREE:  # a tree row may see nothing yet; causal tiles always hold a key
-                    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                else:
-                    m_use = m_new
-                alpha = gl.exp2(m_i - m_use)
-                p = gl.exp2(s - m_use[:, None])
-                l_part = l_part * alpha[:, None] + p
-                m_i = m_new
-
-                p_smem.store(p.to(dtype))
-                fence_async_shared()
-                gl.thread_barrier()
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-                acc = warpgroup_mma(p_smem, kc, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
+                m_i, l_part, acc = _ks_tile(qc_smem, qr_smem, kc_smem.index(cur), kr_smem.index(cur),
+                                            p_smem, s_zero, keys, start, P, hi, tree_row, qk_scale,
+                                            m_i, l_part, acc, dtype, TREE, O_L)
             async_copy.wait_group(0)
-
-            # epilogue: normalise; store the output or this split's partial + log2-sum-exp
-            heads_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
-            store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
-                      gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, O_L)),
-                      tok + heads_o * 0, heads_o, gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_L)),
-                      heads_o >= 0, split, stride_ot, stride_oh, stride_ps, stride_pt,
-                      stride_ph, stride_ls, stride_lt, NUM_SPLITS)
+            _ks_store(O, O_PART, LSE_PART, acc, m_i, l_part, tok, pid_h, split, stride_ot, stride_oh,
+                      stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS, O_L)
 
 
     # ---- seesaw schedule (module docstring) ----
@@ -647,7 +671,6 @@ if HAVE_GLUON:
             async_copy.async_copy_global_to_shared(k8.index(b), src + b * 64, mask=ok)
         async_copy.commit_group()
 
-
     @gluon.jit
     def _widen(k8, kc, kr, LDW: gl.constexpr):
         """fp8 stage ``[9, BLOCK_N, 64]`` -> the fp16 tiles (latent ``[BLOCK_N, 512]``, rope
@@ -656,7 +679,6 @@ if HAVE_GLUON:
         for b in gl.static_range(8):
             kc.slice(b * 64, 64, dim=1).store(k8.index(b).load(LDW).to(gl.float16))
         kr.store(k8.index(8).load(LDW).to(gl.float16))
-
 
     @gluon.jit
     def _mla_sm90_fp8_kernel(
@@ -668,6 +690,9 @@ if HAVE_GLUON:
             qk_scale, v_scale,
             BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
             DECODE: gl.constexpr):
+        """The key-split schedule over an fp8 e4m3 cache (module docstring): the arguments of
+        :func:`_mla_sm90_kernel`, ``qk_scale`` with the cache's scale folded in, and
+        ``v_scale`` (the cache's scale) applied to the accumulator once; 8 warps."""
         BLOCK_H: gl.constexpr = 64
         KV_LORA: gl.constexpr = 512
         ROPE: gl.constexpr = 64
@@ -692,12 +717,7 @@ if HAVE_GLUON:
             P, rtt_row, lo, hi, tree_row = _cta_keys(
                 prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
                 stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
-            heads_c = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LDQ_C))
-            cols_c = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, LDQ_C))
-            q_c = gl.load(Q + tok * stride_qt + heads_c.to(gl.int64)[:, None] * stride_qh + cols_c[None, :])
-            heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LDQ_R))
-            cols_r = KV_LORA + gl.arange(0, ROPE, layout=gl.SliceLayout(0, LDQ_R))
-            q_r = gl.load(Q + tok * stride_qt + heads_r.to(gl.int64)[:, None] * stride_qh + cols_r[None, :])
+            q_c, q_r = _load_q(Q, tok, stride_qt, stride_qh, pid_h, LDQ_C, LDQ_R)
             qc_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_H, KV_LORA], SW, q_c.to(gl.float16))
             qr_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_H, ROPE], SW, q_r.to(gl.float16))
             k8a = gl.allocate_shared_memory(gl.float8e4nv, [9, BLOCK_N, 64], RAW)   # ring stage 0
@@ -730,33 +750,12 @@ if HAVE_GLUON:
                     _widen(k8b, kc, kr, LDW)
                 fence_async_shared()
                 gl.thread_barrier()
-                s = warpgroup_mma(qc_smem, kc.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=[s])
-                s = gl.where(_visible(start + keys, P, hi, tree_row, TREE)[None, :], s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                if TREE:
-                    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                else:
-                    m_use = m_new
-                alpha = gl.exp2(m_i - m_use)
-                p = gl.exp2(s - m_use[:, None])
-                l_part = l_part * alpha[:, None] + p
-                m_i = m_new
-                p_smem.store(p.to(gl.float16))
-                fence_async_shared()
-                gl.thread_barrier()
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-                acc = warpgroup_mma(p_smem, kc, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
+                m_i, l_part, acc = _ks_tile(qc_smem, qr_smem, kc, kr, p_smem, s_zero, keys, start, P,
+                                            hi, tree_row, qk_scale, m_i, l_part, acc, gl.float16,
+                                            TREE, O_L)
             async_copy.wait_group(0)
-            acc = acc * v_scale
-            heads_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
-            store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
-                      gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, O_L)),
-                      tok + heads_o * 0, heads_o, gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_L)),
-                      heads_o >= 0, split, stride_ot, stride_oh, stride_ps, stride_pt,
-                      stride_ph, stride_ls, stride_lt, NUM_SPLITS)
+            _ks_store(O, O_PART, LSE_PART, acc * v_scale, m_i, l_part, tok, pid_h, split, stride_ot,
+                      stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS, O_L)
 
 
 def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
