@@ -268,6 +268,10 @@ def bench_e2e(
     prompts: Optional[Path] = typer.Option(None, help="Prompt file (default: the eval set)."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also time HF transformers' static-cache generate."),
     profile: bool = typer.Option(True, "--profile/--no-profile", help="Kernels and kernel time per step."),
+    retime_below_busy: float = typer.Option(0.85, "--retime-below-busy", min=0.0, max=1.0,
+                                            help="With --profile: time a row once more when its GPU busy "
+                                                 "fraction is under this (a host stall), keeping the faster "
+                                                 "timing; 0 = never."),
     check: bool = typer.Option(True, "--check/--no-check", help="Check every output against target-only decoding."),
 ):
     """Time the main job on the real model: algo x batch size, one process, one GPU; write
@@ -329,7 +333,7 @@ def bench_e2e(
                         drafter=str(drafter) if drafter else None, draft_vocab=draft_vocab,
                         prompts=str(prompts) if prompts else None,
                         dflash_drafter=str(dflash_drafter) if dflash_drafter else None,
-                        peers=peers, profile=profile, check=check)
+                        peers=peers, profile=profile, retime_below_busy=retime_below_busy, check=check)
     for a in names + rep_names:
         try:
             from specattn.spec_runtime.engine import SpecConfig
