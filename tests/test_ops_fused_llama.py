@@ -291,7 +291,8 @@ def test_row_sumsq_handoff(M, K, N, dt, impl, seed):
         check(f"swiglu row_sumsq[{impl}]", out, gate * torch.sigmoid(gate) * up, dt,
               scale=swiglu_scale(gate, up))
         out = rms_norm_matmul(h, nw, fold(wl), EPS, out_dtype=torch.float32, row_sumsq=ss, impl=impl)
-        assert plain_err(out, n @ wl.double().T) <= TOL[dt]
+        # the reference rounds the normalized rows (and a folded weight) to dt: its looser bound
+        assert plain_err(out, n @ wl.double().T) <= (REF_TOL if impl == "reference" else TOL)[dt]
     inp = qkv_inputs(M, N, 3, 1, 32, dt, dt)
     inp["x"] = h
     before = (inp["k_cache"].clone(), inp["v_cache"].clone())
