@@ -50,3 +50,18 @@ def test_raises_when_nothing_fits():
     with pytest.raises(OutOfResources):
         _util.launch_fitting(k, (1,), (torch.zeros(1),), dict(BLOCK_N=16), 3)
     assert k.launches == [3, 2, 1]
+
+
+def test_pdl_kwargs_only_on_a_hopper_device(monkeypatch):
+    """Programmatic dependent launch: never on CPU tensors or under the interpreter, nor when
+    switched off; on a CUDA device of compute capability >= 9 both the kernel's ``PDL``
+    constexpr and Triton's launch attribute."""
+    assert _util.pdl_kwargs(torch.zeros(2)) == {}
+    monkeypatch.setattr(_util, "PDL", False)
+    assert _util.pdl_kwargs(torch.zeros(2)) == {}
+    if torch.cuda.is_available():
+        assert _util.pdl_kwargs(torch.zeros(2, device="cuda")) == {}
+        monkeypatch.setattr(_util, "PDL", True)
+        want = torch.cuda.get_device_capability()[0] >= 9 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+        assert _util.pdl_kwargs(torch.zeros(2, device="cuda")) == (
+            dict(PDL=True, launch_pdl=True) if want else {})

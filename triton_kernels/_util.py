@@ -11,6 +11,7 @@ current (a cheap index exchange, safe inside CUDA-graph capture).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Sequence
 
 import torch
@@ -260,3 +261,34 @@ def fp8e4m3_bits(x):
     code = tl.where(a < 0.015625, q_sub, q_norm)
     code = tl.where(x != x, 0x7F, code)
     return (code | sign).to(tl.uint8)
+
+
+# Programmatic dependent launch (sm_90+; on unless SPECATTN_PDL=0).  A kernel launched with it
+# may start while the previous grid still runs: it must run ``gdc_wait`` in every program
+# before it reads anything an earlier kernel wrote or writes anything one reads, and may do
+# only side-effect-free work before that (an L2 prefetch of its weights).
+PDL = os.environ.get("SPECATTN_PDL", "1") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_kwargs(t: torch.Tensor) -> dict:
+    """The launch options of programmatic dependent launch for a kernel on ``t``'s device.
+
+    Returns ``dict(PDL=True, launch_pdl=True)`` (the kernel's ``PDL`` constexpr and
+    Triton's launch attribute) when it applies: :data:`PDL` set (the environment variable
+    ``SPECATTN_PDL``, default on), a CUDA tensor on a device of compute capability 9.0 or
+    more, and not the Triton interpreter; else ``{}``.  The launch then lets the kernel's
+    programs start while the previous kernel on the stream drains (they wait in
+    ``gdc_wait`` before touching its outputs), inside CUDA graphs too, which hides most of
+    the launch gap between the short kernels of a small-batch step (CUDA programming guide,
+    "Programmatic Dependent Launch and Synchronization").
+    """
+    if not PDL or t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return {}
+    if not _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+        return {}
+    return dict(PDL=True, launch_pdl=True)

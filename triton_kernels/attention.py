@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from ._util import (check_dequant_scales, check_paged_metadata, choose_gluon, kv_conversion,
-                    launch_fitting, next_pow2, on_tensor_device)
+                    launch_fitting, next_pow2, on_tensor_device, pdl_kwargs)
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
                                draft_visibility, full_update, masked_update, merge_partials,
                                prefix_range, program_request, split_partials, store_rows,
@@ -121,7 +121,10 @@ def _attn_fwd_kernel(
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr, CAST_KV: tl.constexpr, SCALE_V: tl.constexpr,
-        SLOT_T: tl.constexpr):
+        SLOT_T: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # every program, before any load or store (programmatic dependent launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     hk = tl.program_id(1)
     req, split, q_start, n = program_request(qo_indptr, NUM_SPLITS)
     m0 = tl.program_id(0) * BLOCK_M
@@ -384,7 +387,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         MASK_MODE=MASK_TREE if tree_mask is not None else MASK_CAUSAL,
         NUM_SPLITS=num_splits, IEEE=ieee, UPCAST=upcast, CAST_KV=cast_kv, SCALE_V=v_scale != 1.0,
         SLOT_T=tl.int32 if off32 else tl.int64,
-        num_warps=cfg["num_warps"]), cfg["num_stages"])
+        num_warps=cfg["num_warps"], **pdl_kwargs(q)), cfg["num_stages"])
     if num_splits > 1:
         merge_partials(o_part, lse, out, num_splits, Dv, BLOCK_DV, 1 if BLOCK_DV <= 64 else 2)
     return out

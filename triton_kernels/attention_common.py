@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import is_pow2
+from ._util import is_pow2, pdl_kwargs
 
 __all__ = ["MASK_CAUSAL", "MASK_TREE", "masked_update", "full_update", "program_request",
            "tile_rows", "prefix_range", "draft_key_count", "draft_visibility", "store_rows",
@@ -154,10 +154,13 @@ def store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_v, st_mask, l
 @triton.jit
 def merge_kernel(O_PART, LSE_PART, O, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                  stride_ot, stride_oh, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr):
+                 NUM_SPLITS: tl.constexpr, PDL: tl.constexpr = False):
     """Grid ``(T, H)``: combine the ``NUM_SPLITS`` partial outputs of one (token, head).
     The split offsets advance the (64-bit) pointers by one stride per split: no 32-bit
     ``split * stride`` product that could overflow on a large ``T``."""
+    if PDL:  # before any load or store (programmatic dependent launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_DV)
@@ -210,7 +213,7 @@ def merge_partials(o_part, lse, out, num_splits: int, v_dim: int, block_dv: int,
     T, H = out.shape[0], out.shape[1]
     merge_kernel[(T, H)](o_part, lse, out, ps[0], ps[1], ps[2], ls[0], ls[1],
                           out.stride(0), out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv,
-                          NUM_SPLITS=num_splits, num_warps=num_warps)
+                          NUM_SPLITS=num_splits, num_warps=num_warps, **pdl_kwargs(out))
 
 
 def check_kernel_config(config: dict, allowed) -> None:

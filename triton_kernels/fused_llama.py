@@ -67,6 +67,11 @@ the wrapper's validation; out-of-range ``out_cache_loc`` or ``positions`` values
 when the wrapper's value checks are skipped) make the QKV kernel skip those rows' cache
 stores and never dereference them.
 
+Programmatic dependent launch (sm_90+, ``_util.pdl_kwargs``; ``SPECATTN_PDL=0``: off): both
+kernels then start with ``_pdl_enter``, an L2 prefetch of the program's weight rows, the
+wait for the previous grid, and the trigger that lets the next grid launch; every load of
+activations and every store comes after the wait.
+
 CPU interpreter (``TRITON_INTERPRET=1``): its bf16 ``tl.dot`` is wrong and its
 ``.to(bfloat16)`` truncates, so the launchers pass ``INTERP=True`` there and the kernels
 multiply 16-bit values in float32 (exact products, float32 accumulation: what the tensor
@@ -84,7 +89,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import fp8e4m3_bits, is_pow2, launch_fitting, on_tensor_device, require_device
+from ._util import fp8e4m3_bits, is_pow2, launch_fitting, on_tensor_device, pdl_kwargs, require_device
 from .topk import KEY_MIN, MAX_MERGE_KEYS, lse_shift, merge_topk_parts, order_keys, topk_log_probs
 
 __all__ = ["rms_norm_matmul", "rms_norm_matmul_topk", "topk_fusable", "qkv_rope_store", "matmul_residual",
@@ -202,6 +207,32 @@ def qkv_tile_config(M: int, dtype: torch.dtype, folded: bool = False) -> Tuple[i
 def qkv_head_dim_supported(head_dim: int) -> bool:
     """Whether the QKV kernel takes ``head_dim``: a power of two >= 32."""
     return is_pow2(head_dim) and head_dim >= QKV_MIN_HEAD_DIM
+
+
+@triton.jit
+def _prefetch_l2(w_ptr, ldw, cols, N, K, LINES: tl.constexpr, EPL: tl.constexpr):
+    """``prefetch.global.L2`` of every 128-byte line of weight rows ``cols`` (``[N, K]``,
+    row stride ``ldw``; rows past ``N`` and lines past ``K`` clamp to the last valid one, so
+    no address leaves the weight).  ``EPL``: elements per 128-byte line."""
+    line = tl.arange(0, LINES)
+    off = tl.minimum(line * EPL, K - 1)
+    c = tl.minimum(cols, N - 1).to(tl.int64)
+    addr = (w_ptr + c[None, :] * ldw + off[:, None]).to(tl.int64)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _pdl_enter(w_ptr, ldw, w2_ptr, ldw2, cols, N, K, TWO: tl.constexpr, LINES: tl.constexpr,
+               EPL: tl.constexpr):
+    """Under programmatic dependent launch: prefetch the (read-only) weight rows of this
+    program, wait for the previous grid (every load of activations and every store comes
+    after this), then let the next grid launch."""
+    _prefetch_l2(w_ptr, ldw, cols, N, K, LINES, EPL)
+    if TWO:
+        _prefetch_l2(w2_ptr, ldw2, cols, N, K, LINES, EPL)
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -328,11 +359,14 @@ def _gemm_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, w2_ptr, ldw2, out_ptr, ldo, M, N
                  EPILOGUE: tl.constexpr, TOPK: tl.constexpr,
                  IEEE: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, LINES: tl.constexpr = 1,
+                 EPL: tl.constexpr = 64):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
+    if PDL:
+        _pdl_enter(w_ptr, ldw, w2_ptr, ldw2, cols, N, K, EPILOGUE == 2, LINES, EPL)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * ldx
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * ldw
     w2_cols = w2_ptr + cols.to(tl.int64)[None, :] * ldw2
@@ -442,12 +476,17 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
                      HAS_SS: tl.constexpr, NP: tl.constexpr, HAS_G: tl.constexpr, PRESCALE: tl.constexpr, TWO_INPUTS: tl.constexpr,
                      IEEE: tl.constexpr, CACHE_FP8: tl.constexpr,
                      INTERP: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                     LINES: tl.constexpr = 1, EPL: tl.constexpr = 64):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     h = tl.program_id(1)  # head of the fused QKV output: Q heads, then K, then V
     rmask = rows < M
     rows64 = rows.to(tl.int64)
     j = tl.program_id(2) * HB + tl.arange(0, HB)  # this program's columns of each half
+    if PDL:
+        wrow = h * (2 * HALF) + j
+        _pdl_enter(w_ptr, ldw, w_ptr + HALF * ldw, ldw, wrow, (num_heads + 2 * num_kv_heads) * 2 * HALF,
+                   K, True, LINES, EPL)
     x_rows = x_ptr + rows64[:, None] * ldx
     w_lo = w_ptr + (h.to(tl.int64) * (2 * HALF) + j)[None, :] * ldw  # first half's columns
     w_hi = w_lo + HALF * ldw
@@ -541,6 +580,16 @@ def _interp(x: torch.Tensor) -> bool:
     return _INTERPRET and x.device.type != "cuda"
 
 
+def _pdl_kwargs(x: torch.Tensor, weight: torch.Tensor, K: int) -> dict:
+    """:func:`pdl_kwargs` plus the weight prefetch's line geometry (``K`` columns of
+    ``weight``'s dtype in 128-byte lines)."""
+    kw = pdl_kwargs(x)
+    if kw:
+        epl = 128 // weight.element_size()
+        kw.update(LINES=triton.next_power_of_2(triton.cdiv(K, epl)), EPL=epl)
+    return kw
+
+
 def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
                  weight2: Optional[torch.Tensor], out: torch.Tensor, eps: float,
                  epilogue: int, config: Optional[Tuple[int, ...]] = None,
@@ -582,7 +631,8 @@ def _launch_gemm(x: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: t
                   NP=max(triton.next_power_of_2(n_parts), 2),
                   EPILOGUE=epilogue, TOPK=1 if topk_parts is None else topk_parts[0].shape[2],
                   IEEE=x.dtype == torch.float32, INTERP=_interp(x),
-                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                  **_pdl_kwargs(x, weight, K))
     launch_fitting(_gemm_kernel, grid, args, kwargs, stages)
     return ss if want_sumsq else None
 
@@ -739,5 +789,5 @@ def _launch_qkv(x, norm_weight, w_qkv, eps, positions, cos_sin_cache, out_cache_
                   NP=max(triton.next_power_of_2(1 if row_sumsq is None else row_sumsq.shape[0]), 2),
                   HAS_G=has_g, PRESCALE=has_g and x.dtype == torch.float16, TWO_INPUTS=x2 is not None, IEEE=x.dtype == torch.float32,
                   CACHE_FP8=fp8, INTERP=_interp(x), HALF=head_dim // 2, HB=hb, BLOCK_M=block_m,
-                  BLOCK_K=block_k, num_warps=warps)
+                  BLOCK_K=block_k, num_warps=warps, **_pdl_kwargs(x, w_qkv, K))
     launch_fitting(_qkv_rope_kernel, grid, args, kwargs, stages)
