@@ -23,7 +23,8 @@ One row per pair (the JSON's ``rows``):
 - ``kernels_per_step`` and ``kernel_ms_per_step``: from a ``torch.profiler`` run of the first
   ``max(2, 2 b)`` prompts (after one unprofiled run of them), minus a profiled prefill-only
   run, over its rounds (every kernel, CUDA-graph replays included; memcpy/memset are not
-  kernels);
+  kernels); the kernel time is the time during which at least one kernel ran (kernels that
+  overlap under programmatic dependent launch count once);
 - ``gpu_busy``: ``kernel_ms_per_step / step_ms`` (kernel time per step of the profiled run
   over the wall time per step of the unprofiled one);
 - ``host_wait_ms_per_step``: how long per step the host loop sat waiting for a round's
@@ -171,24 +172,42 @@ def gpu_slug(name: str) -> str:
 
 
 # ---------------------------------------------------------------------- measurement
+def busy_ms(intervals: Sequence[Tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals in microseconds, in
+    milliseconds: the time at least one of them runs.  Kernels launched with programmatic
+    dependent launch overlap their predecessor's tail, so summing their durations would
+    count the overlap twice."""
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1e3
+
+
 def _profile_kernels(fn: Callable[[], object]):
-    """Run ``fn`` under ``torch.profiler``; returns ``(kernels launched, kernel ms, what fn
-    returned)`` (no kernels without CUDA)."""
+    """Run ``fn`` under ``torch.profiler``; returns ``(kernels launched, ms during which at
+    least one kernel ran (:func:`busy_ms`), what fn returned)`` (no kernels without CUDA)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
         res = fn()
         sync()
-    count, us = 0, 0.0
+    copies = ("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == DeviceType.CUDA and not e.name.startswith(copies)]
+    if spans or not torch.cuda.is_available():
+        return len(spans), busy_ms(spans), res
+    count, us = 0, 0.0          # a profiler without device events: the summed kernel times
     for e in prof.key_averages():
-        dev_us = getattr(e, "self_device_time_total", None)
-        if dev_us is None:
-            dev_us = getattr(e, "self_cuda_time_total", 0.0)
-        if not dev_us or e.key.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")):
-            continue
-        count += e.count
-        us += dev_us
+        dev_us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        if dev_us and not e.key.startswith(copies):
+            count, us = count + e.count, us + dev_us
     return count, us / 1e3, res
 
 

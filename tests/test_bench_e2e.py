@@ -271,3 +271,18 @@ def test_run_e2e_stops_requests_at_eos(tmp_path, seed, monkeypatch, stop_at_eos)
         assert r["lossless"] in ("reference", "exact")
     md = e2e.markdown({**_report(rows), "settings": {"max_new_tokens": 5, "stop_at_eos": stop_at_eos}})
     assert ("up to 5 new tokens per request" in md) == stop_at_eos
+
+
+def test_busy_ms_is_the_union_of_intervals():
+    """Overlapping kernels (programmatic dependent launch) count once, gaps not at all, on
+    shuffled random intervals against a dense microsecond grid."""
+    import random
+    rng = random.Random()
+    spans = [(a, a + rng.randint(1, 30)) for a in (rng.randint(0, 400) for _ in range(rng.randint(1, 40)))]
+    grid = set()
+    for a, b in spans:
+        grid.update(range(a, b))
+    rng.shuffle(spans)
+    assert e2e.busy_ms(spans) == pytest.approx(len(grid) / 1e3)
+    assert e2e.busy_ms([]) == 0.0
+    assert e2e.busy_ms([(0.0, 5.0), (5.0, 7.0), (2.0, 3.0)]) == pytest.approx(7e-3)

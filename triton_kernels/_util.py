@@ -292,3 +292,13 @@ def pdl_kwargs(t: torch.Tensor) -> dict:
     if not _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device()):
         return {}
     return dict(PDL=True, launch_pdl=True)
+
+
+@triton.jit
+def gdc_enter(PDL: tl.constexpr):
+    """The first statement of a kernel that may be launched with :func:`pdl_kwargs`: under
+    ``PDL``, wait for the previous grid (its writes are then visible), then let the next
+    grid launch; nothing otherwise."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import on_tensor_device, require_device
+from ._util import gdc_enter, on_tensor_device, pdl_kwargs, require_device
 from .eagle_draft import select_top_lanes
 
 __all__ = ["ddtree_candidates"]
@@ -36,7 +36,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 @triton.jit
 def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, cs_ptr, ct_ptr,
-                   S, NPL, NC, K: tl.constexpr, KP: tl.constexpr, KKP: tl.constexpr):
+                   S, NPL, NC, K: tl.constexpr, KP: tl.constexpr, KKP: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, KP)
     km = kk < K
@@ -90,5 +91,5 @@ def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor) -> Tuple[torch.Ten
                           toks, toks.stride(0), toks.stride(1), toks.stride(2),
                           parent_list, scores, tokens, S, npl, nc,
                           K=K, KP=triton.next_power_of_2(K), KKP=triton.next_power_of_2(K * K),
-                          num_warps=1)
+                          num_warps=1, **pdl_kwargs(vals))
     return parent_list, scores, tokens

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import on_tensor_device, require_device
+from ._util import gdc_enter, on_tensor_device, pdl_kwargs, require_device
 from .topk import KEY_MAX, KEY_MIN, order_keys
 
 __all__ = ["eagle_beam_step", "select_draft_tokens", "fork_req_to_token_rows", "select_top_lanes"]
@@ -90,7 +90,8 @@ def _beam_step_kernel(beam_s_ptr, beam_s_s0, beam_s_s1, child_s_ptr, child_s_s0,
                       plist_ptr, plist_s0, plist_s1, parent_offset,
                       K: tl.constexpr, KP: tl.constexpr, KKP: tl.constexpr,
                       WRITE_BEAMS: tl.constexpr, SELECT: tl.constexpr,
-                      GATHER_ROWS: tl.constexpr, WRITE_PARENTS: tl.constexpr):
+                      GATHER_ROWS: tl.constexpr, WRITE_PARENTS: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     cc = tl.arange(0, KKP)
     live = cc < K * K
@@ -131,7 +132,9 @@ def _beam_step_kernel(beam_s_ptr, beam_s_s0, beam_s_s1, child_s_ptr, child_s_s0,
 
 @triton.jit
 def _select_kernel(score_ptr, score_s0, score_s1, tok_ptr, tok_s0, tok_s1, root_ptr, root_s0,
-                   sel_ptr, draft_ptr, N, NSEL, TOP_ROUNDS, BOTTOM_ROUNDS, NP: tl.constexpr):
+                   sel_ptr, draft_ptr, N, NSEL, TOP_ROUNDS, BOTTOM_ROUNDS, NP: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     cc = tl.arange(0, NP)
     live = cc < N
@@ -162,7 +165,8 @@ def _select_kernel(score_ptr, score_s0, score_s1, tok_ptr, tok_s0, tok_s1, root_
 def _fork_rows_kernel(rtt_ptr, rtt_s0, W, src_ptr, src_s0, src_s1, dst_ptr, dst_s0, dst_s1,
                       first_ptr, first_s0, new_col_ptr, new_col_s0, new_slot_ptr, ns_s0, ns_s1,
                       prefix_ptr, loc_ptr, NUM_COLS, R: tl.constexpr, BLOCK_C: tl.constexpr,
-                      HAS_NEW: tl.constexpr):
+                      HAS_NEW: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     pid = tl.program_id(0).to(tl.int64)
     b = pid // R
     j = pid % R
@@ -235,7 +239,7 @@ def eagle_beam_step(beam_scores: torch.Tensor, child_scores: torch.Tensor, child
         pl, pl.stride(0), pl.stride(1), parent_offset if parent_list is not None else 0,
         K=K, KP=triton.next_power_of_2(K), KKP=triton.next_power_of_2(K * K),
         WRITE_BEAMS=write_beams, SELECT=bool(select), GATHER_ROWS=cur_rows is not None,
-        WRITE_PARENTS=parent_list is not None, num_warps=1)
+        WRITE_PARENTS=parent_list is not None, num_warps=1, **pdl_kwargs(beam_scores))
     return outs
 
 
@@ -258,7 +262,7 @@ def select_draft_tokens(scores: torch.Tensor, tokens: torch.Tensor, roots: torch
     _select_kernel[(bs,)](scores, scores.stride(0), scores.stride(1), tokens, tokens.stride(0),
                           tokens.stride(1), roots, roots.stride(0), selected, draft_tokens, n, nsel,
                           top_rounds, bottom_rounds, NP=np2,
-                          num_warps=1 if np2 <= 128 else (2 if np2 <= 512 else 4))
+                          num_warps=1 if np2 <= 128 else (2 if np2 <= 512 else 4), **pdl_kwargs(scores))
     return selected, draft_tokens
 
 
@@ -286,5 +290,5 @@ def fork_req_to_token_rows(req_to_token: torch.Tensor, src_rows: torch.Tensor, d
         req_to_token, req_to_token.stride(0), req_to_token.shape[1],
         src_rows, src_rows.stride(0), src_rows.stride(1), dst_rows, dst_rows.stride(0), dst_rows.stride(1),
         first_col, first_col.stride(0), nc, nc.stride(0), ns, ns.stride(0), ns.stride(1),
-        pre, loc, int(num_cols), R=R, BLOCK_C=block_c, HAS_NEW=has_new, num_warps=1)
+        pre, loc, int(num_cols), R=R, BLOCK_C=block_c, HAS_NEW=has_new, num_warps=1, **pdl_kwargs(req_to_token))
     return outs

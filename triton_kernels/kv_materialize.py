@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import bf16_bits, fp8e4m3_bits, next_pow2, on_tensor_device
+from ._util import bf16_bits, fp8e4m3_bits, gdc_enter, next_pow2, on_tensor_device, pdl_kwargs
 from .fused_llama import rms_norm_matmul
 
 __all__ = ["materialize_kv", "materialize_kv_epilogue"]
@@ -75,7 +75,8 @@ def _kv_epilogue_kernel(kv_ptr, kv_ld, bias_ptr, bias_s, w_ptr, w_s0, w_s1, cs_p
                         HAS_BIAS: tl.constexpr, CACHE_KIND: tl.constexpr, ALIGN: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                         BLOCK_TAIL: tl.constexpr, HAS_TAIL: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     l = tl.program_id(1)
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -248,7 +249,7 @@ def materialize_kv_epilogue(kv: torch.Tensor, k_norm_weight: torch.Tensor, posit
         float(eps), float(k_scale), float(v_scale),
         HAS_BIAS=kv_bias is not None, CACHE_KIND=kind, ALIGN=align, BLOCK_H=BLOCK_H,
         BLOCK_HALF=next_pow2(half, 1), BLOCK_TAIL=next_pow2(tail, 1), HAS_TAIL=tail > 0, BLOCK_D=BLOCK_D,
-        num_warps=4)
+        num_warps=4, **pdl_kwargs(kv))
 
 
 @on_tensor_device

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import on_tensor_device
+from ._util import gdc_enter, on_tensor_device, pdl_kwargs
 
 __all__ = ["move_kv_cache", "MAX_STAGING_BYTES"]
 
@@ -71,13 +71,14 @@ _DIRECT, _GATHER, _SCATTER = 0, 1, 2
 @triton.jit(do_not_specialize=["n", "num_slots", "rows_per_prog", "nb", "b0"])
 def _move_rows_kernel(table_ptr, tgt_ptr, src_ptr, stage_ptr, n, num_slots, rows_per_prog,
                       nb, b0, MODE: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_C: tl.constexpr, VEC: tl.constexpr):
+                      BLOCK_C: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr = False):
     """One program: rows ``[r0, r0 + rows_per_prog)`` (whole groups), byte columns
     ``[ct * BLOCK_C, (ct + 1) * BLOCK_C)`` of buffer ``b0 + program_id(1)``.
 
     table (int64 ``[3, nb]``): base address, row bytes, staging prefix (sum of the row bytes
     of the buffers before it).  MODE: 0 direct (buffer -> buffer), 1 gather (buffer ->
     staging), 2 scatter (staging -> buffer)."""
+    gdc_enter(PDL)
     x = tl.program_id(0)
     b = b0 + tl.program_id(1)
     addr = tl.load(table_ptr + b)
@@ -176,7 +177,7 @@ def _launch(mode, tab, nb, b0, nbufs, tgt, src, stage, n, num_slots, rows_per_gr
     grid = (triton.cdiv(n, rows_per_prog) * n_ct, nbufs)
     _move_rows_kernel[grid](tab, tgt, src, stage, n, num_slots, rows_per_prog, nb, b0,
                             MODE=mode, BLOCK_R=block_r, BLOCK_C=block_c, VEC=vec,
-                            num_warps=NUM_WARPS)
+                            num_warps=NUM_WARPS, **pdl_kwargs(tab))
 
 
 @on_tensor_device

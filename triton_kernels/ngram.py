@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import on_tensor_device
+from ._util import gdc_enter, on_tensor_device, pdl_kwargs
 
 __all__ = ["ngram_candidates"]
 
@@ -31,7 +31,8 @@ BLOCK = 1024
 @triton.jit
 def _ngram_kernel(hist_ptr, hist_s0, p_ptr, drafts_ptr, len_ptr, W,
                   NGRAM: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr,
-                  SP: tl.constexpr, BLOCK: tl.constexpr):
+                  SP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     b = tl.program_id(0)
     row = hist_ptr + b.to(tl.int64) * hist_s0
     P = tl.load(p_ptr + b).to(tl.int64)
@@ -90,5 +91,5 @@ def ngram_candidates(history: torch.Tensor, prefix_lens: torch.Tensor, ngram_siz
     _ngram_kernel[(bs,)](history, history.stride(0), prefix_lens, drafts, match_len, W,
                          NGRAM=ngram_size, K=topk, KP=triton.next_power_of_2(topk), S=num_steps,
                          SP=triton.next_power_of_2(num_steps), BLOCK=min(BLOCK, triton.next_power_of_2(W)),
-                         num_warps=4)
+                         num_warps=4, **pdl_kwargs(history))
     return drafts, match_len

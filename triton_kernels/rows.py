@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import on_tensor_device, require_device
+from ._util import gdc_enter, on_tensor_device, pdl_kwargs, require_device
 
 __all__ = ["gather_rows", "scatter_rows", "extend_cache_locs", "commit_accepted", "MAX_TENSORS"]
 
@@ -57,7 +57,8 @@ def _copy_row(src, dst, src_row, dst_row, W: tl.constexpr, BLOCK: tl.constexpr):
 def _rows_kernel(rows_ptr, s0, d0, s1, d1, s2, d2, s3, d3, s4, d4, s5, d5, s6, d6, s7, d7,
                  W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
                  W4: tl.constexpr, W5: tl.constexpr, W6: tl.constexpr, W7: tl.constexpr,
-                 NT: tl.constexpr, SCATTER: tl.constexpr, BLOCK: tl.constexpr):
+                 NT: tl.constexpr, SCATTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + i).to(tl.int64)
     if SCATTER:
@@ -95,7 +96,7 @@ def _launch(rows: torch.Tensor, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor
     widths += [1] * pad
     block = min(MAX_BLOCK, triton.next_power_of_2(max(max(widths), 1)))
     _rows_kernel[(bs,)](rows, *ptrs, *widths, NT=len(pairs), SCATTER=scatter, BLOCK=block,
-                        num_warps=4 if block >= 512 else 1)
+                        num_warps=4 if block >= 512 else 1, **pdl_kwargs(rows))
 
 
 @on_tensor_device
@@ -117,7 +118,8 @@ def scatter_rows(rows: torch.Tensor, pairs: Sequence[Tuple[torch.Tensor, torch.T
 @triton.jit
 def _extend_locs_kernel(rows_ptr, prefix_ptr, rtt_ptr, ld_rtt, roots_ptr, fill_id,
                         seq_out, pos_out, loc_out, ids_out, n,
-                        HAS_ROOTS: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_ROOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + i).to(tl.int64)
     p = tl.load(prefix_ptr + r).to(tl.int64)
@@ -152,13 +154,14 @@ def extend_cache_locs(rows: torch.Tensor, prefix_lens: torch.Tensor, req_to_toke
         _extend_locs_kernel[(bs,)](rows, prefix_lens, req_to_token, req_to_token.stride(0),
                                    roots if roots is not None else rows, int(fill_id),
                                    seq, pos, loc, ids if ids is not None else loc, n,
-                                   HAS_ROOTS=roots is not None, BLOCK=block, num_warps=1)
+                                   HAS_ROOTS=roots is not None, BLOCK=block, num_warps=1, **pdl_kwargs(rows))
     return seq, pos, loc, ids
 
 
 @triton.jit
 def _commit_kernel(rows_ptr, prefix_ptr, roots_ptr, seq_ptr, path_ptr, acc_ptr, emit_ptr, ld_emit, n,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + i).to(tl.int64)
     a = tl.load(acc_ptr + i).to(tl.int64)
@@ -182,4 +185,4 @@ def commit_accepted(rows: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.
     if bs:
         block = min(MAX_BLOCK, triton.next_power_of_2(n))
         _commit_kernel[(bs,)](rows, prefix_lens, roots, seq_lens, path, accept_length, emitted,
-                              emitted.stride(0), n, BLOCK=block, num_warps=1)
+                              emitted.stride(0), n, BLOCK=block, num_warps=1, **pdl_kwargs(rows))

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import on_tensor_device, require_device
+from ._util import gdc_enter, on_tensor_device, pdl_kwargs, require_device
 
 __all__ = ["topk_log_probs", "merge_topk_parts", "chunk_config", "order_keys", "lse_shift", "MAX_K",
            "MAX_CHUNKS", "MAX_BLOCK", "MAX_MERGE_KEYS", "KEY_MIN", "KEY_MAX"]
@@ -107,7 +107,8 @@ def _rescale(s, m, shift):
 
 @triton.jit
 def _chunk_kernel(x_ptr, stride_row, V, K, C, TILES, ws_key_ptr, ws_m_ptr, ws_s_ptr,
-                  BLOCK: tl.constexpr, KP: tl.constexpr):
+                  BLOCK: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     x_row = x_ptr + row.to(tl.int64) * stride_row
@@ -143,7 +144,8 @@ def _chunk_kernel(x_ptr, stride_row, V, K, C, TILES, ws_key_ptr, ws_m_ptr, ws_s_
 
 @triton.jit
 def _merge_kernel(ws_key_ptr, ws_m_ptr, ws_s_ptr, val_ptr, idx_ptr, ids_ptr, K, C,
-                  HAS_IDS: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr):
+                  HAS_IDS: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cc = tl.arange(0, CP)
     m = tl.load(ws_m_ptr + row * C + cc, mask=cc < C, other=float("-inf"))
@@ -191,7 +193,7 @@ def topk_log_probs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Te
     ws_s = torch.empty(N, C, device=dev, dtype=torch.float32)
     _chunk_kernel[(N, C)](logits, logits.stride(0), V, k, C, tiles, ws_key, ws_m, ws_s,
                           BLOCK=block, KP=kp,
-                          num_warps=max(1, min(8, block // 256)))
+                          num_warps=max(1, min(8, block // 256)), **pdl_kwargs(logits))
     merge_topk_parts(ws_key, ws_m, ws_s, values, indices)
     return values, indices
 
@@ -211,4 +213,4 @@ def merge_topk_parts(ws_key: torch.Tensor, ws_m: torch.Tensor, ws_s: torch.Tenso
     cp, kp = triton.next_power_of_2(C), triton.next_power_of_2(k)
     _merge_kernel[(N,)](ws_key, ws_m, ws_s, values, indices, indices if column_ids is None else column_ids,
                         k, C, HAS_IDS=column_ids is not None, CP=cp, KP=kp,
-                        num_warps=max(1, min(4, cp * kp // 256)))
+                        num_warps=max(1, min(4, cp * kp // 256)), **pdl_kwargs(ws_key))

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import next_pow2, on_tensor_device
+from ._util import gdc_enter, next_pow2, on_tensor_device, pdl_kwargs
 from .tree_common import gather_lane, tree_rows
 
 __all__ = ["build_tree", "verify_tree_greedy", "compact_accepted_path"]
@@ -39,7 +39,8 @@ def _build_tree_kernel(pl_ptr, pl_s0, pl_s1, sel_ptr, sel_s0, sel_s1, vsl_ptr, v
                        nx_ptr, nx_s0, nx_s1, sb_ptr, sb_s0, sb_s1,
                        fi_ptr, fi_numel, ip_ptr, ip_s0,
                        topk, num_steps, D, W, BLOCK_D: tl.constexpr,
-                       HAS_FI: tl.constexpr, BLOCK_B: tl.constexpr):
+                       HAS_FI: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_D)
     valid = j < D
@@ -150,7 +151,7 @@ def build_tree(parent_list, selected_index, verified_seq_len, tree_mask, positio
         flashinfer_mask_indptr if has_fi else tree_mask,
         flashinfer_mask_indptr.stride(0) if has_fi else 0,
         topk, num_steps, D, W, BLOCK_D=next_pow2(D), HAS_FI=has_fi, BLOCK_B=128,
-        num_warps=4 if D <= 64 else 8)
+        num_warps=4 if D <= 64 else 8, **pdl_kwargs(parent_list))
 
 
 # ----------------------------------------------------------------------------- verify
@@ -158,7 +159,8 @@ def build_tree(parent_list, selected_index, verified_seq_len, tree_mask, positio
 def _verify_greedy_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al_s0,
                           cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0, nx_s1,
                           sb_ptr, sb_s0, sb_s1, tg_ptr, tg_s0, tg_s1, D, S,
-                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     jj, cand, ridx, nxt, sib = tree_rows(cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0,
                                          nx_s1, sb_ptr, sb_s0, sb_s1, b, D, BLOCK_D)
@@ -215,7 +217,7 @@ def verify_tree_greedy(predicts, accept_index, accept_length, candidates, retriv
         retrive_next_token, retrive_next_token.stride(0), retrive_next_token.stride(1),
         retrive_next_sibling, retrive_next_sibling.stride(0), retrive_next_sibling.stride(1),
         target_predict, target_predict.stride(0), target_predict.stride(1), D, S,
-        BLOCK_D=next_pow2(D), BLOCK_S=next_pow2(S), num_warps=1 if D <= 64 else 2)
+        BLOCK_D=next_pow2(D), BLOCK_S=next_pow2(S), num_warps=1 if D <= 64 else 2, **pdl_kwargs(predicts))
 
 
 # ----------------------------------------------------------------------------- compaction
@@ -224,7 +226,8 @@ def _compact_kernel(ai_ptr, ai_s0, ai_s1, al_ptr, al_s0, ocl_ptr, ocl_s0, pr_ptr
                     src_ptr, src_s0, pro_ptr, pro_s0, hso_ptr, oclo_ptr, oclo_s0,
                     tgt_ptr, tgt_s0, sl_ptr, sl_s0, D, S, H,
                     HAS_PRED: tl.constexpr, HAS_HS: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     ph = tl.program_id(1)
     k = tl.arange(0, BLOCK_D)
@@ -294,6 +297,7 @@ def compact_accepted_path(accept_index, accept_length, out_cache_loc, predicts, 
         hso if has_hs else dummy,
         out_cache_loc_out, out_cache_loc_out.stride(0), tgt_loc, tgt_loc.stride(0),
         src_loc, src_loc.stride(0), D, S, H,
-        HAS_PRED=has_pred, HAS_HS=has_hs, BLOCK_D=next_pow2(D), BLOCK_H=BLOCK_H, num_warps=4)
+        HAS_PRED=has_pred, HAS_HS=has_hs, BLOCK_D=next_pow2(D), BLOCK_H=BLOCK_H, num_warps=4,
+        **pdl_kwargs(accept_index))
     if has_hs and not hidden_states_out.is_contiguous():
         hso_final.copy_(hso.view(hidden_states_out.dtype).view(hidden_states_out.shape))

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import next_pow2, on_tensor_device
+from ._util import gdc_enter, next_pow2, on_tensor_device, pdl_kwargs
 from .tree_common import gather_lane, tree_rows
 
 __all__ = ["tree_speculative_sampling"]
@@ -79,7 +79,8 @@ def _tree_sampling_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al
                           tp_ptr, tp_s0, tp_s1, dp_ptr, dp_s0, dp_s1,
                           th_single, th_acc, D, S, V,
                           HAS_DRAFT: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     jj, cand, ridx, nxt, sib = tree_rows(cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0,
                                          nx_s1, sb_ptr, sb_s0, sb_s1, b, D, BLOCK_D)
@@ -190,4 +191,4 @@ def tree_speculative_sampling(predicts, accept_index, accept_length, candidates,
         dp, dp.stride(0), dp.stride(1),
         float(threshold_single), float(max(threshold_acc, 1e-9)), D, S, V,
         HAS_DRAFT=has_draft, BLOCK_D=next_pow2(D), BLOCK_S=next_pow2(S), BLOCK_V=BLOCK_V,
-        num_warps=8 if BLOCK_V >= 2048 else 4)
+        num_warps=8 if BLOCK_V >= 2048 else 4, **pdl_kwargs(predicts))
