@@ -68,9 +68,9 @@ when the wrapper's value checks are skipped) make the QKV kernel skip those rows
 stores and never dereference them.
 
 Programmatic dependent launch (sm_90+, ``_util.pdl_kwargs``; ``SPECATTN_PDL=0``: off): both
-kernels then start with ``_pdl_enter``, an L2 prefetch of the program's weight rows, the
-wait for the previous grid, and the trigger that lets the next grid launch; every load of
-activations and every store comes after the wait.
+kernels then start with ``_pdl_enter``: an L2 prefetch of the program's weight rows (by the
+first row tile), the wait for the previous grid, and the trigger that lets the next grid
+launch; every load of activations and every store comes after the wait.
 
 CPU interpreter (``TRITON_INTERPRET=1``): its bf16 ``tl.dot`` is wrong and its
 ``.to(bfloat16)`` truncates, so the launchers pass ``INTERP=True`` there and the kernels
@@ -226,11 +226,14 @@ def _prefetch_l2(w_ptr, ldw, cols, N, K, LINES: tl.constexpr, EPL: tl.constexpr)
 def _pdl_enter(w_ptr, ldw, w2_ptr, ldw2, cols, N, K, TWO: tl.constexpr, LINES: tl.constexpr,
                EPL: tl.constexpr):
     """Under programmatic dependent launch: prefetch the (read-only) weight rows of this
-    program, wait for the previous grid (every load of activations and every store comes
-    after this), then let the next grid launch."""
-    _prefetch_l2(w_ptr, ldw, cols, N, K, LINES, EPL)
-    if TWO:
-        _prefetch_l2(w2_ptr, ldw2, cols, N, K, LINES, EPL)
+    program (the first row tile's programs only: every row tile reads the same weight rows,
+    and at hundreds of rows the repeated prefetches cost more L2 traffic than the GEMM),
+    wait for the previous grid (every load of activations and every store comes after
+    this), then let the next grid launch."""
+    if tl.program_id(0) == 0:
+        _prefetch_l2(w_ptr, ldw, cols, N, K, LINES, EPL)
+        if TWO:
+            _prefetch_l2(w2_ptr, ldw2, cols, N, K, LINES, EPL)
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
 
