@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (check_dequant_scales, check_paged_metadata, choose_gluon, kv_conversion,
+from ._util import (check_dequant_scales, check_paged_metadata, choose_gluon, gdc_enter, kv_conversion,
                     launch_fitting, next_pow2, on_tensor_device, pdl_kwargs)
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
                                draft_visibility, full_update, masked_update, merge_partials,
@@ -122,9 +122,7 @@ def _attn_fwd_kernel(
         BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr,
         IEEE: tl.constexpr, UPCAST: tl.constexpr, CAST_KV: tl.constexpr, SCALE_V: tl.constexpr,
         SLOT_T: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # every program, before any load or store (programmatic dependent launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    gdc_enter(PDL)  # before any load or store (programmatic dependent launch)
     hk = tl.program_id(1)
     req, split, q_start, n = program_request(qo_indptr, NUM_SPLITS)
     m0 = tl.program_id(0) * BLOCK_M

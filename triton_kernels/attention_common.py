@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import is_pow2, pdl_kwargs
+from ._util import gdc_enter, is_pow2, pdl_kwargs
 
 __all__ = ["MASK_CAUSAL", "MASK_TREE", "masked_update", "full_update", "program_request",
            "tile_rows", "prefix_range", "draft_key_count", "draft_visibility", "store_rows",
@@ -158,9 +158,7 @@ def merge_kernel(O_PART, LSE_PART, O, stride_ps, stride_pt, stride_ph, stride_ls
     """Grid ``(T, H)``: combine the ``NUM_SPLITS`` partial outputs of one (token, head).
     The split offsets advance the (64-bit) pointers by one stride per split: no 32-bit
     ``split * stride`` product that could overflow on a large ``T``."""
-    if PDL:  # before any load or store (programmatic dependent launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    gdc_enter(PDL)  # before any load or store (programmatic dependent launch)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_DV)

@@ -89,7 +89,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import fp8e4m3_bits, is_pow2, launch_fitting, on_tensor_device, pdl_kwargs, require_device
+from ._util import (fp8e4m3_bits, gdc_enter, is_pow2, launch_fitting, on_tensor_device, pdl_kwargs,
+                    require_device)
 from .topk import KEY_MIN, MAX_MERGE_KEYS, lse_shift, merge_topk_parts, order_keys, topk_log_probs
 
 __all__ = ["rms_norm_matmul", "rms_norm_matmul_topk", "topk_fusable", "qkv_rope_store", "matmul_residual",
@@ -234,8 +235,7 @@ def _pdl_enter(w_ptr, ldw, w2_ptr, ldw2, cols, N, K, TWO: tl.constexpr, LINES: t
         _prefetch_l2(w_ptr, ldw, cols, N, K, LINES, EPL)
         if TWO:
             _prefetch_l2(w2_ptr, ldw2, cols, N, K, LINES, EPL)
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
+    gdc_enter(True)
 
 
 @triton.jit
