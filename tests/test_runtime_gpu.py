@@ -27,14 +27,20 @@ def _graphed(eng, spec):
     return eng
 
 
-def test_graphs_match_eager_random_model(tmp_path, backend_name):
+def _random_model(tmp_path, max_prompt: int):
+    """``(seed, config, weights, 5 random prompts of 1 .. max_prompt tokens)`` of a fresh
+    4-layer random Llama (vocabulary 96, no end token)."""
     seed = random.randrange(2**31)
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       tie_word_embeddings=True, eos_token_ids=[])
     cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed))
     rng = random.Random(seed)
-    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 12))] for _ in range(5)]
+    return seed, cfg, w, [[rng.randrange(96) for _ in range(rng.randint(1, max_prompt))] for _ in range(5)]
+
+
+def test_graphs_match_eager_random_model(tmp_path, backend_name):
+    seed, cfg, w, prompts = _random_model(tmp_path, 12)
     p = SamplingParams(max_new_tokens=24)
     kw = dict(device="cuda", max_context=128, max_batch=5)
     eager = make_engine(backend_name, cfg, dict(w), **kw).generate(prompts, p)
@@ -49,17 +55,11 @@ def test_graphs_match_eager_random_model(tmp_path, backend_name):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pdl_matches_serialized_launches(tmp_path, backend_name, dtype, monkeypatch):
-    """Programmatic dependent launch (the fused layer kernels, attention and its merge start
-    while the previous kernel drains) changes no result: the same tokens and accept lengths
+    """Programmatic dependent launch (the fused layer kernels, attention, its merge and the
+    spec ops start while the previous kernel drains) changes no result: the same tokens and accept lengths
     as serialized launches, CUDA graphs on, plain decoding and an EAGLE tree."""
     from specattn.triton_kernels import _util
-    seed = random.randrange(2**31)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      tie_word_embeddings=True, eos_token_ids=[])
-    cfg, w = load_hf_dir(write_random_hf_dir(tmp_path, cfg, seed=seed))
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 40))] for _ in range(5)]
+    seed, cfg, w, prompts = _random_model(tmp_path, 40)
     p = SamplingParams(max_new_tokens=24)
     kw = dict(device="cuda", max_context=128, max_batch=5, cuda_graph=True, dtype=dtype)
     for spec in (SpecConfig(), SpecConfig("eagle", 3, 3, 8, 3)):
