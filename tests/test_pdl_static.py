@@ -8,6 +8,7 @@ before it touches memory an earlier kernel wrote.  A static check of the Triton 
   ``gdc_enter`` / ``_pdl_enter`` call (which waits for the previous grid);
 - the kernels of a step (fused GEMM and QKV, attention, merge, spec ops) are among them."""
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ def _calls(node):
     return [n for n in ast.walk(node) if isinstance(n, ast.Call)]
 
 
+@functools.lru_cache(maxsize=None)
 def _kernels():
     """``{name: (path, FunctionDef)}`` of every kernel with a ``PDL`` parameter (the
     ``gdc_enter`` helper aside), and ``[(path, kernel name, line)]`` of every kernel launched

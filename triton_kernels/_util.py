@@ -268,6 +268,7 @@ def fp8e4m3_bits(x):
 # before it reads anything an earlier kernel wrote or writes anything one reads, and may do
 # only side-effect-free work before that (an L2 prefetch of its weights).
 PDL = os.environ.get("SPECATTN_PDL", "1") not in ("", "0")
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")   # read once, as the kernel modules do
 
 
 @functools.lru_cache(maxsize=None)
@@ -287,7 +288,7 @@ def pdl_kwargs(t: torch.Tensor) -> dict:
     the launch gap between the short kernels of a small-batch step (CUDA programming guide,
     "Programmatic Dependent Launch and Synchronization").
     """
-    if not PDL or t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if not PDL or _INTERPRET or t.device.type != "cuda":
         return {}
     if not _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device()):
         return {}
