@@ -88,11 +88,18 @@ def test_issue_points_cover_the_issue_and_are_valid():
     dec = {(p["bs"], p["seq_len"], p["impl"]) for n, p in pts if n == "decode"}
     assert dec == {(b, s, i) for b in (1, 32, 128) for s in (1024, 8192)
                    for i in ("triton", "flashinfer")}
-    assert {(p["bs"], p["seq_len"], p["impl"]) for n, p in pts if n == "mla_decode"} == {
-        (128, 8192, i)
-        for i in ("triton", "triton_generic", "triton_sm90_split", "triton_tma", "flashmla")}
-    assert {(p["bs"], p["prefix"]) for n, p in pts if n == "mla_tree_verify"} == {(1, 4096),
-                                                                                  (16, 4096)}
+    mla = {(p.get("num_heads", 128), p["bs"], p["seq_len"], p["impl"])
+           for n, p in pts if n == "mla_decode" and "kv_dtype" not in p}
+    assert mla == {(128, 128, 8192, i)
+                   for i in ("triton", "triton_generic", "triton_sm90_split", "triton_tma", "flashmla")} | {
+        (h, b, s, i) for h in (16, 32, 64, 128) for b in (1, 16, 64, 128) for s in (1024, 4096, 8192)
+        for i in ("triton", "flashmla")}
+    labels = [rep.point_label(n, p) for n, p in pts if n == "mla_decode"]
+    assert len(labels) == len(set((lb, p["impl"]) for lb, (n, p) in
+                                  zip(labels, [q for q in pts if q[0] == "mla_decode"])))   # one row per label + impl
+    assert "bs=64 seq_len=4096 heads=16" in labels and "bs=128 seq_len=8192" in labels
+    assert {(p["bs"], p["prefix"], p.get("num_heads", 128)) for n, p in pts if n == "mla_tree_verify"} == {
+        (b, 4096, h) for b in (1, 16) for h in (16, 128)}
     assert {(p["prefix"], p["new_tokens"], p["impl"]) for n, p in pts if n == "extend"} == {
         (pre, 2048, i) for pre in (0, 4096) for i in ("triton", "flashinfer")}
 
@@ -553,7 +560,8 @@ def test_summary_rows_speedups_and_roofline():
     assert any("5.00x vs flashinfer_mask (meets >= 3.0x)" in b for b in bars)
     assert any("1.40x vs flashinfer_split (MISSES >= 1.5x)" in b for b in bars)
     assert any("mla_decode" in b and ": triton 900.0 us" in b and "MISSES <= 1.5x" in b for b in bars)
-    assert any("triton_tma 700.0 us = 1.30x FlashMLA's time (meets <= 1.5x)" in b for b in bars)
+    assert any("triton_tma 700.0 us = 1.30x FlashMLA's time (meets <= 1.5x; MISSES <= 1.0x at every head count)" in b
+               for b in bars)
 
 
 def test_split_backends_are_library_rows_of_one_point():

@@ -93,8 +93,8 @@ half's program instead (the same 1.53x, no spill), the fastest layout of the H10
 Deeper pipelines do not fit in shared memory (a 2-stage ``BLOCK_N = 64`` latent pipeline
 needs 294 KB).  FlashMLA avoids the recomputation by splitting the value width across two
 warpgroups that share one score tile; Triton's code generation cannot express that, Gluon
-can: on an sm_90 GPU bf16/fp16 attention with a multiple of 64 heads runs the kernel of
-:mod:`.attention_mla_sm90` by default, every mode, with FlashMLA's seesaw schedule; see
+can: on an sm_90 GPU bf16/fp16 attention (and an fp8 cache) at any head count runs the kernel
+of :mod:`.attention_mla_sm90` by default, every mode, with FlashMLA's seesaw schedule; see
 ``sm90`` and ``seesaw`` below.  (Key-major tiles, which make Triton split the rows rather
 than the keys across the warpgroups, compute no score twice but measured slower: the
 softmax then reduces through shared memory and ``p`` goes through shared memory every tile;
@@ -386,8 +386,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             ``page_size``), ``block_dv`` and ``qk_rope_head_dim`` <= 256 (TMA box limit) and a
             16-byte aligned cache and row stride.  None = False: measured slower on an H100
             (MLA decode b128 L8192: 1262 vs 1165 us; tree verify within 3 %).
-        sm90: run on the Gluon kernel of :mod:`.attention_mla_sm90` (one token x 64 heads per
-            CTA, two warpgroups share one score tile, FlashMLA's split; every mode; ``block_n``
+        sm90: run on the Gluon kernel of :mod:`.attention_mla_sm90` (64 packed token x head
+            rows per CTA, two warpgroups share one score tile, FlashMLA's split; every mode; ``block_n``
             32 or 64, the other config keys do not apply).  True raises ValueError where
             :func:`~.attention_mla_sm90.sm90_mla_supported` says it cannot run or
             another config key is set; None (default) uses it where it can run and no other

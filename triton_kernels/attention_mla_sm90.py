@@ -1,4 +1,4 @@
-"""Hopper (sm_90) absorbed-MLA attention in Gluon: 64 heads of one token per CTA.
+"""Hopper (sm_90) absorbed-MLA attention in Gluon: 64 packed (token, head) rows per CTA.
 
 Why a second kernel: the Triton kernel of :mod:`.attention_mla` lets the compiler place the
 warps, and for a score dot that feeds another dot Triton puts all of them along the rows, so
@@ -10,13 +10,19 @@ the grid, the modes and the epilogue:
 
 Common to both:
 
-- CTA = 64 heads (``BLOCK_H``) of ONE query token x one KV split; grid
-  ``(H / 64, max_q, bs * num_splits)`` (``(H / 64, bs * num_splits)`` when ``max_q == 1``):
-  axis 1 is the token ``j`` among its request's ``n`` new tokens (CTAs with ``j >= n`` exit),
-  so every mode runs here -- DECODE (``n = 1``), EXTEND / DRAFT_EXTEND_V2 (causal: token
-  ``j`` sees keys ``< P + j + 1``) and TARGET_VERIFY (the ``n`` draft keys through the
-  token's bit-packed tree-mask row, bit ``k % 32`` of word ``k // 32``; one row per CTA, so
-  the visibility is a vector over the tile's keys).
+- CTA = 64 packed rows (``BLOCK_H``, one wgmma M tile) of one request x one KV split; grid
+  ``(cdiv(max_q * H, 64), bs * num_splits)``.  Row ``m`` of a request is head ``m % H`` of
+  its new token ``m // H`` (the packing of :mod:`.attention_mla`, FlashMLA's ``s_q x h_q``
+  rows); tiles starting past the request's ``n * H`` rows exit at once, rows past it inside
+  a tile read zeros and are not stored.  With ``H`` a multiple of 64 a tile is 64 heads of
+  one token; with fewer heads (16 or 32 under tensor parallelism) a tile holds the heads of
+  several tokens -- a decode token's ``H`` rows pad one tile, a chain or tree verify fills
+  its tiles.  Every mode runs here: DECODE (``n = 1``), EXTEND / DRAFT_EXTEND_V2 (causal:
+  token ``j`` sees keys ``< P + j + 1``) and TARGET_VERIFY (the ``n`` draft keys through the
+  token's bit-packed tree-mask row, bit ``k % 32`` of word ``k // 32``).  With one token per
+  tile the visibility is one vector over the tile's keys; with several, causal rows stop at
+  their own token and tree rows read their own mask words, on the tiles that hold draft
+  keys only.
 - The latent tile is loaded once into shared memory and is both the key and the value
   operand; online softmax in float32, log2 domain; ``O [64, 512]`` is split by columns over
   the two warpgroups (a ``64 x 256`` float32 accumulator, 128 registers per thread each).
@@ -32,11 +38,11 @@ tiles, warp-specialized into three 4-warp partitions on mbarriers:
 - warpgroup 0 computes the whole ``[64, 64]`` score tile of the even key tiles, warpgroup 1
   of the odd ones (so each reads ``q`` from shared memory once per two tiles, half of what
   the key split needs), concurrently; ``q_pe`` is the register A operand.
-- Per pair of tiles: warpgroup 0 takes its tile's max ``m0`` and ``P0`` and hands both to
-  warpgroup 1 through shared memory; warpgroup 1 folds ``m0`` into its own tile's max ``m1``
+- Per pair of tiles: warpgroup 0 takes its tile's max ``row0`` and ``P0`` and hands both to
+  warpgroup 1 through shared memory; warpgroup 1 folds ``row0`` into its own tile's max ``m1``
   and hands ``m1`` and ``P1`` back.  Each warpgroup accumulates both ``P0 V0`` and ``P1 V1``
   into its 256 value columns (its own ``P`` from registers, the other's from shared memory),
-  rescaling by ``exp2(m - m0)`` and ``exp2(m0 - m1)``; row sums are exchanged once at the
+  rescaling by ``exp2(m - row0)`` and ``exp2(row0 - m1)``; row sums are exchanged once at the
   end.  One GEMM of each warpgroup runs under the other's softmax.
 - A loader partition fills two tile stages, each 64-column block of a tile on its own
   barrier so a score GEMM starts on the first block while the rest stream in.  A stage is
@@ -72,7 +78,7 @@ memory at ``BLOCK_N = 64``: ``q`` 72 KB + the ring 2 x 36 KB + the fp16 tile 72 
 KB = 224 KB.
 
 Scope (:func:`sm90_mla_supported`): bf16/fp16 ``q`` with a cache of its dtype or fp8 e4m3,
-``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, heads a multiple of 64, an sm_90 GPU.
+``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, any head count, an sm_90 GPU.
 Everything else (and any CPU run: Gluon has no interpreter) uses :mod:`.attention_mla`.
 """
 from __future__ import annotations
@@ -80,6 +86,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import triton
 
 from .gluon_common import HAVE_GLUON, sm90_device_needs
 
@@ -95,7 +102,7 @@ if HAVE_GLUON:
 
 __all__ = ["sm90_mla_attention", "sm90_mla_supported", "BLOCK_H"]
 
-BLOCK_H = 64       # heads per CTA (one wgmma M tile)
+BLOCK_H = 64       # packed (token, head) rows per CTA (one wgmma M tile)
 KV_LORA, ROPE = 512, 64
 
 
@@ -108,8 +115,6 @@ def sm90_mla_supported(q: torch.Tensor, kv_cache: torch.Tensor,
         why.append(f"bf16/fp16 q with a cache of its dtype or fp8 e4m3 (got {q.dtype} / {kv_cache.dtype})")
     if kv_lora_rank != KV_LORA or q.shape[-1] != KV_LORA + ROPE:
         why.append(f"kv_lora_rank {KV_LORA} and qk_rope_head_dim {ROPE}")
-    if q.shape[1] % BLOCK_H != 0:
-        why.append(f"a head count divisible by {BLOCK_H} (got {q.shape[1]})")
     return "; ".join(why) if why else None
 
 
@@ -149,35 +154,39 @@ if HAVE_GLUON:
         return vis
 
     @gluon.jit
-    def _cta_token(qo_indptr, NUM_SPLITS: gl.constexpr, DECODE: gl.constexpr):
-        """This CTA's ``(j, req, split, q_start, n)``: token ``j`` (grid axis 1; 0 with the
-        2-D ``DECODE`` grid) of request ``req``'s ``n`` new tokens from row ``q_start``, and
-        its KV split."""
-        if DECODE:  # max_q == 1: a 2-D grid, the one token
-            pid2 = gl.program_id(1)
-            j = pid2 * 0
-        else:
-            j = gl.program_id(1)
-            pid2 = gl.program_id(2)
-        req = pid2 // NUM_SPLITS
+    def _cta_tile(qo_indptr, NUM_SPLITS: gl.constexpr):
+        """This CTA's ``(row0, req, split, q_start, n)``: packed rows ``row0 + [0, 64)`` (grid
+        axis 0) of request ``req``'s ``n`` new tokens from row ``q_start``, and its KV split
+        (grid axis 1)."""
+        row0 = gl.program_id(0) * 64
+        pid1 = gl.program_id(1)
+        req = pid1 // NUM_SPLITS
         q_start = gl.load(qo_indptr + req)
-        return j, req, pid2 % NUM_SPLITS, q_start, gl.load(qo_indptr + req + 1) - q_start
+        return row0, req, pid1 % NUM_SPLITS, q_start, gl.load(qo_indptr + req + 1) - q_start
 
     @gluon.jit
-    def _cta_keys(prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
-                  stride_rtt, stride_tmb, stride_tmj, BLOCK_N: gl.constexpr,
+    def _rows(row0, n, H: gl.constexpr, SL: gl.constexpr):
+        """The tile's packed rows ``row0 + [0, 64)`` in ``SL`` (a row slice layout): ``(j, head,
+        ok)`` -- row ``m`` is head ``m % H`` of new token ``j = m // H``; ``ok``: ``m < n * H``."""
+        m = row0 + gl.arange(0, 64, layout=SL)
+        return m // H, m % H, m < n * H
+
+    @gluon.jit
+    def _cta_keys(prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, row0, n,
+                  stride_rtt, stride_tmb, stride_tmj, H: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_SPLITS: gl.constexpr, TREE: gl.constexpr):
-        """The keys token ``j`` of request ``req`` attends to in this split: ``(P, rtt_row,
-        lo, hi, tree_row)`` -- ``P`` committed keys, the request's ``req_to_token`` row,
-        positions ``[lo, hi)`` (tree: the prefix and all ``n`` draft keys, masked later by
-        the token's ``tree_row``; causal: up to the token itself).  Splits share the prefix
-        in ``BLOCK_N``-aligned chunks; the last one also takes this forward's keys."""
+        """The keys the tile's rows (``row0 + [0, 64)`` of request ``req``) attend to in this
+        split: ``(P, rtt_row, lo, hi, tree_row)`` -- ``P`` committed keys, the request's
+        ``req_to_token`` row, positions ``[lo, hi)`` (tree: the prefix and all ``n`` draft
+        keys, masked later per token; causal: up to the tile's last token, rows of earlier
+        tokens masked later) and the tree-mask row of the tile's first token.  Splits share
+        the prefix in ``BLOCK_N``-aligned chunks; the last one also takes this forward's keys."""
         P = gl.load(prefix_lens + req)
         rtt_row = req_to_token + gl.load(req_pool_indices + req).to(gl.int64) * stride_rtt
         if TREE:
             kv_end = P + n
         else:
-            kv_end = P + j + 1
+            kv_end = P + gl.minimum(row0 + 63, n * H - 1) // H + 1
         if NUM_SPLITS == 1:
             lo = split  # 0, as a tensor (warp-specialized partitions take tensors)
             hi = kv_end
@@ -185,27 +194,56 @@ if HAVE_GLUON:
             chunk = gl.cdiv(gl.cdiv(P, NUM_SPLITS), BLOCK_N) * BLOCK_N
             lo = gl.minimum(split * chunk, P)
             hi = gl.where(split == NUM_SPLITS - 1, kv_end, gl.minimum(lo + chunk, P))
-        tree_row = tree_mask + req.to(gl.int64) * stride_tmb + j * stride_tmj
+        tree_row = tree_mask + req.to(gl.int64) * stride_tmb + (row0 // H) * stride_tmj
         return P, rtt_row, lo, hi, tree_row
 
     @gluon.jit
-    def _load_q(Q, tok, stride_qt, stride_qh, pid_h, LD_C: gl.constexpr, LD_R: gl.constexpr):
-        """Token ``tok``'s ``q`` for heads ``pid_h * 64 + [0, 64)``: the latent part ``[64,
-        512]`` in ``LD_C`` and the rope part ``[64, 64]`` in ``LD_R`` (registers)."""
-        heads_c = pid_h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_C))
+    def _mask_scores(s, qk_scale, start, offs, P, hi, tree_row, row0, n, stride_tmj,
+                     H: gl.constexpr, TREE: gl.constexpr, S_L: gl.constexpr):
+        """``s * qk_scale`` where the tile's rows see key positions ``keys = start + offs``
+        (``offs``: ``[0, BLOCK_N)`` in ``SliceLayout(0, S_L)``), ``-inf`` elsewhere.  With ``H`` a multiple of 64 every row
+        of the tile is the same token (:func:`_visible`, one vector); otherwise rows of
+        several tokens share the tile: causal rows stop at their own token, tree rows test
+        their own mask rows, read only for a tile that holds draft keys."""
+        keys = start + offs
+        if H % 64 == 0:
+            vis = _visible(keys, P, hi, tree_row, TREE)[None, :]
+        else:
+            j, _, ok = _rows(row0, n, H, gl.SliceLayout(1, S_L))
+            jt = j - row0 // H   # rows relative to the tile's first token (tree_row)
+            if TREE:
+                vis = (keys < gl.minimum(P, hi))[None, :] & ok[:, None]
+                if start + s.shape[1] > P:   # the tile holds draft keys
+                    draft = keys - P
+                    in_draft = (draft >= 0) & (keys < hi)
+                    dk = gl.where(in_draft, draft, 0)
+                    word = gl.load(tree_row + (jt * stride_tmj)[:, None] + (dk // 32)[None, :],
+                                   mask=ok[:, None] & in_draft[None, :], other=0)
+                    vis = vis | (in_draft[None, :] & (((word >> (dk % 32)[None, :]) & 1) != 0))
+            else:
+                vis = keys[None, :] < gl.minimum(hi, P + j + 1)[:, None]
+        return gl.where(vis, s * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _load_q(Q, q_start, row0, n, stride_qt, stride_qh, H: gl.constexpr, LD_C: gl.constexpr,
+                LD_R: gl.constexpr):
+        """The tile's packed rows of ``q`` (:func:`_rows`; rows past the request read as
+        zeros): the latent part ``[64, 512]`` in ``LD_C`` and the rope part ``[64, 64]`` in
+        ``LD_R`` (registers)."""
+        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, LD_C))
         cols_c = gl.arange(0, 512, layout=gl.SliceLayout(0, LD_C))
-        q_c = gl.load(Q + tok * stride_qt + heads_c.to(gl.int64)[:, None] * stride_qh
-                      + cols_c[None, :])
-        heads_r = pid_h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_R))
+        q_c = gl.load(Q + ((q_start + j).to(gl.int64) * stride_qt + h * stride_qh)[:, None]
+                      + cols_c[None, :], mask=ok[:, None], other=0.0)
+        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, LD_R))
         cols_r = 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, LD_R))
-        q_r = gl.load(Q + tok * stride_qt + heads_r.to(gl.int64)[:, None] * stride_qh
-                      + cols_r[None, :])
+        q_r = gl.load(Q + ((q_start + j).to(gl.int64) * stride_qt + h * stride_qh)[:, None]
+                      + cols_r[None, :], mask=ok[:, None], other=0.0)
         return q_c, q_r
 
     @gluon.jit
     def _ks_tile(qc_smem, qr_smem, kc, kr, p_smem, s_zero, keys, start, P, hi, tree_row,
-                 qk_scale, m_i, l_part, acc, P_T: gl.constexpr, TREE: gl.constexpr,
-                 O_L: gl.constexpr):
+                 row0, n, stride_tmj, qk_scale, m_i, l_part, acc, P_T: gl.constexpr,
+                 H: gl.constexpr, TREE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
         """One key tile of the key-split schedule, its keys in shared memory (``kc`` latent,
         ``kr`` rope): the score wgmmas, the online-softmax update, ``P`` (as ``P_T``) through
         shared memory and the value wgmma.  Returns ``(m_i, l_part, acc)``."""
@@ -213,8 +251,7 @@ if HAVE_GLUON:
         s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
 
-        s = gl.where(_visible(start + keys, P, hi, tree_row, TREE)[None, :], s * qk_scale,
-                     float("-inf"))
+        s = _mask_scores(s, qk_scale, start, keys, P, hi, tree_row, row0, n, stride_tmj, H, TREE, S_L)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         if TREE:  # a tree row may see nothing yet; causal tiles always hold a key
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -233,16 +270,16 @@ if HAVE_GLUON:
         return m_new, l_part, acc
 
     @gluon.jit
-    def _ks_store(O, O_PART, LSE_PART, acc, m_i, l_part, tok, pid_h, split, stride_ot, stride_oh,
-                  stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                  NUM_SPLITS: gl.constexpr, O_L: gl.constexpr):
-        """The key split's epilogue: normalise; store the output or this split's partial and
-        log2-sum-exp."""
-        heads_o = pid_h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+    def _ks_store(O, O_PART, LSE_PART, acc, m_i, l_part, q_start, row0, n, split, stride_ot,
+                  stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  H: gl.constexpr, NUM_SPLITS: gl.constexpr, O_L: gl.constexpr):
+        """The key split's epilogue: normalise; store the tile's rows of the request (the
+        output, or this split's partial and log2-sum-exp)."""
+        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, O_L))
         store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
                   gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, O_L)),
-                  tok + heads_o * 0, heads_o, gl.arange(0, 512, layout=gl.SliceLayout(0, O_L)),
-                  heads_o >= 0, split, stride_ot, stride_oh, stride_ps, stride_pt,
+                  (q_start + j).to(gl.int64), h, gl.arange(0, 512, layout=gl.SliceLayout(0, O_L)),
+                  ok, split, stride_ot, stride_oh, stride_ps, stride_pt,
                   stride_ph, stride_ls, stride_lt, NUM_SPLITS)
 
     @gluon.jit
@@ -253,8 +290,8 @@ if HAVE_GLUON:
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rtt,
             stride_tmb, stride_tmj,
             qk_scale,
-            BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
-            DECODE: gl.constexpr):
+            H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
+            TREE: gl.constexpr):
         BLOCK_H: gl.constexpr = 64
         KV_LORA: gl.constexpr = 512
         ROPE: gl.constexpr = 64
@@ -271,16 +308,14 @@ if HAVE_GLUON:
         SW_P: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=128 if BLOCK_N >= 64 else BLOCK_N * 2, element_bitwidth=16, rank=2)
 
-        pid_h = gl.program_id(0)
-        j, req, split, q_start, n = _cta_token(qo_indptr, NUM_SPLITS, DECODE)
-        if j < n:
-            tok = (q_start + j).to(gl.int64)
+        row0, req, split, q_start, n = _cta_tile(qo_indptr, NUM_SPLITS)
+        if row0 < n * H:
             P, rtt_row, lo, hi, tree_row = _cta_keys(
-                prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
-                stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
+                prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, row0, n,
+                stride_rtt, stride_tmb, stride_tmj, H, BLOCK_N, NUM_SPLITS, TREE)
 
             # q: [64, 512] and [64, 64] into shared memory for the whole kernel
-            q_c, q_r = _load_q(Q, tok, stride_qt, stride_qh, pid_h, LD_C, LD_R)
+            q_c, q_r = _load_q(Q, q_start, row0, n, stride_qt, stride_qh, H, LD_C, LD_R)
             qc_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], SW_C, q_c)
             qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], SW_C, q_r)
             kc_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], SW_C)
@@ -315,11 +350,12 @@ if HAVE_GLUON:
 
                 cur = i % 2
                 m_i, l_part, acc = _ks_tile(qc_smem, qr_smem, kc_smem.index(cur), kr_smem.index(cur),
-                                            p_smem, s_zero, keys, start, P, hi, tree_row, qk_scale,
-                                            m_i, l_part, acc, dtype, TREE, O_L)
+                                            p_smem, s_zero, keys, start, P, hi, tree_row, row0, n,
+                                            stride_tmj, qk_scale, m_i, l_part, acc, dtype, H, TREE, S_L, O_L)
             async_copy.wait_group(0)
-            _ks_store(O, O_PART, LSE_PART, acc, m_i, l_part, tok, pid_h, split, stride_ot, stride_oh,
-                      stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS, O_L)
+            _ks_store(O, O_PART, LSE_PART, acc, m_i, l_part, q_start, row0, n, split, stride_ot,
+                      stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, H,
+                      NUM_SPLITS, O_L)
 
 
     # ---- seesaw schedule (module docstring) ----
@@ -369,12 +405,13 @@ if HAVE_GLUON:
         return warpgroup_mma_wait(0, deps=[s])
 
     @gluon.jit
-    def _ss_load_qpe(Q, head0, stride_qh, QA_L: gl.constexpr):
-        """``q_pe`` of the CTA's 64 heads (``Q`` points at the token's row), ``[64, 64]``, as
-        the register A operand."""
-        h = head0 + gl.arange(0, 64, layout=gl.SliceLayout(1, QA_L))
+    def _ss_load_qpe(Q, q_start, row0, n, stride_qt, stride_qh, H: gl.constexpr, QA_L: gl.constexpr):
+        """``q_pe`` of the tile's 64 packed rows (:func:`_rows`; rows past the request are
+        zeros), ``[64, 64]``, as the register A operand."""
+        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, QA_L))
         c = 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, QA_L))
-        return gl.load(Q + h.to(gl.int64)[:, None] * stride_qh + c[None, :])
+        return gl.load(Q + ((q_start + j).to(gl.int64) * stride_qt + h * stride_qh)[:, None] + c[None, :],
+                       mask=ok[:, None], other=0.0)
 
     @gluon.jit
     def _ss_copy_block(kc, kr, src, ok, b: gl.constexpr):
@@ -430,9 +467,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ss_loader(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
-                   rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
-                   stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
-                   stride_ph, stride_ls, stride_lt, qk_scale, kv_desc,
+                   rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                   stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
+                   stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, H: gl.constexpr,
                    NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
         """Loader partition (4 warps): ``q_nope`` once, then every key tile into stage
         ``t % 2``, half A as soon as warpgroup 0 frees it, half B once warpgroup 1 does.
@@ -442,11 +479,12 @@ if HAVE_GLUON:
         tile, whose rows past ``hi`` must read as zeros, and the tiles of a last split that
         starts at an unaligned ``P``) are gathered by ``cp.async`` per key."""
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
+        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, LD))
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
-        q_rows = Q + (head0 + r64).to(gl.int64)[:, None] * stride_qh + cols[None, :]
-        for b in gl.static_range(8):
-            async_copy.async_copy_global_to_shared(q_smem.slice(b * 64, 64, dim=1), q_rows + b * 64)
+        q_rows = Q + ((q_start + j).to(gl.int64) * stride_qt + h * stride_qh)[:, None] + cols[None, :]
+        for b in gl.static_range(8):   # rows past the request: zeros
+            async_copy.async_copy_global_to_shared(q_smem.slice(b * 64, 64, dim=1), q_rows + b * 64,
+                                                   mask=ok[:, None])
         async_copy.commit_group()
         async_copy.wait_group(0)
         fence_async_shared()
@@ -475,12 +513,12 @@ if HAVE_GLUON:
                 _ss_gather(kc, kr, bars, st, ph, KV, rtt_row, start, hi, stride_kvt)
 
     @gluon.jit
-    def _ss_init(Q, head0, stride_qh, bars):
+    def _ss_init(Q, q_start, row0, n, stride_qt, stride_qh, H: gl.constexpr, bars):
         """A warpgroup's start: ``q_pe`` in registers, the tile's key offsets, ``m = -inf``,
         ``l = 0``, ``O = 0``; then wait until the loader has put ``q_nope`` in place."""
         S_L: gl.constexpr = _SS_S_L
-        q_pe = _ss_load_qpe(Q, head0, stride_qh, gl.DotOperandLayout(operand_index=0, parent=S_L,
-                                                                     k_width=2))
+        q_pe = _ss_load_qpe(Q, q_start, row0, n, stride_qt, stride_qh, H,
+                            gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2))
         keys = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
         m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
         l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -489,34 +527,35 @@ if HAVE_GLUON:
         return q_pe, keys, m_i, l_i, acc
 
     @gluon.jit
-    def _ss_epilogue(acc, m_i, l_i, x_smem, bars, WG: gl.constexpr, O, O_PART, LSE_PART, tok,
-                     head0, split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
-                     stride_ls, stride_lt, NUM_SPLITS: gl.constexpr, O_L: gl.constexpr):
+    def _ss_epilogue(acc, m_i, l_i, x_smem, bars, WG: gl.constexpr, O, O_PART, LSE_PART, q_start,
+                     row0, n, split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
+                     stride_ls, stride_lt, H: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                     O_L: gl.constexpr):
         """Exchange the two warpgroups' row sums, then store this warpgroup's 256 columns."""
         x_smem.index(2 + WG).store(l_i)
         mbarrier.arrive(bars.index(_FIN), count=1)
         mbarrier.wait(bars.index(_FIN), 0)
         l_tot = l_i + x_smem.index(3 - WG).load(l_i.type.layout)
-        heads = head0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, O_L))
         store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
-                  gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), tok + heads * 0, heads,
-                  WG * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L)), heads >= 0, split,
+                  gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), (q_start + j).to(gl.int64), h,
+                  WG * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L)), ok, split,
                   stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                   NUM_SPLITS)
 
     @gluon.jit
     def _ss_wg0(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
-                rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
-                stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
-                stride_ph, stride_ls, stride_lt, qk_scale, kv_desc,
+                rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
+                stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, H: gl.constexpr,
                 NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
         """Warpgroup 0: the scores of the even tiles, value columns ``[0, 256)``."""
-        q_pe, keys, m_i, l_i, acc = _ss_init(Q, head0, stride_qh, bars)
+        q_pe, keys, m_i, l_i, acc = _ss_init(Q, q_start, row0, n, stride_qt, stride_qh, H, bars)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
             s = _ss_scores(q_smem, q_pe, kc_smem.index(0), kr_smem.index(0), bars, 0, ph, _SS_S_L)
-            s = gl.where(_visible(lo + 2 * k * 64 + keys, P, hi, tree_row, TREE)[None, :],
-                         s * qk_scale, float("-inf"))
+            s = _mask_scores(s, qk_scale, lo + 2 * k * 64, keys, P, hi, tree_row, row0, n, stride_tmj,
+                             H, TREE, _SS_S_L)
             m0 = gl.maximum(m_i, gl.max(s, axis=1))
             m0_use = gl.where(m0 == float("-inf"), 0.0, m0)
             scale0 = gl.exp2(m_i - m0_use)
@@ -546,25 +585,25 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_EMPTY + 2), count=1)  # stage 1, half A
             mbarrier.arrive(bars.index(_P1_FREE), count=1)
-        _ss_epilogue(acc, m_i, l_i, x_smem, bars, 0, O, O_PART, LSE_PART, tok, head0, split,
+        _ss_epilogue(acc, m_i, l_i, x_smem, bars, 0, O, O_PART, LSE_PART, q_start, row0, n, split,
                      stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                     NUM_SPLITS, _SS_O_L)
+                     H, NUM_SPLITS, _SS_O_L)
 
     @gluon.jit
     def _ss_wg1(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
-                rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
-                stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
-                stride_ph, stride_ls, stride_lt, qk_scale, kv_desc,
+                rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
+                stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, H: gl.constexpr,
                 NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
         """Warpgroup 1: the scores of the odd tiles, value columns ``[256, 512)``."""
-        q_pe, keys, m_i, l_i, acc = _ss_init(Q, head0, stride_qh, bars)
+        q_pe, keys, m_i, l_i, acc = _ss_init(Q, q_start, row0, n, stride_qt, stride_qh, H, bars)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
             has1 = 2 * k + 1 < n_tiles
             if has1:
                 s = _ss_scores(q_smem, q_pe, kc_smem.index(1), kr_smem.index(1), bars, 1, ph, _SS_S_L)
-                s = gl.where(_visible(lo + (2 * k + 1) * 64 + keys, P, hi, tree_row, TREE)[None, :],
-                             s * qk_scale, float("-inf"))
+                s = _mask_scores(s, qk_scale, lo + (2 * k + 1) * 64, keys, P, hi, tree_row, row0, n,
+                                 stride_tmj, H, TREE, _SS_S_L)
             else:
                 s = gl.full([64, 64], float("-inf"), gl.float32, layout=_SS_S_L)
             mp = gl.max(s, axis=1)
@@ -597,9 +636,9 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_EMPTY + 3), count=1)  # stage 1, half B
             m_i = m1
-        _ss_epilogue(acc, m_i, l_i, x_smem, bars, 1, O, O_PART, LSE_PART, tok, head0, split,
+        _ss_epilogue(acc, m_i, l_i, x_smem, bars, 1, O, O_PART, LSE_PART, q_start, row0, n, split,
                      stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                     NUM_SPLITS, _SS_O_L)
+                     H, NUM_SPLITS, _SS_O_L)
 
     @gluon.jit
     def _mla_seesaw_kernel(
@@ -609,8 +648,7 @@ if HAVE_GLUON:
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rtt,
             stride_tmb, stride_tmj,
             qk_scale, kv_desc,
-            NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, DECODE: gl.constexpr,
-            TMA: gl.constexpr):
+            H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
         """The seesaw schedule (module docstring): the arguments of :func:`_mla_sm90_kernel`
         plus ``kv_desc``, a TMA descriptor over the cache viewed ``[num_slots, 576]`` with
         ``[64, 64]`` boxes (None unless ``TMA``); 4 warps here (warpgroup 0) and two 4-warp
@@ -618,15 +656,12 @@ if HAVE_GLUON:
         warpgroups get 232 registers and the loader 40."""
         BLOCK_N: gl.constexpr = 64
         dtype: gl.constexpr = KV.dtype.element_ty
-        pid_h = gl.program_id(0)
-        j, req, split, q_start, n = _cta_token(qo_indptr, NUM_SPLITS, DECODE)
-        if j < n:
-            tok = (q_start + j).to(gl.int64)
+        row0, req, split, q_start, n = _cta_tile(qo_indptr, NUM_SPLITS)
+        if row0 < n * H:
             P, rtt_row, lo, hi, tree_row = _cta_keys(
-                prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
-                stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
+                prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, row0, n,
+                stride_rtt, stride_tmb, stride_tmj, H, BLOCK_N, NUM_SPLITS, TREE)
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-            head0 = pid_h * 64
             SW: gl.constexpr = SW128
             XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             q_smem = gl.allocate_shared_memory(dtype, [64, 512], SW)
@@ -638,23 +673,22 @@ if HAVE_GLUON:
             for i in gl.static_range(_FIN):
                 mbarrier.init(bars.index(i), count=1)
             mbarrier.init(bars.index(_FIN), count=2)
-            qt = Q + tok * stride_qt
             gl.warp_specialize([
-                (_ss_wg0, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART,
-                           LSE_PART, rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
-                           stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
-                           stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, NUM_SPLITS, TREE,
-                           TMA)),
-                (_ss_wg1, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART,
-                           LSE_PART, rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
-                           stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
-                           stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, NUM_SPLITS, TREE,
-                           TMA)),
-                (_ss_loader, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART,
-                              LSE_PART, rtt_row, tree_row, tok, head0, split, P, lo, hi, n_tiles,
-                              stride_qh, stride_kvt, stride_ot, stride_oh, stride_ps, stride_pt,
-                              stride_ph, stride_ls, stride_lt, qk_scale, kv_desc,
-                              NUM_SPLITS, TREE, TMA))],
+                (_ss_wg0, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
+                           rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                           stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
+                           stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
+                           kv_desc, H, NUM_SPLITS, TREE, TMA)),
+                (_ss_wg1, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
+                           rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                           stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
+                           stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
+                           kv_desc, H, NUM_SPLITS, TREE, TMA)),
+                (_ss_loader, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
+                           rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                           stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
+                           stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
+                           kv_desc, H, NUM_SPLITS, TREE, TMA))],
                                [4, 4], [232, 40])
 
 
@@ -688,8 +722,8 @@ if HAVE_GLUON:
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rtt,
             stride_tmb, stride_tmj,
             qk_scale, v_scale,
-            BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
-            DECODE: gl.constexpr):
+            H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
+            TREE: gl.constexpr):
         """The key-split schedule over an fp8 e4m3 cache (module docstring): the arguments of
         :func:`_mla_sm90_kernel`, ``qk_scale`` with the cache's scale folded in, and
         ``v_scale`` (the cache's scale) applied to the accumulator once; 8 warps."""
@@ -710,14 +744,12 @@ if HAVE_GLUON:
             swizzle_byte_width=128 if BLOCK_N >= 64 else BLOCK_N * 2, element_bitwidth=16, rank=2)
         RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
 
-        pid_h = gl.program_id(0)
-        j, req, split, q_start, n = _cta_token(qo_indptr, NUM_SPLITS, DECODE)
-        if j < n:
-            tok = (q_start + j).to(gl.int64)
+        row0, req, split, q_start, n = _cta_tile(qo_indptr, NUM_SPLITS)
+        if row0 < n * H:
             P, rtt_row, lo, hi, tree_row = _cta_keys(
-                prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, j, n,
-                stride_rtt, stride_tmb, stride_tmj, BLOCK_N, NUM_SPLITS, TREE)
-            q_c, q_r = _load_q(Q, tok, stride_qt, stride_qh, pid_h, LDQ_C, LDQ_R)
+                prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, row0, n,
+                stride_rtt, stride_tmb, stride_tmj, H, BLOCK_N, NUM_SPLITS, TREE)
+            q_c, q_r = _load_q(Q, q_start, row0, n, stride_qt, stride_qh, H, LDQ_C, LDQ_R)
             qc_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_H, KV_LORA], SW, q_c.to(gl.float16))
             qr_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_H, ROPE], SW, q_r.to(gl.float16))
             k8a = gl.allocate_shared_memory(gl.float8e4nv, [9, BLOCK_N, 64], RAW)   # ring stage 0
@@ -751,11 +783,12 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
                 m_i, l_part, acc = _ks_tile(qc_smem, qr_smem, kc, kr, p_smem, s_zero, keys, start, P,
-                                            hi, tree_row, qk_scale, m_i, l_part, acc, gl.float16,
-                                            TREE, O_L)
+                                            hi, tree_row, row0, n, stride_tmj, qk_scale, m_i, l_part,
+                                            acc, gl.float16, H, TREE, S_L, O_L)
             async_copy.wait_group(0)
-            _ks_store(O, O_PART, LSE_PART, acc * v_scale, m_i, l_part, tok, pid_h, split, stride_ot,
-                      stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, NUM_SPLITS, O_L)
+            _ks_store(O, O_PART, LSE_PART, acc * v_scale, m_i, l_part, q_start, row0, n, split,
+                      stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                      H, NUM_SPLITS, O_L)
 
 
 def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
@@ -768,11 +801,12 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     :func:`.attention_mla.mla_paged_attention`, which validates every argument and index,
     allocates ``out`` ``[T, H, 512]`` and, with ``num_splits > 1``, the float32 partials
     ``o_part [S, T, H, 512]`` / ``lse [S, T, H]`` it then merges; :func:`sm90_mla_supported`
-    must have returned None.  ``q [T, H, 576]`` bf16/fp16 (``[q_nope_absorbed | q_pe]``, H a
-    multiple of 64); ``kv_cache [num_slots, 1, 576]`` of ``q``'s dtype or fp8 e4m3 (key
+    must have returned None.  ``q [T, H, 576]`` bf16/fp16 (``[q_nope_absorbed | q_pe]``, any
+    ``H``); ``kv_cache [num_slots, 1, 576]`` of ``q``'s dtype or fp8 e4m3 (key
     split only); ``req_to_token`` int32 ``[rows, width]``; ``req_pool_indices`` int64 /
     ``prefix_lens`` int32 ``[bs]``; ``qo_indptr`` int32 ``[bs + 1]``; ``tree_mask``: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or None
-    (causal); ``max_q``: static bound of new tokens per request (grid axis 1, <= 65535);
+    (causal); ``max_q``: static bound of new tokens per request (grid axis 0 is
+    ``cdiv(max_q * H, 64)`` row tiles);
     ``sm_scale`` multiplies ``q . k``; ``block_n``: keys per tile, 32 or 64 (ValueError
     otherwise); ``seesaw``: FlashMLA's seesaw schedule (:func:`_mla_seesaw_kernel`, 64-key
     tiles only, ValueError with 32) instead of the key split; ``page_size``: the pool's page
@@ -792,12 +826,12 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     ls = lse.stride() if num_splits > 1 else (0, 0, 0)
     tm = tree_mask if tree_mask is not None else prefix_lens
     tms = (tree_mask.stride(0), tree_mask.stride(1)) if tree_mask is not None else (0, 0)
-    grid = (H // BLOCK_H, bs * num_splits) if max_q == 1 else (H // BLOCK_H, max_q, bs * num_splits)
+    grid = (triton.cdiv(max_q * H, BLOCK_H), bs * num_splits)
     args = (q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, prefix_lens, qo_indptr, tm,
             q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
             ps[0], ps[1], ps[2], ls[0], ls[1], req_to_token.stride(0), tms[0], tms[1],
             sm_scale * 1.4426950408889634)
-    modes = dict(NUM_SPLITS=num_splits, TREE=tree_mask is not None, DECODE=max_q == 1)
+    modes = dict(H=H, NUM_SPLITS=num_splits, TREE=tree_mask is not None)
     if fp8:
         scaled = args[:-1] + (sm_scale * kv_scale * 1.4426950408889634, kv_scale)
         _mla_sm90_fp8_kernel[grid](*scaled, BLOCK_N=block_n, **modes, num_warps=8)
