@@ -65,7 +65,10 @@ tiles), ~1 wave for MLA (its 128-row x 256-value tiles hold about one 8-warp pro
 ``max_prefix`` (eager: the batch's; graph mode: ``graph_prefix_bound`` when the runtime
 sets one) bounds them to one split per :func:`split_keys_mha` keys for MHA (32 keys while the
 batch's query rows in flight stay within a bs-1 16-token verify's 144, proportionally more
-above), 256 for MLA.  On an H200 in CUDA graphs (SmolLM2's 9 / 3 heads of 64, bf16, merge
+above), 128 for MLA (two 64-key tiles of the Gluon kernel: on an H100, MLA decode at bs 1
+over 1,024 / 4,096 keys, 16 heads, takes 25.4 / 27.1 us in the 3 / 15 splits that 256 keys
+allowed and 17.1 / 19.6 us in 8 / 32; at bs 16 over 1,024 keys 30.8 us in 3 and 27.0 in
+8).  On an H200 in CUDA graphs (SmolLM2's 9 / 3 heads of 64, bf16, merge
 included, the pipelined tiles the rule was fitted with): a bs-1 16-token verify over 256
 keys takes 9.1 us in one pass and 7.7 in eight; at bs 16 the same verify takes 9.2 us in
 one pass and 12.3 in the four that SM occupancy alone picks (over 1,024 keys: 18.8 in one,
@@ -105,7 +108,7 @@ __all__ = ["TritonBackend", "TritonMetadata", "fill_triton_metadata"]
 
 MAX_KV_SPLITS = 16
 MLA_MAX_KV_SPLITS = 32
-MIN_SPLIT_KEYS = 256
+MIN_SPLIT_KEYS = 128
 MIN_SPLIT_KEYS_MHA = 32
 SPLIT_WORK_UNIT = 144   # query rows in flight of a bs-1 16-token verify with 3 KV heads of 16 queries
 

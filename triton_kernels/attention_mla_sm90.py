@@ -38,11 +38,11 @@ tiles, warp-specialized into three 4-warp partitions on mbarriers:
 - warpgroup 0 computes the whole ``[64, 64]`` score tile of the even key tiles, warpgroup 1
   of the odd ones (so each reads ``q`` from shared memory once per two tiles, half of what
   the key split needs), concurrently; ``q_pe`` is the register A operand.
-- Per pair of tiles: warpgroup 0 takes its tile's max ``row0`` and ``P0`` and hands both to
-  warpgroup 1 through shared memory; warpgroup 1 folds ``row0`` into its own tile's max ``m1``
+- Per pair of tiles: warpgroup 0 takes its tile's max ``m0`` and ``P0`` and hands both to
+  warpgroup 1 through shared memory; warpgroup 1 folds ``m0`` into its own tile's max ``m1``
   and hands ``m1`` and ``P1`` back.  Each warpgroup accumulates both ``P0 V0`` and ``P1 V1``
   into its 256 value columns (its own ``P`` from registers, the other's from shared memory),
-  rescaling by ``exp2(m - row0)`` and ``exp2(row0 - m1)``; row sums are exchanged once at the
+  rescaling by ``exp2(m - m0)`` and ``exp2(m0 - m1)``; row sums are exchanged once at the
   end.  One GEMM of each warpgroup runs under the other's softmax.
 - A loader partition fills two tile stages, each 64-column block of a tile on its own
   barrier so a score GEMM starts on the first block while the rest stream in.  A stage is
@@ -165,10 +165,24 @@ if HAVE_GLUON:
         return row0, req, pid1 % NUM_SPLITS, q_start, gl.load(qo_indptr + req + 1) - q_start
 
     @gluon.jit
-    def _rows(row0, n, H: gl.constexpr, SL: gl.constexpr):
-        """The tile's packed rows ``row0 + [0, 64)`` in ``SL`` (a row slice layout): ``(j, head,
-        ok)`` -- row ``m`` is head ``m % H`` of new token ``j = m // H``; ``ok``: ``m < n * H``."""
-        m = row0 + gl.arange(0, 64, layout=SL)
+    def _tile_base(q_start, row0, H: gl.constexpr):
+        """``(tok, rowb)``: the tile's rows relative to a base token -- with ``H`` a multiple
+        of 64 the tile's one token (int64) and its first head, otherwise the request's first
+        token and the tile's first packed row."""
+        if H % 64 == 0:
+            return (q_start + row0 // H).to(gl.int64), row0 % H
+        return q_start.to(gl.int64), row0
+
+    @gluon.jit
+    def _rows(rowb, n, H: gl.constexpr, SL: gl.constexpr):
+        """The tile's rows (base :func:`_tile_base`) in ``SL`` (a row slice layout): ``(j,
+        head, ok)`` -- token ``tok + j``, head ``head``, ``ok`` where the row lies inside the
+        request (``n`` new tokens).  Packed row ``m`` of a request is head ``m % H`` of its
+        token ``m // H``."""
+        r = gl.arange(0, 64, layout=SL)
+        if H % 64 == 0:   # one token's heads: no per-row division, every row inside the request
+            return r * 0, rowb + r, r >= 0
+        m = rowb + r
         return m // H, m % H, m < n * H
 
     @gluon.jit
@@ -198,7 +212,7 @@ if HAVE_GLUON:
         return P, rtt_row, lo, hi, tree_row
 
     @gluon.jit
-    def _mask_scores(s, qk_scale, start, offs, P, hi, tree_row, row0, n, stride_tmj,
+    def _mask_scores(s, qk_scale, start, offs, P, hi, tree_row, rowb, n, stride_tmj,
                      H: gl.constexpr, TREE: gl.constexpr, S_L: gl.constexpr):
         """``s * qk_scale`` where the tile's rows see key positions ``keys = start + offs``
         (``offs``: ``[0, BLOCK_N)`` in ``SliceLayout(0, S_L)``), ``-inf`` elsewhere.  With ``H`` a multiple of 64 every row
@@ -209,8 +223,8 @@ if HAVE_GLUON:
         if H % 64 == 0:
             vis = _visible(keys, P, hi, tree_row, TREE)[None, :]
         else:
-            j, _, ok = _rows(row0, n, H, gl.SliceLayout(1, S_L))
-            jt = j - row0 // H   # rows relative to the tile's first token (tree_row)
+            j, _, ok = _rows(rowb, n, H, gl.SliceLayout(1, S_L))
+            jt = j - rowb // H   # rows relative to the tile's first token (tree_row)
             if TREE:
                 vis = (keys < gl.minimum(P, hi))[None, :] & ok[:, None]
                 if start + s.shape[1] > P:   # the tile holds draft keys
@@ -225,24 +239,24 @@ if HAVE_GLUON:
         return gl.where(vis, s * qk_scale, float("-inf"))
 
     @gluon.jit
-    def _load_q(Q, q_start, row0, n, stride_qt, stride_qh, H: gl.constexpr, LD_C: gl.constexpr,
+    def _load_q(Q, rowb, n, stride_qt, stride_qh, H: gl.constexpr, LD_C: gl.constexpr,
                 LD_R: gl.constexpr):
         """The tile's packed rows of ``q`` (:func:`_rows`; rows past the request read as
         zeros): the latent part ``[64, 512]`` in ``LD_C`` and the rope part ``[64, 64]`` in
         ``LD_R`` (registers)."""
-        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, LD_C))
+        j, h, ok = _rows(rowb, n, H, gl.SliceLayout(1, LD_C))
         cols_c = gl.arange(0, 512, layout=gl.SliceLayout(0, LD_C))
-        q_c = gl.load(Q + ((q_start + j).to(gl.int64) * stride_qt + h * stride_qh)[:, None]
+        q_c = gl.load(Q + (j.to(gl.int64) * stride_qt + h * stride_qh)[:, None]
                       + cols_c[None, :], mask=ok[:, None], other=0.0)
-        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, LD_R))
+        j, h, ok = _rows(rowb, n, H, gl.SliceLayout(1, LD_R))
         cols_r = 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, LD_R))
-        q_r = gl.load(Q + ((q_start + j).to(gl.int64) * stride_qt + h * stride_qh)[:, None]
+        q_r = gl.load(Q + (j.to(gl.int64) * stride_qt + h * stride_qh)[:, None]
                       + cols_r[None, :], mask=ok[:, None], other=0.0)
         return q_c, q_r
 
     @gluon.jit
     def _ks_tile(qc_smem, qr_smem, kc, kr, p_smem, s_zero, keys, start, P, hi, tree_row,
-                 row0, n, stride_tmj, qk_scale, m_i, l_part, acc, P_T: gl.constexpr,
+                 rowb, n, stride_tmj, qk_scale, m_i, l_part, acc, P_T: gl.constexpr,
                  H: gl.constexpr, TREE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
         """One key tile of the key-split schedule, its keys in shared memory (``kc`` latent,
         ``kr`` rope): the score wgmmas, the online-softmax update, ``P`` (as ``P_T``) through
@@ -251,7 +265,7 @@ if HAVE_GLUON:
         s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
 
-        s = _mask_scores(s, qk_scale, start, keys, P, hi, tree_row, row0, n, stride_tmj, H, TREE, S_L)
+        s = _mask_scores(s, qk_scale, start, keys, P, hi, tree_row, rowb, n, stride_tmj, H, TREE, S_L)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         if TREE:  # a tree row may see nothing yet; causal tiles always hold a key
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -270,15 +284,15 @@ if HAVE_GLUON:
         return m_new, l_part, acc
 
     @gluon.jit
-    def _ks_store(O, O_PART, LSE_PART, acc, m_i, l_part, q_start, row0, n, split, stride_ot,
+    def _ks_store(O, O_PART, LSE_PART, acc, m_i, l_part, tok, rowb, n, split, stride_ot,
                   stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                   H: gl.constexpr, NUM_SPLITS: gl.constexpr, O_L: gl.constexpr):
         """The key split's epilogue: normalise; store the tile's rows of the request (the
         output, or this split's partial and log2-sum-exp)."""
-        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, O_L))
+        j, h, ok = _rows(rowb, n, H, gl.SliceLayout(1, O_L))
         store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
                   gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, O_L)),
-                  (q_start + j).to(gl.int64), h, gl.arange(0, 512, layout=gl.SliceLayout(0, O_L)),
+                  tok + j, h, gl.arange(0, 512, layout=gl.SliceLayout(0, O_L)),
                   ok, split, stride_ot, stride_oh, stride_ps, stride_pt,
                   stride_ph, stride_ls, stride_lt, NUM_SPLITS)
 
@@ -315,7 +329,8 @@ if HAVE_GLUON:
                 stride_rtt, stride_tmb, stride_tmj, H, BLOCK_N, NUM_SPLITS, TREE)
 
             # q: [64, 512] and [64, 64] into shared memory for the whole kernel
-            q_c, q_r = _load_q(Q, q_start, row0, n, stride_qt, stride_qh, H, LD_C, LD_R)
+            tok, rowb = _tile_base(q_start, row0, H)
+            q_c, q_r = _load_q(Q + tok * stride_qt, rowb, n, stride_qt, stride_qh, H, LD_C, LD_R)
             qc_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], SW_C, q_c)
             qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], SW_C, q_r)
             kc_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], SW_C)
@@ -350,10 +365,10 @@ if HAVE_GLUON:
 
                 cur = i % 2
                 m_i, l_part, acc = _ks_tile(qc_smem, qr_smem, kc_smem.index(cur), kr_smem.index(cur),
-                                            p_smem, s_zero, keys, start, P, hi, tree_row, row0, n,
+                                            p_smem, s_zero, keys, start, P, hi, tree_row, rowb, n,
                                             stride_tmj, qk_scale, m_i, l_part, acc, dtype, H, TREE, S_L, O_L)
             async_copy.wait_group(0)
-            _ks_store(O, O_PART, LSE_PART, acc, m_i, l_part, q_start, row0, n, split, stride_ot,
+            _ks_store(O, O_PART, LSE_PART, acc, m_i, l_part, tok, rowb, n, split, stride_ot,
                       stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, H,
                       NUM_SPLITS, O_L)
 
@@ -405,12 +420,13 @@ if HAVE_GLUON:
         return warpgroup_mma_wait(0, deps=[s])
 
     @gluon.jit
-    def _ss_load_qpe(Q, q_start, row0, n, stride_qt, stride_qh, H: gl.constexpr, QA_L: gl.constexpr):
-        """``q_pe`` of the tile's 64 packed rows (:func:`_rows`; rows past the request are
-        zeros), ``[64, 64]``, as the register A operand."""
-        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, QA_L))
+    def _ss_load_qpe(Q, rowb, n, stride_qt, stride_qh, H: gl.constexpr, QA_L: gl.constexpr):
+        """``q_pe`` of the tile's 64 packed rows (:func:`_rows`; ``Q`` points at the
+        request's first token; rows past the request are zeros), ``[64, 64]``, as the
+        register A operand."""
+        j, h, ok = _rows(rowb, n, H, gl.SliceLayout(1, QA_L))
         c = 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, QA_L))
-        return gl.load(Q + ((q_start + j).to(gl.int64) * stride_qt + h * stride_qh)[:, None] + c[None, :],
+        return gl.load(Q + (j.to(gl.int64) * stride_qt + h * stride_qh)[:, None] + c[None, :],
                        mask=ok[:, None], other=0.0)
 
     @gluon.jit
@@ -467,7 +483,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ss_loader(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
-                   rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                   rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                    stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
                    stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, H: gl.constexpr,
                    NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
@@ -479,9 +495,9 @@ if HAVE_GLUON:
         tile, whose rows past ``hi`` must read as zeros, and the tiles of a last split that
         starts at an unaligned ``P``) are gathered by ``cp.async`` per key."""
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, LD))
+        j, h, ok = _rows(rowb, n, H, gl.SliceLayout(1, LD))
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
-        q_rows = Q + ((q_start + j).to(gl.int64) * stride_qt + h * stride_qh)[:, None] + cols[None, :]
+        q_rows = Q + (j.to(gl.int64) * stride_qt + h * stride_qh)[:, None] + cols[None, :]
         for b in gl.static_range(8):   # rows past the request: zeros
             async_copy.async_copy_global_to_shared(q_smem.slice(b * 64, 64, dim=1), q_rows + b * 64,
                                                    mask=ok[:, None])
@@ -513,11 +529,11 @@ if HAVE_GLUON:
                 _ss_gather(kc, kr, bars, st, ph, KV, rtt_row, start, hi, stride_kvt)
 
     @gluon.jit
-    def _ss_init(Q, q_start, row0, n, stride_qt, stride_qh, H: gl.constexpr, bars):
+    def _ss_init(Q, rowb, n, stride_qt, stride_qh, H: gl.constexpr, bars):
         """A warpgroup's start: ``q_pe`` in registers, the tile's key offsets, ``m = -inf``,
         ``l = 0``, ``O = 0``; then wait until the loader has put ``q_nope`` in place."""
         S_L: gl.constexpr = _SS_S_L
-        q_pe = _ss_load_qpe(Q, q_start, row0, n, stride_qt, stride_qh, H,
+        q_pe = _ss_load_qpe(Q, rowb, n, stride_qt, stride_qh, H,
                             gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2))
         keys = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
         m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -527,8 +543,8 @@ if HAVE_GLUON:
         return q_pe, keys, m_i, l_i, acc
 
     @gluon.jit
-    def _ss_epilogue(acc, m_i, l_i, x_smem, bars, WG: gl.constexpr, O, O_PART, LSE_PART, q_start,
-                     row0, n, split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
+    def _ss_epilogue(acc, m_i, l_i, x_smem, bars, WG: gl.constexpr, O, O_PART, LSE_PART, tok,
+                     rowb, n, split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
                      stride_ls, stride_lt, H: gl.constexpr, NUM_SPLITS: gl.constexpr,
                      O_L: gl.constexpr):
         """Exchange the two warpgroups' row sums, then store this warpgroup's 256 columns."""
@@ -536,25 +552,25 @@ if HAVE_GLUON:
         mbarrier.arrive(bars.index(_FIN), count=1)
         mbarrier.wait(bars.index(_FIN), 0)
         l_tot = l_i + x_smem.index(3 - WG).load(l_i.type.layout)
-        j, h, ok = _rows(row0, n, H, gl.SliceLayout(1, O_L))
+        j, h, ok = _rows(rowb, n, H, gl.SliceLayout(1, O_L))
         store_out(O, O_PART, LSE_PART, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
-                  gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), (q_start + j).to(gl.int64), h,
+                  gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), tok + j, h,
                   WG * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L)), ok, split,
                   stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                   NUM_SPLITS)
 
     @gluon.jit
     def _ss_wg0(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
-                rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                 stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
                 stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, H: gl.constexpr,
                 NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
         """Warpgroup 0: the scores of the even tiles, value columns ``[0, 256)``."""
-        q_pe, keys, m_i, l_i, acc = _ss_init(Q, q_start, row0, n, stride_qt, stride_qh, H, bars)
+        q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
             s = _ss_scores(q_smem, q_pe, kc_smem.index(0), kr_smem.index(0), bars, 0, ph, _SS_S_L)
-            s = _mask_scores(s, qk_scale, lo + 2 * k * 64, keys, P, hi, tree_row, row0, n, stride_tmj,
+            s = _mask_scores(s, qk_scale, lo + 2 * k * 64, keys, P, hi, tree_row, rowb, n, stride_tmj,
                              H, TREE, _SS_S_L)
             m0 = gl.maximum(m_i, gl.max(s, axis=1))
             m0_use = gl.where(m0 == float("-inf"), 0.0, m0)
@@ -585,24 +601,24 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_EMPTY + 2), count=1)  # stage 1, half A
             mbarrier.arrive(bars.index(_P1_FREE), count=1)
-        _ss_epilogue(acc, m_i, l_i, x_smem, bars, 0, O, O_PART, LSE_PART, q_start, row0, n, split,
+        _ss_epilogue(acc, m_i, l_i, x_smem, bars, 0, O, O_PART, LSE_PART, tok, rowb, n, split,
                      stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                      H, NUM_SPLITS, _SS_O_L)
 
     @gluon.jit
     def _ss_wg1(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
-                rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                 stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
                 stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, H: gl.constexpr,
                 NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
         """Warpgroup 1: the scores of the odd tiles, value columns ``[256, 512)``."""
-        q_pe, keys, m_i, l_i, acc = _ss_init(Q, q_start, row0, n, stride_qt, stride_qh, H, bars)
+        q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
             has1 = 2 * k + 1 < n_tiles
             if has1:
                 s = _ss_scores(q_smem, q_pe, kc_smem.index(1), kr_smem.index(1), bars, 1, ph, _SS_S_L)
-                s = _mask_scores(s, qk_scale, lo + (2 * k + 1) * 64, keys, P, hi, tree_row, row0, n,
+                s = _mask_scores(s, qk_scale, lo + (2 * k + 1) * 64, keys, P, hi, tree_row, rowb, n,
                                  stride_tmj, H, TREE, _SS_S_L)
             else:
                 s = gl.full([64, 64], float("-inf"), gl.float32, layout=_SS_S_L)
@@ -636,7 +652,7 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_EMPTY + 3), count=1)  # stage 1, half B
             m_i = m1
-        _ss_epilogue(acc, m_i, l_i, x_smem, bars, 1, O, O_PART, LSE_PART, q_start, row0, n, split,
+        _ss_epilogue(acc, m_i, l_i, x_smem, bars, 1, O, O_PART, LSE_PART, tok, rowb, n, split,
                      stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                      H, NUM_SPLITS, _SS_O_L)
 
@@ -673,19 +689,21 @@ if HAVE_GLUON:
             for i in gl.static_range(_FIN):
                 mbarrier.init(bars.index(i), count=1)
             mbarrier.init(bars.index(_FIN), count=2)
+            tok, rowb = _tile_base(q_start, row0, H)
+            qt = Q + tok * stride_qt
             gl.warp_specialize([
-                (_ss_wg0, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
-                           rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                (_ss_wg0, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
+                           rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
                            kv_desc, H, NUM_SPLITS, TREE, TMA)),
-                (_ss_wg1, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
-                           rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                (_ss_wg1, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
+                           rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
                            kv_desc, H, NUM_SPLITS, TREE, TMA)),
-                (_ss_loader, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
-                           rtt_row, tree_row, q_start, row0, n, split, P, lo, hi, n_tiles,
+                (_ss_loader, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
+                           rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
                            kv_desc, H, NUM_SPLITS, TREE, TMA))],
@@ -749,7 +767,8 @@ if HAVE_GLUON:
             P, rtt_row, lo, hi, tree_row = _cta_keys(
                 prefix_lens, req_to_token, req_pool_indices, tree_mask, req, split, row0, n,
                 stride_rtt, stride_tmb, stride_tmj, H, BLOCK_N, NUM_SPLITS, TREE)
-            q_c, q_r = _load_q(Q, q_start, row0, n, stride_qt, stride_qh, H, LDQ_C, LDQ_R)
+            tok, rowb = _tile_base(q_start, row0, H)
+            q_c, q_r = _load_q(Q + tok * stride_qt, rowb, n, stride_qt, stride_qh, H, LDQ_C, LDQ_R)
             qc_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_H, KV_LORA], SW, q_c.to(gl.float16))
             qr_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_H, ROPE], SW, q_r.to(gl.float16))
             k8a = gl.allocate_shared_memory(gl.float8e4nv, [9, BLOCK_N, 64], RAW)   # ring stage 0
@@ -783,10 +802,10 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
                 m_i, l_part, acc = _ks_tile(qc_smem, qr_smem, kc, kr, p_smem, s_zero, keys, start, P,
-                                            hi, tree_row, row0, n, stride_tmj, qk_scale, m_i, l_part,
+                                            hi, tree_row, rowb, n, stride_tmj, qk_scale, m_i, l_part,
                                             acc, gl.float16, H, TREE, S_L, O_L)
             async_copy.wait_group(0)
-            _ks_store(O, O_PART, LSE_PART, acc * v_scale, m_i, l_part, q_start, row0, n, split,
+            _ks_store(O, O_PART, LSE_PART, acc * v_scale, m_i, l_part, tok, rowb, n, split,
                       stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                       H, NUM_SPLITS, O_L)
 
