@@ -299,11 +299,19 @@ def _errors(report: Dict[str, Any]) -> List[Dict[str, Any]]:
     return out
 
 
+def _installed(version: Any) -> bool:
+    """Whether a raw report's version string names an installed library
+    (:func:`specattn.info.module_version` says ``"not installed"`` / ``"not importable
+    (...)"`` otherwise)."""
+    return bool(version) and not str(version).startswith("not ")
+
+
 def make_report(suite: str, reports: Sequence[Dict[str, Any]], *, commit: Optional[str],
                 commit_note: Optional[str] = None, checks: Sequence[str] = ()) -> Dict[str, Any]:
-    """The suite JSON from raw reports (the earliest's device, versions, settings, ceilings
-    and timestamp; every report's cases of the suite and errors).  Raises ValueError when no
-    report holds a case of the suite."""
+    """The suite JSON from raw reports (the earliest's device, settings, ceilings and
+    timestamp; its versions, with a library it lacked taken from a later report that had it,
+    as when the suite runs in parts; every report's cases of the suite and errors).  Raises
+    ValueError when no report holds a case of the suite."""
     info = SUITE_INFO[suite]
     reports = sorted((r for r in reports if any(c["name"] in info.cases for c in r["cases"])
                       or any(e["case"] in info.cases for e in _errors(r))),
@@ -311,7 +319,11 @@ def make_report(suite: str, reports: Sequence[Dict[str, Any]], *, commit: Option
     if not reports:
         raise ValueError(f"no report holds a case of suite {suite!r} ({', '.join(info.cases)})")
     head = reports[0]
-    rep = {"suite": suite, "device": head["device"], "versions": head["versions"], "commit": commit}
+    versions = dict(head["versions"])
+    for r in reports[1:]:
+        versions.update({k: v for k, v in r.get("versions", {}).items()
+                         if _installed(v) and not _installed(versions.get(k))})
+    rep = {"suite": suite, "device": head["device"], "versions": versions, "commit": commit}
     if commit_note:
         rep["commit_note"] = commit_note
     rep.update(timestamp=head["timestamp"], settings=head.get("settings", {}),

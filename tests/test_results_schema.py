@@ -151,6 +151,20 @@ def test_from_raw_attention_reports_and_the_commit_from_git(tmp_path, monkeypatc
     assert "3.33x vs flashinfer_mask (meets >= 3.0x)" in md and "## Cross-check" in md
 
 
+def test_suite_in_parts_keeps_every_library_version(tmp_path):
+    """A suite run in parts (the MLA cases where only FlashMLA is installed, then the rest
+    with FlashInfer): the header names both libraries, the earliest part's device and date."""
+    mla = _raw([_case("mla_decode", "triton", 600.0, bs=128, seq_len=8192)], "2026-01-01T00:00:00Z")
+    mla["versions"].update(flashinfer="not installed", flash_mla="1.0.0")
+    tv = _raw([_case("tree_verify", "triton", 90.0, bs=16, prefix=2048, page_size=1)], "2026-01-01T00:05:00Z")
+    tv["versions"].update(flashinfer="0.7.2", flash_mla="1.0.0", torch="other")
+    (tmp_path / "attention_mla_decode.json").write_text(json.dumps(mla))
+    (tmp_path / "attention_tree_verify.json").write_text(json.dumps(tv))
+    rep = suites.from_run("attention", tmp_path, commit="c" * 40)
+    assert rep["versions"] == {"torch": "2.x", "triton": "3.x", "flashinfer": "0.7.2", "flash_mla": "1.0.0"}
+    assert rep["timestamp"] == "2026-01-01T00:00:00Z" and len(rep["rows"]) == 2
+
+
 def test_suite_command_errors():
     runner = CliRunner()
     res = runner.invoke(cli.app, ["bench", "suite", "nope"])

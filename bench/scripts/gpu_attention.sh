@@ -9,7 +9,8 @@
 #                      flashinfer_mask|flashinfer_split (the split twice: fi_backend fa2, and
 #                      FlashInfer's default "auto", fa3 for the prefix part on Hopper)
 #      mla_decode      bs 128, seq_len 8192                        triton variants|flashmla
-#      mla_tree_verify bs 1|16, prefix 4096                        triton variants
+#                      16|32|64|128 heads x bs 1|16|64|128 x seq_len 1024|4096|8192  triton|flashmla
+#      mla_tree_verify bs 1|16, prefix 4096                        triton variants (16 heads: triton|triton_generic)
 #      decode          bs 1|32|128 x seq_len 1024|8192             triton|flashinfer
 #      extend          bs 1, 2048 new tokens, prefix 0|4096        triton|flashinfer
 #      and over an fp8 e4m3 cache (kv_dtype=fp8_e4m3): the decode and tree-verify points on
@@ -19,15 +20,18 @@
 #    machine, `specattn bench suite attention --from OUT/attention.json` redraws the three files).
 # FlashInfer JIT-compiles 3 modules on a cold cache (~40 s each); FlashMLA is prebuilt.
 # Files in OUT: attention_<case>.json x 5 (raw reports), attention_summary.md, attention.log,
-# attention.json.  The measurement is capped at GPU_ATTENTION_BUDGET_S (default 345 s).
-# Optional: GPU_ATTENTION_ONLY="tree_verify mla_decode" runs a subset of the cases;
+# attention.json.  The measurement is capped at GPU_ATTENTION_BUDGET_S (default 540 s; the whole
+# suite takes about 410 s on an H100).
+# Optional: GPU_ATTENTION_ONLY="tree_verify mla_decode" runs a subset of the cases; runs of
+# different subsets into the same OUT add up (step 2 reads every raw report there), so a suite
+# too long for one job runs in parts;
 # GPU_ATTENTION_PAGE_SIZE=64 runs the tree-verify points on pages of 64 slots (then keep the
 # curated files out of bench/results: set SUITE_OUT).
 set -u
 out=${1:?output dir}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-budget=${GPU_ATTENTION_BUDGET_S:-345}
+budget=${GPU_ATTENTION_BUDGET_S:-540}
 log="$out/attention.log"
 start=$(date +%s)
 commit=${SPECATTN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
