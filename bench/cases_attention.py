@@ -6,10 +6,10 @@ rows of one point are timed on identical inputs)::
     case             impl                                            target points (-p ...)
     tree_verify      triton | triton_generic | triton_sm90_sync |    bs/prefix 1/4096 16/2048
                      flashinfer_mask | flashinfer_split              64/4096 16/16384
-    mla_tree_verify  triton | triton_generic | triton_sm90_split |   bs 1 | 16, prefix 4096
-                     triton_tma
-    mla_decode       triton | triton_generic | triton_sm90_split |   bs 128, seq_len 8192
-                     triton_tma | flashmla
+    mla_tree_verify  triton | triton_generic | triton_sm90_split |   bs 1 | 16, prefix 4096;
+                     triton_tma | flashmla (chains: topk 1)          chains of 2-8 at bs 16 | 64
+    mla_decode       triton | triton_generic | triton_sm90_split |   bs 128, seq_len 8192; 16-128
+                     triton_tma | flashmla                           heads x bs 1-128 x 1024-8192
     decode           triton | flashinfer                             bs 1|32|128 x seq_len 1024|8192
     extend           triton | flashinfer                             bs 1, 2048 new, prefix 0|4096
 
@@ -50,7 +50,11 @@ rows of one point are timed on identical inputs)::
   with ``causal=True``.
 - ``flashmla``: ``flash_mla.flash_mla_with_kvcache`` (dense bf16 decode; on SM90 that is the
   legacy kernel, ``use_legacy=True``) on ``[pages, 64, 1, 576]`` with its block table; the
-  scheduler metadata (``get_mla_decoding_metadata``) is computed at setup.
+  scheduler metadata (``get_mla_decoding_metadata``) is computed at setup.  In
+  ``mla_tree_verify`` it verifies chains only (``topk=1``, ``num_steps = num_draft_tokens -
+  1``: draft ``j`` sees the prefix and drafts ``0..j``): ``s_q = num_draft_tokens`` tokens a
+  request with ``causal=True``, as SGLang's FlashMLA backend runs MTP drafts (a ValueError for
+  ``topk > 1``).
 
 FlashInfer wrappers are built with ``backend=fi_backend``, default ``"fa2"``: what SGLang's
 FlashInfer backend passes for its paged prefill and decode wrappers, and ONE JIT module (the
@@ -119,7 +123,7 @@ __all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_
 
 IMPLS: Dict[str, Tuple[str, ...]] = {
     "tree_verify": ("triton", "triton_generic", "triton_sm90_sync", "flashinfer_mask", "flashinfer_split"),
-    "mla_tree_verify": ("triton", "triton_generic", "triton_sm90_split", "triton_tma"),
+    "mla_tree_verify": ("triton", "triton_generic", "triton_sm90_split", "triton_tma", "flashmla"),
     "mla_decode": ("triton", "triton_generic", "triton_sm90_split", "triton_tma", "flashmla"),
     "decode": ("triton", "flashinfer"),
     "extend": ("triton", "flashinfer"),
@@ -564,6 +568,9 @@ def _fi_verify_workload(impl, inputs: PagedInputs, masks, qs, fi_backend, nbytes
 def _verify_setup(case_name, device, shape: AttnShape, *, bs, prefix, num_draft_tokens,
                   page_size, topk, num_steps, input_sets, seed, impl, num_kv_splits,
                   fi_backend, contiguous) -> Workload:
+    if impl == "flashmla" and impl in IMPLS[case_name] and topk != 1:
+        raise ValueError("impl='flashmla' verifies chains only (topk=1: draft j sees the prefix "
+                         f"and drafts 0..j, FlashMLA's causal s_q = num_draft_tokens), got topk={topk}")
     check_impl(case_name, impl, device)
     _positive(bs=bs, num_draft_tokens=num_draft_tokens, page_size=page_size, topk=topk,
               num_steps=num_steps)
@@ -593,7 +600,44 @@ def _verify_setup(case_name, device, shape: AttnShape, *, bs, prefix, num_draft_
                  layer=shape.layer())
     if impl in TRITON_IMPLS:
         return _triton_workload(inputs, batches, qs, num_kv_splits, nbytes, flops, state)
+    if impl == "flashmla":   # topk 1 trees are chains: FlashMLA's causal mask is theirs
+        chain = torch.tril(torch.ones(D, D, dtype=torch.bool)).expand(bs, D, D)
+        assert all(torch.equal(unpack_tree_mask(tm, D), chain) for tm in masks)
+        return _flashmla_workload(inputs, qs, shape, D, page_size, nbytes, flops, state, device)
     return _fi_verify_workload(impl, inputs, masks, qs, fi_backend, nbytes, flops, state)
+
+
+def _flashmla_workload(inputs: PagedInputs, qs, shape: AttnShape, s_q: int, page_size: int,
+                       nbytes: int, flops: int, state: dict, device) -> Workload:
+    """FlashMLA's dense decode (``flash_mla_with_kvcache``, SM90 legacy kernels) over the
+    inputs' pages: ``s_q`` new tokens per request, causal (bottom-right) when ``s_q > 1`` --
+    a chain verify, as SGLang's FlashMLA backend runs MTP drafts.  Its tile-scheduler metadata
+    is computed at setup.  Raises ValueError for an fp8 cache, RuntimeError for a build
+    without the legacy kernels."""
+    lib = require_library("flashmla")
+    if shape.cache_dtype != shape.dtype:
+        raise ValueError("impl='flashmla' runs a bf16 latent cache only (its fp8 KV is the "
+                         "sparse decode's own layout)")
+    if not lib.has_legacy():
+        raise RuntimeError("impl='flashmla': this sgl-flash-mla build has no legacy "
+                           "kernels (dense bf16 MLA decode on SM90 lives there)")
+    H, Dv, bs = shape.num_heads, shape.v_head_dim, len(inputs.sets[0].kv_lens)
+    k_cache = paged_view(inputs.kv_pool.get_key_buffer(0), page_size)   # [pages, ps, 1, 576]
+    sets = []
+    for pset, q in zip(inputs.sets, qs):
+        seqlens = torch.tensor(pset.kv_lens, dtype=torch.int32, device=device)
+        meta, _ = lib.get_mla_metadata()
+        meta.tile_scheduler_metadata, meta.num_splits = lib.get_mla_decoding_metadata(
+            seqlens, s_q * H // shape.num_kv_heads, shape.num_kv_heads, H, is_fp8_kvcache=False,
+            topk=None, use_legacy=True)
+        sets.append((q.view(bs, s_q, H, shape.head_dim), pset.page_table, seqlens, meta))
+
+    def call(q4, block_table, seqlens, meta):
+        out, _ = lib.flash_mla_with_kvcache(q4, k_cache, block_table, seqlens, Dv, meta,
+                                            softmax_scale=shape.scaling, causal=s_q > 1,
+                                            use_legacy=True)
+        return out.view(-1, H, Dv)
+    return Workload(fn=call, bytes=nbytes, flops=flops, input_sets=sets, state=state)
 
 
 def _decode_setup(case_name, device, shape: AttnShape, *, bs, seq_len, page_size, input_sets,
@@ -614,31 +658,11 @@ def _decode_setup(case_name, device, shape: AttnShape, *, bs, seq_len, page_size
     state = dict(impl=impl, inputs=inputs, batches=batches, qs=qs, layer=shape.layer())
     if impl in TRITON_IMPLS:
         return _triton_workload(inputs, batches, qs, num_kv_splits, nbytes, flops, state)
+    if impl == "flashmla":
+        return _flashmla_workload(inputs, qs, shape, 1, page_size, nbytes, flops, state, device)
     lib = require_library(impl)
     ps, H, Dv = page_size, shape.num_heads, shape.v_head_dim
     sets = []
-    if impl == "flashmla":
-        if shape.cache_dtype != shape.dtype:
-            raise ValueError("impl='flashmla' runs a bf16 latent cache only (its fp8 KV is the "
-                             "sparse decode's own layout)")
-        if not lib.has_legacy():
-            raise RuntimeError("impl='flashmla': this sgl-flash-mla build has no legacy "
-                               "kernels (dense bf16 MLA decode on SM90 lives there)")
-        k_cache = paged_view(inputs.kv_pool.get_key_buffer(0), ps)   # [pages, ps, 1, 576]
-        for pset, q in zip(inputs.sets, qs):
-            seqlens = torch.tensor(pset.kv_lens, dtype=torch.int32, device=device)
-            meta, _ = lib.get_mla_metadata()
-            meta.tile_scheduler_metadata, meta.num_splits = lib.get_mla_decoding_metadata(
-                seqlens, H // shape.num_kv_heads, shape.num_kv_heads, H, is_fp8_kvcache=False,
-                topk=None, use_legacy=True)
-            sets.append((q.view(bs, 1, H, shape.head_dim), pset.page_table, seqlens, meta))
-
-        def call(q4, block_table, seqlens, meta):
-            out, _ = lib.flash_mla_with_kvcache(q4, k_cache, block_table, seqlens, Dv, meta,
-                                                softmax_scale=shape.scaling, causal=False,
-                                                use_legacy=True)
-            return out.view(-1, H, Dv)
-        return Workload(fn=call, bytes=nbytes, flops=flops, input_sets=sets, state=state)
     workspace = torch.empty(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     kv = _fi_kv(inputs)
     for pset, q in zip(inputs.sets, qs):
@@ -682,8 +706,8 @@ def _tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, num_kv_head
 
 @case("mla_tree_verify",
       "TARGET_VERIFY, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, random "
-      "64-token EAGLE trees over a 4096 prefix (target points bs 1 | 16); impl=triton|triton_generic|triton_sm90_split|triton_tma "
-      "(no public library has MLA tree verify with a custom mask); " + _VERIFY_DOC,
+      "64-token EAGLE trees over a 4096 prefix (target points bs 1 | 16); impl=triton|triton_generic|triton_sm90_split|triton_tma"
+      "|flashmla (chains only, topk=1: no public library has MLA tree verify with a custom mask); " + _VERIFY_DOC,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=128, kv_lora_rank=512,
       qk_rope_head_dim=64, dtype="bfloat16", page_size=64, topk=8, num_steps=5,
       input_sets=None, seed=0, impl="triton", num_kv_splits=None, contiguous=False, kv_dtype="auto")

@@ -98,8 +98,16 @@ def test_issue_points_cover_the_issue_and_are_valid():
     assert len(labels) == len(set((lb, p["impl"]) for lb, (n, p) in
                                   zip(labels, [q for q in pts if q[0] == "mla_decode"])))   # one row per label + impl
     assert "bs=64 seq_len=4096 heads=16" in labels and "bs=128 seq_len=8192" in labels
-    assert {(p["bs"], p["prefix"], p.get("num_heads", 128)) for n, p in pts if n == "mla_tree_verify"} == {
-        (b, 4096, h) for b in (1, 16) for h in (16, 128)}
+    trees = {(p["bs"], p["prefix"], p.get("num_heads", 128), p["impl"]) for n, p in pts
+             if n == "mla_tree_verify" and "topk" not in p and "kv_dtype" not in p}
+    assert trees == {(b, 4096, 128, i) for b in (1, 16) for i in ca.IMPLS["mla_tree_verify"] if i != "flashmla"} | {
+        (b, 4096, 16, i) for b in (1, 16) for i in ("triton", "triton_generic")}
+    chains = {(p["bs"], p["num_heads"], p["num_draft_tokens"], p["num_steps"], p["impl"]) for n, p in pts
+              if n == "mla_tree_verify" and p.get("topk") == 1}
+    assert chains == {(b, h, s, s - 1, i) for b in (16, 64) for h in (16, 128) for s in (2, 4, 8)
+                      for i in ("triton", "flashmla")}
+    assert rep.point_label("mla_tree_verify", dict(bs=16, prefix=4096, topk=1, num_draft_tokens=4,
+                                                   num_heads=16)) == "bs=16 prefix=4096 chain=4 heads=16"
     assert {(p["prefix"], p["new_tokens"], p["impl"]) for n, p in pts if n == "extend"} == {
         (pre, 2048, i) for pre in (0, 4096) for i in ("triton", "flashinfer")}
 
@@ -564,6 +572,15 @@ def test_summary_rows_speedups_and_roofline():
                for b in bars)
 
 
+def test_flashmla_verifies_chains_only():
+    """FlashMLA's causal decode is a chain verify: a tree (topk > 1) is refused before any
+    input is built, naming why; the check runs before the CUDA-device one."""
+    with pytest.raises(ValueError, match="flashmla' verifies chains only.*topk=8"):
+        CASES["mla_tree_verify"].build("cpu", impl="flashmla")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        CASES["mla_tree_verify"].build("cpu", impl="flashmla", topk=1, num_steps=3, num_draft_tokens=4)
+
+
 def test_split_backends_are_library_rows_of_one_point():
     """A FlashInfer row with a non-default ``fi_backend`` is one more library row of the same
     point, labelled with its backend; the Triton rows get a speedup and a bar line for each."""
@@ -657,6 +674,8 @@ GPU_SMALL = {
     "mla_decode": dict(bs=5, seq_len=700),
     "extend": dict(bs=2, prefix=128, new_tokens=100),
 }
+GPU_SMALL_CHAIN = dict(bs=3, prefix=200, num_draft_tokens=4, topk=1, num_steps=3, num_heads=16)
+"""FlashMLA verifies chains only (the heads of a TP-8 shard: four tokens fill a Gluon tile)."""
 
 
 @pytest.mark.gpu
@@ -665,8 +684,8 @@ GPU_SMALL = {
 def test_every_impl_matches_reference_on_gpu(name, impl, seed):
     if impl in ca.LIBRARIES:
         pytest.importorskip(ca.LIBRARIES[impl][0])
-    wl = get_case(name).build("cuda", impl=impl, input_sets=2, seed=seed % 1000,
-                              **GPU_SMALL[name])
+    small = GPU_SMALL_CHAIN if (name, impl) == ("mla_tree_verify", "flashmla") else GPU_SMALL[name]
+    wl = get_case(name).build("cuda", impl=impl, input_sets=2, seed=seed % 1000, **small)
     for i, call in enumerate(wl.calls()):
         out = call()
         ref = reference(wl, i)

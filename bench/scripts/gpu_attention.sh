@@ -11,6 +11,7 @@
 #      mla_decode      bs 128, seq_len 8192                        triton variants|flashmla
 #                      16|32|64|128 heads x bs 1|16|64|128 x seq_len 1024|4096|8192  triton|flashmla
 #      mla_tree_verify bs 1|16, prefix 4096                        triton variants (16 heads: triton|triton_generic)
+#                      chains of 2|4|8 (topk 1), 16|128 heads, bs 16|64  triton|flashmla (causal s_q)
 #      decode          bs 1|32|128 x seq_len 1024|8192             triton|flashinfer
 #      extend          bs 1, 2048 new tokens, prefix 0|4096        triton|flashinfer
 #      and over an fp8 e4m3 cache (kv_dtype=fp8_e4m3): the decode and tree-verify points on
