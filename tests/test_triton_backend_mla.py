@@ -7,7 +7,8 @@ relative), split and unsplit, both ``block_dv`` choices, page sizes 1 and 16, tr
 32-bit mask word.  GPU-marked tests: ``kv_lora_rank = 512 + 64``, 16 and 128 heads,
 bf16/fp16/fp32, page sizes 1/16/64, prefixes up to 8k, random trees up to 64 draft tokens, real
 CUDA graphs (capture at a padded bs, replay with a smaller one, outputs poisoned), EXTEND in
-graphs, and a smoke run of the sweepable kernel configs."""
+graphs, and a smoke run of the sweepable kernel configs; on sm_90 the Gluon kernels at 1, 16,
+24, 48, 64, 96 and 128 heads (a tile of one token's heads, or of several tokens' rows)."""
 import os
 
 import torch
@@ -498,9 +499,11 @@ def test_mla_sm90_seesaw_tma_tiles_at_unaligned_split(tree, seed):
 @pytest.mark.skipif(not _sm90(), reason="the Gluon MLA kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("mode", GRAPH_MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_mla_sm90_graph_replay(mode, page_size, seed):
-    """Captured at a padded bs, replayed with a smaller one (padded requests: no tokens)."""
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_mla_sm90_graph_replay(mode, page_size, num_heads, seed):
+    """Captured at a padded bs, replayed with a smaller one (padded requests: no tokens); at
+    16 heads the tiles pack several tokens' rows."""
     graph_case("mla", mode, page_size, "cuda", True, seed, dtype=torch.bfloat16,
-               num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, max_prefix=2000,
+               num_heads=num_heads, kv_lora_rank=512, qk_rope_head_dim=64, max_prefix=2000,
                D=random.Random(seed).choice([5, 64]), padded_bs=8, ext_max=20,
                kernel_config={"sm90": True})
