@@ -215,10 +215,11 @@ if HAVE_GLUON:
     def _mask_scores(s, qk_scale, start, offs, P, hi, tree_row, rowb, n, stride_tmj,
                      H: gl.constexpr, TREE: gl.constexpr, S_L: gl.constexpr):
         """``s * qk_scale`` where the tile's rows see key positions ``keys = start + offs``
-        (``offs``: ``[0, BLOCK_N)`` in ``SliceLayout(0, S_L)``), ``-inf`` elsewhere.  With ``H`` a multiple of 64 every row
-        of the tile is the same token (:func:`_visible`, one vector); otherwise rows of
-        several tokens share the tile: causal rows stop at their own token, tree rows test
-        their own mask rows, read only for a tile that holds draft keys."""
+        (``offs``: ``[0, BLOCK_N)`` in ``SliceLayout(0, S_L)``), ``-inf`` elsewhere.  With
+        ``H`` a multiple of 64 every row of the tile is the same token (:func:`_visible`, one
+        vector); otherwise rows of several tokens share the tile: causal rows stop at their
+        own token, tree rows test their own mask rows, read only for a tile that holds draft
+        keys."""
         keys = start + offs
         if H % 64 == 0:
             vis = _visible(keys, P, hi, tree_row, TREE)[None, :]
@@ -265,7 +266,8 @@ if HAVE_GLUON:
         s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
 
-        s = _mask_scores(s, qk_scale, start, keys, P, hi, tree_row, rowb, n, stride_tmj, H, TREE, S_L)
+        s = _mask_scores(s, qk_scale, start, keys, P, hi, tree_row, rowb, n, stride_tmj, H, TREE,
+                         S_L)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         if TREE:  # a tree row may see nothing yet; causal tiles always hold a key
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
