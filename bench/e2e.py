@@ -681,6 +681,53 @@ def render_png(report: dict, path: Path) -> bool:
     return True
 
 
+#: report fields every part of one run must share (``settings`` apart from ``batch_sizes``)
+_SHARED = ("suite", "commit", "model", "num_prompts", "drafters")
+
+
+def merge_parts(parts: Sequence[dict]) -> dict:
+    """One e2e report from the reports of a run made in parts (``specattn bench e2e`` with
+    disjoint ``--bs`` lists, e.g. one job per part under a time limit): the earliest part's
+    device, versions, timestamp and ceilings; ``settings.batch_sizes`` the parts' together,
+    ascending; the rows ordered by batch size as one run would measure them (each part's
+    speedups are over its own plain-decoding rows of the same batch, as in one run).
+
+    Raises:
+        ValueError: no parts, a part that is not an e2e report, parts of different commits,
+            models, prompt counts, drafters, devices or settings (``batch_sizes`` aside), or a
+            row (prompt set, algo, batch size) measured by two parts.
+    """
+    if not parts:
+        raise ValueError("no e2e reports to merge")
+    parts = sorted(parts, key=lambda r: r.get("timestamp") or "")
+    head = parts[0]
+    for part in parts:
+        if part.get("suite") != SUITE:
+            raise ValueError(f"not an e2e report (suite {part.get('suite')!r})")
+        diff = [k for k in _SHARED if part.get(k) != head.get(k)]
+        if (part.get("device") or {}).get("name") != (head.get("device") or {}).get("name"):
+            diff.append("device")
+        st = {k: v for k, v in (part.get("settings") or {}).items() if k != "batch_sizes"}
+        if st != {k: v for k, v in (head.get("settings") or {}).items() if k != "batch_sizes"}:
+            diff.append("settings")
+        if diff:
+            raise ValueError(f"the parts differ in {', '.join(diff)}: they are not one run")
+    seen, rows = set(), []
+    for part in parts:
+        for r in part.get("rows", []):
+            key = (r.get("prompt_set", "chat"), r.get("algo"), r.get("bs"))
+            if key in seen:
+                raise ValueError(f"row {key} is in two parts")
+            seen.add(key)
+            rows.append(r)
+    sizes = sorted({b for p in parts for b in (p.get("settings") or {}).get("batch_sizes") or []} |
+                   {r.get("bs") for r in rows})
+    rows.sort(key=lambda r: sizes.index(r.get("bs")))   # stable: each part's order within a batch
+    merged = dict(head, rows=rows)
+    merged["settings"] = dict(head.get("settings") or {}, batch_sizes=sizes)
+    return merged
+
+
 def write_results(report: dict, out_dir: Path) -> List[Path]:
     """``out_dir/e2e.json`` + ``e2e.md`` (+ ``e2e.png`` where matplotlib is installed)."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -350,11 +350,27 @@ UNRECORDED_COMMIT = ("the run did not record its commit: the commit that last to
                      "reports (git log)")
 
 
+def from_report(rep: Dict[str, Any], *, commit: Optional[str] = None,
+                commit_note: Optional[str] = None) -> Dict[str, Any]:
+    """A suite JSON as is, or with ``commit`` (and ``commit_note``) in place of its own."""
+    if not commit:
+        return rep
+    out = {}
+    for k, v in rep.items():
+        if k == "commit_note":
+            continue
+        out[k] = commit if k == "commit" else v
+        if k == "commit" and commit_note:
+            out["commit_note"] = commit_note
+    return out
+
+
 def from_run(suite: str, source: Path, *, commit: Optional[str] = None,
              commit_note: Optional[str] = None) -> Dict[str, Any]:
     """Suite ``suite``'s JSON from an earlier run: ``source`` is the folder of its raw
-    reports (for ``e2e``: a folder with ``e2e.json``), or a suite JSON (rewritten as is,
-    ``commit`` / ``commit_note`` applied).  Without ``commit``, a raw run gets the commit
+    reports (for ``e2e``: a folder with ``e2e.json``, or with several below it -- a run made
+    in parts, merged by :func:`specattn.bench.e2e.merge_parts`), or a suite JSON (rewritten
+    as is, ``commit`` / ``commit_note`` applied).  Without ``commit``, a raw run gets the commit
     that last touched ``source`` in git, and a ``commit_note`` saying so.
 
     Raises:
@@ -362,21 +378,17 @@ def from_run(suite: str, source: Path, *, commit: Optional[str] = None,
     """
     source = Path(source)
     if source.is_dir() and suite == "e2e":
-        source = source / "e2e.json"
+        parts = sorted(source.rglob("e2e.json"))
+        if len(parts) > 1:   # a run made in parts (one job per --bs list): one report
+            from .e2e import merge_parts
+            rep = merge_parts([json.loads(p.read_text()) for p in parts])
+            return from_report(rep, commit=commit, commit_note=commit_note)
+        source = parts[0] if parts else source / "e2e.json"
     if source.is_file():
         rep = json.loads(source.read_text())
         if rep.get("suite") != suite:
             raise ValueError(f"{source} is not a {suite} results file")
-        if commit:
-            out = {}
-            for k, v in rep.items():
-                if k == "commit_note":
-                    continue
-                out[k] = commit if k == "commit" else v
-                if k == "commit" and commit_note:
-                    out["commit_note"] = commit_note
-            rep = out
-        return rep
+        return from_report(rep, commit=commit, commit_note=commit_note)
     if not source.is_dir():
         raise FileNotFoundError(f"no such file or folder: {source}")
     if not commit:

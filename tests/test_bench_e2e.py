@@ -137,6 +137,40 @@ def test_writers(tmp_path):
     assert json.loads((tmp_path / "h100" / "e2e.json").read_text())["rows"][1]["accept_length"] == 3.2
 
 
+def test_merge_parts_of_one_run(tmp_path):
+    """A run made in two jobs (--bs 1,4 then --bs 16): one report, rows in batch order, the
+    batch sizes together; parts of different runs or measuring one row twice are refused;
+    `bench suite e2e --from` merges the parts below a folder."""
+    def row(algo, bs, tps):
+        return dict(algo=algo, prompt_set="chat", backend="triton", dtype="bfloat16", bs=bs, tokens_per_s=tps,
+                    accept_length=1.0, speedup=1.0)
+    a = _report([row("none", 1, 100.0), row("ngram", 1, 150.0), row("none", 4, 300.0)])
+    a["settings"].update(batch_sizes=[1, 4])
+    b = _report([row("none", 16, 900.0), row("ngram", 16, 950.0)])
+    b["settings"].update(batch_sizes=[16])
+    b["timestamp"], b["device"] = "2026-01-01T00:20:00+00:00", dict(a["device"], sms=132)
+    m = e2e.merge_parts([b, a])
+    assert [(r["algo"], r["bs"]) for r in m["rows"]] == [("none", 1), ("ngram", 1), ("none", 4), ("none", 16),
+                                                         ("ngram", 16)]
+    assert m["settings"] == {"max_new_tokens": 8, "batch_sizes": [1, 4, 16]}
+    assert m["timestamp"] == a["timestamp"] and e2e.unmeasured_rows(m) == []
+    with pytest.raises(ValueError, match="row .*'none', 16.* is in two parts"):
+        e2e.merge_parts([a, b, b])
+    with pytest.raises(ValueError, match="differ in commit, settings"):
+        e2e.merge_parts([a, dict(b, commit="other", settings={"max_new_tokens": 9, "batch_sizes": [16]})])
+    with pytest.raises(ValueError, match="no e2e reports"):
+        e2e.merge_parts([])
+    for name, part in (("p1", a), ("p2", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "e2e.json").write_text(json.dumps(part))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli.app, ["bench", "suite", "e2e", "--from", str(tmp_path), "--out", str(out),
+                                       "--commit", "c" * 40])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((out / "e2e.json").read_text())
+    assert rep["commit"] == "c" * 40 and len(rep["rows"]) == 5 and rep["settings"]["batch_sizes"] == [1, 4, 16]
+
+
 def test_png_bars_keep_prompt_sets_apart():
     """Both prompt sets run target-only decoding and n-gram at a batch size: each row gets
     its own bar (the copy-heavy set's labelled), errors get none."""

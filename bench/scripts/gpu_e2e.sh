@@ -13,6 +13,8 @@
 #   e2e     specattn bench e2e (E2E_ARGS adds flags; with OUT/drafter present it is the
 #           EAGLE drafter), results to OUT/results, stopped after E2E_TIMEOUT s (default 560;
 #           the results are written after every row)
+# A run too long for one job runs in parts: E2E_ARGS="--bs 1,4" with OUT/a, then "--bs 16,64"
+# with OUT/b; `specattn bench suite e2e --from OUT` merges every e2e.json below OUT into one.
 # Everything prints to OUT/log.txt too.  No CUDA extension build (the spec ops run in Triton).
 set -u
 out=${1:?output dir}; phases=${2:-tests e2e}; mkdir -p "$out"
