@@ -65,10 +65,10 @@ tiles), ~1 wave for MLA (its 128-row x 256-value tiles hold about one 8-warp pro
 ``max_prefix`` (eager: the batch's; graph mode: ``graph_prefix_bound`` when the runtime
 sets one) bounds them to one split per :func:`split_keys_mha` keys for MHA (32 keys while the
 batch's query rows in flight stay within a bs-1 16-token verify's 144, proportionally more
-above), 128 for MLA (two 64-key tiles of the Gluon kernel: on an H100, MLA decode at bs 1
-over 1,024 / 4,096 keys, 16 heads, takes 25.4 / 27.1 us in the 3 / 15 splits that 256 keys
-allowed and 17.1 / 19.6 us in 8 / 32; at bs 16 over 1,024 keys 30.8 us in 3 and 27.0 in
-8).  On an H200 in CUDA graphs (SmolLM2's 9 / 3 heads of 64, bf16, merge
+above), 128 for MLA in whole 64-key tiles, as evenly as they allow (:func:`mla_splits`; on
+an H100, MLA decode at bs 1 over 1,024 / 4,096 keys, 16 heads, takes 25.4 / 27.1 us in the 3
+/ 15 splits that 256 keys a split allowed and 17.1 / 19.6 us in 8 / 32; at bs 16 over 1,024
+keys 30.8 us in 3 and 27.0 in 8).  On an H200 in CUDA graphs (SmolLM2's 9 / 3 heads of 64, bf16, merge
 included, the pipelined tiles the rule was fitted with): a bs-1 16-token verify over 256
 keys takes 9.1 us in one pass and 7.7 in eight; at bs 16 the same verify takes 9.2 us in
 one pass and 12.3 in the four that SM occupancy alone picks (over 1,024 keys: 18.8 in one,
@@ -111,6 +111,22 @@ MLA_MAX_KV_SPLITS = 32
 MIN_SPLIT_KEYS = 128
 MIN_SPLIT_KEYS_MHA = 32
 SPLIT_WORK_UNIT = 144   # query rows in flight of a bs-1 16-token verify with 3 KV heads of 16 queries
+
+
+MLA_SPLIT_TILE = 64      # keys of a Gluon MLA tile: the split chunks are whole tiles
+
+
+def mla_splits(limit: int, max_prefix: int) -> int:
+    """The MLA split-KV count for a prefix of at most ``max_prefix`` keys: at most ``limit``
+    (what SM occupancy allows), at least ``MIN_SPLIT_KEYS`` keys (two 64-key tiles) a split,
+    and no empty split.  The kernels give split ``s`` the keys ``[s * c, (s + 1) * c)`` with
+    ``c = cdiv(cdiv(P, S), 64) * 64``, so ``S`` is taken as ``cdiv(tiles, tiles a split)``:
+    over 1,023 keys 7 splits would be six of 192 keys and an empty one, 8 are eight of 128
+    (H100, MLA decode bs 1, 16 heads: 17.1 us in 8 splits, 20.9 in the 7 of ``P //
+    MIN_SPLIT_KEYS``; over 4,095 keys 19.6 in 32 against 27.1 in 15)."""
+    tiles = max(1, -(-max_prefix // MLA_SPLIT_TILE))
+    per = max(MIN_SPLIT_KEYS // MLA_SPLIT_TILE, -(-tiles // max(limit, 1)))
+    return max(1, min(limit, -(-tiles // per)))
 
 
 def split_keys_mha(programs: int, rows: int, block_m: int) -> int:
@@ -380,8 +396,9 @@ class TritonBackend(AttentionBackend):
         programs = -(-rows // block_m) * heads * md.batch_size
         splits = min(max_splits, max(1, (waves * self._num_sms) // max(programs, 1)))
         if md.max_prefix is not None:
-            keys = MIN_SPLIT_KEYS if self.kind == AttentionKind.MLA else split_keys_mha(programs, rows, block_m)
-            splits = min(splits, max(1, md.max_prefix // keys))
+            if self.kind == AttentionKind.MLA:
+                return mla_splits(splits, md.max_prefix)
+            splits = min(splits, max(1, md.max_prefix // split_keys_mha(programs, rows, block_m)))
         return splits
 
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:

@@ -575,6 +575,24 @@ def test_graph_prefix_bound_reaches_the_split_rule(seed):
     assert split_keys_mha(192, 3, 16) > split_keys_mha(48, 3, 16) > split_keys_mha(12, 3, 16)
 
 
+def test_mla_splits_are_whole_tiles_and_never_empty():
+    """The MLA split count: the occupancy limit, two 64-key tiles a split at least, and as
+    even as whole tiles allow, so that no split of the kernels' ``cdiv(cdiv(P, S), 64) * 64``
+    chunks is empty (7 splits over 1,023 keys would leave one empty; the sweep's best counts
+    at bs 1 / 16 are 8 and 32 / 8)."""
+    from specattn.backends.triton_backend import mla_splits
+    assert mla_splits(32, 1023) == 8 and mla_splits(32, 4095) == 32 and mla_splits(32, 8191) == 32
+    assert mla_splits(8, 1023) == 8 and mla_splits(8, 4095) == 8 and mla_splits(1, 8191) == 1
+    assert mla_splits(32, 100) == 1 and mla_splits(32, 1) == 1 and mla_splits(0, 500) == 1
+    rng = random.Random(0)
+    for _ in range(2000):
+        limit, P = rng.randint(1, 40), rng.randint(1, 20000)
+        S = mla_splits(limit, P)
+        c = -(-(-(-P // S)) // 64) * 64
+        assert 1 <= S <= limit and (S == 1 or P // S >= 64), (limit, P, S)
+        assert (S - 1) * c < P, (limit, P, S)          # the last split holds keys too
+
+
 def test_in_capture_metadata_reads_the_batch_in_place(seed):
     """Inside a whole-round capture the graph metadata takes the batch's own prefix lengths
     (int32), rows (int64) and tree mask where their layout fits, with no copies, and attends
