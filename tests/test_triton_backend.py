@@ -578,7 +578,7 @@ def test_graph_prefix_bound_reaches_the_split_rule(seed):
 def test_mla_splits_are_whole_tiles_and_never_empty():
     """The MLA split count: the occupancy limit, two 64-key tiles a split at least, and as
     even as whole tiles allow, so that no split of the kernels' ``cdiv(cdiv(P, S), 64) * 64``
-    chunks is empty (7 splits over 1,023 keys would leave one empty; the sweep's best counts
+    chunks is empty (7 splits over 1,023 keys would leave one without a prefix key; the sweep's best counts
     at bs 1 / 16 are 8 and 32 / 8)."""
     from specattn.backends.triton_backend import mla_splits
     assert mla_splits(32, 1023) == 8 and mla_splits(32, 4095) == 32 and mla_splits(32, 8191) == 32
