@@ -111,8 +111,6 @@ MLA_MAX_KV_SPLITS = 32
 MIN_SPLIT_KEYS = 128
 MIN_SPLIT_KEYS_MHA = 32
 SPLIT_WORK_UNIT = 144   # query rows in flight of a bs-1 16-token verify with 3 KV heads of 16 queries
-
-
 MLA_SPLIT_TILE = 64      # keys of a Gluon MLA tile: the split chunks are whole tiles
 
 
@@ -121,10 +119,10 @@ def mla_splits(limit: int, max_prefix: int) -> int:
     (what SM occupancy allows), at least ``MIN_SPLIT_KEYS`` keys (two 64-key tiles) a split,
     and no empty split.  The kernels give split ``s`` the keys ``[s * c, (s + 1) * c)`` with
     ``c = cdiv(cdiv(P, S), 64) * 64``, so ``S`` is taken as ``cdiv(tiles, tiles a split)``:
-    over 1,023 keys 7 splits would be six chunks of up to 192 keys and one without a prefix key,
-    8 are eight of up to 128
-    (H100, MLA decode bs 1, 16 heads: 17.1 us in 8 splits, 20.9 in the 7 of ``P //
-    MIN_SPLIT_KEYS``; over 4,095 keys 19.6 in 32 against 27.1 in 15)."""
+    over 1,023 keys 7 splits would be six chunks of up to 192 keys and one without a prefix
+    key, 8 are eight of up to 128 (H100, MLA decode bs 1, 16 heads: 17.1 us in 8 splits, 20.9
+    in the 7 of ``P // MIN_SPLIT_KEYS``; over 4,095 keys 19.6 in 32 against 27.1 in 15).
+    ``limit`` and ``max_prefix`` are counts (ints); returns an int in ``[1, max(limit, 1)]``."""
     tiles = max(1, -(-max_prefix // MLA_SPLIT_TILE))
     per = max(MIN_SPLIT_KEYS // MLA_SPLIT_TILE, -(-tiles // max(limit, 1)))
     return max(1, min(limit, -(-tiles // per)))
