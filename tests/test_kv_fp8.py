@@ -236,9 +236,9 @@ def test_gluon_fp8_tree_verify(page_size, head_dim, seed):
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("num_heads", [16, 128])
 def test_triton_fp8_mla_on_gpu(mode, page_size, num_heads, seed):
-    """The 512 + 64 latent in fp8 at 16 and 128 heads (on sm_90, 128 heads run the Gluon key
-    split, which widens the fp8 tiles in shared memory; 16 heads the portable kernel), long
-    prefixes, auto splits."""
+    """The 512 + 64 latent in fp8 at 16 and 128 heads (on sm_90 both run the Gluon seesaw
+    schedule, whose loader widens the fp8 tiles in shared memory), long prefixes, auto
+    splits."""
     from triton_cases import check
     rng = random.Random(seed)
     sc = make_scenario(mode, kind="mla", bs=rng.randint(1, 4), page_size=page_size, device="cuda",
@@ -253,8 +253,8 @@ def test_triton_fp8_mla_on_gpu(mode, page_size, num_heads, seed):
 @pytest.mark.parametrize("mode", GRAPH_MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_triton_fp8_cuda_graph_replay(kind, num_heads, mode, page_size, seed):
-    """Graph replay of every graph mode on an fp8 cache; 64 MLA heads take the Gluon key split
-    on sm_90."""
+    """Graph replay of every graph mode on an fp8 cache; MLA runs the Gluon seesaw schedule on
+    sm_90."""
     from triton_cases import graph_case
     rng = random.Random(seed)
     kw = dict(num_heads=num_heads, num_kv_heads=2, head_dim=128) if kind == "mha" else \

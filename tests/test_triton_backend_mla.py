@@ -228,8 +228,6 @@ def test_mla_sm90_errors_and_eligibility():
         mla_paged_attention(q, kv, **base, seesaw=True)
     with pytest.raises(ValueError, match="seesaw=True needs the Gluon sm_90 kernel.*sm90=False"):
         mla_paged_attention(q, kv, **base, seesaw=True, sm90=False)
-    with pytest.raises(ValueError, match="seesaw=True needs a bf16/fp16 cache"):
-        mla_paged_attention(q, kv.to(torch.float8_e4m3fn), **base, seesaw=True)
     assert "fp8" not in (sm90_mla_supported(q, kv.to(torch.float8_e4m3fn), 512) or "")   # an fp8 cache: eligible
     why = sm90_mla_supported(torch.zeros(2, 48, 40), torch.zeros(40, 1, 40), 32)
     for need in ("sm_90", "bf16/fp16", "kv_lora_rank 512"):
@@ -434,6 +432,57 @@ def test_mla_sm90_packed_rows_cross_tokens(num_heads, tree, seed):
             got = mla_paged_attention(*args, num_splits=splits, sm90=True, page_size=ps, out=out, **kw)
             assert torch.isfinite(got).all(), (splits, kw)
             assert rel_err(ref, got.float()) < 2e-2, (splits, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon MLA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("num_heads", [16, 48, 128])
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_mla_sm90_fp8_schedules_match_portable(num_heads, tree, dtype, seed):
+    """An fp8 e4m3 cache with a random scale: the seesaw schedule (its loader widens each
+    tile in place in shared memory) and the key split (64- and 32-key tiles) against the
+    portable kernel over the same bytes.  Prefixes at and around tile boundaries and long
+    ones (several tiles, so both stages are reused), 1..9 tokens per request, causal and tree
+    masks, split and not, pages of 1 and 64, NaN in every cache row no request uses, the
+    output poisoned with NaN first."""
+    from specattn.ops.fp8 import quantize_kv
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    H, ps = num_heads, rng.choice([1, 64])
+    bs = rng.randint(2, 4)
+    n = [rng.randint(1, 9) for _ in range(bs)]
+    max_q = max(n)
+    P = torch.tensor([rng.choice([0, 1, 63, 64, 65, 127, rng.randint(1, 3000)]) for _ in range(bs)],
+                     dtype=torch.int32)
+    width = -(-(int(P.max()) + max_q) // 64) * 64
+    pages = torch.randperm(bs * width // ps * 2, generator=gen)[:bs * width // ps].view(bs, -1)
+    rtt = (pages[:, :, None] * ps + torch.arange(ps)).flatten(1).int().cuda()
+    scale = 10 ** rng.uniform(-2, 0)
+    kv = torch.full((bs * width * 2, 1, 576), float("nan"), device="cuda").to(torch.float8_e4m3fn)
+    for b in range(bs):
+        used = rtt[b, :int(P[b]) + n[b]].long()
+        kv[used] = quantize_kv(torch.randn(used.numel(), 1, 576, generator=gen).cuda() * scale * 4,
+                               torch.float8_e4m3fn, scale)
+    qo = torch.tensor([0] + n).cumsum(0).int().cuda()
+    q = torch.randn(int(qo[-1]), H, 576, generator=gen).to(dtype).cuda()
+    tm = None
+    if tree:
+        vis = torch.tril(torch.rand(bs, max_q, max_q, generator=gen) < 0.5) | torch.eye(max_q, dtype=torch.bool)
+        tm = (vis.long() << torch.arange(max_q)).sum(-1, keepdim=True).int().cuda()
+    args = (q, kv, rtt, torch.arange(bs).cuda(), P.cuda(), qo, tm, max_q, 0.07, 512)
+    for splits in (1, 3):
+        ref = mla_paged_attention(*args, num_splits=splits, sm90=False, kv_scale=scale).float()
+        assert torch.isfinite(ref).all()
+        for kw in (dict(seesaw=True), dict(seesaw=False, block_n=64), dict(seesaw=False, block_n=32)):
+            out = torch.full_like(q[..., :512], float("nan"))
+            got = mla_paged_attention(*args, num_splits=splits, sm90=True, page_size=ps, out=out,
+                                      kv_scale=scale, **kw)
+            assert torch.isfinite(got).all(), (splits, kw)
+            assert rel_err(ref, got.float()) < 2e-2, (splits, kw, rel_err(ref, got.float()))
+        # the default on sm_90 is the seesaw schedule
+        dflt = mla_paged_attention(*args, num_splits=splits, page_size=ps, kv_scale=scale)
+        assert rel_err(ref, dflt.float()) < 2e-2
 
 
 @pytest.mark.gpu

@@ -358,8 +358,8 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
             ``qo_indptr`` are read).
         kv_cache: ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (``[c_kv | k_pe]``),
             last dim contiguous (``MLATokenToKVPool.get_key_buffer``): fp32/bf16/fp16, or
-            ``float8_e4m3fn`` holding ``latent / kv_scale`` (read by the portable kernel in
-            fp16; the Gluon kernel needs the cache in q's dtype).
+            ``float8_e4m3fn`` holding ``latent / kv_scale`` (the portable kernel reads it in
+            fp16; the Gluon kernels widen its tiles to q's dtype in shared memory).
         req_to_token: int32 ``[rows, width]``, last dim contiguous.
         req_pool_indices: int64 ``[bs]``; prefix_lens: int32 ``[bs]`` (``P``, committed keys);
         qo_indptr: int32 ``[bs + 1]`` (token offsets of each request's ``n`` new tokens).
@@ -448,8 +448,6 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     check_mla_config(over, rank)
     if seesaw and block_n == 32:
         raise ValueError("seesaw=True runs 64-key tiles; block_n=32 needs seesaw=False")
-    if seesaw and kv_cache.dtype == torch.float8_e4m3fn:
-        raise ValueError("seesaw=True needs a bf16/fp16 cache; an fp8 cache runs the key split")
     conflicts, why = [], "sm90=False"
     if sm90 is not False:  # None (default) or True: the Gluon kernel where it can run
         conflicts = [k for k in ("block_m", "block_dv", "num_warps", "num_stages", "tma") if over[k]]
@@ -465,7 +463,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         o_part, lse, _, _ = split_partials(num_splits, T, H, rank, out, prefix_lens)
         sm90_mla_attention(q, kv_cache, req_to_token, req_pool_indices, prefix_lens, qo_indptr,
                            tree_mask, max_q, sm_scale, out, o_part, lse, num_splits, block_n or 64,
-                           seesaw=seesaw is not False and block_n != 32 and not cast_kv,
+                           seesaw=seesaw is not False and block_n != 32,
                            page_size=page_size, kv_scale=kv_scale)
         if num_splits > 1:
             merge_partials(o_part, lse, out, num_splits, rank, rank, 4)

@@ -67,15 +67,28 @@ What limits the seesaw kernel is the latency of refilling a stage (only two 72 K
 fit); measured times against FlashMLA and the variants that did not help:
 ``docs/attention.md``.
 
-**fp8 (e4m3) caches** (key split only, :func:`_mla_sm90_fp8_kernel`): wgmma takes no bf16 x
-fp8 pair, so every thread ``cp.async``-copies its share of a tile's raw bytes (16-byte
-vectors, one 64-column block at a time) into a two-stage fp8 ring and, once they land, widens
-exactly those bytes to fp16 (exact: one conversion per pair) into ONE fp16 tile that both
-GEMMs read; ``q`` goes to fp16 once and ``P`` is fp16 for the value GEMM; ``kv_scale`` folds
-into the score scale and multiplies the accumulator once.  The seesaw schedule has no room
-for it: two fp16 tiles, the fp8 ring and ``q`` need about 280 KB of shared memory.  Shared
-memory at ``BLOCK_N = 64``: ``q`` 72 KB + the ring 2 x 36 KB + the fp16 tile 72 KB + ``P`` 8
-KB = 224 KB.
+**fp8 (e4m3) caches**: wgmma takes no 16-bit x fp8 pair, so the tiles are widened to ``q``'s
+type in shared memory (exact: e4m3 fits bf16 and fp16); ``kv_scale`` folds into the score
+scale and multiplies the accumulator once.
+
+- Seesaw (default, :func:`_ss_gather8`): the loader partition widens, off the warpgroups'
+  path, and in place, since no shared memory is left for an fp8 ring.  It ``cp.async``-copies
+  a tile's 36 KB of fp8 bytes into its stage's half A as soon as warpgroup 0 frees it (the
+  latent's eight ``[64, 64]`` byte blocks in the latent's first 32 KB, the rope block in the
+  rope tile's second half), then, once half B is free too, widens in three groups: latent
+  blocks 7-4 (half B holds no fp8 byte), blocks 3 and 2 with the rope block, blocks 1 and 0.
+  The 16-bit block ``b < 4`` covers the fp8 blocks ``2b`` and ``2b + 1``, all widened in an
+  earlier group but block 0's own and 1 (and the rope block's own bytes): those are read by
+  every loader thread before any writes.  The score GEMMs take the blocks in that order.
+  ``q`` is copied in its own type and widened to fp16 in place once.  TMA is not used for
+  fp8 tiles: TMA boxes into the fp8 bytes (whole-page tiles) measured 1.21x slower than the
+  ``cp.async`` gather (MLA decode bs 128 x 8192 keys, H200: 1,034.6 against 852.5 us); the
+  loader then spills.
+- Key split (``seesaw=False``, :func:`_mla_sm90_fp8_kernel`): every thread ``cp.async``-copies
+  its share of a tile's raw bytes into a two-stage fp8 ring and, once they land, widens
+  exactly those bytes to fp16 into ONE fp16 tile that both GEMMs read, between the GEMMs of
+  consecutive tiles; ``q`` goes to fp16 once and ``P`` is fp16.  Shared memory at
+  ``BLOCK_N = 64``: ``q`` 72 KB + the ring 2 x 36 KB + the fp16 tile 72 KB + ``P`` 8 KB = 224 KB.
 
 Scope (:func:`sm90_mla_supported`): bf16/fp16 ``q`` with a cache of its dtype or fp8 e4m3,
 ``kv_lora_rank = 512``, ``qk_rope_head_dim = 64``, any head count, an sm_90 GPU.
@@ -409,16 +422,25 @@ if HAVE_GLUON:
         return s
 
     @gluon.jit
-    def _ss_scores(q_smem, q_pe, kc, kr, bars, stage, phase, S_L: gl.constexpr):
+    def _ss_scores(q_smem, q_pe, kc, kr, bars, stage, phase, S_L: gl.constexpr,
+                   FP8: gl.constexpr):
         """``[64, 64]`` float32 scores of one stage's keys: ``q_nope @ c^T`` over the eight
-        64-column blocks of the latent and ``q_pe @ k_pe^T``, in the load order (half A,
-        then half B), each block's GEMM issued as soon as it has landed."""
+        64-column blocks of the latent and ``q_pe @ k_pe^T``, in the order the blocks land
+        (half A, then half B; an fp8 tile is widened blocks 7-2, rope, 1-0:
+        :func:`_ss_gather8`), each block's GEMM issued as soon as it is in place."""
         s = gl.zeros([64, 64], gl.float32, layout=S_L)
-        for b in gl.static_range(4):
-            s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, b)
-        s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 8)
-        for b in gl.static_range(4, 8):
-            s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, b)
+        if FP8:
+            for b in gl.static_range(6):
+                s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 7 - b)
+            s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 8)
+            for b in gl.static_range(2):
+                s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 1 - b)
+        else:
+            for b in gl.static_range(4):
+                s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, b)
+            s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 8)
+            for b in gl.static_range(4, 8):
+                s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, b)
         return warpgroup_mma_wait(0, deps=[s])
 
     @gluon.jit
@@ -473,6 +495,106 @@ if HAVE_GLUON:
             mbarrier.arrive(bars.index(_READY + stage * 9 + b), count=1)
 
     @gluon.jit
+    def _ss_widen_q(q_smem, q_raw, bars):
+        """``q_nope``, copied in ``q``'s type into ``q_raw`` (a view of ``q_smem``'s bytes),
+        to ``q_smem``'s type in place (each thread rewrites the elements it read; nothing to
+        do if the types agree), then arrive on ``_Q_READY``.  The caller has waited for its
+        own copies."""
+        LDQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        gl.thread_barrier()   # every thread's copies have landed
+        if q_raw.dtype != q_smem.dtype:
+            for b in gl.static_range(8):
+                x = q_raw.slice(b * 64, 64, dim=1).load(LDQ)
+                q_smem.slice(b * 64, 64, dim=1).store(x.to(q_smem.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(bars.index(_Q_READY), count=1)
+
+    @gluon.jit
+    def _ss_widen(raw, dst, L: gl.constexpr):
+        """fp8 block ``raw [64, 64]`` -> ``dst`` in its 16-bit type."""
+        dst.store(raw.load(L).to(dst.dtype))
+
+    @gluon.jit
+    def _ss_ready(bars, stage, b: gl.constexpr):
+        """Arrive on the ready barrier of block ``b`` of a stage (after a fence and a barrier
+        of the loader's warps: every thread's stores)."""
+        mbarrier.arrive(bars.index(_READY + stage * 9 + b), count=1)
+
+    @gluon.jit
+    def _ss_gather8(kc, kr, bars, stage, phase, KV, rtt_row, start, hi, stride_kvt, q_smem, q_raw,
+                    first):
+        """One fp8 key tile into a stage, widened in place (module docstring): once half A
+        is free, ``cp.async`` the tile's 36 KB of fp8 bytes through ``req_to_token`` into it
+        (the latent's 64-column blocks ``j`` at bytes ``4 KB * j`` of the stage's latent, the
+        rope block in the second half of its rope tile; rows past ``hi`` zero-filled, never
+        read) in three commit groups; once half B is free too, widen in three groups, each
+        closed by one fence and one barrier of the loader's warps before its blocks' ready
+        barriers: blocks 7-4 into half B (no fp8 byte there); blocks 3 and 2 (over fp8 blocks
+        4-7) and the rope block (over its own bytes: read before a barrier, written after);
+        blocks 1 and 0 (over fp8 blocks 0-3; 0 and 1 read before a barrier).  With ``first``
+        (tile 0), between its copy and its widening, ``q_nope`` (``q_raw``, copied in ``q``'s
+        type) becomes fp16 in place (:func:`_ss_widen_q`)."""
+        LDW: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        raw_c = kc._reinterpret(gl.float8e4nv, [1024, 64], RAW)   # fp8 block j: rows 64j..
+        raw_r = kr._reinterpret(gl.float8e4nv, [128, 64], RAW).slice(64, 64, dim=0)
+        rows = start + gl.arange(0, 64, layout=gl.SliceLayout(1, LDW))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, LDW))
+        ok = (rows < hi)[:, None]
+        src = KV + (gl.load(rtt_row + rows, mask=rows < hi, other=0).to(gl.int64)
+                    * stride_kvt)[:, None] + cols[None, :]
+        mbarrier.wait(bars.index(_EMPTY + stage * 2), phase ^ 1)
+        for b in gl.static_range(4):
+            async_copy.async_copy_global_to_shared(raw_c.slice((7 - b) * 64, 64, dim=0),
+                                                   src + (7 - b) * 64, mask=ok)
+        async_copy.commit_group()
+        async_copy.async_copy_global_to_shared(raw_r, src + 512, mask=ok)
+        for b in gl.static_range(2):
+            async_copy.async_copy_global_to_shared(raw_c.slice((3 - b) * 64, 64, dim=0),
+                                                   src + (3 - b) * 64, mask=ok)
+        async_copy.commit_group()
+        for b in gl.static_range(2):
+            async_copy.async_copy_global_to_shared(raw_c.slice((1 - b) * 64, 64, dim=0),
+                                                   src + (1 - b) * 64, mask=ok)
+        async_copy.commit_group()
+        if first:
+            async_copy.wait_group(3)
+            _ss_widen_q(q_smem, q_raw, bars)
+        mbarrier.wait(bars.index(_EMPTY + stage * 2 + 1), phase ^ 1)
+        async_copy.wait_group(2)
+        gl.thread_barrier()   # every thread's bytes of blocks 7-4 have landed
+        for b in gl.static_range(4):
+            _ss_widen(raw_c.slice((7 - b) * 64, 64, dim=0), kc.slice((7 - b) * 64, 64, dim=1), LDW)
+        fence_async_shared()   # the generic-proxy stores, before the wgmma (async proxy) reads
+        gl.thread_barrier()
+        for b in gl.static_range(4):
+            _ss_ready(bars, stage, 7 - b)
+        async_copy.wait_group(1)
+        gl.thread_barrier()
+        xr = raw_r.load(LDW)
+        for b in gl.static_range(2):
+            _ss_widen(raw_c.slice((3 - b) * 64, 64, dim=0), kc.slice((3 - b) * 64, 64, dim=1), LDW)
+        gl.thread_barrier()   # every thread has read the rope block's fp8 bytes
+        kr.store(xr.to(kr.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        _ss_ready(bars, stage, 3)
+        _ss_ready(bars, stage, 2)
+        _ss_ready(bars, stage, 8)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        x1 = raw_c.slice(64, 64, dim=0).load(LDW)
+        x0 = raw_c.slice(0, 64, dim=0).load(LDW)
+        gl.thread_barrier()   # every thread has read fp8 blocks 0 and 1
+        kc.slice(64, 64, dim=1).store(x1.to(kc.dtype))
+        kc.slice(0, 64, dim=1).store(x0.to(kc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        _ss_ready(bars, stage, 1)
+        _ss_ready(bars, stage, 0)
+
+    @gluon.jit
     def _ss_tma_block(kv_desc, kc, kr, bars, stage, slot0, b: gl.constexpr):
         """TMA 64-column block ``b`` of a whole-page tile (first slot ``slot0``) into a
         stage, completing its ready barrier."""
@@ -487,8 +609,9 @@ if HAVE_GLUON:
     def _ss_loader(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
                    rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                    stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
-                   stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, H: gl.constexpr,
-                   NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
+                   stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, v_scale, kv_desc,
+                   H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
+                   TMA: gl.constexpr, FP8: gl.constexpr):
         """Loader partition (4 warps): ``q_nope`` once, then every key tile into stage
         ``t % 2``, half A as soon as warpgroup 0 frees it, half B once warpgroup 1 does.
         With ``TMA`` (pages of a multiple of 64 keys) a whole tile at a multiple of 64 keys is
@@ -500,20 +623,25 @@ if HAVE_GLUON:
         j, h, ok = _rows(rowb, n, H, gl.SliceLayout(1, LD))
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
         q_rows = Q + (j.to(gl.int64) * stride_qt + h * stride_qh)[:, None] + cols[None, :]
+        q_raw = q_smem._reinterpret(Q.dtype.element_ty, [64, 512], SW128)
         for b in gl.static_range(8):   # rows past the request: zeros
-            async_copy.async_copy_global_to_shared(q_smem.slice(b * 64, 64, dim=1), q_rows + b * 64,
+            async_copy.async_copy_global_to_shared(q_raw.slice(b * 64, 64, dim=1), q_rows + b * 64,
                                                    mask=ok[:, None])
         async_copy.commit_group()
-        async_copy.wait_group(0)
-        fence_async_shared()
-        mbarrier.arrive(bars.index(_Q_READY), count=1)
+        if not FP8:
+            async_copy.wait_group(0)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(_Q_READY), count=1)
         for t in range(n_tiles):
             st = t % 2
             ph = (t // 2) & 1
             start = lo + t * 64
             kc = kc_smem.index(st)
             kr = kr_smem.index(st)
-            if TMA:
+            if FP8:
+                _ss_gather8(kc, kr, bars, st, ph, KV, rtt_row, start, hi, stride_kvt, q_smem, q_raw,
+                            t == 0)
+            elif TMA:
                 # one page's consecutive slots: a whole tile at a multiple of 64 (the last
                 # split starts at P, which need not be one)
                 if (start % 64 == 0) & (start + 64 <= hi):
@@ -529,14 +657,19 @@ if HAVE_GLUON:
                     _ss_gather(kc, kr, bars, st, ph, KV, rtt_row, start, hi, stride_kvt)
             else:
                 _ss_gather(kc, kr, bars, st, ph, KV, rtt_row, start, hi, stride_kvt)
+        if FP8:
+            if n_tiles == 0:   # a split without keys: q was not widened in the loop
+                async_copy.wait_group(0)
+                _ss_widen_q(q_smem, q_raw, bars)
 
     @gluon.jit
-    def _ss_init(Q, rowb, n, stride_qt, stride_qh, H: gl.constexpr, bars):
+    def _ss_init(Q, rowb, n, stride_qt, stride_qh, H: gl.constexpr, bars, q_smem):
         """A warpgroup's start: ``q_pe`` in registers, the tile's key offsets, ``m = -inf``,
         ``l = 0``, ``O = 0``; then wait until the loader has put ``q_nope`` in place."""
         S_L: gl.constexpr = _SS_S_L
         q_pe = _ss_load_qpe(Q, rowb, n, stride_qt, stride_qh, H,
                             gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2))
+        q_pe = q_pe.to(q_smem.dtype)   # an fp8 cache's tiles are fp16
         keys = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
         m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
         l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -565,13 +698,14 @@ if HAVE_GLUON:
     def _ss_wg0(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
                 rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                 stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
-                stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, H: gl.constexpr,
-                NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
+                stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, v_scale, kv_desc,
+                H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
+                TMA: gl.constexpr, FP8: gl.constexpr):
         """Warpgroup 0: the scores of the even tiles, value columns ``[0, 256)``."""
-        q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars)
+        q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars, q_smem)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
-            s = _ss_scores(q_smem, q_pe, kc_smem.index(0), kr_smem.index(0), bars, 0, ph, _SS_S_L)
+            s = _ss_scores(q_smem, q_pe, kc_smem.index(0), kr_smem.index(0), bars, 0, ph, _SS_S_L, FP8)
             s = _mask_scores(s, qk_scale, lo + 2 * k * 64, keys, P, hi, tree_row, rowb, n, stride_tmj,
                              H, TREE, _SS_S_L)
             m0 = gl.maximum(m_i, gl.max(s, axis=1))
@@ -579,7 +713,7 @@ if HAVE_GLUON:
             scale0 = gl.exp2(m_i - m0_use)
             p = gl.exp2(s - m0_use[:, None])
             l_i = l_i * scale0 + gl.sum(p, axis=1)
-            pb = p.to(KV.dtype.element_ty)
+            pb = p.to(p_smem.dtype)
             mbarrier.wait(bars.index(_P0_FREE), ph ^ 1)
             p_smem.index(0).store(pb)
             x_smem.index(0).store(m0)
@@ -603,6 +737,8 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_EMPTY + 2), count=1)  # stage 1, half A
             mbarrier.arrive(bars.index(_P1_FREE), count=1)
+        if FP8:
+            acc = acc * v_scale
         _ss_epilogue(acc, m_i, l_i, x_smem, bars, 0, O, O_PART, LSE_PART, tok, rowb, n, split,
                      stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                      H, NUM_SPLITS, _SS_O_L)
@@ -611,15 +747,16 @@ if HAVE_GLUON:
     def _ss_wg1(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
                 rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                 stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
-                stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, kv_desc, H: gl.constexpr,
-                NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
+                stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, v_scale, kv_desc,
+                H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
+                TMA: gl.constexpr, FP8: gl.constexpr):
         """Warpgroup 1: the scores of the odd tiles, value columns ``[256, 512)``."""
-        q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars)
+        q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars, q_smem)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
             has1 = 2 * k + 1 < n_tiles
             if has1:
-                s = _ss_scores(q_smem, q_pe, kc_smem.index(1), kr_smem.index(1), bars, 1, ph, _SS_S_L)
+                s = _ss_scores(q_smem, q_pe, kc_smem.index(1), kr_smem.index(1), bars, 1, ph, _SS_S_L, FP8)
                 s = _mask_scores(s, qk_scale, lo + (2 * k + 1) * 64, keys, P, hi, tree_row, rowb, n,
                                  stride_tmj, H, TREE, _SS_S_L)
             else:
@@ -637,7 +774,7 @@ if HAVE_GLUON:
             scale1 = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0 - m1))
             p = gl.exp2(s - m1_use[:, None])
             l_i = l_i * scale0 * scale1 + gl.sum(p, axis=1)
-            pb = p.to(KV.dtype.element_ty)
+            pb = p.to(p_smem.dtype)
             mbarrier.wait(bars.index(_P1_FREE), ph ^ 1)
             if has1:
                 p_smem.index(1).store(pb)
@@ -654,6 +791,8 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_EMPTY + 3), count=1)  # stage 1, half B
             m_i = m1
+        if FP8:
+            acc = acc * v_scale
         _ss_epilogue(acc, m_i, l_i, x_smem, bars, 1, O, O_PART, LSE_PART, tok, rowb, n, split,
                      stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                      H, NUM_SPLITS, _SS_O_L)
@@ -665,15 +804,17 @@ if HAVE_GLUON:
             stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rtt,
             stride_tmb, stride_tmj,
-            qk_scale, kv_desc,
-            H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr):
+            qk_scale, v_scale, kv_desc,
+            H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr,
+            FP8: gl.constexpr):
         """The seesaw schedule (module docstring): the arguments of :func:`_mla_sm90_kernel`
         plus ``kv_desc``, a TMA descriptor over the cache viewed ``[num_slots, 576]`` with
         ``[64, 64]`` boxes (None unless ``TMA``); 4 warps here (warpgroup 0) and two 4-warp
         workers (warpgroup 1, the loader), launched with ``maxnreg=168`` so that the
         warpgroups get 232 registers and the loader 40."""
         BLOCK_N: gl.constexpr = 64
-        dtype: gl.constexpr = KV.dtype.element_ty
+        # the tiles' type: q's, or fp16 for an fp8 cache (one conversion per pair of values)
+        dtype: gl.constexpr = gl.float16 if FP8 else Q.dtype.element_ty
         row0, req, split, q_start, n = _cta_tile(qo_indptr, NUM_SPLITS)
         if row0 < n * H:
             P, rtt_row, lo, hi, tree_row = _cta_keys(
@@ -698,18 +839,18 @@ if HAVE_GLUON:
                            rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
-                           kv_desc, H, NUM_SPLITS, TREE, TMA)),
+                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8)),
                 (_ss_wg1, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
                            rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
-                           kv_desc, H, NUM_SPLITS, TREE, TMA)),
+                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8)),
                 (_ss_loader, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
                            rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
-                           kv_desc, H, NUM_SPLITS, TREE, TMA))],
-                               [4, 4], [232, 40])
+                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8))],
+                               [4, 4], [232, 48 if FP8 else 40])
 
 
     @gluon.jit
@@ -823,8 +964,8 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     allocates ``out`` ``[T, H, 512]`` and, with ``num_splits > 1``, the float32 partials
     ``o_part [S, T, H, 512]`` / ``lse [S, T, H]`` it then merges; :func:`sm90_mla_supported`
     must have returned None.  ``q [T, H, 576]`` bf16/fp16 (``[q_nope_absorbed | q_pe]``, any
-    ``H``); ``kv_cache [num_slots, 1, 576]`` of ``q``'s dtype or fp8 e4m3 (key
-    split only); ``req_to_token`` int32 ``[rows, width]``; ``req_pool_indices`` int64 /
+    ``H``); ``kv_cache [num_slots, 1, 576]`` of ``q``'s dtype or fp8 e4m3;
+    ``req_to_token`` int32 ``[rows, width]``; ``req_pool_indices`` int64 /
     ``prefix_lens`` int32 ``[bs]``; ``qo_indptr`` int32 ``[bs + 1]``; ``tree_mask``: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or None
     (causal); ``max_q``: static bound of new tokens per request (grid axis 0 is
     ``cdiv(max_q * H, 64)`` row tiles);
@@ -835,13 +976,11 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     kernel copies whole-page tiles by TMA, which assumes the pool's page layout (key ``p`` of
     a request at slot ``page * page_size + p % page_size``; see
     :func:`.attention_mla.mla_paged_attention`'s ``page_size``); ``kv_scale``: an fp8
-    cache's dequantization scale (the key split's fp8 kernel; ValueError with ``seesaw``).
+    cache's dequantization scale (1.0 for other caches).
     No host sync."""
     if block_n not in (32, 64) or (seesaw and block_n != 64):
         raise ValueError(f"block_n must be 64 (seesaw) or 32/64 (key split), got {block_n}")
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    if fp8 and seesaw:
-        raise ValueError("an fp8 cache runs the key split (seesaw=False)")
     bs, H = req_pool_indices.shape[0], q.shape[1]
     ps = o_part.stride() if num_splits > 1 else (0, 0, 0, 0)
     ls = lse.stride() if num_splits > 1 else (0, 0, 0)
@@ -851,19 +990,18 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     args = (q, kv_cache, out, o_part, lse, req_to_token, req_pool_indices, prefix_lens, qo_indptr, tm,
             q.stride(0), q.stride(1), kv_cache.stride(0), out.stride(0), out.stride(1),
             ps[0], ps[1], ps[2], ls[0], ls[1], req_to_token.stride(0), tms[0], tms[1],
-            sm_scale * 1.4426950408889634)
+            sm_scale * kv_scale * 1.4426950408889634)   # kv_scale: 1.0 but for fp8
     modes = dict(H=H, NUM_SPLITS=num_splits, TREE=tree_mask is not None)
-    if fp8:
-        scaled = args[:-1] + (sm_scale * kv_scale * 1.4426950408889634, kv_scale)
-        _mla_sm90_fp8_kernel[grid](*scaled, BLOCK_N=block_n, **modes, num_warps=8)
+    if fp8 and not seesaw:
+        _mla_sm90_fp8_kernel[grid](*args, kv_scale, BLOCK_N=block_n, **modes, num_warps=8)
         return
     if not seesaw:
         _mla_sm90_kernel[grid](*args, BLOCK_N=block_n, **modes, num_warps=8)
         return
     kv2d = kv_cache[:, 0, :]
     desc = None
-    if (page_size % 64 == 0 and kv2d.data_ptr() % 16 == 0
+    if (not fp8 and page_size % 64 == 0 and kv2d.data_ptr() % 16 == 0
             and (kv2d.stride(0) * kv2d.element_size()) % 16 == 0):
         desc = TensorDescriptor.from_tensor(kv2d, [64, 64], SW128.value)
-    _mla_seesaw_kernel[grid](*args, desc, **modes, TMA=desc is not None, num_warps=4,
+    _mla_seesaw_kernel[grid](*args, kv_scale, desc, **modes, TMA=desc is not None, FP8=fp8, num_warps=4,
                              maxnreg=168)
