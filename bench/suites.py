@@ -47,6 +47,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -271,18 +272,29 @@ def raw_reports(run_dir: Path) -> List[Dict[str, Any]]:
     return sorted(out, key=lambda r: r.get("timestamp") or "")
 
 
+_MISSING_LIB = re.compile(r"^(\w+) impl=(\w+): FAILED ImportError: impl='\w+' needs ")
+
+
 def summary_checks(run_dir: Path) -> List[str]:
-    """The cross-check lines of ``run_dir/attention_summary.md`` (``attention_report``)."""
-    path = Path(run_dir) / "attention_summary.md"
-    if not path.is_file():
-        return []
-    lines, inside = [], False
-    for line in path.read_text().splitlines():
-        if line.startswith("## "):
-            inside = line.strip() == "## cross-check"
-        elif inside and line.startswith("- ") and ("max abs diff" in line or "FAILED" in line):
-            lines.append(line[2:])
-    return lines
+    """The cross-check lines of ``run_dir/attention_summary*.md`` (``attention_report``; one
+    file per part where the suite ran in parts on machines with different libraries), each
+    line once.  An implementation that failed in one part only because its library was not
+    installed there is dropped if another part checked it."""
+    lines: List[str] = []
+    for path in sorted(Path(run_dir).glob("attention_summary*.md")):
+        inside = False
+        for line in path.read_text().splitlines():
+            if line.startswith("## "):
+                inside = line.strip() == "## cross-check"
+            elif (inside and line.startswith("- ") and ("max abs diff" in line or "FAILED" in line)
+                  and line[2:] not in lines):
+                lines.append(line[2:])
+
+    def checked_elsewhere(case: str, impl: str) -> bool:
+        return any(ln.startswith(case + " ") and f" {impl} " in ln.replace(":", " ")
+                   and "FAILED" not in ln for ln in lines)
+    return [ln for ln in lines
+            if not ((m := _MISSING_LIB.match(ln)) and checked_elsewhere(m.group(1), m.group(2)))]
 
 
 def _errors(report: Dict[str, Any]) -> List[Dict[str, Any]]:

@@ -165,6 +165,27 @@ def test_suite_in_parts_keeps_every_library_version(tmp_path):
     assert rep["timestamp"] == "2026-01-01T00:00:00Z" and len(rep["rows"]) == 2
 
 
+def test_suite_in_parts_merges_the_cross_checks(tmp_path):
+    """Each part's cross-check, one ``attention_summary*.md`` per part: every line once; an
+    implementation that failed only because its library was missing in one part is dropped
+    where another part checked it, and kept where none did."""
+    head = "# summary\n\n## cross-check\n\n"
+    miss = "- {c} impl={i}: FAILED ImportError: impl='{i}' needs lib (import failed); install it\n"
+    (tmp_path / "attention_summary_mla.md").write_text(
+        head + "- mla_decode (bs=4): triton vs flashmla: max abs diff 3.9e-03\n"
+        "- tree_verify (bs=4): triton vs torch reference: max abs diff 2.0e-03\n"
+        + miss.format(c="tree_verify", i="flashinfer_mask") + miss.format(c="decode", i="flashinfer"))
+    (tmp_path / "attention_summary.md").write_text(
+        head + "- tree_verify (bs=4): triton vs torch reference: max abs diff 2.0e-03\n"
+        "- tree_verify (bs=4): triton vs flashinfer_mask: max abs diff 2.0e-03\n"
+        + miss.format(c="mla_decode", i="flashmla") + "\n## other\n\n- x: FAILED elsewhere\n")
+    lines = suites.summary_checks(tmp_path)
+    assert lines.count("tree_verify (bs=4): triton vs torch reference: max abs diff 2.0e-03") == 1
+    assert not any("flashinfer_mask: FAILED" in ln or "flashmla: FAILED" in ln for ln in lines)
+    assert any(ln.startswith("decode impl=flashinfer: FAILED") for ln in lines)   # checked nowhere
+    assert not any("elsewhere" in ln for ln in lines) and len(lines) == 4
+
+
 def test_suite_command_errors():
     runner = CliRunner()
     res = runner.invoke(cli.app, ["bench", "suite", "nope"])
