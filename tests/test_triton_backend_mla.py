@@ -395,6 +395,21 @@ def test_mla_sm90_matches_reference(mode, dtype, page_size, block_n, seesaw, num
           kernel_config={"sm90": True, "block_n": block_n, "seesaw": seesaw})
 
 
+def _packed_batch(rng, gen, bs, prefixes):
+    """A random paged batch for the packed-row tests: page size 1 or 64, 1..9 new tokens a
+    request, prefixes drawn from ``prefixes`` (an int: a random one up to it joins them).
+    Returns ``(ps, n, max_q, P, width, rtt)`` (``rtt`` on the GPU, pages shuffled)."""
+    ps = rng.choice([1, 64])
+    n = [rng.randint(1, 9) for _ in range(bs)]
+    max_q = max(n)
+    P = torch.tensor([rng.choice(prefixes[:-1] + [rng.randint(1, prefixes[-1])]) for _ in range(bs)],
+                     dtype=torch.int32)
+    width = -(-(int(P.max()) + max_q) // 64) * 64
+    pages = torch.randperm(bs * width // ps * 2, generator=gen)[:bs * width // ps].view(bs, -1)
+    rtt = (pages[:, :, None] * ps + torch.arange(ps)).flatten(1).int().cuda()
+    return ps, n, max_q, P, width, rtt
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Gluon MLA kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("num_heads", [1, 24, 48, 96])
@@ -407,14 +422,8 @@ def test_mla_sm90_packed_rows_cross_tokens(num_heads, tree, seed):
     and 64; the output's rows are poisoned with NaN first and each must be written."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    H, ps = num_heads, rng.choice([1, 64])
-    bs = rng.randint(2, 5)
-    n = [rng.randint(1, 9) for _ in range(bs)]
-    max_q = max(n)
-    P = torch.tensor([rng.choice([0, 1, 63, 64, 65, rng.randint(1, 700)]) for _ in range(bs)], dtype=torch.int32)
-    width = -(-(int(P.max()) + max_q) // 64) * 64
-    pages = torch.randperm(bs * width // ps * 2, generator=gen)[:bs * width // ps].view(bs, -1)
-    rtt = (pages[:, :, None] * ps + torch.arange(ps)).flatten(1).int().cuda()
+    H, bs = num_heads, rng.randint(2, 5)
+    ps, n, max_q, P, width, rtt = _packed_batch(rng, gen, bs, [0, 1, 63, 64, 65, 700])
     kv = torch.randn(bs * width * 2, 1, 576, generator=gen).to(torch.bfloat16).cuda()
     qo = torch.tensor([0] + n).cumsum(0).int().cuda()
     T = int(qo[-1])
@@ -449,15 +458,8 @@ def test_mla_sm90_fp8_schedules_match_portable(num_heads, tree, dtype, seed):
     from specattn.ops.fp8 import quantize_kv
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    H, ps = num_heads, rng.choice([1, 64])
-    bs = rng.randint(2, 4)
-    n = [rng.randint(1, 9) for _ in range(bs)]
-    max_q = max(n)
-    P = torch.tensor([rng.choice([0, 1, 63, 64, 65, 127, rng.randint(1, 3000)]) for _ in range(bs)],
-                     dtype=torch.int32)
-    width = -(-(int(P.max()) + max_q) // 64) * 64
-    pages = torch.randperm(bs * width // ps * 2, generator=gen)[:bs * width // ps].view(bs, -1)
-    rtt = (pages[:, :, None] * ps + torch.arange(ps)).flatten(1).int().cuda()
+    H, bs = num_heads, rng.randint(2, 4)
+    ps, n, max_q, P, width, rtt = _packed_batch(rng, gen, bs, [0, 1, 63, 64, 65, 127, 3000])
     scale = 10 ** rng.uniform(-2, 0)
     kv = torch.full((bs * width * 2, 1, 576), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     for b in range(bs):
