@@ -81,9 +81,9 @@ scale and multiplies the accumulator once.
   earlier group but block 0's own and 1 (and the rope block's own bytes): those are read by
   every loader thread before any writes.  The score GEMMs take the blocks in that order.
   ``q`` is copied in its own type and widened to fp16 in place once.  TMA is not used for
-  fp8 tiles: TMA boxes into the fp8 bytes (whole-page tiles) measured 1.21x slower than the
-  ``cp.async`` gather (MLA decode bs 128 x 8192 keys, H200: 1,034.6 against 852.5 us); the
-  loader then spills.
+  fp8 tiles: a loader with TMA boxes into the fp8 bytes (whole-page tiles) and the
+  ``cp.async`` gather for the others spilled and measured slower (MLA decode bs 128 x 8192
+  keys, H200: 1,034.6 us, against 852.5 for the gather alone in an earlier run).
 - Key split (``seesaw=False``, :func:`_mla_sm90_fp8_kernel`): every thread ``cp.async``-copies
   its share of a tile's raw bytes into a two-stage fp8 ring and, once they land, widens
   exactly those bytes to fp16 into ONE fp16 tile that both GEMMs read, between the GEMMs of
@@ -808,10 +808,13 @@ if HAVE_GLUON:
             H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr,
             FP8: gl.constexpr):
         """The seesaw schedule (module docstring): the arguments of :func:`_mla_sm90_kernel`
-        plus ``kv_desc``, a TMA descriptor over the cache viewed ``[num_slots, 576]`` with
-        ``[64, 64]`` boxes (None unless ``TMA``); 4 warps here (warpgroup 0) and two 4-warp
-        workers (warpgroup 1, the loader), launched with ``maxnreg=168`` so that the
-        warpgroups get 232 registers and the loader 40."""
+        (``qk_scale`` with an fp8 cache's scale folded in) plus ``v_scale`` (that scale, applied
+        to the accumulator once with ``FP8``), and ``kv_desc``, a TMA descriptor over the
+        cache viewed ``[num_slots, 576]`` with ``[64, 64]`` boxes (None unless ``TMA``; never
+        with ``FP8``); ``FP8``: an fp8 e4m3 cache, widened to fp16 tiles by the loader.  4 warps
+        here (warpgroup 0) and two 4-warp workers (warpgroup 1, the loader), launched with
+        ``maxnreg=168`` so that the warpgroups get 232 registers and the loader 40 (48 with
+        ``FP8``)."""
         BLOCK_N: gl.constexpr = 64
         # the tiles' type: q's, or fp16 for an fp8 cache (one conversion per pair of values)
         dtype: gl.constexpr = gl.float16 if FP8 else Q.dtype.element_ty
