@@ -234,6 +234,8 @@ if HAVE_GLUON:
         own token, tree rows test their own mask rows, read only for a tile that holds draft
         keys."""
         keys = start + offs
+        if start + s.shape[1] <= gl.minimum(P, hi):   # a whole prefix tile: every key visible
+            return s * qk_scale
         if H % 64 == 0:
             vis = _visible(keys, P, hi, tree_row, TREE)[None, :]
         else:
