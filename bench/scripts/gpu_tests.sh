@@ -13,6 +13,8 @@
 #             the default reference attention backend; the real model is loaded)
 #   triton    tests/test_runtime*.py again with --backend triton (target and drafters on the
 #             Triton backend)
+# pytest runs as `python3 -P -m pytest`: the checkout's folders never shadow the installed
+# package (an installed, non-editable package works too).
 # Each part is one pytest run (GPU_TESTS_WORKERS xdist workers, default 12) under
 # `timeout GPU_TESTS_TIMEOUT` (default 540 s) writing OUT/junit_PART.xml and OUT/tests_PART.log;
 # then OUT/summary.md counts every junit_*.xml in OUT per part and test file
@@ -41,7 +43,7 @@ for part in "$@"; do
     *) echo "unknown part: $part (backends | ops | model | triton)" >&2; exit 2 ;;
   esac
   t0=$SECONDS
-  timeout -k 10 "${GPU_TESTS_TIMEOUT:-540}" python3 -m pytest "${common[@]}" "${args[@]}" \
+  timeout -k 10 "${GPU_TESTS_TIMEOUT:-540}" python3 -P -m pytest "${common[@]}" "${args[@]}" \
     --junitxml="$out/junit_$part.xml" > "$out/tests_$part.log" 2>&1
   echo "part $part: pytest exit $?, $((SECONDS - t0)) s" | tee -a "$out/tests_$part.log"
   tail -4 "$out/tests_$part.log"
