@@ -228,7 +228,9 @@ if HAVE_GLUON:
     def _mask_scores(s, qk_scale, start, offs, P, hi, tree_row, rowb, n, stride_tmj,
                      H: gl.constexpr, TREE: gl.constexpr, S_L: gl.constexpr):
         """``s * qk_scale`` where the tile's rows see key positions ``keys = start + offs``
-        (``offs``: ``[0, BLOCK_N)`` in ``SliceLayout(0, S_L)``), ``-inf`` elsewhere.  With
+        (``offs``: ``[0, BLOCK_N)`` in ``SliceLayout(0, S_L)``), ``-inf`` elsewhere.  A whole
+        prefix tile (every key below ``min(P, hi)``) is visible to every row: no mask code
+        runs for it (2-11 % of MLA's time at 128 heads on an H100).  Other tiles: with
         ``H`` a multiple of 64 every row of the tile is the same token (:func:`_visible`, one
         vector); otherwise rows of several tokens share the tile: causal rows stop at their
         own token, tree rows test their own mask rows, read only for a tile that holds draft
