@@ -179,6 +179,18 @@ def test_paged_attention_rejects_bad_page_size_and_max_prefix(kw, msg):
                         None, 4, 0.25, **kw)
 
 
+@pytest.mark.parametrize("sm_scale", [0.0, -0.25, float("nan"), float("inf"), 1e-40, True, "0.25"])
+def test_paged_attention_rejects_bad_sm_scale(sm_scale):
+    """``sm_scale`` must be a finite float > 0: the kernels take a tile's row maximum before
+    scaling it (a scale <= 0 would turn masked scores into +inf or NaN)."""
+    sc = make_scenario(ForwardMode.TARGET_VERIFY, bs=1, head_dim=16, rng=random.Random(0))
+    with pytest.raises(ValueError, match="sm_scale must be a finite float > 0"):
+        paged_attention(torch.zeros(4, 4, 16), torch.zeros(8, 2, 16), torch.zeros(8, 2, 16),
+                        sc.req_pool.req_to_token, torch.zeros(1, dtype=torch.int64),
+                        torch.zeros(1, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
+                        None, 4, sm_scale)
+
+
 def test_sm90_tree_verify_errors_and_eligibility():
     """``sm90=True`` where the Gluon tree-verify kernel cannot run is a ValueError naming why;
     the backend applies MHA's ``sm90`` to TARGET_VERIFY only."""

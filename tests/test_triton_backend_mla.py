@@ -218,6 +218,9 @@ def test_mla_sm90_errors_and_eligibility():
     q, kv = torch.zeros(1, 64, 576, dtype=torch.bfloat16), torch.zeros(40, 1, 576, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="sm_90 GPU"):
         mla_paged_attention(q, kv, **base, sm90=True)
+    for bad in (0.0, -0.1, float("nan"), float("inf"), True):   # checked before anything else
+        with pytest.raises(ValueError, match="sm_scale must be a finite float > 0"):
+            mla_paged_attention(q, kv, **{**base, "sm_scale": bad})
     with pytest.raises(ValueError, match="sm90 must be a bool"):
         mla_paged_attention(q, kv, **base, sm90=1)
     with pytest.raises(ValueError, match="seesaw must be a bool"):

@@ -11,6 +11,7 @@ current (a cheap index exchange, safe inside CUDA-graph capture).
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 from typing import Sequence
 
@@ -52,6 +53,20 @@ def is_pow2(x) -> bool:
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP32_TINY, FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+
+
+def check_sm_scale(sm_scale) -> float:
+    """``sm_scale`` (the attention kernels' score scale) as a Python float.  Raises ValueError
+    unless it is a real number (``numbers.Real``: Python and NumPy scalars, not a bool),
+    finite and > 0 in float32's normal range: the kernels take a tile's row maximum before
+    scaling it, so a scale <= 0 would pick the wrong maximum and turn a masked ``-inf`` score
+    into ``+inf`` or NaN."""
+    ok = (isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)
+          and FP32_TINY <= float(sm_scale) <= FP32_MAX)
+    if not ok:
+        raise ValueError(f"sm_scale must be a finite float > 0 in float32's normal range, got "
+                         f"{sm_scale!r}")
+    return float(sm_scale)
 
 
 def check_dequant_scales(cache_dtype: torch.dtype, **scales) -> tuple:

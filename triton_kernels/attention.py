@@ -62,8 +62,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (check_dequant_scales, check_paged_metadata, choose_gluon, gdc_enter, kv_conversion,
-                    launch_fitting, next_pow2, on_tensor_device, pdl_kwargs)
+from ._util import (check_dequant_scales, check_paged_metadata, check_sm_scale, choose_gluon,
+                    gdc_enter, kv_conversion, launch_fitting, next_pow2, on_tensor_device,
+                    pdl_kwargs)
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
                                draft_visibility, full_update, masked_update, merge_partials,
                                prefix_range, program_request, split_partials, store_rows,
@@ -269,7 +270,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_q: static upper bound of ``n`` over the batch (sizes the grid): the backend
             passes ``num_tokens_per_req`` (fixed per mode and graph) or the eager batch's true
             maximum.  Checked with ``check_bounds``.
-        sm_scale: multiplies ``q . k`` before the softmax.
+        sm_scale: multiplies ``q . k`` before the softmax (a finite float > 0).
         num_splits: split-KV factor over the prefix (1: single pass).
         out: optional ``[T, H, Dv]`` output (dtype of ``q`` unless given).
         block_m, block_n, num_warps, num_stages: kernel config overrides (powers of two,
@@ -314,9 +315,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             ``[bs, max_q, ceil(max_q/32)]``; with ``check_bounds``, an index out of range
             (a request with more than ``max_q`` new tokens, rows or slots outside the tables);
             ``sm90=True`` where its needs are not met; ``page_size`` not an int >= 1;
-            ``max_prefix`` neither None nor an int >= 0; a scale that is not a finite float
-            > 0, or not 1.0 for a cache that is not fp8.
+            ``max_prefix`` neither None nor an int >= 0; an ``sm_scale`` that is not a finite
+            float > 0; a dequantization scale that is not a finite float > 0, or not 1.0 for a
+            cache that is not fp8.
     """
+    sm_scale = check_sm_scale(sm_scale)
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if max_prefix is not None and (not isinstance(max_prefix, int) or isinstance(max_prefix, bool)

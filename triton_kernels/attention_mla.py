@@ -115,8 +115,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (check_dequant_scales, check_paged_metadata, choose_gluon, is_pow2,
-                    kv_conversion, launch_fitting, on_tensor_device)
+from ._util import (check_dequant_scales, check_paged_metadata, check_sm_scale, choose_gluon,
+                    is_pow2, kv_conversion, launch_fitting, on_tensor_device)
 from .attention_mla_sm90 import sm90_mla_attention, sm90_mla_supported
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
                                draft_visibility, full_update, masked_update, merge_partials,
@@ -366,7 +366,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         tree_mask: int32 ``[bs, D, ceil(D/32)]`` (TARGET_VERIFY) or None (causal).
         max_q: static upper bound of ``n`` over the batch (sizes the grid; checked with
             ``check_bounds``).
-        sm_scale: multiplies ``q . k`` before the softmax.
+        sm_scale: multiplies ``q . k`` before the softmax (a finite float > 0).
         kv_lora_rank: ``r``, the value width; ``qk_rope_head_dim = q.shape[2] - r``.  Both
             must be powers of two >= 16.
         num_splits: split-KV factor over the prefix (1: single pass).
@@ -412,9 +412,10 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         ValueError: inconsistent shapes, dtypes or devices; dims not powers of two >= 16; a
             ``tree_mask`` smaller than ``[bs, max_q, ceil(max_q/32)]``; a bad config value;
             with ``check_bounds``, an index out of range (``check_paged_metadata``); ``tma=True``
-            where its needs are not met; a ``kv_scale`` that is not a finite float > 0, or not
-            1.0 for a cache that is not fp8.
+            where its needs are not met; an ``sm_scale`` that is not a finite float > 0; a
+            ``kv_scale`` that is not a finite float > 0, or not 1.0 for a cache that is not fp8.
     """
+    sm_scale = check_sm_scale(sm_scale)
     if q.dim() != 3 or kv_cache.dim() != 3:
         raise ValueError(f"q and kv_cache must be 3-D, got {list(q.shape)} / {list(kv_cache.shape)}")
     T, H, Dqk = q.shape
