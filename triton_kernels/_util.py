@@ -55,18 +55,22 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 FP32_TINY, FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 
+def _positive_f32(name: str, val, types: tuple) -> float:
+    """``val`` as a Python float; ValueError naming ``name`` unless it is an instance of
+    ``types`` (not a bool), finite and > 0 in float32's normal range."""
+    if not (isinstance(val, types) and not isinstance(val, bool)
+            and FP32_TINY <= float(val) <= FP32_MAX):
+        raise ValueError(f"{name} must be a finite float > 0 in float32's normal range, got {val!r}")
+    return float(val)
+
+
 def check_sm_scale(sm_scale) -> float:
     """``sm_scale`` (the attention kernels' score scale) as a Python float.  Raises ValueError
     unless it is a real number (``numbers.Real``: Python and NumPy scalars, not a bool),
     finite and > 0 in float32's normal range: the kernels take a tile's row maximum before
     scaling it, so a scale <= 0 would pick the wrong maximum and turn a masked ``-inf`` score
     into ``+inf`` or NaN."""
-    ok = (isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)
-          and FP32_TINY <= float(sm_scale) <= FP32_MAX)
-    if not ok:
-        raise ValueError(f"sm_scale must be a finite float > 0 in float32's normal range, got "
-                         f"{sm_scale!r}")
-    return float(sm_scale)
+    return _positive_f32("sm_scale", sm_scale, (numbers.Real,))
 
 
 def check_dequant_scales(cache_dtype: torch.dtype, **scales) -> tuple:
@@ -75,14 +79,11 @@ def check_dequant_scales(cache_dtype: torch.dtype, **scales) -> tuple:
     not fp8 (e4m3)."""
     out = []
     for name, val in scales.items():
-        ok = (isinstance(val, (int, float)) and not isinstance(val, bool)
-              and FP32_TINY <= float(val) <= FP32_MAX)
-        if not ok:
-            raise ValueError(f"{name} must be a finite float > 0 in float32's normal range, got {val!r}")
-        if cache_dtype != FP8_KV_DTYPE and float(val) != 1.0:
+        val = _positive_f32(name, val, (int, float))
+        if cache_dtype != FP8_KV_DTYPE and val != 1.0:
             raise ValueError(f"{name}={val} only applies to a float8_e4m3fn cache, got a "
                              f"{cache_dtype} one")
-        out.append(float(val))
+        out.append(val)
     return tuple(out)
 
 
