@@ -169,7 +169,8 @@ def prepare(workload: Workload, *, use_graph: bool = True, flush_l2: Optional[bo
     """Warm ``workload`` up (``warmup`` eager calls per input set) and capture one CUDA graph
     per input set when ``use_graph`` (falling back to eager calls, with the reason in
     ``note``, if capture fails). ``flush_l2=None`` flushes only when the input sets together
-    move less than twice the L2 size. Raises RuntimeError without CUDA."""
+    move less than twice the L2 size. The result holds ``workload``: its graphs replay
+    into the workload's tensors, which must outlive them. Raises RuntimeError without CUDA."""
     require_cuda()
     calls = workload.calls()
     for _ in range(warmup):
@@ -180,7 +181,7 @@ def prepare(workload: Workload, *, use_graph: bool = True, flush_l2: Optional[bo
     if use_graph:
         try:
             graphs = _capture(calls)
-            runners, keep, mode = [g.replay for g in graphs], graphs, "cuda-graph"
+            runners, keep, mode = [g.replay for g in graphs], [workload, *graphs], "cuda-graph"
         except Exception as e:  # not capturable (host sync, CPU work): time eager calls
             note = f"graph capture failed, timed eager: {type(e).__name__}: {e}"
             torch.cuda.synchronize()

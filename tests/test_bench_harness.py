@@ -71,6 +71,31 @@ def test_timing_guards(monkeypatch):
         harness.measure_ceilings()
 
 
+def test_prepared_graphs_keep_their_workload_alive(monkeypatch):
+    """A captured graph replays into the workload's tensors: dropping the workload after
+    ``prepare`` (as a loop over several configurations does) must not free them."""
+    import gc
+    import weakref
+
+    class Graph:
+        def replay(self):
+            pass
+    monkeypatch.setattr(harness, "require_cuda", lambda: None)
+    monkeypatch.setattr(harness, "_capture", lambda calls: [Graph() for _ in calls])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(harness, "l2_cache_bytes", lambda *a: 1 << 20)
+    wl = cases.Workload(fn=lambda x: None, bytes=1, input_sets=[(torch.zeros(3),), (torch.ones(3),)])
+    ref = weakref.ref(wl)
+    prep = harness.prepare(wl, use_graph=True, flush_l2=False, warmup=1)
+    del wl
+    gc.collect()
+    assert prep.mode == "cuda-graph" and len(prep.runners) == 2
+    assert ref() is not None
+    del prep
+    gc.collect()
+    assert ref() is None
+
+
 # ------------------------------------------------------------------ registry
 
 
