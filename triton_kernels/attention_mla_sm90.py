@@ -615,7 +615,7 @@ if HAVE_GLUON:
                    stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
                    stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, v_scale, kv_desc,
                    H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
-                   TMA: gl.constexpr, FP8: gl.constexpr):
+                   TMA: gl.constexpr, FP8: gl.constexpr, q3, zero):
         """Loader partition (4 warps): ``q_nope`` once, then every key tile into stage
         ``t % 2``, half A as soon as warpgroup 0 frees it, half B once warpgroup 1 does.
         With ``TMA`` (pages of a multiple of 64 keys) a whole tile at a multiple of 64 keys is
@@ -704,12 +704,13 @@ if HAVE_GLUON:
                 stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
                 stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, v_scale, kv_desc,
                 H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
-                TMA: gl.constexpr, FP8: gl.constexpr):
+                TMA: gl.constexpr, FP8: gl.constexpr, q3, zero):
         """Warpgroup 0: the scores of the even tiles, value columns ``[0, 256)``."""
         q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars, q_smem)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
-            s = _ss_scores(q_smem, q_pe, kc_smem.index(0), kr_smem.index(0), bars, 0, ph, _SS_S_L, FP8)
+            z = k & zero   # 0, opaque: descriptors built in the loop (_mla_seesaw_kernel)
+            s = _ss_scores(q3.index(z), q_pe, kc_smem.index(z), kr_smem.index(z), bars, 0, ph, _SS_S_L, FP8)
             s = _mask_scores(s, qk_scale, lo + 2 * k * 64, keys, P, hi, tree_row, rowb, n, stride_tmj,
                              H, TREE, _SS_S_L)
             m0 = gl.maximum(m_i, gl.max(s, axis=1))
@@ -724,7 +725,7 @@ if HAVE_GLUON:
             fence_async_shared()
             mbarrier.arrive(bars.index(_P0_READY), count=1)
             acc = acc * gl.convert_layout(scale0, gl.SliceLayout(1, _SS_O_L))[:, None]
-            acc = warpgroup_mma(gl.convert_layout(pb, _SS_PA_L), kc_smem.index(0).slice(0, 256, dim=1),
+            acc = warpgroup_mma(gl.convert_layout(pb, _SS_PA_L), kc_smem.index(z).slice(0, 256, dim=1),
                                 acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(bars.index(_EMPTY + 0), count=1)  # stage 0, half A
@@ -736,7 +737,7 @@ if HAVE_GLUON:
             l_i = l_i * scale1
             m_i = m1
             if 2 * k + 1 < n_tiles:
-                acc = warpgroup_mma(p_smem.index(1), kc_smem.index(1).slice(0, 256, dim=1), acc,
+                acc = warpgroup_mma(p_smem.index(1), kc_smem.index(1 + z).slice(0, 256, dim=1), acc,
                                     is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_EMPTY + 2), count=1)  # stage 1, half A
@@ -753,14 +754,15 @@ if HAVE_GLUON:
                 stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
                 stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, v_scale, kv_desc,
                 H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
-                TMA: gl.constexpr, FP8: gl.constexpr):
+                TMA: gl.constexpr, FP8: gl.constexpr, q3, zero):
         """Warpgroup 1: the scores of the odd tiles, value columns ``[256, 512)``."""
         q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars, q_smem)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
             has1 = 2 * k + 1 < n_tiles
+            z = k & zero   # 0, opaque (see warpgroup 0)
             if has1:
-                s = _ss_scores(q_smem, q_pe, kc_smem.index(1), kr_smem.index(1), bars, 1, ph, _SS_S_L, FP8)
+                s = _ss_scores(q3.index(z), q_pe, kc_smem.index(1 + z), kr_smem.index(1 + z), bars, 1, ph, _SS_S_L, FP8)
                 s = _mask_scores(s, qk_scale, lo + (2 * k + 1) * 64, keys, P, hi, tree_row, rowb, n,
                                  stride_tmj, H, TREE, _SS_S_L)
             else:
@@ -771,7 +773,7 @@ if HAVE_GLUON:
             m0 = x_smem.index(0).load(gl.SliceLayout(1, _SS_S_L))
             scale0 = gl.exp2(m_i - gl.where(m0 == float("-inf"), 0.0, m0))
             acc = acc * gl.convert_layout(scale0, gl.SliceLayout(1, _SS_O_L))[:, None]
-            acc = warpgroup_mma(p_smem.index(0), kc_smem.index(0).slice(256, 256, dim=1), acc,
+            acc = warpgroup_mma(p_smem.index(0), kc_smem.index(z).slice(256, 256, dim=1), acc,
                                 is_async=True)
             m1 = gl.maximum(m0, mp)
             m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
@@ -791,7 +793,7 @@ if HAVE_GLUON:
             acc = acc * gl.convert_layout(scale1, gl.SliceLayout(1, _SS_O_L))[:, None]
             if has1:
                 acc = warpgroup_mma(gl.convert_layout(pb, _SS_PA_L),
-                                    kc_smem.index(1).slice(256, 256, dim=1), acc, is_async=True)
+                                    kc_smem.index(1 + z).slice(256, 256, dim=1), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_EMPTY + 3), count=1)  # stage 1, half B
             m_i = m1
@@ -808,7 +810,7 @@ if HAVE_GLUON:
             stride_qt, stride_qh, stride_kvt, stride_ot, stride_oh,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_rtt,
             stride_tmb, stride_tmj,
-            qk_scale, v_scale, kv_desc,
+            qk_scale, v_scale, kv_desc, zero,
             H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr, TMA: gl.constexpr,
             FP8: gl.constexpr):
         """The seesaw schedule (module docstring): the arguments of :func:`_mla_sm90_kernel`
@@ -821,7 +823,12 @@ if HAVE_GLUON:
         the warpgroups get 240 registers and the loader 24 (a TMA loader holds a few scalars;
         the warpgroups' loops then spill less: 6-13 % faster decode on an H100, output bit for
         bit the same), otherwise 232 and 40 (48 with ``FP8``: the per-key gather keeps its
-        addresses in registers)."""
+        addresses in registers).  ``zero``: a runtime 0 (the launcher's).  The warpgroups index
+        ``q``'s and the stages' shared memory with ``k & zero`` in their loops, so the
+        compiler cannot prove those operands loop-invariant: their wgmma descriptors are then
+        computed next to each GEMM from one base instead of hoisted out of the loop, where
+        ptxas kept 16 and more of them spilled to local memory (112-224 bytes of spill
+        stores in every configuration; none with it)."""
         BLOCK_N: gl.constexpr = 64
         # the tiles' type: q's, or fp16 for an fp8 cache (one conversion per pair of values)
         dtype: gl.constexpr = gl.float16 if FP8 else Q.dtype.element_ty
@@ -833,7 +840,8 @@ if HAVE_GLUON:
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             SW: gl.constexpr = SW128
             XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-            q_smem = gl.allocate_shared_memory(dtype, [64, 512], SW)
+            q3 = gl.allocate_shared_memory(dtype, [1, 64, 512], SW)
+            q_smem = q3.index(0)
             kc_smem = gl.allocate_shared_memory(dtype, [2, 64, 512], SW)
             kr_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SW)
             p_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], SW)
@@ -849,17 +857,17 @@ if HAVE_GLUON:
                            rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
-                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8)),
+                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8, q3, zero)),
                 (_ss_wg1, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
                            rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
-                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8)),
+                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8, q3, zero)),
                 (_ss_loader, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
                            rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
-                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8))],
+                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8, q3, zero))],
                                [4, 4], [240, 24] if TMA else [232, 48 if FP8 else 40])   # see the docstring
 
 
@@ -1013,5 +1021,5 @@ def sm90_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: to
     if (not fp8 and page_size % 64 == 0 and kv2d.data_ptr() % 16 == 0
             and (kv2d.stride(0) * kv2d.element_size()) % 16 == 0):
         desc = TensorDescriptor.from_tensor(kv2d, [64, 64], SW128.value)
-    _mla_seesaw_kernel[grid](*args, kv_scale, desc, **modes, TMA=desc is not None, FP8=fp8, num_warps=4,
+    _mla_seesaw_kernel[grid](*args, kv_scale, desc, 0, **modes, TMA=desc is not None, FP8=fp8, num_warps=4,
                              maxnreg=168)
