@@ -684,9 +684,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _ss_epilogue(acc, m_i, l_i, x_smem, bars, WG: gl.constexpr, O, O_PART, LSE_PART, tok,
                      rowb, n, split, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
-                     stride_ls, stride_lt, H: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                     O_L: gl.constexpr):
-        """Exchange the two warpgroups' row sums, then store this warpgroup's 256 columns."""
+                     stride_ls, stride_lt, v_scale, H: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                     O_L: gl.constexpr, FP8: gl.constexpr):
+        """Exchange the two warpgroups' row sums, then store this warpgroup's 256 columns
+        (times ``v_scale``, an fp8 cache's scale, with ``FP8``)."""
+        if FP8:
+            acc = acc * v_scale
         x_smem.index(2 + WG).store(l_i)
         mbarrier.arrive(bars.index(_FIN), count=1)
         mbarrier.wait(bars.index(_FIN), 0)
@@ -742,11 +745,9 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_EMPTY + 2), count=1)  # stage 1, half A
             mbarrier.arrive(bars.index(_P1_FREE), count=1)
-        if FP8:
-            acc = acc * v_scale
         _ss_epilogue(acc, m_i, l_i, x_smem, bars, 0, O, O_PART, LSE_PART, tok, rowb, n, split,
                      stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                     H, NUM_SPLITS, _SS_O_L)
+                     v_scale, H, NUM_SPLITS, _SS_O_L, FP8)
 
     @gluon.jit
     def _ss_wg1(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
@@ -797,11 +798,9 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(bars.index(_EMPTY + 3), count=1)  # stage 1, half B
             m_i = m1
-        if FP8:
-            acc = acc * v_scale
         _ss_epilogue(acc, m_i, l_i, x_smem, bars, 1, O, O_PART, LSE_PART, tok, rowb, n, split,
                      stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                     H, NUM_SPLITS, _SS_O_L)
+                     v_scale, H, NUM_SPLITS, _SS_O_L, FP8)
 
     @gluon.jit
     def _mla_seesaw_kernel(
