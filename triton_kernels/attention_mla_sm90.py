@@ -615,7 +615,7 @@ if HAVE_GLUON:
                    stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
                    stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, v_scale, kv_desc,
                    H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
-                   TMA: gl.constexpr, FP8: gl.constexpr, q3, zero):
+                   TMA: gl.constexpr, FP8: gl.constexpr):
         """Loader partition (4 warps): ``q_nope`` once, then every key tile into stage
         ``t % 2``, half A as soon as warpgroup 0 frees it, half B once warpgroup 1 does.
         With ``TMA`` (pages of a multiple of 64 keys) a whole tile at a multiple of 64 keys is
@@ -667,13 +667,14 @@ if HAVE_GLUON:
                 _ss_widen_q(q_smem, q_raw, bars)
 
     @gluon.jit
-    def _ss_init(Q, rowb, n, stride_qt, stride_qh, H: gl.constexpr, bars, q_smem):
-        """A warpgroup's start: ``q_pe`` in registers, the tile's key offsets, ``m = -inf``,
-        ``l = 0``, ``O = 0``; then wait until the loader has put ``q_nope`` in place."""
+    def _ss_init(Q, rowb, n, stride_qt, stride_qh, H: gl.constexpr, bars, q3):
+        """A warpgroup's start: ``q_pe`` in registers (in the type of ``q3``, ``q_nope``'s
+        ``[1, 64, 512]`` shared memory), the tile's key offsets, ``m = -inf``, ``l = 0``,
+        ``O = 0``; then wait until the loader has put ``q_nope`` in place."""
         S_L: gl.constexpr = _SS_S_L
         q_pe = _ss_load_qpe(Q, rowb, n, stride_qt, stride_qh, H,
                             gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2))
-        q_pe = q_pe.to(q_smem.dtype)   # an fp8 cache's tiles are fp16
+        q_pe = q_pe.to(q3.dtype)   # an fp8 cache's tiles are fp16
         keys = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
         m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
         l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -702,14 +703,14 @@ if HAVE_GLUON:
                   NUM_SPLITS)
 
     @gluon.jit
-    def _ss_wg0(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
+    def _ss_wg0(q3, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
                 rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                 stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
                 stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, v_scale, kv_desc,
                 H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
-                TMA: gl.constexpr, FP8: gl.constexpr, q3, zero):
+                TMA: gl.constexpr, FP8: gl.constexpr, zero):
         """Warpgroup 0: the scores of the even tiles, value columns ``[0, 256)``."""
-        q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars, q_smem)
+        q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars, q3)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
             z = k & zero   # 0, opaque: descriptors built in the loop (_mla_seesaw_kernel)
@@ -750,14 +751,14 @@ if HAVE_GLUON:
                      v_scale, H, NUM_SPLITS, _SS_O_L, FP8)
 
     @gluon.jit
-    def _ss_wg1(q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
+    def _ss_wg1(q3, kc_smem, kr_smem, p_smem, x_smem, bars, Q, KV, O, O_PART, LSE_PART,
                 rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                 stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh, stride_ps,
                 stride_pt, stride_ph, stride_ls, stride_lt, qk_scale, v_scale, kv_desc,
                 H: gl.constexpr, NUM_SPLITS: gl.constexpr, TREE: gl.constexpr,
-                TMA: gl.constexpr, FP8: gl.constexpr, q3, zero):
+                TMA: gl.constexpr, FP8: gl.constexpr, zero):
         """Warpgroup 1: the scores of the odd tiles, value columns ``[256, 512)``."""
-        q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars, q_smem)
+        q_pe, keys, m_i, l_i, acc = _ss_init(Q, rowb, n, stride_qt, stride_qh, H, bars, q3)
         for k in range(gl.cdiv(n_tiles, 2)):
             ph = k & 1
             has1 = 2 * k + 1 < n_tiles
@@ -852,21 +853,21 @@ if HAVE_GLUON:
             tok, rowb = _tile_base(q_start, row0, H)
             qt = Q + tok * stride_qt
             gl.warp_specialize([
-                (_ss_wg0, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
+                (_ss_wg0, (q3, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
                            rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
-                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8, q3, zero)),
-                (_ss_wg1, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
+                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8, zero)),
+                (_ss_wg1, (q3, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
                            rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
-                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8, q3, zero)),
+                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8, zero)),
                 (_ss_loader, (q_smem, kc_smem, kr_smem, p_smem, x_smem, bars, qt, KV, O, O_PART, LSE_PART,
                            rtt_row, tree_row, tok, rowb, n, split, P, lo, hi, n_tiles,
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
-                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8, q3, zero))],
+                           v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8))],
                                [4, 4], [240, 24] if TMA else [232, 48 if FP8 else 40])   # see the docstring
 
 
