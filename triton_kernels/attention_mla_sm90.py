@@ -79,11 +79,14 @@ scale and multiplies the accumulator once.
   blocks 7-4 (half B holds no fp8 byte), blocks 3 and 2 with the rope block, blocks 1 and 0.
   The 16-bit block ``b < 4`` covers the fp8 blocks ``2b`` and ``2b + 1``, all widened in an
   earlier group but block 0's own and 1 (and the rope block's own bytes): those are read by
-  every loader thread before any writes.  The score GEMMs take the blocks in that order.
-  ``q`` is copied in its own type and widened to fp16 in place once.  TMA is not used for
-  fp8 tiles: a loader with TMA boxes into the fp8 bytes (whole-page tiles) and the
-  ``cp.async`` gather for the others spilled and measured slower (MLA decode bs 128 x 8192
-  keys, H200: 1,034.6 us, against 852.5 for the gather alone in an earlier run).
+  every loader thread before any writes.  The score GEMMs take the blocks in that order, one
+  ready barrier per group.  A group is one shared-memory load and one store (the compiler
+  separates any two accesses of one buffer by a barrier of the loader's warps).  ``q`` is
+  copied in its own type and widened to fp16 in place once.  The widening, not the copy, is
+  what fp8 costs: without it (output wrong) MLA decode at bs 128 x 8192 keys took 498 us on
+  an H200, against 727 with it and 567 for bf16.  TMA is not used for fp8 tiles: TMA boxes
+  into the fp8 bytes for whole-page tiles measured no faster there (770 us) and slower for
+  tree verify at bs 1 (221 against 200 us).
 - Key split (``seesaw=False``, :func:`_mla_sm90_fp8_kernel`): every thread ``cp.async``-copies
   its share of a tile's raw bytes into a two-stage fp8 ring and, once they land, widens
   exactly those bytes to fp16 into ONE fp16 tile that both GEMMs read, between the GEMMs of
@@ -414,10 +417,13 @@ if HAVE_GLUON:
     _SS_PA_L = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_SS_O_L.value, k_width=2))
 
     @gluon.jit
-    def _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, b: gl.constexpr):
-        """Wait for 64-column block ``b`` of a stage and issue its score GEMM (block 8: the
-        rope block, ``q_pe`` from registers)."""
-        mbarrier.wait(bars.index(_READY + stage * 9 + b), phase)
+    def _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, b: gl.constexpr,
+                        WAIT: gl.constexpr = True):
+        """Wait for 64-column block ``b`` of a stage (unless ``WAIT`` is False: an fp8 tile's
+        blocks are ready by groups) and issue its score GEMM (block 8: the rope block,
+        ``q_pe`` from registers)."""
+        if WAIT:
+            mbarrier.wait(bars.index(_READY + stage * 9 + b), phase)
         if b < 8:
             s = warpgroup_mma(q_smem.slice(b * 64, 64, dim=1),
                               kc.slice(b * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
@@ -430,15 +436,17 @@ if HAVE_GLUON:
                    FP8: gl.constexpr):
         """``[64, 64]`` float32 scores of one stage's keys: ``q_nope @ c^T`` over the eight
         64-column blocks of the latent and ``q_pe @ k_pe^T``, in the order the blocks land
-        (half A, then half B; an fp8 tile is widened blocks 7-2, rope, 1-0:
+        (half A, then half B; an fp8 tile is widened in three groups, blocks 7-4, then 3, 2
+        and the rope block, then 1 and 0, each group on the ready barrier of its first block:
         :func:`_ss_gather8`), each block's GEMM issued as soon as it is in place."""
         s = gl.zeros([64, 64], gl.float32, layout=S_L)
         if FP8:
             for b in gl.static_range(6):
-                s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 7 - b)
-            s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 8)
+                s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 7 - b,
+                                    b == 0 or b == 4)
+            s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 8, False)
             for b in gl.static_range(2):
-                s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 1 - b)
+                s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, 1 - b, b == 0)
         else:
             for b in gl.static_range(4):
                 s = _ss_score_block(s, q_smem, q_pe, kc, kr, bars, stage, phase, b)
@@ -515,11 +523,6 @@ if HAVE_GLUON:
         mbarrier.arrive(bars.index(_Q_READY), count=1)
 
     @gluon.jit
-    def _ss_widen(raw, dst, L: gl.constexpr):
-        """fp8 block ``raw [64, 64]`` -> ``dst`` in its 16-bit type."""
-        dst.store(raw.load(L).to(dst.dtype))
-
-    @gluon.jit
     def _ss_ready(bars, stage, b: gl.constexpr):
         """Arrive on the ready barrier of block ``b`` of a stage (after a fence and a barrier
         of the loader's warps: every thread's stores)."""
@@ -533,10 +536,14 @@ if HAVE_GLUON:
         (the latent's 64-column blocks ``j`` at bytes ``4 KB * j`` of the stage's latent, the
         rope block in the second half of its rope tile; rows past ``hi`` zero-filled, never
         read) in three commit groups; once half B is free too, widen in three groups, each
-        closed by one fence and one barrier of the loader's warps before its blocks' ready
-        barriers: blocks 7-4 into half B (no fp8 byte there); blocks 3 and 2 (over fp8 blocks
-        4-7) and the rope block (over its own bytes: read before a barrier, written after);
-        blocks 1 and 0 (over fp8 blocks 0-3; 0 and 1 read before a barrier).  With ``first``
+        closed by one fence and one barrier of the loader's warps before the ready barrier of
+        its first block: blocks 7-4 into half B (no fp8 byte there); blocks 3 and 2 (over fp8
+        blocks 4-7) and the rope block (over its own bytes: read before a barrier, written
+        after); blocks 1 and 0 (over fp8 blocks 0-3; 0 and 1 read before a barrier).  A group
+        is one shared-memory load of its fp8 blocks and one store of its 16-bit blocks, in
+        ``[blocks, 64, 64]`` views of the stage: the compiler puts a barrier of the loader's
+        warps between any two accesses of one buffer that it cannot prove disjoint, and a
+        load and a store per 64-column block cost two such barriers each.  With ``first``
         (tile 0), between its copy and its widening, ``q_nope`` (``q_raw``, copied in ``q``'s
         type) becomes fp16 in place (:func:`_ss_widen_q`)."""
         LDW: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
@@ -566,37 +573,38 @@ if HAVE_GLUON:
             async_copy.wait_group(3)
             _ss_widen_q(q_smem, q_raw, bars)
         mbarrier.wait(bars.index(_EMPTY + stage * 2 + 1), phase ^ 1)
+        # the stage as [block, key, column]: fp8 block j at bytes 4 KB * j, 16-bit block b
+        # at 8 KB * b (the 128-byte swizzle of a [64, 512] tile is per 64 columns)
+        LW3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [1, 4, 1], [2, 1, 0])
+        raw3 = kc._reinterpret(gl.float8e4nv, [16, 64, 64],
+                               gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+        kc3 = kc._reinterpret(kc.dtype, [8, 64, 64], gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=3))
         async_copy.wait_group(2)
         gl.thread_barrier()   # every thread's bytes of blocks 7-4 have landed
-        for b in gl.static_range(4):
-            _ss_widen(raw_c.slice((7 - b) * 64, 64, dim=0), kc.slice((7 - b) * 64, 64, dim=1), LDW)
+        x = raw3.slice(4, 4, dim=0).load(LW3)
+        kc3.slice(4, 4, dim=0).store(x.to(kc.dtype))
         fence_async_shared()   # the generic-proxy stores, before the wgmma (async proxy) reads
         gl.thread_barrier()
-        for b in gl.static_range(4):
-            _ss_ready(bars, stage, 7 - b)
+        _ss_ready(bars, stage, 7)
         async_copy.wait_group(1)
         gl.thread_barrier()
         xr = raw_r.load(LDW)
-        for b in gl.static_range(2):
-            _ss_widen(raw_c.slice((3 - b) * 64, 64, dim=0), kc.slice((3 - b) * 64, 64, dim=1), LDW)
+        x = raw3.slice(2, 2, dim=0).load(LW3)
+        kc3.slice(2, 2, dim=0).store(x.to(kc.dtype))
         gl.thread_barrier()   # every thread has read the rope block's fp8 bytes
         kr.store(xr.to(kr.dtype))
         fence_async_shared()
         gl.thread_barrier()
         _ss_ready(bars, stage, 3)
-        _ss_ready(bars, stage, 2)
-        _ss_ready(bars, stage, 8)
         async_copy.wait_group(0)
         gl.thread_barrier()
-        x1 = raw_c.slice(64, 64, dim=0).load(LDW)
-        x0 = raw_c.slice(0, 64, dim=0).load(LDW)
+        x = raw3.slice(0, 2, dim=0).load(LW3)
         gl.thread_barrier()   # every thread has read fp8 blocks 0 and 1
-        kc.slice(64, 64, dim=1).store(x1.to(kc.dtype))
-        kc.slice(0, 64, dim=1).store(x0.to(kc.dtype))
+        kc3.slice(0, 2, dim=0).store(x.to(kc.dtype))
         fence_async_shared()
         gl.thread_barrier()
         _ss_ready(bars, stage, 1)
-        _ss_ready(bars, stage, 0)
 
     @gluon.jit
     def _ss_tma_block(kv_desc, kc, kr, bars, stage, slot0, b: gl.constexpr):
@@ -822,8 +830,8 @@ if HAVE_GLUON:
         ``maxnreg=168`` (504 registers a thread slot over the three partitions): with ``TMA``
         the warpgroups get 240 registers and the loader 24 (a TMA loader holds a few scalars;
         the warpgroups' loops then spill less: 6-13 % faster decode on an H100, output bit for
-        bit the same), otherwise 232 and 40 (48 with ``FP8``: the per-key gather keeps its
-        addresses in registers).  ``zero``: a runtime 0 (the launcher's).  The warpgroups index
+        bit the same), otherwise 232 and 40 (with ``FP8`` 224 and 56: the loader holds a widening
+        group's fp8 bytes, 32 registers, besides the gather's addresses).  ``zero``: a runtime 0 (the launcher's).  The warpgroups index
         ``q``'s and the stages' shared memory with ``k & zero`` in their loops, so the
         compiler cannot prove those operands loop-invariant: their wgmma descriptors are then
         computed next to each GEMM from one base instead of hoisted out of the loop, where
@@ -868,7 +876,7 @@ if HAVE_GLUON:
                            stride_qt, stride_qh, stride_tmj, stride_kvt, stride_ot, stride_oh,
                            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, qk_scale,
                            v_scale, kv_desc, H, NUM_SPLITS, TREE, TMA, FP8))],
-                               [4, 4], [240, 24] if TMA else [232, 48 if FP8 else 40])   # see the docstring
+                               [4, 4], [240, 24] if TMA else ([224, 56] if FP8 else [232, 40]))   # see the docstring
 
 
     @gluon.jit
