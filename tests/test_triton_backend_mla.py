@@ -247,6 +247,24 @@ def test_mla_sm90_errors_and_eligibility():
             be.forward(q, k, v, sc.layer, sc.batch)
 
 
+def test_gluon_kernels_run_on_their_triton_release_only():
+    """The Gluon kernels use one Triton minor release's experimental Gluon API: any other
+    release, or a version that does not parse, turns them off (the callers then run the
+    portable kernels), and the reason names both versions."""
+    import triton
+    from specattn.triton_kernels import gluon_common as G
+    major, minor = G.GLUON_TRITON
+    assert G.gluon_api_matches(f"{major}.{minor}.0") and G.gluon_api_matches(f"{major}.{minor}.1+git3f2a")
+    for other in (f"{major}.{minor + 1}.0", f"{major}.{minor - 1}.2", f"{major + 1}.{minor}.0",
+                  f"{major}", "nightly", ""):
+        assert not G.gluon_api_matches(other), other
+    if not G.gluon_api_matches(triton.__version__):
+        assert not G.HAVE_GLUON
+    why = " / ".join(G.sm90_device_needs(torch.zeros(1)))
+    assert "sm_90 GPU" in why
+    assert (f"Triton {major}.{minor} with Gluon (this is Triton {triton.__version__})" in why) != G.HAVE_GLUON
+
+
 def test_mla_idle_and_supports():
     sc = make_scenario(ForwardMode.IDLE, kind="mla")
     be = create_backend("triton", sc.req_pool, sc.kv_pool)

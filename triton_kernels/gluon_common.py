@@ -1,6 +1,7 @@
 """Pieces shared by the Gluon sm_90 kernels (:mod:`.attention_sm90`: GQA tree verify,
-:mod:`.attention_mla_sm90`: absorbed MLA): whether this Triton has Gluon with its Hopper ops
-(:data:`HAVE_GLUON`), what a call's device lacks (:func:`sm90_device_needs`), and, with Gluon,
+:mod:`.attention_mla_sm90`: absorbed MLA): whether this Triton has the Gluon API the kernels
+are written against (:data:`HAVE_GLUON`), what a call's device lacks
+(:func:`sm90_device_needs`), and, with Gluon,
 the 128-byte swizzled shared layout of every ``[rows, 64k]`` bf16/fp16 tile (:data:`SW128`),
 the per-key slot gather (:func:`load_slots`) and the epilogue (:func:`store_out`).  The
 ``@gluon.jit`` helpers are inlined into each kernel.
@@ -8,8 +9,28 @@ the per-key slot gather (:func:`load_slots`) and the epilogue (:func:`store_out`
 from __future__ import annotations
 
 import torch
+import triton
 
-try:  # Gluon ships with Triton >= 3.4; its Hopper ops are only compiled on an sm_90 device
+# Gluon (``triton.experimental.gluon``, Triton >= 3.4) is experimental and its API changes
+# between releases (Triton 3.9 removed ``async_copy.async_copy_global_to_shared``, which the
+# kernels call), so the kernels run only on the Triton minor release they are written and
+# tested against; with another the callers run the portable Triton kernels instead.
+GLUON_TRITON = (3, 6)
+
+
+def gluon_api_matches(version: str) -> bool:
+    """Whether Triton ``version`` (e.g. ``"3.6.0"``, ``"3.6.0+git1a2b"``) is the minor
+    release :data:`GLUON_TRITON` whose Gluon API the kernels use."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) == GLUON_TRITON
+    except (IndexError, ValueError):
+        return False
+
+
+try:  # its Hopper ops are only compiled on an sm_90 device
+    if not gluon_api_matches(triton.__version__):
+        raise ImportError(f"Triton {triton.__version__}")
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: F401
@@ -20,16 +41,18 @@ try:  # Gluon ships with Triton >= 3.4; its Hopper ops are only compiled on an s
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "sm90_device_needs"] + (["SW128", "load_slots", "store_out"]
-                                                  if HAVE_GLUON else [])
+__all__ = ["GLUON_TRITON", "HAVE_GLUON", "gluon_api_matches", "sm90_device_needs"] + (
+    ["SW128", "load_slots", "store_out"] if HAVE_GLUON else [])
 
 
 def sm90_device_needs(t: torch.Tensor) -> list:
-    """What the Gluon sm_90 kernels need and ``t``'s device or Triton lacks: a Triton with
-    Gluon and an sm_90 GPU (list of strings, empty when both are there)."""
+    """What the Gluon sm_90 kernels need and ``t``'s device or Triton lacks: Triton
+    :data:`GLUON_TRITON` with Gluon and an sm_90 GPU (list of strings, empty when both are
+    there)."""
     why = []
     if not HAVE_GLUON:
-        why.append("this Triton has no Gluon")
+        why.append(f"Triton {'.'.join(map(str, GLUON_TRITON))} with Gluon "
+                   f"(this is Triton {triton.__version__})")
     if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device) != (9, 0):
         why.append(f"an sm_90 GPU (got {t.device})")
     return why

@@ -11,7 +11,8 @@ exits 1 if any does.  Equal results mean the change only reordered instructions 
 moved into inlined ``@triton.jit`` helpers): a performance-neutral refactor can be shown on
 a machine without a GPU.  Configs: ``CONFIGS`` below (MHA/MLA attention at several mask /
 split / value-split settings, greedy and sampling tree verify, and with Gluon the ping-pong
-GQA tree verify over bf16 and fp8 caches).  Compare two revisions under the SAME Triton:
+GQA tree verify over bf16 and fp8 caches and the MLA seesaw at 16 / 128 heads, causal / tree,
+with TMA tiles, gathered tiles and an fp8 cache).  Compare two revisions under the SAME Triton:
 absolute figures depend on its version (e.g. Triton 3.9 here buffers one more pipeline stage
 than the GPU machine's 3.6, so its shared-memory sizes differ).
 """
@@ -69,7 +70,29 @@ def _configs():
         out.append(("gqa_sm90_pingpong_fp8", G._tree_verify_ws_kernel, "fp8",
                     dict(base, NUM_SPLITS=1, STAGES=4, F8_STAGES=3, SCALE_V=True), 4,
                     dict(maxnreg=128)))
+        # the Gluon MLA seesaw as sm90_mla_attention launches it
+        from specattn.triton_kernels import attention_mla_sm90 as MS
+        for heads, splits, tree, tiles in ((128, 1, False, "tma"), (128, 4, True, "tma"),
+                                           (16, 4, True, "gather"), (128, 4, False, "fp8"),
+                                           (16, 1, True, "fp8")):
+            c = dict(H=heads, NUM_SPLITS=splits, TREE=tree, TMA=tiles == "tma", FP8=tiles == "fp8")
+            if tiles != "tma":
+                c.update(kv_desc=None)
+            out.append((f"mla_sm90_seesaw_h{heads}_splits{splits}_{'tree' if tree else 'causal'}_{tiles}",
+                        MS._mla_seesaw_kernel, "fp8" if tiles == "fp8" else "bf16", c, 4,
+                        dict(maxnreg=168)))
     return out
+
+
+def _kv_desc_type() -> str:
+    """The mangled type of the MLA seesaw's TMA descriptor, as its launcher builds it
+    (``[64, 64]`` bf16 boxes, 128-byte swizzle)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+    from specattn.triton_kernels.gluon_common import SW128
+    return mangle_type(TensorDescriptor.from_tensor(torch.empty(64, 576, dtype=torch.bfloat16),
+                                                    [64, 64], SW128.value))
 
 
 def _signature(fn, dt, consts) -> dict:
@@ -93,6 +116,8 @@ def _signature(fn, dt, consts) -> dict:
             sig[n] = f"tensordesc<{dt}[{consts['BLOCK_N']}, {consts['BLOCK_DV']}]>"
         elif n == "desc_pe":
             sig[n] = f"tensordesc<{dt}[{consts['BLOCK_N']}, {consts['ROPE']}]>"
+        elif n == "kv_desc" and "kv_desc" not in consts:
+            sig[n] = _kv_desc_type()
         elif n.endswith("_ptr"):
             sig[n] = "*fp32" if n[:2] in ("us", "uf", "tp", "dp") else "*i64"
         else:
@@ -139,9 +164,10 @@ def dump(out: Path) -> None:
     for name, fn, dt, consts, warps, *extra in _configs():
         sig = _signature(fn, dt, consts)
         # as the JIT specialises on a GPU: 16-byte aligned pointers, strides divisible by 16
-        # (without it every load compiles to 2-byte scalar loads and the figures mislead)
+        # (without it every load compiles to 2-byte scalar loads and the figures mislead), and
+        # the MLA seesaw's runtime ``zero`` (0 is divisible by 16)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig.get(n, "").startswith("*") or n.startswith("stride_")}
+                 if sig.get(n, "").startswith("*") or n.startswith("stride_") or n == "zero"}
         gluon = type(fn).__name__ == "GluonJITFunction"
         if gluon:  # Gluon kernels compile from their own source class (no pipeliner stages)
             from triton.experimental.gluon._runtime import GluonASTSource as source
