@@ -12,7 +12,8 @@ moved into inlined ``@triton.jit`` helpers): a performance-neutral refactor can 
 a machine without a GPU.  Configs: ``CONFIGS`` below (MHA/MLA attention at several mask /
 split / value-split settings, greedy and sampling tree verify, and with Gluon the ping-pong
 GQA tree verify over bf16 and fp8 caches and the MLA seesaw at 16 / 128 heads, causal / tree,
-with TMA tiles, gathered tiles and an fp8 cache).  Compare two revisions under the SAME Triton:
+with TMA tiles, gathered tiles and an fp8 cache; the Gluon kernels only under the Triton
+release they are written for, ``gluon_common.GLUON_TRITON``).  Compare two revisions under the SAME Triton:
 absolute figures depend on its version (e.g. Triton 3.9 here buffers one more pipeline stage
 than the GPU machine's 3.6, so its shared-memory sizes differ).
 """
