@@ -830,8 +830,9 @@ if HAVE_GLUON:
         ``maxnreg=168`` (504 registers a thread slot over the three partitions): with ``TMA``
         the warpgroups get 240 registers and the loader 24 (a TMA loader holds a few scalars;
         the warpgroups' loops then spill less: 6-13 % faster decode on an H100, output bit for
-        bit the same), otherwise 232 and 40 (with ``FP8`` 224 and 56: the loader holds a widening
-        group's fp8 bytes, 32 registers, besides the gather's addresses).  ``zero``: a runtime 0 (the launcher's).  The warpgroups index
+        bit the same), otherwise 232 and 40 (with ``FP8`` 224 and 56: the loader holds a
+        widening group's fp8 bytes, 32 registers, besides the gather's addresses).  ``zero``: a
+        runtime 0 (the launcher's).  The warpgroups index
         ``q``'s and the stages' shared memory with ``k & zero`` in their loops, so the
         compiler cannot prove those operands loop-invariant: their wgmma descriptors are then
         computed next to each GEMM from one base instead of hoisted out of the loop, where
