@@ -832,12 +832,12 @@ if HAVE_GLUON:
         the warpgroups' loops then spill less: 6-13 % faster decode on an H100, output bit for
         bit the same), otherwise 232 and 40 (with ``FP8`` 224 and 56: the loader holds a
         widening group's fp8 bytes, 32 registers, besides the gather's addresses).  ``zero``: a
-        runtime 0 (the launcher's).  The warpgroups index
-        ``q``'s and the stages' shared memory with ``k & zero`` in their loops, so the
-        compiler cannot prove those operands loop-invariant: their wgmma descriptors are then
-        computed next to each GEMM from one base instead of hoisted out of the loop, where
-        ptxas kept 16 and more of them spilled to local memory (112-224 bytes of spill
-        stores in every configuration; none with it)."""
+        runtime 0 (the launcher's).  The warpgroups index ``q``'s and the stages' shared
+        memory with ``k & zero`` in their loops, so the compiler cannot prove those operands
+        loop-invariant: their wgmma descriptors are then computed next to each GEMM from one
+        base instead of hoisted out of the loop, where ptxas kept 16 and more of them spilled
+        to local memory (112-224 bytes of spill stores in every configuration; with it none in
+        the warpgroups' loops)."""
         BLOCK_N: gl.constexpr = 64
         # the tiles' type: q's, or fp16 for an fp8 cache (one conversion per pair of values)
         dtype: gl.constexpr = gl.float16 if FP8 else Q.dtype.element_ty
