@@ -112,6 +112,9 @@ MIN_SPLIT_KEYS = 128
 MIN_SPLIT_KEYS_MHA = 32
 SPLIT_WORK_UNIT = 144   # query rows in flight of a bs-1 16-token verify with 3 KV heads of 16 queries
 MLA_SPLIT_TILE = 64      # keys of a Gluon MLA tile: the split chunks are whole tiles
+FP8_NARROW_KEYS = 2048   # fp8 MHA decode: prefix keys a program from which 2-warp programs win
+FP8_NARROW_WAVES = 4     # ... and the programs per SM they are split to
+FP8_NARROW_CONFIG = {"block_m": 16, "block_n": 128, "num_warps": 2, "num_stages": 2}
 
 
 def mla_splits(limit: int, max_prefix: int) -> int:
@@ -126,6 +129,27 @@ def mla_splits(limit: int, max_prefix: int) -> int:
     tiles = max(1, -(-max_prefix // MLA_SPLIT_TILE))
     per = max(MIN_SPLIT_KEYS // MLA_SPLIT_TILE, -(-tiles // max(limit, 1)))
     return max(1, min(limit, -(-tiles // per)))
+
+
+def fp8_narrow_splits(programs: int, num_sms: int, max_prefix: int) -> int:
+    """The split count at which an fp8-cache MHA decode runs ``FP8_NARROW_CONFIG`` (2-warp,
+    2-stage programs of 16 rows x 128 keys), or 0 where the default 4-warp programs stay.
+
+    ``programs`` is the batch's program count before splitting (row tiles x KV heads x
+    requests), ``num_sms`` the GPU's SM count, ``max_prefix`` the host bound of the prefix
+    keys.  The split count gives about ``FP8_NARROW_WAVES`` programs per SM (at most
+    ``MAX_KV_SPLITS``); the narrow programs are taken only if each still reads at least
+    ``FP8_NARROW_KEYS`` keys.  Their value tile is read back from shared memory a byte at a
+    time (``docs/attention.md``), and twice the programs per SM keep more of those loads in
+    flight: on an H200 (Llama-3-8B GQA, 32 / 8 heads of 128, page 16, CUDA graphs) bs 32 x
+    8,192 keys 188.3 -> 169.7 us, bs 128 x 8,192 712.9 -> 653.0, bs 64 x 4,096 192.8 ->
+    180.8, bs 16 x 16,384 187.2 -> 166.4; with fewer keys a program, or fewer programs (bs 1
+    / 8 x 8,192 keys: 22.7 -> 31.4, 57.9 -> 59.2 us), 4 warps stay ahead, and a bf16 cache
+    runs slower with 2 warps everywhere.  All arguments are ints; returns an int."""
+    if programs <= 0 or num_sms <= 0:
+        return 0
+    splits = max(1, min(MAX_KV_SPLITS, (FP8_NARROW_WAVES * num_sms) // programs))
+    return splits if max_prefix // splits >= FP8_NARROW_KEYS else 0
 
 
 def split_keys_mha(programs: int, rows: int, block_m: int) -> int:
@@ -367,17 +391,22 @@ class TritonBackend(AttentionBackend):
         self.forward_metadata = self._graph_metadata(batch, in_capture=True)
 
     # --------------------------------------------------------------- forward
-    def _num_splits(self, md: TritonMetadata, layer: AttentionLayer, q_dtype: torch.dtype) -> int:
+    def _num_splits(self, md: TritonMetadata, layer: AttentionLayer, q_dtype: torch.dtype
+                    ) -> tuple[int, dict]:
+        """The split-KV count of this forward and the kernel config it runs with (the
+        backend's ``kernel_config``, or :data:`FP8_NARROW_CONFIG` where
+        :func:`fp8_narrow_splits` picks it)."""
         if md.mode == ForwardMode.EXTEND:
-            return 1
+            return 1, self._config(md.mode)
         if self.num_kv_splits is not None:
-            return self.num_kv_splits
+            return self.num_kv_splits, self._config(md.mode)
         if self._num_sms == 0:
-            return 1
+            return 1, self._config(md.mode)
         cfg = self.kernel_config
         if self.kind == AttentionKind.MLA:
             from specattn.triton_kernels.attention_mla import default_mla_config
             rows, heads, max_splits, waves = md.max_q * layer.num_heads, 1, MLA_MAX_KV_SPLITS, 1
+            fp8_cast = False
             dtype = self.kv_pool.dtype
             d = default_mla_config(rows, layer.kv_lora_rank, dtype == torch.float32)
             block_m = cfg.get("block_m", d["block_m"])
@@ -394,17 +423,22 @@ class TritonBackend(AttentionBackend):
                 waves = 1
         programs = -(-rows // block_m) * heads * md.batch_size
         splits = min(max_splits, max(1, (waves * self._num_sms) // max(programs, 1)))
-        if md.max_prefix is not None:
-            if self.kind == AttentionKind.MLA:
-                return mla_splits(splits, md.max_prefix)
-            splits = min(splits, max(1, md.max_prefix // split_keys_mha(programs, rows, block_m)))
-        return splits
+        if md.max_prefix is None:
+            return splits, self._config(md.mode)
+        if self.kind == AttentionKind.MLA:
+            return mla_splits(splits, md.max_prefix), self._config(md.mode)
+        if fp8_cast and rows <= FP8_NARROW_CONFIG["block_m"] and not cfg:
+            narrow = fp8_narrow_splits(programs, self._num_sms, md.max_prefix)
+            if narrow:
+                return narrow, FP8_NARROW_CONFIG
+        splits = min(splits, max(1, md.max_prefix // split_keys_mha(programs, rows, block_m)))
+        return splits, self._config(md.mode)
 
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         md: Optional[TritonMetadata] = self.forward_metadata
         if md is None or md.mode != batch.forward_mode or md.batch_size != batch.batch_size:
             raise RuntimeError("init_forward_metadata was not called for this batch")
-        splits = self._num_splits(md, layer, q.dtype)
+        splits, config = self._num_splits(md, layer, q.dtype)
         if q.stride(2) != 1:
             q = q.contiguous()
         rtt = self.req_to_token_pool.req_to_token
@@ -416,14 +450,14 @@ class TritonBackend(AttentionBackend):
                                        md.req_pool_indices, md.prefix_lens, md.qo_indptr, md.tree_mask,
                                        md.max_q, layer.scaling, layer.kv_lora_rank,
                                        num_splits=splits, page_size=page_size,
-                                       check_bounds=False, kv_scale=k_scale, **self._config(md.mode))
+                                       check_bounds=False, kv_scale=k_scale, **config)
         from specattn.triton_kernels.attention import paged_attention
         return paged_attention(q, self.kv_pool.get_key_buffer(layer.layer_id),
                                self.kv_pool.get_value_buffer(layer.layer_id), rtt,
                                md.req_pool_indices, md.prefix_lens, md.qo_indptr, md.tree_mask,
                                md.max_q, layer.scaling, num_splits=splits, page_size=page_size,
                                check_bounds=False, max_prefix=md.max_prefix, k_scale=k_scale,
-                               v_scale=v_scale, **self._config(md.mode))
+                               v_scale=v_scale, **config)
 
     def _config(self, mode: ForwardMode) -> dict:
         """The kernel config for ``mode``: MHA's ``"sm90"`` and ``"pingpong"`` name the Gluon

@@ -191,6 +191,26 @@ def test_triton_fp8_on_gpu(mode, page_size, head_dim, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_fp8_narrow_decode_config(page_size, head_dim, seed):
+    """The 2-warp, 2-stage programs that the backend runs for long fp8 decodes
+    (``FP8_NARROW_CONFIG``) against the reference: decodes and verifies of up to 16 query rows
+    per KV head, GQA groups 1..8, ragged prefixes across 128-key tile edges, 1 / 2 / 5 splits."""
+    from specattn.backends.triton_backend import FP8_NARROW_CONFIG
+    from triton_cases import check
+    rng = random.Random(seed)
+    for group in (1, rng.randint(2, 7), 8):
+        hkv = rng.choice([1, 2, 8])
+        mode = rng.choice([ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])
+        sc = make_scenario(mode, bs=rng.randint(1, 6), page_size=page_size, device="cuda", dtype=FP8,
+                           num_kv_heads=hkv, num_heads=hkv * group, head_dim=head_dim,
+                           max_prefix=rng.choice([300, 3000]), D=rng.randint(1, max(1, 16 // group)),
+                           kv_scales=_scales(rng), rng=rng)
+        check(sc, splits=rng.choice([1, 2, 5]), kernel_config=dict(FP8_NARROW_CONFIG))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_fp8_tree_verify(page_size, head_dim, seed):
     """The Gluon ping-pong tree verify over an fp8 cache (bf16 queries; the kernel runs its
     GEMMs in fp16) against the reference, and against the same kernel on fp16 queries over

@@ -587,6 +587,48 @@ def test_graph_prefix_bound_reaches_the_split_rule(seed):
     assert split_keys_mha(192, 3, 16) > split_keys_mha(48, 3, 16) > split_keys_mha(12, 3, 16)
 
 
+def test_fp8_narrow_decode_rule():
+    """fp8-cache MHA decode switches to 2-warp programs (``FP8_NARROW_CONFIG``) split to about
+    four programs per SM only where each still reads ``FP8_NARROW_KEYS`` keys: the H200
+    sweep's winners (132 SMs: bs 32 / 128 / 64 / 16 of 8 KV heads over 8,192 / 8,192 / 4,096
+    / 16,384 keys) and not its losers (bs 1 / 8 x 8,192, bs 32 x 1,024).  The backend takes
+    it for decode-size rows over an fp8 cache with 16-bit queries and no kernel config of
+    its own (decode, or a verify of at most 16 query rows per KV head), and nowhere else."""
+    from specattn.backends.triton_backend import (FP8_NARROW_CONFIG, FP8_NARROW_KEYS, MAX_KV_SPLITS,
+                                                  fp8_narrow_splits)
+    assert [fp8_narrow_splits(p, 132, P) for p, P in ((256, 8191), (1024, 8191), (512, 4095), (128, 16383))] \
+        == [2, 1, 1, 4]
+    assert [fp8_narrow_splits(p, 132, P) for p, P in ((8, 8191), (64, 8191), (256, 1023), (0, 8191), (8, 0))] \
+        == [0, 0, 0, 0, 0]
+    assert fp8_narrow_splits(256, 0, 8191) == 0
+    rng = random.Random(seed_value := torch.randint(0, 2**31, ()).item())
+    for _ in range(2000):
+        programs, sms, P = rng.randint(1, 5000), rng.randint(1, 200), rng.randint(0, 200000)
+        s = fp8_narrow_splits(programs, sms, P)
+        assert s == 0 or (1 <= s <= MAX_KV_SPLITS and P // s >= FP8_NARROW_KEYS), (seed_value, programs, sms, P, s)
+
+    def plan(dtype, q_dtype, max_prefix, mode=ForwardMode.DECODE, D=5, **kw):
+        sc = make_scenario(mode, bs=2, device="cpu", dtype=dtype, max_prefix=20, D=D)
+        be = TritonBackend(sc.req_pool, sc.kv_pool, **kw)
+        be.init_forward_metadata(sc.batch)
+        be._num_sms = 132
+        be.forward_metadata.max_prefix = max_prefix
+        return be._num_splits(be.forward_metadata, sc.layer, q_dtype)
+
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    # 2 requests x 2 KV heads = 4 programs: 16 splits, each over >= 2,048 keys from 32,768 on
+    assert plan(fp8, bf16, 40000) == (16, FP8_NARROW_CONFIG)
+    assert plan(fp8, torch.float16, 40000) == (16, FP8_NARROW_CONFIG)
+    # a verify of 5 tokens x 2 queries per KV head (10 rows, one 16-row tile) is decode-sized
+    assert plan(fp8, bf16, 40000, ForwardMode.TARGET_VERIFY) == (16, FP8_NARROW_CONFIG)
+    for args, kw in (((fp8, bf16, 8191), {}), ((bf16, bf16, 40000), {}), ((fp8, torch.float32, 40000), {}),
+                     ((fp8, bf16, 40000), {"kernel_config": {"num_warps": 4}}),
+                     ((fp8, bf16, 40000, ForwardMode.TARGET_VERIFY, 9), {})):     # 18 rows
+        splits, config = plan(*args, **kw)
+        assert config is not FP8_NARROW_CONFIG and config.get("num_warps") != 2, (args, kw)
+        assert 1 <= splits <= MAX_KV_SPLITS
+
+
 def test_mla_splits_are_whole_tiles_and_never_empty():
     """The MLA split count: the occupancy limit, two 64-key tiles a split at least, and as
     even as whole tiles allow, so that no split of the kernels' ``cdiv(cdiv(P, S), 64) * 64``
