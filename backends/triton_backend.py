@@ -76,7 +76,10 @@ one pass and 12.3 in the four that SM occupancy alone picks (over 1,024 keys: 18
 eight.  The split count is chosen with those tiles' program count; the kernel then runs
 the short-loop tiles that ``max_prefix`` allows (MHA's ``default_config``: the bs-1 verify
 over 200 keys in eight splits 4.5 us).
-``num_kv_splits=`` forces a count (tests, sweeps).  EXTEND never splits.
+An fp8 cache read by 16-bit queries, at decode-sized rows (at most 16 per KV head) and
+long prefixes, runs 2-warp programs split to about four per SM instead
+(:func:`fp8_narrow_splits`: heads of up to 64, or of 128 on GPUs with H200-class bandwidth per
+SM).  ``num_kv_splits=`` forces a count (tests, sweeps).  EXTEND never splits.
 
 Kernel config: ``kernel_config={"block_m": .., "block_n": .., "num_warps": .., "num_stages":
 ..}`` (MLA also ``"block_dv"``: ``kv_lora_rank`` or half of it, ``"tma"``: prefix tiles
@@ -114,7 +117,17 @@ SPLIT_WORK_UNIT = 144   # query rows in flight of a bs-1 16-token verify with 3 
 MLA_SPLIT_TILE = 64      # keys of a Gluon MLA tile: the split chunks are whole tiles
 FP8_NARROW_KEYS = 2048   # fp8 MHA decode: prefix keys a program from which 2-warp programs win
 FP8_NARROW_WAVES = 4     # ... and the programs per SM they are split to
+FP8_NARROW_SM_BANDWIDTH = 30e9   # HBM bytes/s per SM from which they win at head_dim 128 too
 FP8_NARROW_CONFIG = {"block_m": 16, "block_n": 128, "num_warps": 2, "num_stages": 2}
+
+
+def hbm_bytes_per_s(props) -> float:
+    """The peak DRAM bandwidth (bytes/s) of a ``torch.cuda.get_device_properties`` result:
+    two transfers per ``memory_clock_rate`` (kHz) cycle over ``memory_bus_width`` bits (H100
+    SXM: 3.35e12, H200: 4.81e12); 0.0 for None or a torch whose properties lack the fields."""
+    clock_khz = getattr(props, "memory_clock_rate", 0) or 0
+    bus_bits = getattr(props, "memory_bus_width", 0) or 0
+    return 2.0 * clock_khz * 1e3 * bus_bits / 8
 
 
 def mla_splits(limit: int, max_prefix: int) -> int:
@@ -131,22 +144,31 @@ def mla_splits(limit: int, max_prefix: int) -> int:
     return max(1, min(limit, -(-tiles // per)))
 
 
-def fp8_narrow_splits(programs: int, num_sms: int, max_prefix: int) -> int:
+def fp8_narrow_splits(programs: int, num_sms: int, max_prefix: int, head_dim: int,
+                      hbm_bytes_per_s: float) -> int:
     """The split count at which an fp8-cache MHA decode runs ``FP8_NARROW_CONFIG`` (2-warp,
     2-stage programs of 16 rows x 128 keys), or 0 where the default 4-warp programs stay.
 
     ``programs`` is the batch's program count before splitting (row tiles x KV heads x
     requests), ``num_sms`` the GPU's SM count, ``max_prefix`` the host bound of the prefix
-    keys.  The split count gives about ``FP8_NARROW_WAVES`` programs per SM (at most
-    ``MAX_KV_SPLITS``); the narrow programs are taken only if each still reads at least
-    ``FP8_NARROW_KEYS`` keys.  Their value tile is read back from shared memory a byte at a
-    time (``docs/attention.md``), and twice the programs per SM keep more of those loads in
-    flight: on an H200 (Llama-3-8B GQA, 32 / 8 heads of 128, page 16, CUDA graphs) bs 32 x
-    8,192 keys 188.3 -> 169.7 us, bs 128 x 8,192 712.9 -> 653.0, bs 64 x 4,096 192.8 ->
-    180.8, bs 16 x 16,384 187.2 -> 166.4; with fewer keys a program, or fewer programs (bs 1
-    / 8 x 8,192 keys: 22.7 -> 31.4, 57.9 -> 59.2 us), 4 warps stay ahead, and a bf16 cache
-    runs slower with 2 warps everywhere.  All arguments are ints; returns an int."""
-    if programs <= 0 or num_sms <= 0:
+    keys, ``head_dim`` the padded head width, ``hbm_bytes_per_s`` the GPU's DRAM bandwidth
+    (:func:`hbm_bytes_per_s`).  The split count gives about ``FP8_NARROW_WAVES`` programs per
+    SM (at most ``MAX_KV_SPLITS``); the narrow programs are taken only if each still reads at
+    least ``FP8_NARROW_KEYS`` keys, for heads of up to 64, or of 128 on a GPU with at least
+    ``FP8_NARROW_SM_BANDWIDTH`` bytes/s per SM.  Their value tile is read back from shared
+    memory a byte at a time (``docs/attention.md``); twice the programs per SM keep more of
+    those loads in flight, which pays where the loads, not DRAM, set the pace.  Measured in
+    CUDA graphs, page 16, 4-warp -> narrow programs: Llama-3-8B GQA (32 / 8 heads of 128) on
+    an H200 (37 GB/s per SM) bs 32 x 8,192 keys 190.1 -> 169.3 us, bs 128 x 8,192 712.6 ->
+    653.2, bs 64 x 4,096 193.3 -> 180.8, bs 16 x 16,384 186.4 -> 167.1, on an H100 (25 GB/s
+    per SM) 213.0 -> 222.9, 814.8 -> 843.0, 215.2 -> 231.4 (so not there); 9 / 3 heads of 64
+    at bs 64 x 8,192 keys 131.0 -> 102.2 (H200) and 132.3 -> 111.9 (H100).  With fewer keys
+    a program or fewer programs (bs 1 / 8 x 8,192 keys, H200: 22.7 -> 31.4, 57.9 -> 59.2 us)
+    4 warps stay ahead, and a bf16 cache runs slower with 2 warps everywhere.  Returns an
+    int."""
+    if programs <= 0 or num_sms <= 0 or head_dim > 128:
+        return 0
+    if head_dim > 64 and hbm_bytes_per_s < FP8_NARROW_SM_BANDWIDTH * num_sms:
         return 0
     splits = max(1, min(MAX_KV_SPLITS, (FP8_NARROW_WAVES * num_sms) // programs))
     return splits if max_prefix // splits >= FP8_NARROW_KEYS else 0
@@ -275,8 +297,9 @@ class TritonBackend(AttentionBackend):
         self.num_kv_splits = num_kv_splits
         self._g = None
         dev = req_to_token_pool.device
-        self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
-                         if dev.type == "cuda" else 0)
+        props = torch.cuda.get_device_properties(dev) if dev.type == "cuda" else None
+        self._num_sms = props.multi_processor_count if props is not None else 0
+        self._hbm_bytes_per_s = hbm_bytes_per_s(props)
 
     # --------------------------------------------------------------- capability
     @classmethod
@@ -428,7 +451,7 @@ class TritonBackend(AttentionBackend):
         if self.kind == AttentionKind.MLA:
             return mla_splits(splits, md.max_prefix), self._config(md.mode)
         if fp8_cast and rows <= FP8_NARROW_CONFIG["block_m"] and not cfg:
-            narrow = fp8_narrow_splits(programs, self._num_sms, md.max_prefix)
+            narrow = fp8_narrow_splits(programs, self._num_sms, md.max_prefix, width, self._hbm_bytes_per_s)
             if narrow:
                 return narrow, FP8_NARROW_CONFIG
         splits = min(splits, max(1, md.max_prefix // split_keys_mha(programs, rows, block_m)))

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():  # before triton / the kernels are imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -589,36 +590,47 @@ def test_graph_prefix_bound_reaches_the_split_rule(seed):
 
 def test_fp8_narrow_decode_rule():
     """fp8-cache MHA decode switches to 2-warp programs (``FP8_NARROW_CONFIG``) split to about
-    four programs per SM only where each still reads ``FP8_NARROW_KEYS`` keys: the H200
-    sweep's winners (132 SMs: bs 32 / 128 / 64 / 16 of 8 KV heads over 8,192 / 8,192 / 4,096
-    / 16,384 keys) and not its losers (bs 1 / 8 x 8,192, bs 32 x 1,024).  The backend takes
-    it for decode-size rows over an fp8 cache with 16-bit queries and no kernel config of
-    its own (decode, or a verify of at most 16 query rows per KV head), and nowhere else."""
-    from specattn.backends.triton_backend import (FP8_NARROW_CONFIG, FP8_NARROW_KEYS, MAX_KV_SPLITS,
-                                                  fp8_narrow_splits)
-    assert [fp8_narrow_splits(p, 132, P) for p, P in ((256, 8191), (1024, 8191), (512, 4095), (128, 16383))] \
-        == [2, 1, 1, 4]
-    assert [fp8_narrow_splits(p, 132, P) for p, P in ((8, 8191), (64, 8191), (256, 1023), (0, 8191), (8, 0))] \
-        == [0, 0, 0, 0, 0]
-    assert fp8_narrow_splits(256, 0, 8191) == 0
+    four programs per SM only where each still reads ``FP8_NARROW_KEYS`` keys, for heads of
+    64, or of 128 on a GPU with ``FP8_NARROW_SM_BANDWIDTH`` per SM: the sweeps' winners (132
+    SMs; an H200: bs 32 / 128 / 64 / 16 of 8 KV heads of 128 over 8,192 / 8,192 / 4,096 /
+    16,384 keys; an H100 too at 3 KV heads of 64) and not their losers (bs 1 / 8 x 8,192, bs
+    32 x 1,024; heads of 128 on an H100).  The backend takes it for decode-sized rows over an
+    fp8 cache with 16-bit queries and no kernel config of its own (decode, or a verify of at
+    most 16 query rows per KV head), and nowhere else."""
+    from specattn.backends.triton_backend import (FP8_NARROW_CONFIG, FP8_NARROW_KEYS, FP8_NARROW_SM_BANDWIDTH,
+                                                  MAX_KV_SPLITS, fp8_narrow_splits, hbm_bytes_per_s)
+    h100, h200 = (hbm_bytes_per_s(SimpleNamespace(memory_clock_rate=c, memory_bus_width=w))
+                  for c, w in ((2619000, 5120), (3201000, 6016)))
+    assert abs(h100 - 3.352e12) < 1e9 and abs(h200 - 4.814e12) < 1e9
+    assert hbm_bytes_per_s(None) == hbm_bytes_per_s(SimpleNamespace(multi_processor_count=132)) == 0.0
+    points = ((256, 8191), (1024, 8191), (512, 4095), (128, 16383))
+    assert [fp8_narrow_splits(p, 132, P, 128, h200) for p, P in points] == [2, 1, 1, 4]
+    assert [fp8_narrow_splits(p, 132, P, 128, h100) for p, P in points] == [0, 0, 0, 0]
+    assert fp8_narrow_splits(192, 132, 8191, 64, h100) == fp8_narrow_splits(192, 132, 8191, 64, h200) == 2
+    assert [fp8_narrow_splits(p, 132, P, 128, h200) for p, P in ((8, 8191), (64, 8191), (256, 1023), (0, 8191),
+                                                                (8, 0))] == [0, 0, 0, 0, 0]
+    assert fp8_narrow_splits(256, 0, 8191, 128, h200) == fp8_narrow_splits(256, 132, 8191, 256, h200) == 0
     rng = random.Random(seed_value := torch.randint(0, 2**31, ()).item())
     for _ in range(2000):
         programs, sms, P = rng.randint(1, 5000), rng.randint(1, 200), rng.randint(0, 200000)
-        s = fp8_narrow_splits(programs, sms, P)
-        assert s == 0 or (1 <= s <= MAX_KV_SPLITS and P // s >= FP8_NARROW_KEYS), (seed_value, programs, sms, P, s)
+        hd, bw = rng.choice([32, 64, 128, 256]), rng.uniform(0, 8e12)
+        s = fp8_narrow_splits(programs, sms, P, hd, bw)
+        assert s == 0 or (1 <= s <= MAX_KV_SPLITS and P // s >= FP8_NARROW_KEYS and hd <= 128
+                          and (hd <= 64 or bw >= FP8_NARROW_SM_BANDWIDTH * sms)), (seed_value, programs, sms, P, hd, bw, s)
 
-    def plan(dtype, q_dtype, max_prefix, mode=ForwardMode.DECODE, D=5, **kw):
+    def plan(dtype, q_dtype, max_prefix, mode=ForwardMode.DECODE, D=5, bandwidth=h200, **kw):
         sc = make_scenario(mode, bs=2, device="cpu", dtype=dtype, max_prefix=20, D=D)
         be = TritonBackend(sc.req_pool, sc.kv_pool, **kw)
+        assert be._hbm_bytes_per_s == 0.0          # a CPU pool
         be.init_forward_metadata(sc.batch)
-        be._num_sms = 132
+        be._num_sms, be._hbm_bytes_per_s = 132, bandwidth
         be.forward_metadata.max_prefix = max_prefix
         return be._num_splits(be.forward_metadata, sc.layer, q_dtype)
 
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
-    # 2 requests x 2 KV heads = 4 programs: 16 splits, each over >= 2,048 keys from 32,768 on
+    # 2 requests x 2 KV heads of 16 = 4 programs: 16 splits, each over >= 2,048 keys from 32,768 on
     assert plan(fp8, bf16, 40000) == (16, FP8_NARROW_CONFIG)
-    assert plan(fp8, torch.float16, 40000) == (16, FP8_NARROW_CONFIG)
+    assert plan(fp8, torch.float16, 40000, bandwidth=h100) == (16, FP8_NARROW_CONFIG)
     # a verify of 5 tokens x 2 queries per KV head (10 rows, one 16-row tile) is decode-sized
     assert plan(fp8, bf16, 40000, ForwardMode.TARGET_VERIFY) == (16, FP8_NARROW_CONFIG)
     for args, kw in (((fp8, bf16, 8191), {}), ((bf16, bf16, 40000), {}), ((fp8, torch.float32, 40000), {}),
