@@ -123,8 +123,8 @@ def test_kernel_writes_every_row_and_no_key_gives_zero():
 def test_default_config_short_loop_tiles():
     """With a prefix bound and < 128 rows, each program's key count picks the tiles: one
     stage and the smallest ``block_n`` covering the keys in two iterations up to
-    ``SHORT_LOOP_KEYS`` keys, 128-key three-stage tiles past it, 16-row tiles throughout;
-    without a bound (or for fp32, or 128+ rows) the configs do not depend on it."""
+    ``SHORT_LOOP_KEYS`` keys (128 keys for heads of 128 at up to 16 rows), 128-key
+    three-stage tiles past it, 16-row tiles throughout; without a bound (or for fp32, or 128+ rows) the configs do not depend on it."""
     from specattn.triton_kernels.attention import SHORT_LOOP_KEYS, default_config
     cfg = lambda rows, splits, bound: default_config(rows, 64, False, splits, bound)  # noqa: E731
     assert cfg(48, 8, 200) == dict(block_m=16, block_n=32, num_warps=4, num_stages=1)     # 25 keys
@@ -136,6 +136,12 @@ def test_default_config_short_loop_tiles():
     assert cfg(48, 8, None) == cfg(96, 1, None) == dict(block_m=64, block_n=64, num_warps=4, num_stages=4)
     assert cfg(128, 1, 200) == cfg(128, 1, None)
     assert default_config(48, 64, True, 8, 200) == default_config(48, 64, True, 8, None)
+    # heads of 128 at decode sizes (<= 16 rows): one-stage 128-key tiles up to SHORT_LOOP_KEYS
+    wide = lambda rows, splits, bound: default_config(rows, 128, False, splits, bound)  # noqa: E731
+    assert wide(4, 16, 1023) == wide(16, 16, 200) == dict(block_m=16, block_n=128, num_warps=4, num_stages=1)
+    assert wide(4, 1, SHORT_LOOP_KEYS + 1) == dict(block_m=16, block_n=128, num_warps=4, num_stages=3)
+    assert wide(17, 16, 1023)["block_n"] == cfg(17, 16, 1023)["block_n"] == 32          # 64 keys, 2 iterations
+    assert default_config(4, 256, False, 16, 1023) == dict(block_m=16, block_n=32, num_warps=4, num_stages=2)
 
 
 @pytest.mark.gpu

@@ -221,7 +221,12 @@ def default_config(max_rows: int, block_d: int, ieee: bool, num_splits: int = 1,
     H200 sweep in CUDA graphs (SmolLM2's 9 / 3 heads of 64, bf16, merge included): a bs-1
     16-token tree verify over 200 keys in 8 splits 7.8 -> 4.5 us, over 900 keys 8.8 -> 6.1
     us; a 6-token draft extend 5.7 -> 4.4 us; a bs-1 decode 5.4 -> 4.3 us; a bs-16
-    16-token verify in one pass 10.0 -> 8.4 us.  Without a bound, and for 128 rows and
+    16-token verify in one pass 10.0 -> 8.4 us.  Heads of 128 at decode sizes (at
+    most 16 rows) take one-stage 128-key tiles instead, so that a split covers at least 128
+    keys (the kernels cut the prefix into whole tiles; the splits past the prefix exit at
+    once): H200, Llama-3-8B GQA (32 / 8 heads of 128), bs 1 in 16 splits, bf16 / fp8 cache:
+    1,024 keys 13.7 / 14.1 us with 32-key tiles, 13.5 / 12.8 with 64, 12.0 / 11.9 with 128;
+    2,048 keys 16.2 / 16.1 (64-key tiles) -> 15.2 / 14.6.  Without a bound, and for 128 rows and
     more, the configs of the H100 sweep of ``bench/scripts/attention_sweep.py`` (Triton
     3.6).  The launch lowers ``num_stages`` where a Triton version's pipelining of a config
     outgrows shared memory (:func:`~specattn.triton_kernels._util.launch_fitting`; offline,
@@ -235,8 +240,8 @@ def default_config(max_rows: int, block_d: int, ieee: bool, num_splits: int = 1,
     if max_prefix is not None:
         keys = -(-max(int(max_prefix), 1) // max(num_splits, 1))
         if keys <= SHORT_LOOP_KEYS:
-            return dict(block_m=16, block_n=min(128, max(32, next_pow2(-(-keys // 2)))), num_warps=4,
-                        num_stages=1)
+            block_n = 128 if block_d >= 128 and max_rows <= 16 else min(128, max(32, next_pow2(-(-keys // 2))))
+            return dict(block_m=16, block_n=block_n, num_warps=4, num_stages=1)
         return dict(block_m=16, block_n=128, num_warps=4, num_stages=3)
     return dict(block_m=choose_block_m(max_rows), block_n=128 if max_rows <= 16 else 64,
                 num_warps=4, num_stages=4)
