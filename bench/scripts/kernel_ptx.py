@@ -47,6 +47,8 @@ def _configs():
              MASK_MODE=0, NUM_SPLITS=1, IEEE=False, UPCAST=False, CAST_KV=True, SCALE_V=True,
              SLOT_T=tl.int32)
     out.append(("mha_decode_fp8", A._attn_fwd_kernel, "fp8", c, 4))
+    # ... and the 2-warp split programs the backend runs for long fp8 decodes (fp8_narrow_splits)
+    out.append(("mha_decode_fp8_narrow", A._attn_fwd_kernel, "fp8", dict(c, NUM_SPLITS=2), 2))
     for mask, splits, ndv, contig, tma, dt in ((0, 1, 1, 1, False, "bf16"), (1, 4, 2, 0, False, "bf16"),
                                                (1, 2, 1, 1, False, "bf16"), (0, 4, 2, 1, True, "bf16"),
                                                (0, 1, 1, 1, False, "fp8")):
