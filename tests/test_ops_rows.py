@@ -210,6 +210,71 @@ def test_commit_accepted_validation():
                                                                                              device=DEV), emitted)
 
 
+def strided(t):
+    """``t`` (1-D) as a view of every other element of a poisoned buffer: the same values at
+    stride 2 (a kernel that reads it at stride 1 reads the poison)."""
+    buf = torch.full((2 * t.shape[0],), 10**6, dtype=t.dtype, device=t.device)
+    buf[::2] = t
+    return buf[::2]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_index_inputs(impl, seed):
+    """1-D index and per-request inputs of any stride give what their contiguous copies give
+    (rows, prefix lengths and roots read by ``extend_cache_locs``, rows / seq_lens /
+    accept_length of ``commit_accepted``); the state ``commit_accepted`` writes must be
+    contiguous."""
+    R, W, n = 6, 40, 3
+    ts = state(R)
+    rows = torch.randperm(R, device=DEV)[:4]
+    want = ops.gather_rows(rows, ts, impl="reference")
+    for g, w in zip(ops.gather_rows(strided(rows), ts, impl=impl), want):
+        assert same(g, w)
+    dst, src = torch.zeros(R, 5, device=DEV), torch.randn(4, 5, device=DEV)
+    ops.scatter_rows(strided(rows), [(dst, src)], impl=impl)
+    assert torch.equal(dst[rows], src) and dst[[r for r in range(R) if r not in rows.tolist()]].abs().sum() == 0
+    rtt = _rtt(R, W)
+    prefix = torch.randint(0, W - n, (R,), device=DEV)
+    roots = torch.randint(0, 50000, (R,), device=DEV)
+    got = ops.extend_cache_locs(strided(rows), strided(prefix), rtt, n, roots=strided(roots), impl=impl)
+    ref = ops.extend_cache_locs(rows, prefix, rtt, n, roots=roots, impl="reference")
+    for g, w in zip(got, ref):
+        assert same(g, w)
+    bs = rows.shape[0]
+    seq = torch.randint(0, 500, (bs,), device=DEV)
+    path = torch.randint(0, 50000, (bs, n), device=DEV)
+    acc = torch.randint(0, n, (bs,), device=DEV)
+    outs = []
+    for r, sq, ac in ((rows, seq, acc), (strided(rows), strided(seq), strided(acc))):
+        p, rt = prefix.clone(), roots.clone()
+        emitted = torch.full((bs, 1 + n), -7, dtype=torch.int64, device=DEV)
+        ops.commit_accepted(r, p, rt, sq, path, ac, emitted, impl=impl)
+        outs.append((p, rt, emitted))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    for name in ("prefix_lens", "roots"):
+        p, rt = strided(prefix), strided(roots)
+        with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+            ops.commit_accepted(rows, p if name == "prefix_lens" else prefix, rt if name == "roots" else roots,
+                                seq, path, acc, torch.zeros(bs, 1 + n, dtype=torch.int64, device=DEV), impl=impl)
+
+
+def test_commit_accepted_int32_state_overflow():
+    """An int32 ``prefix_lens`` / ``roots`` state raises instead of wrapping a new prefix
+    length or root it cannot hold; at the int32 edge it takes it."""
+    rows, acc = torch.tensor([0], device=DEV), torch.tensor([1], device=DEV)
+    emitted = torch.zeros(1, 3, dtype=torch.int64, device=DEV)
+    for seq, path, what in (([2**31 - 2], [[5, 6]], "seq_lens"), ([3], [[5, 2**31]], "path")):
+        p, rt = torch.zeros(2, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV)
+        with pytest.raises(IndexError, match=what):
+            ops.commit_accepted(rows, p, rt, torch.tensor(seq, device=DEV), torch.tensor(path, device=DEV), acc,
+                                emitted)
+        assert p.tolist() == [0, 0] and rt.tolist() == [0, 0]          # nothing written
+    p, rt = torch.zeros(2, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV)
+    ops.commit_accepted(rows, p, rt, torch.tensor([2**31 - 3], device=DEV), torch.tensor([[5, 2**31 - 1]], device=DEV),
+                        acc, emitted)
+    assert p.tolist() == [2**31 - 1, 0] and rt.tolist() == [2**31 - 1, 0]
+
+
 @pytest.mark.gpu
 def test_gpu_round_ops_graph_replay(seed):
     """``extend_cache_locs`` and ``commit_accepted`` captured once, replayed on new rows,

@@ -338,7 +338,8 @@ def fork_req_to_token_rows(req_to_token: torch.Tensor, src_rows: torch.Tensor, d
         TypeError: a non-tensor or a non-int ``num_cols``.  ValueError: ranks, dtypes,
         devices or shapes that do not match, ``new_slots`` without ``new_col`` or the other
         way round, repeated ``dst`` rows or one that is also a ``src`` row (with
-        ``check_values``).  IndexError: a row outside ``req_to_token`` (with
+        ``check_values``).  IndexError: a row outside ``req_to_token``, or an int64
+        ``new_slots`` value that an int32 ``req_to_token`` cannot hold (with
         ``check_values``).  RuntimeError: a forced ``impl`` unavailable here.
     """
     check_tensor("req_to_token", req_to_token, dim=2, dtypes=INDEX_DTYPES)
@@ -364,6 +365,8 @@ def fork_req_to_token_rows(req_to_token: torch.Tensor, src_rows: torch.Tensor, d
             raise ValueError("dst_rows repeats a row: the forked rows would race")
         if torch.isin(d, src_rows.flatten().long()).any():
             raise ValueError("a dst row is also a src row: it could be written before it is read")
+        if new_slots is not None and req_to_token.dtype == torch.int32 and new_slots.dtype == torch.int64:
+            check_index_range("new_slots", new_slots, 2**31, lower=-2**31)   # as the int32 table holds them
     fn = registry.dispatch("fork_req_to_token_rows", impl, dev)
     if bs * R == 0:
         if new_col is None:

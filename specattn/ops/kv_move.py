@@ -86,6 +86,21 @@ def _check_moves(tgt_loc: torch.Tensor, src_loc: torch.Tensor, num_slots: int,
     return group_size
 
 
+def _check_disjoint(buffers: Sequence[torch.Tensor]) -> None:
+    """ValueError if two (contiguous) buffers share memory: each would be moved once per
+    listing, so a buffer passed twice (e.g. one tensor as both K and V) would be moved twice by
+    the reference and once or twice by the kernels.  Host-side byte ranges, no sync."""
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), i)
+                   for i, b in enumerate(buffers) if b.numel())
+    reach, owner = -1, -1          # the furthest end so far, and whose
+    for start, end, j in spans:
+        if start < reach:
+            raise ValueError(f"buffers[{min(owner, j)}] and buffers[{max(owner, j)}] share memory; "
+                             "pass each layer's cache once")
+        if end > reach:
+            reach, owner = end, j
+
+
 def move_kv_cache(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor, src_loc: torch.Tensor,
                   *, impl: str = "auto", group_size: Optional[int] = None,
                   check_values: bool = True) -> None:
@@ -127,9 +142,10 @@ def move_kv_cache(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor, src_lo
             reference raises torch's own indexing error.
     Raises:
         TypeError: ``group_size`` not an int.
-        ValueError: empty ``buffers``, non-contiguous buffers, mismatched devices / slot counts
-            / lengths, bad dtypes, a target slot written by two different moves (or written
-            and kept by a self-move), ``group_size < 1``, a violated ``group_size`` promise.
+        ValueError: empty ``buffers``, 0-d, non-contiguous or memory-sharing buffers,
+            mismatched devices / slot counts / lengths, bad dtypes, a target slot written by
+            two different moves (or written and kept by a self-move), ``group_size < 1``, a
+            violated ``group_size`` promise.
         IndexError: a slot outside ``[0, num_slots)``.
         Value checks (slot range, unique targets, the promise) cost one host sync before any
         write and are skipped during CUDA-graph capture (the kernels then skip out-of-range
@@ -143,6 +159,10 @@ def move_kv_cache(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor, src_lo
             raise TypeError(f"group_size must be an int or None, got {type(group_size).__name__}")
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
+    for i, b in enumerate(buffers):
+        check_tensor(f"buffers[{i}]", b)
+        if b.dim() < 1:
+            raise ValueError(f"buffers[{i}] must have a slot dimension, got a 0-d tensor")
     dev, slots = buffers[0].device, buffers[0].shape[0]
     for i, b in enumerate(buffers):
         check_tensor(f"buffers[{i}]", b, device=dev)
@@ -150,6 +170,7 @@ def move_kv_cache(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor, src_lo
             raise ValueError(f"buffers[{i}] must be contiguous")
         if b.shape[0] != slots:
             raise ValueError(f"buffers[{i}] has {b.shape[0]} slots, buffers[0] has {slots}")
+    _check_disjoint(buffers)
     check_tensor("tgt_loc", tgt_loc, dim=1, dtypes=INDEX_DTYPES, device=dev)
     check_tensor("src_loc", src_loc, dim=1, dtypes=INDEX_DTYPES, device=dev)
     if tgt_loc.shape != src_loc.shape:

@@ -135,7 +135,7 @@ def gather_rows(rows: torch.Tensor, tensors: Sequence[torch.Tensor], *, check_va
         _check_state(f"tensors[{k}]", t, rows)
     if check_values:
         check_index_range("rows", rows, min(t.shape[0] for t in tensors))
-    return registry.dispatch("gather_rows", impl, rows.device)(rows, tensors)
+    return registry.dispatch("gather_rows", impl, rows.device)(rows.contiguous(), tensors)
 
 
 def scatter_rows(rows: torch.Tensor, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], *,
@@ -169,7 +169,7 @@ def scatter_rows(rows: torch.Tensor, pairs: Sequence[Tuple[torch.Tensor, torch.T
                              f"got {src.dtype} {list(src.shape)}")
     if check_values:
         check_index_range("rows", rows, min(dst.shape[0] for dst, _ in pairs))
-    registry.dispatch("scatter_rows", impl, rows.device)(rows, pairs)
+    registry.dispatch("scatter_rows", impl, rows.device)(rows.contiguous(), pairs)
 
 
 def extend_cache_locs(rows: torch.Tensor, prefix_lens: torch.Tensor, req_to_token: torch.Tensor, n: int, *,
@@ -215,7 +215,8 @@ def extend_cache_locs(rows: torch.Tensor, prefix_lens: torch.Tensor, req_to_toke
                                             roots.shape[0] if roots is not None else prefix_lens.shape[0]))
         check_index_range("prefix_lens[rows] + n", prefix_lens[rows] + n, req_to_token.shape[1] + 1, lower=n)
     return ExtendCacheLocs(*registry.dispatch("extend_cache_locs", impl, rows.device)(
-        rows, prefix_lens, req_to_token, n, roots, fill_id))
+        rows.contiguous(), prefix_lens.contiguous(), req_to_token, n,
+        roots.contiguous() if roots is not None else None, fill_id))
 
 
 def commit_accepted(rows: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.Tensor, seq_lens: torch.Tensor,
@@ -229,7 +230,7 @@ def commit_accepted(rows: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.
     Args:
         rows: int32 / int64 ``[bs]`` request rows; a repeated row gets one of its requests'
             values (which one is unspecified), as for :func:`scatter_rows`.
-        prefix_lens, roots: int32 / int64 ``[R]`` per-row state, written at ``rows``.
+        prefix_lens, roots: int32 / int64 ``[R]``, contiguous: per-row state, written at ``rows``.
         seq_lens: int32 / int64 ``[bs]``: the round's prefix lengths ``P``.
         path: int32 / int64 ``[bs, n]``, contiguous: the compacted path (accepted drafts,
             then the bonus; :func:`compact_accepted_path`'s ``predicts``).
@@ -240,14 +241,18 @@ def commit_accepted(rows: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.
             host sync; skipped during CUDA-graph capture).
         impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
     Raises:
-        TypeError / ValueError: wrong types, ranks, dtypes, shapes or devices.  IndexError:
-        a row or an ``accept_length`` out of range (``check_values``).  RuntimeError: a
-        forced ``impl`` unavailable here.
+        TypeError / ValueError: wrong types, ranks, dtypes, shapes or devices, a
+        non-contiguous ``prefix_lens`` / ``roots``.  IndexError: a row or an
+        ``accept_length`` out of range, or a new prefix length or root that an int32
+        ``prefix_lens`` / ``roots`` cannot hold (``check_values``).  RuntimeError: a forced
+        ``impl`` unavailable here.
     """
     _check_rows(rows)
     bs = rows.shape[0]
     for name, t in (("prefix_lens", prefix_lens), ("roots", roots)):
         check_tensor(name, t, dim=1, dtypes=INDEX_DTYPES, device=rows.device)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (it is written in place at rows)")
     check_tensor("seq_lens", seq_lens, shape=(bs,), dtypes=INDEX_DTYPES, device=rows.device)
     check_tensor("accept_length", accept_length, shape=(bs,), dtypes=INDEX_DTYPES, device=rows.device)
     check_tensor("path", path, dim=2, dtypes=INDEX_DTYPES, device=rows.device)
@@ -260,5 +265,10 @@ def commit_accepted(rows: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.
     if check_values and bs and not capturing():
         check_index_range("rows", rows, min(prefix_lens.shape[0], roots.shape[0]))
         check_index_range("accept_length", accept_length, n)
-    registry.dispatch("commit_accepted", impl, rows.device)(rows, prefix_lens, roots, seq_lens, path,
-                                                             accept_length, emitted)
+        for name, state, values in (("seq_lens + accept_length + 1", prefix_lens, seq_lens.long() + accept_length + 1),
+                                    ("path", roots, path)):
+            if state.dtype == torch.int32:   # what the int32 state would hold must fit it
+                check_index_range(name, values, 2**31, lower=-2**31)
+    registry.dispatch("commit_accepted", impl, rows.device)(rows.contiguous(), prefix_lens, roots,
+                                                             seq_lens.contiguous(), path,
+                                                             accept_length.contiguous(), emitted)

@@ -243,12 +243,15 @@ def verify_tree_greedy(candidates: torch.Tensor, retrive_index: torch.Tensor,
     Raises:
         TypeError / ValueError: wrong types, ranks, dtypes, shapes or devices; a cyclic
             sibling chain (reference); a ``retrive_index`` row outside its request's block.
-            IndexError: ``retrive_*`` out of range (host sync, skipped during CUDA-graph
+            IndexError: ``retrive_*`` out of range, or an int64 ``target_predict`` value
+            outside int32 (``predicts`` is int32) (host syncs, skipped during CUDA-graph
             capture).
     """
     bs, D, dev = _check_tree(candidates, retrive_index, retrive_next_token,
                              retrive_next_sibling, num_steps)
     check_tensor("target_predict", target_predict, dtypes=INDEX_DTYPES, device=dev, shape=(bs, D))
+    if target_predict.dtype == torch.int64:   # predicts holds them as int32
+        check_index_range("target_predict", target_predict, 2**31, lower=-2**31)
     out = _outputs(bs, D, num_steps, dev)
     if bs == 0:
         return out
