@@ -178,6 +178,7 @@ class AttentionBackend(ABC):
         mode = batch.forward_mode
         if layer.kind != self.kind:
             raise ValueError(f"layer is {layer.kind.name} but the pool is {self.kind.name}")
+        self._check_layer_fits_pool(layer)
         if not self.supports(mode, graph=False, kind=layer.kind):
             raise UnsupportedError(f"{self.name} does not support {mode.name} for {layer.kind.name}")
         T = batch.num_tokens
@@ -197,6 +198,26 @@ class AttentionBackend(ABC):
             else:
                 self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k)
         return self._forward(q, layer, batch)
+
+    def _check_layer_fits_pool(self, layer: AttentionLayer) -> None:
+        """ValueError unless ``layer`` has a layer of the pool and its dims: ``layer_id`` in
+        ``[0, layer_num)``; MHA the pool's KV heads, ``head_dim`` and ``v_head_dim``; MLA its
+        ``kv_lora_rank`` and ``qk_rope_head_dim``."""
+        pool = self.kv_pool
+        num_layers = getattr(pool, "layer_num", None)
+        lid = layer.layer_id
+        if num_layers is not None and (isinstance(lid, bool) or not isinstance(lid, int)
+                                       or not 0 <= lid < num_layers):
+            raise ValueError(f"layer_id must be an int in [0, {num_layers}), got {lid!r}")
+        if layer.kind == AttentionKind.MLA:
+            want = {"kv_lora_rank": getattr(pool, "kv_lora_rank", None),
+                    "qk_rope_head_dim": getattr(pool, "qk_rope_head_dim", None)}
+        else:
+            want = {"num_kv_heads": getattr(pool, "head_num", None), "head_dim": getattr(pool, "head_dim", None),
+                    "v_head_dim": getattr(pool, "v_head_dim", None)}
+        for name, value in want.items():
+            if value is not None and getattr(layer, name) != value:
+                raise ValueError(f"layer.{name} = {getattr(layer, name)} but the KV pool has {value}")
 
     @abstractmethod
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:

@@ -40,7 +40,10 @@ class ReqToTokenPool:
         return len(self._free)
 
     def alloc(self, n: int) -> Optional[List[int]]:
-        """``n`` free rows, or None if fewer are free."""
+        """``n`` free rows, or None if fewer are free.  Raises ValueError unless ``n`` is an
+        int >= 0."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
         if n > len(self._free):
             return None
         out, self._free = self._free[:n], self._free[n:]

@@ -194,6 +194,7 @@ class TritonMetadata:
     tree_mask: Optional[torch.Tensor]
     max_q: int
     max_prefix: Optional[int]
+    num_tokens: Optional[int] = None   # the batch's token count (a forward on another count is refused)
 
     @property
     def batch_size(self) -> int:
@@ -218,6 +219,29 @@ def fill_triton_metadata(batch: ForwardBatch, md: TritonMetadata, qo_indptr_read
 def _aliasable(t: Optional[torch.Tensor], dtype: torch.dtype, shape: tuple) -> bool:
     """Whether a batch tensor can serve as the metadata tensor of ``dtype`` and ``shape``."""
     return t is not None and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous()
+
+
+def _check_batch_layout(batch: ForwardBatch, max_q: int) -> None:
+    """Host-only checks of a batch's per-request tensors (no device value is read, so graph
+    builders can run them): ``prefix_lens`` / ``extend_lens`` / ``req_pool_indices`` of shape
+    ``[bs]`` and index dtypes, a fixed-count mode's token count ``bs * max_q``, and a
+    TARGET_VERIFY ``tree_mask`` int32 ``[bs, max_q, ceil(max_q / 32)]``.
+
+    Raises:
+        ValueError: the first violation, named.
+    """
+    bs = batch.batch_size
+    for name, t in (("prefix_lens", batch.prefix_lens), ("extend_lens", batch.extend_lens),
+                    ("req_pool_indices", batch.req_pool_indices)):
+        if tuple(t.shape) != (bs,) or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"batch.{name} must be int32 / int64 [{bs}], got {t.dtype} {list(t.shape)}")
+    if batch.forward_mode != ForwardMode.EXTEND and batch.num_tokens != bs * max_q:
+        raise ValueError(f"a {batch.forward_mode.name} batch of {bs} requests x {max_q} tokens has "
+                         f"{batch.num_tokens} tokens")
+    if batch.forward_mode.is_target_verify():
+        if batch.tree_mask is None:
+            raise ValueError("TARGET_VERIFY needs batch.tree_mask")
+        check_tree_mask(batch.tree_mask, bs, max_q)
 
 
 def _max_q_static(batch: ForwardBatch, width: int) -> int:
@@ -286,8 +310,9 @@ class TritonBackend(AttentionBackend):
                  topk: Optional[int] = None):
         super().__init__(req_to_token_pool, kv_pool, topk=topk)
         self.page_aligned = bool(page_aligned)
-        if num_kv_splits is not None and not 1 <= num_kv_splits <= 64:
-            raise ValueError(f"num_kv_splits must be in [1, 64], got {num_kv_splits}")
+        if num_kv_splits is not None and (isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)
+                                          or not 1 <= num_kv_splits <= 64):
+            raise ValueError(f"num_kv_splits must be an int in [1, 64], got {num_kv_splits!r}")
         if self.kind == AttentionKind.MLA:
             for name in ("kv_lora_rank", "qk_rope_head_dim"):
                 d = getattr(kv_pool, name)
@@ -325,18 +350,37 @@ class TritonBackend(AttentionBackend):
         bs, dev = batch.batch_size, batch.device
         P = batch.prefix_lens_cpu if batch.prefix_lens_cpu is not None else batch.prefix_lens.cpu()
         n = batch.extend_lens_cpu if batch.extend_lens_cpu is not None else batch.extend_lens.cpu()
+        _check_batch_layout(batch, batch.num_tokens_per_req or 1)
+        if P.shape != (bs,) or n.shape != (bs,):
+            raise ValueError(f"the batch's host copies of prefix_lens / extend_lens must be [{bs}], got "
+                             f"{list(P.shape)} / {list(n.shape)}")
+        if bs and (int(P.min()) < 0 or int(n.min()) < 0):
+            raise ValueError("prefix_lens and extend_lens must be >= 0")
+        if int(n.sum()) != batch.num_tokens:
+            raise ValueError(f"sum(extend_lens) = {int(n.sum())}, but the batch has {batch.num_tokens} tokens")
+        if mode.is_decode() and bs and int(n.max()) != 1:
+            raise ValueError("DECODE needs extend_lens == 1")
         max_q = int(n.max()) if bs else 0
         max_prefix = int(P.max()) if bs else 0
         max_kv = int((P.long() + n.long()).max()) if bs else 0
+        rtt = self.req_to_token_pool.req_to_token
         if max_kv > self.req_to_token_pool.max_context_len:
             raise ValueError(f"a request needs {max_kv} KV positions, req_to_token has "
                              f"{self.req_to_token_pool.max_context_len}")
-        if bs:
+        if bs:   # rows, and the slots of every position the kernels read: one host read
             rows = batch.req_pool_indices
-            lo, hi = torch.stack((rows.min(), rows.max())).tolist()  # one host read
-            if lo < 0 or hi >= self.req_to_token_pool.req_to_token.shape[0]:
-                raise ValueError(f"req_pool_indices must be in [0, "
-                                 f"{self.req_to_token_pool.req_to_token.shape[0]}), got [{lo}, {hi}]")
+            ends = (P.long() + n.long()).to(dev)
+            used = torch.arange(max(max_kv, 1), device=dev)[None, :] < ends[:, None]
+            slots = rtt[rows.clamp(0, rtt.shape[0] - 1), :max(max_kv, 1)].long()
+            big = torch.iinfo(torch.int64).max
+            lo, hi, s_lo, s_hi = torch.stack((rows.min(), rows.max(), torch.where(used, slots, big).min(),
+                                              torch.where(used, slots, -1).max())).tolist()
+            if lo < 0 or hi >= rtt.shape[0]:
+                raise ValueError(f"req_pool_indices must be in [0, {rtt.shape[0]}), got [{lo}, {hi}]")
+            num_slots = self.kv_pool.get_key_buffer(0).shape[0]
+            if s_hi >= 0 and (s_lo < 0 or s_hi >= num_slots):
+                raise ValueError(f"req_to_token holds slots [{s_lo}, {s_hi}] for this batch, outside the "
+                                 f"KV pool's [0, {num_slots})")
         tm = None
         if mode.is_target_verify():
             D = batch.num_tokens_per_req
@@ -346,7 +390,8 @@ class TritonBackend(AttentionBackend):
             tm = torch.empty(bs, D, num_mask_words(D), dtype=torch.int32, device=dev)
         md = TritonMetadata(mode, torch.empty(bs + 1, dtype=torch.int32, device=dev),
                             torch.empty(bs, dtype=torch.int32, device=dev),
-                            torch.empty(bs, dtype=torch.int64, device=dev), tm, max_q, max_prefix)
+                            torch.empty(bs, dtype=torch.int64, device=dev), tm, max_q, max_prefix,
+                            batch.num_tokens)
         self.forward_metadata = fill_triton_metadata(batch, md)
 
     # --------------------------------------------------------------- graphs
@@ -371,6 +416,7 @@ class TritonBackend(AttentionBackend):
         bs = batch.batch_size
         max_q = _max_q_static(batch, self.req_to_token_pool.max_context_len)
         self.check_graph_batch(bs, batch.num_tokens if mode == ForwardMode.EXTEND else bs * max_q)
+        _check_batch_layout(batch, max_q)
         g = self._g
         tm = None
         if mode.is_target_verify():
@@ -392,7 +438,7 @@ class TritonBackend(AttentionBackend):
                 rows = batch.req_pool_indices
             if tm is not None and _aliasable(batch.tree_mask, torch.int32, tuple(tm.shape)):
                 tm = batch.tree_mask
-        md = TritonMetadata(mode, qo, prefix_lens, rows, tm, max_q, self.graph_prefix_bound)
+        md = TritonMetadata(mode, qo, prefix_lens, rows, tm, max_q, self.graph_prefix_bound, batch.num_tokens)
         return fill_triton_metadata(batch, md, qo_indptr_ready=fixed is not None)
 
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
@@ -459,7 +505,8 @@ class TritonBackend(AttentionBackend):
 
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         md: Optional[TritonMetadata] = self.forward_metadata
-        if md is None or md.mode != batch.forward_mode or md.batch_size != batch.batch_size:
+        if (md is None or md.mode != batch.forward_mode or md.batch_size != batch.batch_size
+                or md.num_tokens != batch.num_tokens):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         splits, config = self._num_splits(md, layer, q.dtype)
         if q.stride(2) != 1:

@@ -121,7 +121,8 @@ def test_mla_kernel_poison_empty_rows_and_block_dv():
 def test_mla_kernel_page_tiles():
     """page_size % block_n == 0: one slot per prefix tile.  Same answer as the per-key gather
     on a page-ordered slot table (P crossing pages, split and not); a slot table that breaks
-    the page layout gives a different answer (the one-slot path is really taken)."""
+    the page layout is refused by the bounds check, and without it gives a different answer
+    (the one-slot path is really taken)."""
     torch.manual_seed(1)
     r, H, ps = 32, 4, 16
     pages = torch.randperm(8)[:6] + 1                           # pages 1..8 in random order
@@ -134,8 +135,12 @@ def test_mla_kernel_page_tiles():
         rpi = torch.tensor([row])
         for splits in (1, 3):
             a = mla_paged_attention(q[:1], kv, rtt, rpi, seq, qo, None, 1, 0.2, r, splits, block_n=16)
+            if not same:
+                with pytest.raises(ValueError, match="paged layout"):
+                    mla_paged_attention(q[:1], kv, rtt, rpi, seq, qo, None, 1, 0.2, r, splits, block_n=16,
+                                        page_size=ps)
             b = mla_paged_attention(q[:1], kv, rtt, rpi, seq, qo, None, 1, 0.2, r, splits, block_n=16,
-                                    page_size=ps)
+                                    page_size=ps, check_bounds=same)
             assert (rel_err(a, b) < 1e-6) == same
 
 

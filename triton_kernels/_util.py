@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import numbers
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -107,23 +107,49 @@ def require_device(t: torch.Tensor, op: str, interpret: bool) -> None:
                            f"{t.device} (set TRITON_INTERPRET=1 to run it on the CPU)")
 
 
+ATTENTION_Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ATTENTION_CACHE_DTYPES = ATTENTION_Q_DTYPES + (FP8_KV_DTYPE,)
+
+
+def check_attention_dtypes(q: torch.Tensor, cache: torch.Tensor, out: Optional[torch.Tensor],
+                           out_shape: tuple) -> None:
+    """The launchers' tensor checks: ``q`` fp32 / bf16 / fp16, the cache one of those or fp8
+    e4m3, and a given ``out`` of ``out_shape`` in a float dtype on ``q``'s device with a
+    contiguous last dim.
+
+    Raises:
+        ValueError: the first violation, named.
+    """
+    if q.dtype not in ATTENTION_Q_DTYPES:
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    if cache.dtype not in ATTENTION_CACHE_DTYPES:
+        raise ValueError(f"the KV cache must be float32, bfloat16, float16 or float8_e4m3fn, got {cache.dtype}")
+    if out is not None and (tuple(out.shape) != tuple(out_shape) or out.dtype not in ATTENTION_Q_DTYPES
+                            or out.device != q.device or out.stride(-1) != 1):
+        raise ValueError(f"out must be float32 / bfloat16 / float16 {list(out_shape)} on {q.device} with a "
+                         f"contiguous last dim, got {out.dtype} {list(out.shape)} on {out.device}")
+
+
 def check_paged_metadata(q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                          prefix_lens: torch.Tensor, qo_indptr: torch.Tensor, tree_mask, max_q: int,
-                         num_splits: int, num_slots: int, check_bounds: bool) -> None:
+                         num_splits: int, num_slots: int, check_bounds: bool, page_size: int = 1) -> None:
     """The metadata checks shared by the paged-attention launchers (MHA and MLA).
 
     Always (no host sync): dtypes (``req_pool_indices`` int64, ``prefix_lens`` / ``qo_indptr`` /
     ``req_to_token`` int32) and devices (``q``'s), shapes (``qo_indptr [bs + 1]``,
-    ``prefix_lens [bs]``), a ``tree_mask`` of at least ``[bs, max_q, ceil(max_q / 32)]`` int32
-    words with a contiguous last dim, ``num_splits >= 1``.
+    ``prefix_lens [bs]``), contiguous ``req_pool_indices`` / ``prefix_lens`` / ``qo_indptr``
+    (the kernels index them at stride 1), a ``tree_mask`` of at least ``[bs, max_q,
+    ceil(max_q / 32)]`` int32 words with a contiguous last dim, ``num_splits >= 1``.
 
     With ``check_bounds`` (skipped during CUDA-graph capture; one host read): every index the
     kernel will follow is in range, so no launch reads or writes out of bounds:
     ``qo_indptr[0] == 0``, ``0 <= n <= max_q`` (``n`` = each request's new tokens),
     ``qo_indptr[-1] <= T`` (``== T`` with ``num_splits > 1``: the merge writes every row),
     ``prefix_lens >= 0``, ``prefix_lens + n <= req_to_token.shape[1]``, ``req_pool_indices`` rows of
-    ``req_to_token``, and the slots ``req_to_token[r, :prefix_lens + n]`` in ``[0, num_slots)``.
-    Backends that validated the batch once pass ``check_bounds=False`` per layer.
+    ``req_to_token``, the slots ``req_to_token[r, :prefix_lens + n]`` in ``[0, num_slots)``,
+    and with ``page_size > 1`` the page layout the kernels' page paths rely on (position ``p``
+    at slot offset ``p % page_size``).  Backends that validated the batch once pass
+    ``check_bounds=False`` per layer.
 
     Raises:
         ValueError: the first violation, named.
@@ -143,6 +169,9 @@ def check_paged_metadata(q: torch.Tensor, req_to_token: torch.Tensor, req_pool_i
     if qo_indptr.shape != (bs + 1,) or prefix_lens.shape != (bs,):
         raise ValueError(f"qo_indptr must be [{bs + 1}] and prefix_lens [{bs}], got "
                          f"{list(qo_indptr.shape)} / {list(prefix_lens.shape)}")
+    for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens), ("qo_indptr", qo_indptr)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernels read it at stride 1)")
     if num_splits < 1:
         raise ValueError("num_splits must be >= 1")
     if not check_bounds or bs == 0 or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -155,10 +184,12 @@ def check_paged_metadata(q: torch.Tensor, req_to_token: torch.Tensor, req_pool_i
     used = pos[None, :] < ends.clamp(max=width)[:, None]
     slots = req_to_token[safe_rows].long()
     big = torch.iinfo(torch.int64).max
+    off_page = torch.where(used, (slots - pos[None, :]) % page_size, 0).max() if page_size > 1 else n.new_zeros(())
     stats = torch.stack([qo_indptr[0].long(), n.min(), n.max(), qo_indptr[-1].long(),
                          prefix_lens.min().long(), ends.max(), req_pool_indices.min(), req_pool_indices.max(),
-                         torch.where(used, slots, big).min(), torch.where(used, slots, -1).max()]).tolist()
-    first, n_min, n_max, last, p_min, end_max, r_min, r_max, s_min, s_max = stats
+                         torch.where(used, slots, big).min(), torch.where(used, slots, -1).max(),
+                         off_page]).tolist()
+    first, n_min, n_max, last, p_min, end_max, r_min, r_max, s_min, s_max, off = stats
     T = q.shape[0]
     problems = [
         (first != 0, f"qo_indptr[0] must be 0, got {first}"),
@@ -173,6 +204,8 @@ def check_paged_metadata(q: torch.Tensor, req_to_token: torch.Tensor, req_pool_i
         (s_max >= 0 and (s_min < 0 or s_max >= num_slots),
          f"req_to_token holds slots [{s_min}, {s_max}] for these requests, outside the cache's "
          f"[0, {num_slots})"),
+        (off != 0, f"page_size = {page_size}, but req_to_token puts a position p of these requests "
+                   f"at a slot s with s % {page_size} != p % {page_size} (the paged layout)"),
     ]
     for bad, why in problems:
         if bad:

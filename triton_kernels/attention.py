@@ -62,8 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (check_dequant_scales, check_paged_metadata, check_sm_scale, choose_gluon,
-                    gdc_enter, kv_conversion, launch_fitting, next_pow2, on_tensor_device,
+from ._util import (check_attention_dtypes, check_dequant_scales, check_paged_metadata, check_sm_scale,
+                    choose_gluon, gdc_enter, kv_conversion, launch_fitting, next_pow2, on_tensor_device,
                     pdl_kwargs)
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
                                draft_visibility, full_update, masked_update, merge_partials,
@@ -330,6 +330,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if max_prefix is not None and (not isinstance(max_prefix, int) or isinstance(max_prefix, bool)
                                    or max_prefix < 0):
         raise ValueError(f"max_prefix must be None or an int >= 0, got {max_prefix!r}")
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise ValueError(f"q, k_cache and v_cache must be 3-D, got {list(q.shape)} / {list(k_cache.shape)} / "
+                         f"{list(v_cache.shape)}")
     T, H, Dqk = q.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
     bs = req_pool_indices.shape[0]
@@ -337,10 +340,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"q {list(q.shape)} does not fit caches {list(k_cache.shape)} / {list(v_cache.shape)}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache and v_cache must share a dtype")
+    if v_cache.shape[0] != k_cache.shape[0]:
+        raise ValueError(f"k_cache has {k_cache.shape[0]} slots, v_cache {v_cache.shape[0]}")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("q, caches and req_to_token need a contiguous last dim")
+    check_attention_dtypes(q, k_cache, out, (T, H, Dv))
     check_paged_metadata(q, req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask, max_q,
-                         num_splits, k_cache.shape[0], check_bounds)
+                         num_splits, k_cache.shape[0], check_bounds, page_size)
     G = H // Hkv
     if out is None:
         out = torch.empty(T, H, Dv, dtype=q.dtype, device=q.device)

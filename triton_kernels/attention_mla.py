@@ -115,8 +115,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (check_dequant_scales, check_paged_metadata, check_sm_scale, choose_gluon,
-                    is_pow2, kv_conversion, launch_fitting, on_tensor_device)
+from ._util import (check_attention_dtypes, check_dequant_scales, check_paged_metadata, check_sm_scale,
+                    choose_gluon, is_pow2, kv_conversion, launch_fitting, on_tensor_device)
 from .attention_mla_sm90 import sm90_mla_attention, sm90_mla_supported
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
                                draft_visibility, full_update, masked_update, merge_partials,
@@ -431,15 +431,13 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         raise ValueError("q, kv_cache and req_to_token need a contiguous last dim")
     if q.device != kv_cache.device:
         raise ValueError(f"q is on {q.device}, kv_cache on {kv_cache.device}")
-    check_paged_metadata(q, req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask, max_q,
-                         num_splits, kv_cache.shape[0], check_bounds)
-    if not isinstance(page_size, int) or page_size < 1:
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    check_attention_dtypes(q, kv_cache, out, (T, H, rank))
+    check_paged_metadata(q, req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask, max_q,
+                         num_splits, kv_cache.shape[0], check_bounds, page_size)
     if out is None:
         out = torch.empty(T, H, rank, dtype=q.dtype, device=q.device)
-    elif out.shape != (T, H, rank) or out.stride(2) != 1 or out.device != q.device:
-        raise ValueError(f"out must be [{T}, {H}, {rank}] on {q.device} with a contiguous last "
-                         f"dim, got {list(out.shape)}")
     (kv_scale,) = check_dequant_scales(kv_cache.dtype, kv_scale=kv_scale)
     upcast, cast_kv = kv_conversion(q.dtype, kv_cache.dtype)
     ieee = upcast or kv_cache.dtype == torch.float32

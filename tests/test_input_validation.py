@@ -1,0 +1,229 @@
+"""Bad input to the attention launchers, the Triton backend and the small ops is refused with
+a named Python error before any kernel runs: strided metadata the kernels would read at
+stride 1, a wrong ``out``, mismatched caches, unsupported dtypes, a slot table that breaks
+the page layout, stale or inconsistent batch metadata, a layer that does not fit the pool,
+aliasing KV buffers, and integer values an int32 output would wrap.  CPU (Triton's
+interpreter for the kernels that do run)."""
+import dataclasses
+import os
+import random
+
+import torch
+
+if not torch.cuda.is_available():  # before triton / the kernels are imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from scenarios import make_scenario  # noqa: E402
+from specattn import ops  # noqa: E402
+from specattn.backends import ForwardBatch, ForwardMode, ReqToTokenPool  # noqa: E402
+from specattn.backends.triton_backend import TritonBackend  # noqa: E402
+from specattn.triton_kernels.attention import paged_attention  # noqa: E402
+from specattn.triton_kernels.attention_mla import mla_paged_attention  # noqa: E402
+
+
+def _strided(t):
+    """``t`` (1-D) as every other element of a buffer whose other elements are poison."""
+    buf = torch.full((2 * t.shape[0],), 10**6, dtype=t.dtype, device=t.device)
+    buf[::2] = t
+    return buf[::2]
+
+
+def _launch_args(seed, kind="mha"):
+    sc = make_scenario(ForwardMode.EXTEND, kind=kind, bs=2, rng=random.Random(seed), max_prefix=12)
+    b = sc.batch
+    qo = torch.zeros(b.batch_size + 1, dtype=torch.int32)
+    qo[1:] = torch.cumsum(b.extend_lens, 0)
+    q = torch.randn(b.num_tokens, sc.layer.num_heads, sc.layer.head_dim)
+    meta = dict(req_to_token=sc.req_pool.req_to_token, req_pool_indices=b.req_pool_indices.clone(),
+                prefix_lens=b.prefix_lens.int().clone(), qo_indptr=qo, tree_mask=None,
+                max_q=int(b.extend_lens.max()), sm_scale=0.2)
+    return sc, q, meta
+
+
+def _mha(sc, q, meta, **kw):
+    return paged_attention(q, sc.kv_pool.get_key_buffer(1), sc.kv_pool.get_value_buffer(1), **{**meta, **kw})
+
+
+def test_launchers_refuse_strided_metadata(seed):
+    for kind in ("mha", "mla"):
+        sc, q, meta = _launch_args(seed, kind)
+        for name in ("req_pool_indices", "prefix_lens", "qo_indptr"):
+            bad = {**meta, name: _strided(meta[name])}
+            with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+                if kind == "mha":
+                    _mha(sc, q, bad)
+                else:
+                    mla_paged_attention(q, sc.kv_pool.get_key_buffer(1), **bad, kv_lora_rank=32)
+
+
+def test_mha_launcher_checks_out_caches_and_dtypes(seed):
+    sc, q, meta = _launch_args(seed)
+    k, v = sc.kv_pool.get_key_buffer(1), sc.kv_pool.get_value_buffer(1)
+    T, H, Dv = q.shape[0], q.shape[1], v.shape[2]
+    good = _mha(sc, q, meta)
+    for out in (torch.empty(T - 1, H, Dv), torch.empty(T, 1, Dv), torch.empty(T, H, 2 * Dv)[..., ::2],
+                torch.empty(T, H, Dv, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="out must be"):
+            _mha(sc, q, meta, out=out)
+    out = torch.full((T, H, Dv), float("nan"))
+    assert _mha(sc, q, meta, out=out) is out and torch.equal(out, good)
+    with pytest.raises(ValueError, match="slots"):
+        paged_attention(q, k, v[: v.shape[0] // 2], **meta)
+    for bad_q in (q.int(), q.double()):
+        with pytest.raises(ValueError, match="q must be"):
+            paged_attention(bad_q, k, v, **meta)
+    with pytest.raises(ValueError, match="KV cache must be"):
+        paged_attention(q, k.to(torch.int8), v.to(torch.int8), **meta)
+    with pytest.raises(ValueError, match="3-D"):
+        paged_attention(q, k.flatten(1), v, **meta)
+
+
+def test_launchers_check_the_page_layout(seed):
+    """With ``page_size > 1`` a position ``p`` must sit at a slot ``s`` with ``s % page_size ==
+    p % page_size``; an aligned table (pages in any order) passes."""
+    sc, q, meta = _launch_args(seed)
+    rtt = meta["req_to_token"].clone()
+    ps = 4
+    for r in meta["req_pool_indices"].tolist():
+        pages = torch.randperm(rtt.shape[1] // ps + 1)[: -(-rtt.shape[1] // ps)]
+        rtt[r] = (pages[:, None] * ps + torch.arange(ps)).flatten()[: rtt.shape[1]]
+    num_slots = sc.kv_pool.get_key_buffer(1).shape[0]
+    if int(rtt.max()) >= num_slots:
+        pytest.skip("the random pages need more slots than the scenario's pool")
+    ok = _mha(sc, q, {**meta, "req_to_token": rtt}, page_size=ps)
+    assert torch.isfinite(ok).all()
+    r0 = int(meta["req_pool_indices"][0])
+    rtt[r0, 0] = (int(rtt[r0, 0]) + 1) % num_slots if (int(rtt[r0, 0]) + 1) % ps else int(rtt[r0, 0]) - 1
+    with pytest.raises(ValueError, match="paged layout"):
+        _mha(sc, q, {**meta, "req_to_token": rtt}, page_size=ps)
+
+
+def _backend(seed, mode=ForwardMode.EXTEND, kind="mha", **kw):
+    sc = make_scenario(mode, kind=kind, bs=2, rng=random.Random(seed), max_prefix=12, **kw)
+    be = TritonBackend(sc.req_pool, sc.kv_pool)
+    return sc, be
+
+
+def test_backend_refuses_stale_metadata_of_another_token_count(seed):
+    sc, be = _backend(seed)
+    b = sc.batch
+    be.init_forward_metadata(b)
+    n1 = torch.ones(b.batch_size, dtype=torch.int32)
+    other = ForwardBatch.extend(b.req_pool_indices, b.prefix_lens, n1, b.out_cache_loc[: b.batch_size])
+    if other.num_tokens == b.num_tokens:
+        pytest.skip("the random batch has one token per request")
+    q = torch.randn(other.num_tokens, sc.layer.num_heads, sc.layer.head_dim)
+    with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
+        be.forward(q, None, None, sc.layer, other, save_kv_cache=False)
+
+
+def test_backend_refuses_inconsistent_batches(seed):
+    sc, be = _backend(seed)
+    b = sc.batch
+    rows, P, loc = b.req_pool_indices, b.prefix_lens, b.out_cache_loc
+    n = b.extend_lens
+    cases = [
+        (ForwardBatch.extend(rows, P, n + 1, loc, positions=torch.zeros_like(loc)), "sum\\(extend_lens\\)"),
+        (ForwardBatch.extend(rows, torch.tensor([-3, 1]), n, loc), ">= 0"),
+        (ForwardBatch.extend(rows, P, torch.tensor([int(n.sum()) + 1, -1]), loc, positions=torch.zeros_like(loc)),
+         ">= 0"),
+        (ForwardBatch.decode(rows, P[:1], loc[:2]), "prefix_lens"),
+    ]
+    for batch, match in cases:
+        with pytest.raises(ValueError, match=match):
+            be.init_forward_metadata(batch)
+    rtt = sc.req_pool.req_to_token
+    r0, p0 = int(rows[0]), int(P[0])
+    saved = int(rtt[r0, p0])
+    rtt[r0, p0] = sc.kv_pool.get_key_buffer(0).shape[0] + 3            # a slot past the pool
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        be.init_forward_metadata(b)
+    rtt[r0, p0] = saved
+    be.init_forward_metadata(b)                                         # the batch itself is fine
+
+
+def test_graph_metadata_checks_the_batch_layout(seed):
+    sc, be = _backend(seed, ForwardMode.TARGET_VERIFY, D=3)
+    b = sc.batch
+    be.init_cuda_graph_state(2, 6)
+    be.init_forward_metadata_capture_cuda_graph(b)
+    for bad, match in ((dataclasses.replace(b, tree_mask=b.tree_mask.bool()), "tree_mask"),
+                       (dataclasses.replace(b, tree_mask=b.tree_mask[:1]), "tree_mask"),
+                       (dataclasses.replace(b, tree_mask=None), "tree_mask"),
+                       (dataclasses.replace(b, prefix_lens=b.prefix_lens[:1]), "prefix_lens")):
+        with pytest.raises(ValueError, match=match):
+            be.init_forward_metadata_replay_cuda_graph(bad)
+
+
+def test_forward_checks_the_layer_against_the_pool(seed):
+    for kind in ("mha", "mla"):
+        sc, be = _backend(seed, kind=kind)
+        be.init_forward_metadata(sc.batch)
+        lay = sc.layer
+        T = sc.batch.num_tokens
+        q = torch.randn(T, lay.num_heads, lay.head_dim)
+        bad = [dataclasses.replace(lay, layer_id=-1), dataclasses.replace(lay, layer_id=lay.layer_id + 1)]
+        if kind == "mha":
+            bad.append(dataclasses.replace(lay, v_head_dim=lay.v_head_dim // 2))
+        else:
+            bad.append(dataclasses.replace(lay, kv_lora_rank=16, qk_rope_head_dim=32))
+        for layer in bad:
+            with pytest.raises(ValueError, match="layer"):
+                be.forward(q, None, None, layer, sc.batch, save_kv_cache=False)
+        assert be.forward(q, None, None, lay, sc.batch, save_kv_cache=False).shape[-1] == lay.v_head_dim
+
+
+def test_small_argument_checks():
+    sc = make_scenario(ForwardMode.DECODE, bs=1)
+    for bad in (2.5, True, 0, 65):
+        with pytest.raises(ValueError, match="num_kv_splits"):
+            TritonBackend(sc.req_pool, sc.kv_pool, num_kv_splits=bad)
+    pool = ReqToTokenPool(4, 8, "cpu")
+    with pytest.raises(ValueError, match="n must be"):
+        pool.alloc(-1)
+    assert pool.alloc(0) == [] and len(pool.alloc(4)) == 4 and pool.alloc(1) is None
+
+
+# ------------------------------------------------------------------------- small ops
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_move_kv_cache_refuses_aliasing_buffers(impl):
+    buf = torch.arange(16.).view(8, 2)
+    tgt, src = torch.tensor([0, 1]), torch.tensor([1, 0])
+    for buffers in ([buf, buf], [torch.zeros(8, 2), buf, buf.view(8, 1, 2)]):
+        with pytest.raises(ValueError, match="share memory"):
+            ops.move_kv_cache(buffers, tgt, src, impl=impl)
+    big = torch.zeros(24, 2)
+    with pytest.raises(ValueError, match="share memory"):    # one buffer inside another's bytes
+        ops.move_kv_cache([big.view(8, 6), big[4:12]], tgt, src, impl=impl)
+    with pytest.raises(ValueError, match="slot dimension"):
+        ops.move_kv_cache([torch.tensor(1.0)], tgt, src, impl=impl)
+    a, b = torch.arange(16.).view(8, 2), torch.arange(16.).view(8, 2) + 100   # disjoint: fine
+    ops.move_kv_cache([a, b], tgt, src, impl=impl)
+    assert a[0].tolist() == [2.0, 3.0] and b[1].tolist() == [100.0, 101.0]
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_int32_outputs_refuse_values_they_cannot_hold(impl):
+    D = 3
+    cand = torch.tensor([[5, 6, 7]])
+    ridx = torch.arange(D)[None]
+    nxt = torch.tensor([[1, 2, -1]])
+    sib = torch.full((1, D), -1)
+    for tp, ok in (([[6, 7, 2**31]], False), ([[6, 7, 2**31 - 1]], True), ([[6, 7, -2**31]], True)):
+        args = (cand, ridx, nxt, sib, torch.tensor(tp), D - 1)
+        if ok:
+            assert ops.verify_tree_greedy(*args, impl=impl).accept_length.tolist() == [2]
+        else:
+            with pytest.raises(IndexError, match="target_predict"):
+                ops.verify_tree_greedy(*args, impl=impl)
+    rtt = torch.zeros(4, 6, dtype=torch.int32)
+    fork = dict(src_rows=torch.tensor([[0]]), dst_rows=torch.tensor([[1]]), first_col=torch.tensor([0]), num_cols=2,
+                new_col=torch.tensor([2]))
+    with pytest.raises(IndexError, match="new_slots"):
+        ops.fork_req_to_token_rows(rtt, **fork, new_slots=torch.tensor([[2**32 + 5]]), impl=impl)
+    ops.fork_req_to_token_rows(rtt, **fork, new_slots=torch.tensor([[2**31 - 1]]), impl=impl)
+    assert int(rtt[1, 2]) == 2**31 - 1
