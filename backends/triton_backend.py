@@ -338,11 +338,14 @@ class TritonBackend(AttentionBackend):
 
     # --------------------------------------------------------------- eager
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Eager metadata (one host read of ``extend_lens``/``prefix_lens`` maxima unless the
-        batch carries CPU copies, and one of the ``req_pool_indices`` range).  Raises ValueError
-        when a request's ``P + n`` exceeds the ``req_to_token`` width, a ``req_pool_indices``
-        row is out of range, or a TARGET_VERIFY ``tree_mask`` is missing or not int32
-        ``[bs, D, ceil(D/32)]``."""
+        """Eager metadata (one host read of ``extend_lens``/``prefix_lens`` unless the batch
+        carries CPU copies, and one of the ``req_pool_indices`` range, the slots the batch
+        reads and whether the CPU copies match the tensors).  Raises ValueError when a
+        request's ``P + n`` exceeds the ``req_to_token`` width, a ``req_pool_indices`` row is out
+        of range, a slot lies outside the KV pool, ``extend_lens`` do not sum to the token count
+        or a length is negative, the CPU copies are stale, a per-request tensor is not
+        ``[bs]``, or a TARGET_VERIFY ``tree_mask`` is missing or not int32 ``[bs, D,
+        ceil(D/32)]``."""
         mode = batch.forward_mode
         if mode.is_idle():
             self.forward_metadata = None
@@ -373,8 +376,12 @@ class TritonBackend(AttentionBackend):
             used = torch.arange(max(max_kv, 1), device=dev)[None, :] < ends[:, None]
             slots = rtt[rows.clamp(0, rtt.shape[0] - 1), :max(max_kv, 1)].long()
             big = torch.iinfo(torch.int64).max
-            lo, hi, s_lo, s_hi = torch.stack((rows.min(), rows.max(), torch.where(used, slots, big).min(),
-                                              torch.where(used, slots, -1).max())).tolist()
+            stale = ((batch.prefix_lens.long() != P.to(dev).long()).any()
+                     | (batch.extend_lens.long() != n.to(dev).long()).any())
+            lo, hi, s_lo, s_hi, stale = torch.stack((rows.min(), rows.max(), torch.where(used, slots, big).min(),
+                                                     torch.where(used, slots, -1).max(), stale.long())).tolist()
+            if stale:
+                raise ValueError("the batch's host copies of prefix_lens / extend_lens differ from its tensors")
             if lo < 0 or hi >= rtt.shape[0]:
                 raise ValueError(f"req_pool_indices must be in [0, {rtt.shape[0]}), got [{lo}, {hi}]")
             num_slots = self.kv_pool.get_key_buffer(0).shape[0]

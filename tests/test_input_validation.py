@@ -136,6 +136,9 @@ def test_backend_refuses_inconsistent_batches(seed):
     for batch, match in cases:
         with pytest.raises(ValueError, match=match):
             be.init_forward_metadata(batch)
+    stale = dataclasses.replace(b, prefix_lens=b.prefix_lens + 1)     # host copies left as they were
+    with pytest.raises(ValueError, match="host copies"):
+        be.init_forward_metadata(stale)
     rtt = sc.req_pool.req_to_token
     r0, p0 = int(rows[0]), int(P[0])
     saved = int(rtt[r0, p0])
