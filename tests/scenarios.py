@@ -12,6 +12,14 @@ from specattn.backends import (AttentionKind, AttentionLayer, ForwardBatch, Forw
                                MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, pack_tree_mask)
 
 
+def strided_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (1-D) as every other element of a buffer whose other elements are poison
+    (10**6): the same values at stride 2, so a kernel that reads it at stride 1 reads poison."""
+    buf = torch.full((2 * t.shape[0],), 10**6, dtype=t.dtype, device=t.device)
+    buf[::2] = t
+    return buf[::2]
+
+
 def random_tree_parents(D: int, rng: random.Random) -> List[int]:
     """parents[0] = -1 (root); parents[j] < j."""
     return [-1] + [rng.randrange(j) for j in range(1, D)]

@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from scenarios import strided_view as strided  # noqa: E402
 from specattn import ops  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -208,14 +209,6 @@ def test_commit_accepted_validation():
     with pytest.raises(ValueError, match="path"):
         ops.commit_accepted(rows, prefix, roots, seq, path.t().contiguous().t(), torch.zeros(2, dtype=torch.int64,
                                                                                              device=DEV), emitted)
-
-
-def strided(t):
-    """``t`` (1-D) as a view of every other element of a poisoned buffer: the same values at
-    stride 2 (a kernel that reads it at stride 1 reads the poison)."""
-    buf = torch.full((2 * t.shape[0],), 10**6, dtype=t.dtype, device=t.device)
-    buf[::2] = t
-    return buf[::2]
 
 
 @pytest.mark.parametrize("impl", IMPLS)

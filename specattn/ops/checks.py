@@ -60,3 +60,9 @@ def check_index_range(name: str, idx: torch.Tensor, upper: int, lower: int = 0) 
     if lo < lower or hi >= upper:
         raise IndexError(f"{name} has values in [{lo}, {hi}], outside the valid range "
                          f"[{lower}, {upper})")
+
+
+def check_fits_int32(name: str, values: torch.Tensor) -> None:
+    """Raise IndexError unless every value of ``values`` (an integer tensor) fits int32, for
+    an int32 output that would otherwise wrap it; :func:`check_index_range`'s host sync."""
+    check_index_range(name, values, 2**31, lower=-2**31)

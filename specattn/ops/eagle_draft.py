@@ -50,7 +50,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import registry
-from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_fits_int32, check_index_range, check_tensor
 from .topk import order_keys
 
 __all__ = ["BeamStep", "eagle_beam_step", "eagle_beam_step_reference", "select_draft_tokens",
@@ -366,7 +366,7 @@ def fork_req_to_token_rows(req_to_token: torch.Tensor, src_rows: torch.Tensor, d
         if torch.isin(d, src_rows.flatten().long()).any():
             raise ValueError("a dst row is also a src row: it could be written before it is read")
         if new_slots is not None and req_to_token.dtype == torch.int32 and new_slots.dtype == torch.int64:
-            check_index_range("new_slots", new_slots, 2**31, lower=-2**31)   # as the int32 table holds them
+            check_fits_int32("new_slots", new_slots)   # as the int32 table holds them
     fn = registry.dispatch("fork_req_to_token_rows", impl, dev)
     if bs * R == 0:
         if new_col is None:

@@ -28,7 +28,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import registry
-from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_fits_int32, check_index_range, check_tensor
 
 __all__ = ["gather_rows", "gather_rows_reference", "scatter_rows", "scatter_rows_reference", "MAX_ROW_TENSORS",
            "ExtendCacheLocs", "extend_cache_locs", "extend_cache_locs_reference", "commit_accepted",
@@ -268,7 +268,7 @@ def commit_accepted(rows: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.
         for name, state, values in (("seq_lens + accept_length + 1", prefix_lens, seq_lens.long() + accept_length + 1),
                                     ("path", roots, path)):
             if state.dtype == torch.int32:   # what the int32 state would hold must fit it
-                check_index_range(name, values, 2**31, lower=-2**31)
+                check_fits_int32(name, values)
     registry.dispatch("commit_accepted", impl, rows.device)(rows.contiguous(), prefix_lens, roots,
                                                              seq_lens.contiguous(), path,
                                                              accept_length.contiguous(), emitted)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from . import registry
-from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_fits_int32, check_index_range, check_tensor
 
 __all__ = ["VerifyResult", "verify_tree_greedy", "verify_tree_greedy_reference",
            "tree_speculative_sampling", "tree_speculative_sampling_reference"]
@@ -251,7 +251,7 @@ def verify_tree_greedy(candidates: torch.Tensor, retrive_index: torch.Tensor,
                              retrive_next_sibling, num_steps)
     check_tensor("target_predict", target_predict, dtypes=INDEX_DTYPES, device=dev, shape=(bs, D))
     if target_predict.dtype == torch.int64:   # predicts holds them as int32
-        check_index_range("target_predict", target_predict, 2**31, lower=-2**31)
+        check_fits_int32("target_predict", target_predict)
     out = _outputs(bs, D, num_steps, dev)
     if bs == 0:
         return out
