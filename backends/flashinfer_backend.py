@@ -311,6 +311,7 @@ class FlashInferMetadata:
     mode: ForwardMode
     batch_size: int
     num_tokens_per_req: Optional[int]
+    num_tokens: int = 0   # the batch's token count (a forward on another count is refused)
     host: Optional[_Host] = None
     layout: Optional[PagedKVLayout] = None
     kv_indices: Optional[torch.Tensor] = None
@@ -527,7 +528,7 @@ class FlashInferBackend(AttentionBackend):
         """
         mode = batch.forward_mode
         self._require(mode, graph=False)
-        md = FlashInferMetadata(mode, batch.batch_size, batch.num_tokens_per_req)
+        md = FlashInferMetadata(mode, batch.batch_size, batch.num_tokens_per_req, batch.num_tokens)
         self.forward_metadata = md
         if mode.is_idle() or batch.batch_size == 0:
             md.batch_size = 0
@@ -559,7 +560,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _graph_metadata(self, batch: ForwardBatch, capture: bool) -> FlashInferMetadata:
         mode, bs = batch.forward_mode, batch.batch_size
-        md = FlashInferMetadata(mode, bs, batch.num_tokens_per_req)
+        md = FlashInferMetadata(mode, bs, batch.num_tokens_per_req, batch.num_tokens)
         if mode.is_idle() or bs == 0:
             md.batch_size = 0
             return md
@@ -659,7 +660,8 @@ class FlashInferBackend(AttentionBackend):
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         md: Optional[FlashInferMetadata] = self.forward_metadata
         if md is None or md.mode != batch.forward_mode or \
-                (not md.empty and md.batch_size != batch.batch_size):
+                (not md.empty and (md.batch_size != batch.batch_size
+                                   or md.num_tokens != batch.num_tokens)):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         if md.empty:
             return q.new_empty(0, layer.num_heads, layer.v_head_dim)

@@ -129,6 +129,7 @@ class FlashMLAMetadata:
 
     mode: ForwardMode
     batch_size: int
+    num_tokens: int = 0   # the batch's token count (a forward on another count is refused)
     s_q: int = 1
     block_table: Optional[torch.Tensor] = None
     cache_seqlens: Optional[torch.Tensor] = None
@@ -238,7 +239,7 @@ class FlashMLABackend(AttentionBackend):
         """
         mode = batch.forward_mode
         self._require(mode, graph=False)
-        md = FlashMLAMetadata(mode, batch.batch_size)
+        md = FlashMLAMetadata(mode, batch.batch_size, batch.num_tokens)
         self.forward_metadata = md
         if mode.is_idle() or batch.batch_size == 0:
             md.batch_size = 0
@@ -261,7 +262,7 @@ class FlashMLABackend(AttentionBackend):
 
     def _graph_metadata(self, batch: ForwardBatch, capture: bool) -> FlashMLAMetadata:
         mode, bs = batch.forward_mode, batch.batch_size
-        md = FlashMLAMetadata(mode, bs)
+        md = FlashMLAMetadata(mode, bs, batch.num_tokens)
         if mode.is_idle() or bs == 0:
             md.batch_size = 0
             return md
@@ -306,7 +307,8 @@ class FlashMLABackend(AttentionBackend):
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         md: Optional[FlashMLAMetadata] = self.forward_metadata
         if md is None or md.mode != batch.forward_mode or \
-                (md.batch_size and md.batch_size != batch.batch_size):
+                (md.batch_size and (md.batch_size != batch.batch_size
+                                    or md.num_tokens != batch.num_tokens)):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         if md.batch_size == 0:
             return q.new_empty(0, layer.num_heads, layer.v_head_dim)

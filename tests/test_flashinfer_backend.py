@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from scenarios import capture_forward, load_trial, make_scenario, random_qkv
-from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers,
+from specattn.backends import (AttentionKind, ForwardBatch, ForwardMode, GraphInputBuffers,
                                MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool,
                                TorchReferenceBackend, UnsupportedConfigError, UnsupportedError,
                                available_backends, create_backend, pack_tree_mask,
@@ -434,6 +434,23 @@ def test_eager_against_reference_with_fake(fake_flashinfer, kind, mode, page_siz
         want = ref.forward(q, k, v, sc.layer, sc.batch, save_kv_cache=False)
         assert out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_stale_metadata_of_another_token_count_is_refused(fake_flashinfer, kind, seed):
+    """Metadata planned for one batch must not serve a batch of the same mode and size with
+    another token count: the planned qo_indptr would send the kernels past q."""
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=64) if kind == "mha" else _mla_kw()
+    sc = make_scenario(ForwardMode.EXTEND, bs=2, extend_lens=[3, 2], rng=random.Random(seed), **kw)
+    be = create_backend("flashinfer", sc.req_pool, sc.kv_pool, workspace_bytes=16)
+    q, k, v = random_qkv(sc)
+    be.init_forward_metadata(sc.batch)
+    be.forward(q, k, v, sc.layer, sc.batch)
+    b = sc.batch
+    other = ForwardBatch.extend(b.req_pool_indices, b.prefix_lens, torch.ones(2, dtype=torch.int32),
+                                b.out_cache_loc[:2])
+    with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
+        be.forward(q[:2], None, None, sc.layer, other, save_kv_cache=False)
 
 
 def test_mla_tree_verify_is_refused(fake_flashinfer):

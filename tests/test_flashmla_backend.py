@@ -251,6 +251,19 @@ def test_eager_against_reference_with_fake(fake_flash_mla, mode, seed):
     assert torch.isfinite(out).all() and rel_err(out, _reference(sc, q, k)) < 1e-5
 
 
+def test_stale_metadata_of_another_token_count_is_refused(fake_flash_mla, seed):
+    """TARGET_VERIFY metadata for 4 drafts per request must not serve a batch of 2 per request."""
+    rng = random.Random(seed)
+    long, short = (mla_scenario(ForwardMode.TARGET_VERIFY, rng, bs=2, D=D, max_prefix=40) for D in (4, 2))
+    for sc in (long, short):
+        sc.batch.tree_mask = chain(sc.batch.num_tokens_per_req, 2, "cpu")
+    be = create_backend("flashmla", long.req_pool, long.kv_pool, topk=1)
+    be.init_forward_metadata(long.batch)
+    q, _, _ = random_qkv(short)
+    with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
+        be.forward(q, None, None, long.layer, short.batch, save_kv_cache=False)
+
+
 def test_chain_promise_is_checked_eagerly(fake_flash_mla):
     sc = mla_scenario(ForwardMode.TARGET_VERIFY, random.Random(1), bs=2, D=4, max_prefix=5)
     be = create_backend("flashmla", sc.req_pool, sc.kv_pool, topk=1)
