@@ -490,7 +490,8 @@ def test_sm90_tree_verify_tma_pages(head_dim, page, seed, monkeypatch):
     tails of last pages too) and stays out of the output; the output equals the
     ``cp.async``-only run (``page_size=1``, in the TMA kernel's tile order:
     ``masked_first=True``) bit for bit and the Triton kernel's within bf16; and the promise
-    is used: a row that breaks the page layout gives another output."""
+    is used: unchecked (``check_bounds=False``), a row that breaks the page layout gives
+    another output; checked, it is refused."""
     import specattn.triton_kernels.attention as attention_mod
     monkeypatch.setattr(attention_mod, "sm90_tree_verify",
                         functools.partial(attention_mod.sm90_tree_verify, masked_first=True))
@@ -529,7 +530,9 @@ def test_sm90_tree_verify_tma_pages(head_dim, page, seed, monkeypatch):
     args_b = (q, kc, vc, broken) + args[4:]
     gathered = paged_attention(*args_b, num_splits=1, sm90=True, pingpong=True)
     assert not torch.equal(gathered, paged_attention(*args_b, num_splits=1, sm90=True, pingpong=True,
-                                                      page_size=page))
+                                                      page_size=page, check_bounds=False))
+    with pytest.raises(ValueError, match="paged layout"):  # checked, the broken promise is refused
+        paged_attention(*args_b, num_splits=1, sm90=True, pingpong=True, page_size=page)
 
 
 # ------------------------------------------------------------------------- end to end
