@@ -650,6 +650,71 @@ def test_fp8_narrow_decode_rule():
         assert 1 <= splits <= MAX_KV_SPLITS
 
 
+def test_wide_decode_split_rule():
+    """An MHA DECODE that 16 splits leave under two programs per SM splits wider, into
+    ``WIDE_SPLIT_CONFIG`` programs about three per SM (at most ``MAX_WIDE_SPLITS``), where the
+    sweep measured it: heads of 128, 2,048+ keys, an H200's bandwidth per SM (bs 1 of 8 KV
+    heads: 48 splits).  Not at bs 2 (16 programs), short prefixes, heads of 64, on an H100, in
+    other modes, nor under a kernel config of the backend's own; over an fp8 cache the narrow
+    programs keep precedence where they apply."""
+    from specattn.backends.triton_backend import (FP8_NARROW_CONFIG, FP8_NARROW_SM_BANDWIDTH, MAX_KV_SPLITS,
+                                                  MAX_WIDE_SPLITS, WIDE_SPLIT_CONFIG, WIDE_SPLIT_KEYS,
+                                                  hbm_bytes_per_s, wide_decode_splits)
+    h100, h200 = (hbm_bytes_per_s(SimpleNamespace(memory_clock_rate=c, memory_bus_width=w))
+                  for c, w in ((2619000, 5120), (3201000, 6016)))
+    assert [wide_decode_splits(8, 132, P, 128, h200) for P in (2047, 2048, 4095, 8191, 100000)] == [0, 48, 48, 48, 48]
+    assert [wide_decode_splits(p, 132, 8191, 128, h200) for p in (1, 4, 12, 15, 16, 32, 0)] == [48, 48, 33, 26, 0, 0, 0]
+    assert wide_decode_splits(8, 132, 8191, 128, h100) == wide_decode_splits(8, 132, 8191, 64, h200) == 0
+    assert wide_decode_splits(8, 0, 8191, 128, h200) == wide_decode_splits(8, 132, 8191, 256, h200) == 0
+    rng = random.Random(seed_value := torch.randint(0, 2**31, ()).item())
+    for _ in range(2000):
+        programs, sms, P = rng.randint(0, 400), rng.randint(0, 200), rng.randint(0, 200000)
+        hd, bw = rng.choice([64, 128, 256]), rng.uniform(0, 8e12)
+        s = wide_decode_splits(programs, sms, P, hd, bw)
+        assert s == 0 or (MAX_KV_SPLITS < s <= MAX_WIDE_SPLITS and P >= WIDE_SPLIT_KEYS and hd == 128
+                          and bw >= FP8_NARROW_SM_BANDWIDTH * sms and programs * MAX_KV_SPLITS < 2 * sms
+                          and programs * s <= 3 * sms), (seed_value, programs, sms, P, hd, bw, s)
+
+    def plan(mode=ForwardMode.DECODE, dtype=torch.float32, q_dtype=torch.float32, bs=1, max_prefix=8191,
+             bandwidth=h200, head_dim=128, **kw):
+        sc = make_scenario(mode, bs=bs, device="cpu", dtype=dtype, max_prefix=20, D=2, num_heads=32,
+                           num_kv_heads=8, head_dim=head_dim)
+        be = TritonBackend(sc.req_pool, sc.kv_pool, **kw)
+        be.init_forward_metadata(sc.batch)
+        be._num_sms, be._hbm_bytes_per_s = 132, bandwidth
+        be.forward_metadata.max_prefix = max_prefix
+        return be._num_splits(be.forward_metadata, sc.layer, q_dtype)
+
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    assert plan() == (48, WIDE_SPLIT_CONFIG)                          # bs 1 x 8 KV heads of 128
+    assert plan(dtype=fp8, q_dtype=bf16) == (48, WIDE_SPLIT_CONFIG)   # narrow: 16 splits of 512 keys, too short
+    assert plan(dtype=fp8, q_dtype=bf16, max_prefix=40000) == (16, FP8_NARROW_CONFIG)
+    for kw in (dict(bs=2), dict(max_prefix=2047), dict(bandwidth=h100), dict(head_dim=64),
+               dict(mode=ForwardMode.TARGET_VERIFY), dict(kernel_config={"num_warps": 4})):
+        splits, config = plan(**kw)
+        assert config is not WIDE_SPLIT_CONFIG and 1 <= splits <= MAX_KV_SPLITS, kw
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_wide_split_config_matches_reference(device, seed):
+    """The programs of wide DECODE splits (``WIDE_SPLIT_CONFIG``) in up to ``MAX_WIDE_SPLITS``
+    splits against the reference: heads of 128, GQA 4, pages of 1 and 16, prefixes across
+    64-key tile edges (on the CPU short ones, so that most splits hold no key and exit at
+    once); on a GPU bf16 and fp8 caches over thousands of keys."""
+    from specattn.backends.triton_backend import MAX_WIDE_SPLITS, WIDE_SPLIT_CONFIG
+    from triton_cases import check as check_cfg
+    rng = random.Random(seed)
+    dtypes = [torch.float32] if device == "cpu" else [torch.bfloat16, torch.float8_e4m3fn]
+    for dtype in dtypes:
+        for page_size in (1, 16):
+            hkv = rng.choice([1, 2]) if device == "cpu" else rng.choice([2, 8])
+            sc = make_scenario(ForwardMode.DECODE, bs=rng.randint(1, 2), page_size=page_size, device=device,
+                               dtype=dtype, num_kv_heads=hkv, num_heads=4 * hkv, head_dim=128,
+                               max_prefix=rng.choice([70, 130]) if device == "cpu" else rng.choice([2100, 5000]),
+                               rng=rng)
+            check_cfg(sc, splits=rng.choice([33, MAX_WIDE_SPLITS]), kernel_config=dict(WIDE_SPLIT_CONFIG))
+
+
 def test_mla_splits_are_whole_tiles_and_never_empty():
     """The MLA split count: the occupancy limit, two 64-key tiles a split at least, and as
     even as whole tiles allow, so that no split of the kernels' ``cdiv(cdiv(P, S), 64) * 64``
