@@ -199,6 +199,45 @@ class AttentionBackend(ABC):
                 self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k)
         return self._forward(q, layer, batch)
 
+    def _check_batch_reads(self, batch: ForwardBatch, prefix_lens: torch.Tensor,
+                           extend_lens: torch.Tensor) -> None:
+        """Eager metadata's check of what the kernels will read, with one host read:
+        ``prefix_lens`` / ``extend_lens`` are the host (CPU) lengths the metadata is built from
+        (``[bs]`` integer tensors) and must equal the batch's device tensors; every request's
+        ``P + n`` positions must fit ``req_to_token``'s width, its ``req_pool_indices`` row must
+        be a row of it, and every slot those positions map to must lie in the KV pool.
+
+        Raises:
+            ValueError: the first violation, named.
+        """
+        bs = batch.batch_size
+        if not bs:
+            return
+        dev = batch.device
+        rtt = self.req_to_token_pool.req_to_token
+        ends_host = prefix_lens.long() + extend_lens.long()
+        max_kv = int(ends_host.max())
+        if max_kv > rtt.shape[1]:
+            raise ValueError(f"a request needs {max_kv} KV positions, req_to_token has {rtt.shape[1]}")
+        rows = batch.req_pool_indices
+        ends = ends_host.to(dev)
+        width = max(max_kv, 1)
+        used = torch.arange(width, device=dev)[None, :] < ends[:, None]
+        slots = rtt[rows.clamp(0, rtt.shape[0] - 1), :width].long()
+        big = torch.iinfo(torch.int64).max
+        stale = ((batch.prefix_lens.long() != prefix_lens.to(dev).long()).any()
+                 | (batch.extend_lens.long() != extend_lens.to(dev).long()).any())
+        lo, hi, s_lo, s_hi, stale = torch.stack((rows.min(), rows.max(), torch.where(used, slots, big).min(),
+                                                 torch.where(used, slots, -1).max(), stale.long())).tolist()
+        if stale:
+            raise ValueError("the batch's host copies of prefix_lens / extend_lens differ from its tensors")
+        if lo < 0 or hi >= rtt.shape[0]:
+            raise ValueError(f"req_pool_indices must be in [0, {rtt.shape[0]}), got [{lo}, {hi}]")
+        num_slots = self.kv_pool.get_key_buffer(0).shape[0]
+        if s_hi >= 0 and (s_lo < 0 or s_hi >= num_slots):
+            raise ValueError(f"req_to_token holds slots [{s_lo}, {s_hi}] for this batch, outside the "
+                             f"KV pool's [0, {num_slots})")
+
     def _check_layer_fits_pool(self, layer: AttentionLayer) -> None:
         """ValueError unless ``layer`` has a layer of the pool and its dims: ``layer_id`` in
         ``[0, layer_num)``; MHA the pool's KV heads, ``head_dim`` and ``v_head_dim``; MLA its

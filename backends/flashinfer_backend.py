@@ -293,6 +293,8 @@ class _Host:
     layout: PagedKVLayout
     num_pages: int
     mask_bytes: int
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
 
 
 @dataclass
@@ -490,7 +492,7 @@ class FlashInferBackend(AttentionBackend):
         mask_bytes = 0
         if mode.is_target_verify() and self.kind == AttentionKind.MHA:
             mask_bytes = int(flashinfer_mask_bytes(P, batch.num_tokens_per_req).sum())
-        return _Host(layout, layout.num_pages, mask_bytes)
+        return _Host(layout, layout.num_pages, mask_bytes, P, n)
 
     def _build(self, batch: ForwardBatch, host: _Host, md: FlashInferMetadata,
                g: Optional[_GraphBuffers]) -> FlashInferMetadata:
@@ -523,8 +525,9 @@ class FlashInferBackend(AttentionBackend):
 
         Raises:
             UnsupportedError: MLA tree TARGET_VERIFY.  ValueError: a request longer than
-            ``req_to_token``, an EXTEND request with no token, or (MLA, ``topk=1``) a
-            TARGET_VERIFY mask that is not a chain.
+            ``req_to_token``, an EXTEND request with no token, (MLA, ``topk=1``) a
+            TARGET_VERIFY mask that is not a chain, a ``req_pool_indices`` row or a slot out
+            of range, or stale host copies of the lengths (one more host read).
         """
         mode = batch.forward_mode
         self._require(mode, graph=False)
@@ -538,7 +541,9 @@ class FlashInferBackend(AttentionBackend):
             if not torch.equal(batch.tree_mask, chain.expand_as(batch.tree_mask)):
                 raise ValueError("topk=1 promised chains, but the TARGET_VERIFY tree mask is not one")
         md.wrapper = self._eager_wrapper(mode)
-        self._build(batch, self._host(batch), md, None)
+        host = self._host(batch)
+        self._check_batch_reads(batch, host.prefix_lens, host.extend_lens)
+        self._build(batch, host, md, None)
         if self._key is not None:
             self._plan(md, self._key)
 

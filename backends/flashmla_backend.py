@@ -230,12 +230,15 @@ class FlashMLABackend(AttentionBackend):
             md.cache_seqlens.copy_(kv_lens)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Eager metadata (device ops; the scheduler metadata follows at the first forward).
+        """Eager metadata (one host read checks the batch; the scheduler metadata follows at the
+        first forward).
 
         Raises:
             UnsupportedError: a mode FlashMLA does not run (see :meth:`supports`).
             ValueError: ``topk=1`` but the TARGET_VERIFY mask is not a chain (checked with one
-            host read, eager only).
+            host read, eager only); a request longer than ``req_to_token``, a
+            ``req_pool_indices`` row or a slot out of range, or stale host copies of the
+            lengths (one host read).
         """
         mode = batch.forward_mode
         self._require(mode, graph=False)
@@ -248,6 +251,12 @@ class FlashMLABackend(AttentionBackend):
         if mode.is_target_verify() and not torch.equal(
                 batch.tree_mask, chain_tree_mask(md.s_q, batch.device).expand_as(batch.tree_mask)):
             raise ValueError("topk=1 promised chains, but the TARGET_VERIFY tree mask is not one")
+        P = batch.prefix_lens_cpu if batch.prefix_lens_cpu is not None else batch.prefix_lens.cpu()
+        n = batch.extend_lens_cpu if batch.extend_lens_cpu is not None else batch.extend_lens.cpu()
+        if P.shape != (md.batch_size,) or n.shape != (md.batch_size,):
+            raise ValueError(f"the batch's host copies of prefix_lens / extend_lens must be "
+                             f"[{md.batch_size}], got {list(P.shape)} / {list(n.shape)}")
+        self._check_batch_reads(batch, P, n)
         self._fill(batch, md, None)
 
     def init_graph_buffers(self, capacity: GraphCapacity) -> None:

@@ -401,29 +401,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError("DECODE needs extend_lens == 1")
         max_q = int(n.max()) if bs else 0
         max_prefix = int(P.max()) if bs else 0
-        max_kv = int((P.long() + n.long()).max()) if bs else 0
-        rtt = self.req_to_token_pool.req_to_token
-        if max_kv > self.req_to_token_pool.max_context_len:
-            raise ValueError(f"a request needs {max_kv} KV positions, req_to_token has "
-                             f"{self.req_to_token_pool.max_context_len}")
-        if bs:   # rows, and the slots of every position the kernels read: one host read
-            rows = batch.req_pool_indices
-            ends = (P.long() + n.long()).to(dev)
-            used = torch.arange(max(max_kv, 1), device=dev)[None, :] < ends[:, None]
-            slots = rtt[rows.clamp(0, rtt.shape[0] - 1), :max(max_kv, 1)].long()
-            big = torch.iinfo(torch.int64).max
-            stale = ((batch.prefix_lens.long() != P.to(dev).long()).any()
-                     | (batch.extend_lens.long() != n.to(dev).long()).any())
-            lo, hi, s_lo, s_hi, stale = torch.stack((rows.min(), rows.max(), torch.where(used, slots, big).min(),
-                                                     torch.where(used, slots, -1).max(), stale.long())).tolist()
-            if stale:
-                raise ValueError("the batch's host copies of prefix_lens / extend_lens differ from its tensors")
-            if lo < 0 or hi >= rtt.shape[0]:
-                raise ValueError(f"req_pool_indices must be in [0, {rtt.shape[0]}), got [{lo}, {hi}]")
-            num_slots = self.kv_pool.get_key_buffer(0).shape[0]
-            if s_hi >= 0 and (s_lo < 0 or s_hi >= num_slots):
-                raise ValueError(f"req_to_token holds slots [{s_lo}, {s_hi}] for this batch, outside the "
-                                 f"KV pool's [0, {num_slots})")
+        self._check_batch_reads(batch, P, n)
         tm = None
         if mode.is_target_verify():
             D = batch.num_tokens_per_req

@@ -25,6 +25,7 @@ every mode, MHA and MLA, eager and graph metadata, against attention over the de
 modules: fa2 batch-prefill (q bf16, kv e4m3, head_dim 64 / 128), (q fp16, kv e4m3, 128) and
 batch-MLA (bf16, e4m3, 512, 64).
 """
+import dataclasses
 import random
 import subprocess
 import sys
@@ -451,6 +452,29 @@ def test_stale_metadata_of_another_token_count_is_refused(fake_flashinfer, kind,
                                 b.out_cache_loc[:2])
     with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
         be.forward(q[:2], None, None, sc.layer, other, save_kv_cache=False)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_eager_metadata_refuses_rows_slots_and_stale_lengths(fake_flashinfer, kind, seed):
+    """What the plan and the kernels would read is checked before either runs: a
+    ``req_pool_indices`` row past ``req_to_token``, a slot past the KV pool, host copies of the
+    lengths that differ from the tensors."""
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=64) if kind == "mha" else _mla_kw()
+    sc = make_scenario(ForwardMode.EXTEND, bs=2, extend_lens=[3, 2], rng=random.Random(seed), **kw)
+    be = create_backend("flashinfer", sc.req_pool, sc.kv_pool, workspace_bytes=16)
+    b = sc.batch
+    rtt = sc.req_pool.req_to_token
+    with pytest.raises(ValueError, match="host copies"):
+        be.init_forward_metadata(dataclasses.replace(b, prefix_lens=b.prefix_lens + 1))
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        be.init_forward_metadata(dataclasses.replace(b, req_pool_indices=b.req_pool_indices.clone().fill_(rtt.shape[0])))
+    r0, p0 = int(b.req_pool_indices[1]), int(b.prefix_lens[1])
+    saved = int(rtt[r0, p0])
+    rtt[r0, p0] = sc.kv_pool.get_key_buffer(0).shape[0]                # one past the pool
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        be.init_forward_metadata(b)
+    rtt[r0, p0] = saved
+    be.init_forward_metadata(b)                                         # the batch itself is fine
 
 
 def test_mla_tree_verify_is_refused(fake_flashinfer):

@@ -18,6 +18,7 @@ graph (capture at a padded bs, replay smaller, outputs poisoned, replay under
 page_size 64, 512 + 64 latents, 16 / 64 / 128 heads, bf16; tree verify / EXTEND /
 DRAFT_EXTEND_V2 routed to the Triton backend over the same pools.
 """
+import dataclasses
 import os
 import random
 import sys
@@ -262,6 +263,27 @@ def test_stale_metadata_of_another_token_count_is_refused(fake_flash_mla, seed):
     q, _, _ = random_qkv(short)
     with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
         be.forward(q, None, None, long.layer, short.batch, save_kv_cache=False)
+
+
+def test_eager_metadata_refuses_rows_slots_and_stale_lengths(fake_flash_mla, seed):
+    """A decode's ``req_pool_indices`` row past ``req_to_token``, a slot past the KV pool, and
+    host copies of the lengths that differ from the tensors are refused before the block
+    table is built."""
+    sc = mla_scenario(ForwardMode.DECODE, random.Random(seed), bs=2, max_prefix=70)
+    be = create_backend("flashmla", sc.req_pool, sc.kv_pool)
+    b = sc.batch
+    rtt = sc.req_pool.req_to_token
+    with pytest.raises(ValueError, match="host copies"):
+        be.init_forward_metadata(dataclasses.replace(b, prefix_lens=b.prefix_lens + 1))
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        be.init_forward_metadata(dataclasses.replace(b, req_pool_indices=b.req_pool_indices.clone().fill_(-1)))
+    r0, p0 = int(b.req_pool_indices[0]), int(b.prefix_lens[0])
+    saved = int(rtt[r0, p0])
+    rtt[r0, p0] = -1
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        be.init_forward_metadata(b)
+    rtt[r0, p0] = saved
+    be.init_forward_metadata(b)
 
 
 def test_chain_promise_is_checked_eagerly(fake_flash_mla):
