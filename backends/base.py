@@ -18,7 +18,10 @@ In graph mode ``batch`` is the graph runner's padded batch over its static input
 size; padded requests have ``prefix_lens = 0``, write their KV to the reserved slot 0 and their
 outputs are discarded.
 
-Callers ask ``supports(mode, graph=..., kind=...)`` before calling.
+Callers ask ``supports(mode, graph=..., kind=...)`` before calling.  Eager metadata checks,
+with one host read, that every row and slot its kernels will read lies in ``req_to_token``
+and the KV pool and that the batch's host copies of the lengths are current; a ``forward``
+on a batch of another mode, size or token count than the metadata's raises.
 """
 from __future__ import annotations
 

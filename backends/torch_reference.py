@@ -34,6 +34,8 @@ class RefMetadata:
     q_index: torch.Tensor
     kv_slots: torch.Tensor
     mask: torch.Tensor
+    mode: Optional[ForwardMode] = None   # the batch's mode and token count: a forward on
+    num_tokens: Optional[int] = None     # another batch is refused
 
 
 def build_reference_metadata(req_to_token: torch.Tensor, batch: ForwardBatch, max_q: int,
@@ -58,7 +60,7 @@ def build_reference_metadata(req_to_token: torch.Tensor, batch: ForwardBatch, ma
     else:  # EXTEND, DECODE, DRAFT_EXTEND_V2: causal among the new tokens
         visible = visible | ((rel >= 0) & (rel <= j[None, :, None]))
     mask = visible & q_valid[:, :, None] & (rel < n[:, None, None])
-    return RefMetadata(q_index, kv_slots, mask)
+    return RefMetadata(q_index, kv_slots, mask, batch.forward_mode, T)
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -108,6 +110,7 @@ class TorchReferenceBackend(AttentionBackend):
         if max_kv > self.req_to_token_pool.max_context_len:
             raise ValueError(f"a request needs {max_kv} KV positions, req_to_token has "
                              f"{self.req_to_token_pool.max_context_len}")
+        self._check_batch_reads(batch, P, n)
         self.forward_metadata = build_reference_metadata(
             self.req_to_token_pool.req_to_token, batch, max_q, max_kv)
 
@@ -127,7 +130,7 @@ class TorchReferenceBackend(AttentionBackend):
         md = build_reference_metadata(self.req_to_token_pool.req_to_token, batch, max_q, W)
         static = RefMetadata(self._g_q_index[:bs * max_q].view(bs, max_q),
                              self._g_kv_slots[:bs * W].view(bs, W),
-                             self._g_mask[:bs * max_q * W].view(bs, max_q, W))
+                             self._g_mask[:bs * max_q * W].view(bs, max_q, W), md.mode, md.num_tokens)
         static.q_index.copy_(md.q_index)
         static.kv_slots.copy_(md.kv_slots)
         static.mask.copy_(md.mask)
@@ -144,7 +147,8 @@ class TorchReferenceBackend(AttentionBackend):
     # --------------------------------------------------------------- forward
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         md: Optional[RefMetadata] = self.forward_metadata
-        if md is None:
+        if (md is None or md.mode != batch.forward_mode or md.q_index.shape[0] != batch.batch_size
+                or md.num_tokens != batch.num_tokens):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         k_cache = self.kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.kv_pool.get_value_buffer(layer.layer_id)

@@ -1,13 +1,14 @@
 """TorchReferenceBackend against an independent naive formula, every mode x kind x page size,
 eager and the graph builders (capture/replay metadata paths; real CUDA graphs on GPU)."""
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from scenarios import load_trial, make_scenario, naive_attention, random_qkv
-from specattn.backends import (AttentionKind, ForwardMode, GraphInputBuffers, TorchReferenceBackend,
-                               UnsupportedError)
+from specattn.backends import (AttentionKind, ForwardBatch, ForwardMode, GraphInputBuffers,
+                               TorchReferenceBackend, UnsupportedError)
 
 MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
 GRAPH_MODES = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
@@ -85,6 +86,31 @@ def test_bad_inputs_raise():
         be.forward(q, k, v, sc.layer, sc.batch)
     assert all(torch.equal(a, b) for a, b in zip(before, sc.kv_pool.buffers))
     sc.batch.out_cache_loc.copy_(bad)
+
+
+def test_stale_metadata_and_unreadable_slots_are_refused(seed):
+    """A forward on a batch of another token count than the metadata's raises, and eager
+    metadata refuses a slot past the KV pool and stale host copies of the lengths."""
+    rng = random.Random(seed)
+    sc = make_scenario(ForwardMode.EXTEND, bs=2, extend_lens=[3, 2], rng=rng)
+    be = TorchReferenceBackend(sc.req_pool, sc.kv_pool)
+    b = sc.batch
+    be.init_forward_metadata(b)
+    other = ForwardBatch.extend(b.req_pool_indices, b.prefix_lens, torch.ones(2, dtype=torch.int32),
+                                b.out_cache_loc[:2])
+    q = torch.randn(2, sc.layer.num_heads, sc.layer.head_dim)
+    with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
+        be.forward(q, None, None, sc.layer, other, save_kv_cache=False)
+    with pytest.raises(ValueError, match="host copies"):
+        be.init_forward_metadata(dataclasses.replace(b, extend_lens=b.extend_lens.flip(0)))
+    rtt = sc.req_pool.req_to_token
+    r0, p0 = int(b.req_pool_indices[0]), int(b.prefix_lens[0])
+    saved = int(rtt[r0, p0])
+    rtt[r0, p0] = sc.kv_pool.num_slots
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        be.init_forward_metadata(b)
+    rtt[r0, p0] = saved
+    be.init_forward_metadata(b)
 
 
 def test_supports():
