@@ -13,7 +13,11 @@ caches in fp8 e4m3 (the bf16 draws rounded once, scale 1.0; extend has no fp8 pa
 skipped) and adds 256-key tiles to the MHA grid (an fp8 key is half a bf16 key's bytes).
 
 Every config is checked against the default config's output first (relative error < 2e-2),
-so a config that miscompiles is reported, not timed.
+so a config that miscompiles is reported, not timed.  Each config runs at the backend's base
+split count (SM occupancy bounded by ``split_keys_mha``); the backend's coupled rules, which
+pick a split count together with a config of their own (``fp8_narrow_splits``,
+``wide_decode_splits``), are not applied here; the bench cases, which run the backend, time
+them.
 """
 from __future__ import annotations  # noqa: I001
 
