@@ -68,8 +68,10 @@ def test_measure_engine_on_a_tiny_model(tmp_path, seed):
 
 def test_measure_engine_retimes_a_stalled_row(tmp_path, seed, monkeypatch):
     """A GPU busy fraction under the bound (here: a profiler that reports almost no kernel
-    time) times the row once more and keeps the faster timing; the first one's figures stay
-    in ``retimed``, and the markdown names the row.  Bound 0: never re-timed."""
+    time) times the row once more and keeps the timing with the shorter step (``step_ms``;
+    its tokens/s comes from the same timing, which includes the prefill, so it need not be
+    the higher one); the first one's figures stay in ``retimed``, and the markdown names the
+    row.  Bound 0: never re-timed."""
     cfg, w = tiny_llama(tmp_path, seed, vocab=96)
     prompts = random_prompts(seed, 96, n=3)
     eng = Engine(cfg, dict(w), spec=SpecConfig("eagle", 1, 3, 4, 2), max_batch=2, max_context=64)
@@ -79,7 +81,9 @@ def test_measure_engine_retimes_a_stalled_row(tmp_path, seed, monkeypatch):
     row, outs = e2e.measure_engine(eng, [prompts], 9, profile=True, retime_below_busy=0.5)
     first = row["retimed"]
     assert set(first) == {"tokens_per_s", "step_ms", "gpu_busy"} and first["gpu_busy"] < 0.5
-    assert row["step_ms"] <= first["step_ms"] and row["tokens_per_s"] >= first["tokens_per_s"]
+    assert row["step_ms"] <= first["step_ms"]
+    if row["step_ms"] == first["step_ms"]:     # the first timing kept, whole
+        assert row["tokens_per_s"] == first["tokens_per_s"]
     assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
     assert row["gpu_busy"] == pytest.approx(row["kernel_ms_per_step"] / row["step_ms"])
     assert row["tokens"] == 3 * 9 and all(len(o) == 9 for o in outs)
