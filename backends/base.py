@@ -202,6 +202,22 @@ class AttentionBackend(ABC):
                 self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k)
         return self._forward(q, layer, batch)
 
+    @staticmethod
+    def _host_lens(batch: ForwardBatch) -> tuple:
+        """``(prefix_lens, extend_lens)`` on the host: the batch's CPU copies where it carries
+        them, else one read of its device tensors; each must be ``[bs]``.
+
+        Raises:
+            ValueError: a host copy of another shape.
+        """
+        P = batch.prefix_lens_cpu if batch.prefix_lens_cpu is not None else batch.prefix_lens.cpu()
+        n = batch.extend_lens_cpu if batch.extend_lens_cpu is not None else batch.extend_lens.cpu()
+        bs = batch.batch_size
+        if P.shape != (bs,) or n.shape != (bs,):
+            raise ValueError(f"the batch's host copies of prefix_lens / extend_lens must be [{bs}], got "
+                             f"{list(P.shape)} / {list(n.shape)}")
+        return P, n
+
     def _check_batch_reads(self, batch: ForwardBatch, prefix_lens: torch.Tensor,
                            extend_lens: torch.Tensor) -> None:
         """Eager metadata's check of what the kernels will read, with one host read:

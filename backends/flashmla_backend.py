@@ -251,12 +251,7 @@ class FlashMLABackend(AttentionBackend):
         if mode.is_target_verify() and not torch.equal(
                 batch.tree_mask, chain_tree_mask(md.s_q, batch.device).expand_as(batch.tree_mask)):
             raise ValueError("topk=1 promised chains, but the TARGET_VERIFY tree mask is not one")
-        P = batch.prefix_lens_cpu if batch.prefix_lens_cpu is not None else batch.prefix_lens.cpu()
-        n = batch.extend_lens_cpu if batch.extend_lens_cpu is not None else batch.extend_lens.cpu()
-        if P.shape != (md.batch_size,) or n.shape != (md.batch_size,):
-            raise ValueError(f"the batch's host copies of prefix_lens / extend_lens must be "
-                             f"[{md.batch_size}], got {list(P.shape)} / {list(n.shape)}")
-        self._check_batch_reads(batch, P, n)
+        self._check_batch_reads(batch, *self._host_lens(batch))
         self._fill(batch, md, None)
 
     def init_graph_buffers(self, capacity: GraphCapacity) -> None:

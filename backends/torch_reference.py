@@ -103,14 +103,10 @@ class TorchReferenceBackend(AttentionBackend):
         if batch.forward_mode.is_idle():
             self.forward_metadata = None
             return
-        P = batch.prefix_lens_cpu if batch.prefix_lens_cpu is not None else batch.prefix_lens.cpu()
-        n = batch.extend_lens_cpu if batch.extend_lens_cpu is not None else batch.extend_lens.cpu()
+        P, n = self._host_lens(batch)
+        self._check_batch_reads(batch, P, n)   # also: P + n within req_to_token's width
         max_q = int(n.max()) if len(n) else 0
         max_kv = int((P + n).max()) if len(n) else 0
-        if max_kv > self.req_to_token_pool.max_context_len:
-            raise ValueError(f"a request needs {max_kv} KV positions, req_to_token has "
-                             f"{self.req_to_token_pool.max_context_len}")
-        self._check_batch_reads(batch, P, n)
         self.forward_metadata = build_reference_metadata(
             self.req_to_token_pool.req_to_token, batch, max_q, max_kv)
 

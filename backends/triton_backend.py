@@ -387,12 +387,8 @@ class TritonBackend(AttentionBackend):
             self.forward_metadata = None
             return
         bs, dev = batch.batch_size, batch.device
-        P = batch.prefix_lens_cpu if batch.prefix_lens_cpu is not None else batch.prefix_lens.cpu()
-        n = batch.extend_lens_cpu if batch.extend_lens_cpu is not None else batch.extend_lens.cpu()
         _check_batch_layout(batch, batch.num_tokens_per_req or 1)
-        if P.shape != (bs,) or n.shape != (bs,):
-            raise ValueError(f"the batch's host copies of prefix_lens / extend_lens must be [{bs}], got "
-                             f"{list(P.shape)} / {list(n.shape)}")
+        P, n = self._host_lens(batch)
         if bs and (int(P.min()) < 0 or int(n.min()) < 0):
             raise ValueError("prefix_lens and extend_lens must be >= 0")
         if int(n.sum()) != batch.num_tokens:
