@@ -79,7 +79,8 @@ over 200 keys in eight splits 4.5 us).
 An fp8 cache read by 16-bit queries, at decode-sized rows (at most 16 per KV head) and
 long prefixes, runs 2-warp programs split to about four per SM instead
 (:func:`fp8_narrow_splits`: heads of up to 64, or of 128 on GPUs with H200-class bandwidth per
-SM).  A DECODE that even 16 splits leave under two programs per SM (bs 1 with 8 KV heads),
+SM); on GPUs with H200-class bandwidth per SM, a DECODE with enough programs runs 1-warp
+programs of 32-key tiles, about eight per SM, ahead of them (:func:`fp8_single_warp_splits`).  A DECODE that even 16 splits leave under two programs per SM (bs 1 with 8 KV heads),
 over 2,048+ keys, splits wider into 2-warp programs of 64 keys, about three per SM
 (:func:`wide_decode_splits`: heads of 128 on GPUs with H200-class bandwidth per SM).
 ``num_kv_splits=`` forces a count (tests, sweeps).  EXTEND never splits.
@@ -122,6 +123,10 @@ FP8_NARROW_KEYS = 2048   # fp8 MHA decode: prefix keys a program from which 2-wa
 FP8_NARROW_WAVES = 4     # ... and the programs per SM they are split to
 FP8_NARROW_SM_BANDWIDTH = 30e9   # HBM bytes/s per SM from which they win at head_dim 128 too
 FP8_NARROW_CONFIG = {"block_m": 16, "block_n": 128, "num_warps": 2, "num_stages": 2}
+FP8_SINGLE_WARP_CONFIG = {"block_m": 16, "block_n": 32, "num_warps": 1, "num_stages": 4}
+FP8_SINGLE_WARP_WAVES = 8       # fp8 MHA decode on H200-class GPUs: 1-warp programs per SM
+FP8_SINGLE_WARP_MIN_WAVES = 6   # ... taken only where MAX_KV_SPLITS splits reach this many
+FP8_SINGLE_WARP_KEYS = 512      # ... and each program reads at least this many prefix keys
 WIDE_SPLIT_KEYS = 2048   # MHA decode under one wave of programs: prefix keys from which it splits wider
 WIDE_SPLIT_WAVES = 3     # ... into about this many 2-warp programs per SM
 MAX_WIDE_SPLITS = 48
@@ -208,6 +213,37 @@ def fp8_narrow_splits(programs: int, num_sms: int, max_prefix: int, head_dim: in
         return 0
     splits = max(1, min(MAX_KV_SPLITS, (FP8_NARROW_WAVES * num_sms) // programs))
     return splits if max_prefix // splits >= FP8_NARROW_KEYS else 0
+
+
+def fp8_single_warp_splits(programs: int, num_sms: int, max_prefix: int, head_dim: int,
+                           hbm_bytes_per_s: float) -> int:
+    """The split count at which an fp8-cache MHA DECODE runs ``FP8_SINGLE_WARP_CONFIG``
+    (1-warp, 4-stage programs of 16 rows x 32 keys), or 0 where it does not apply.
+
+    Arguments as :func:`fp8_narrow_splits`.  The count is the one nearest to
+    ``FP8_SINGLE_WARP_WAVES`` programs per SM (at most ``MAX_KV_SPLITS``); the rule applies
+    on a GPU with at least ``FP8_NARROW_SM_BANDWIDTH`` bytes/s of DRAM per SM, for heads of up
+    to 128, where ``MAX_KV_SPLITS`` splits reach ``FP8_SINGLE_WARP_MIN_WAVES`` programs per SM
+    and a split still holds ``FP8_SINGLE_WARP_KEYS`` keys (``cdiv(max_prefix, splits)``).  Such a decode is paced by the
+    byte-wide shared-memory reads of its value tiles (``docs/attention.md``), not by DRAM:
+    one warp a program with a deep pipeline of small tiles keeps the most of them in flight
+    per SM.  Measured in CUDA graphs, page 16, on an H200 (37 GB/s per SM), interleaved, the
+    default before this rule -> these programs: Llama-3-8B GQA (32 / 8 heads of 128) bs 32 x
+    8,192 keys 166.9 -> 155.3 us (the bf16 cache 248.3), bs 128 x 8,192 653.6 -> 574.5
+    (964.1), bs 64 x 4,096 179.5 -> 159.5, bs 16 x 16,384 164.6 -> 154.0, bs 8 x 8,192 (16
+    splits of 512 keys) 58.1 -> 51.1, bs 64 x 2,048 104.8 -> 89.5; heads of 64: 9 / 3 heads
+    at bs 64 x 8,192 keys 102.5 -> 80.2, 32 / 8 at bs 32 x 4,096 73.3 -> 60.5.  About four
+    programs per SM were slower than the default (1-warp programs of 64 keys at bs 32 x 8,192
+    keys: 184.1 us), and 1-warp programs of 128-key tiles far slower (273.6).  A bf16
+    cache ran slower in 1-warp programs at heads of 128 (275.3 against 248.3 us).  GPUs with
+    less bandwidth per SM (H100) are unmeasured, hence left out.  Returns an int."""
+    if programs <= 0 or num_sms <= 0 or head_dim > 128 or hbm_bytes_per_s < FP8_NARROW_SM_BANDWIDTH * num_sms:
+        return 0
+    if programs * MAX_KV_SPLITS < FP8_SINGLE_WARP_MIN_WAVES * num_sms:
+        return 0
+    target = 2 * FP8_SINGLE_WARP_WAVES * num_sms
+    splits = max(1, min(MAX_KV_SPLITS, (target + programs) // (2 * programs)))   # rounded to nearest
+    return splits if -(-max_prefix // splits) >= FP8_SINGLE_WARP_KEYS else 0
 
 
 def split_keys_mha(programs: int, rows: int, block_m: int) -> int:
@@ -480,8 +516,9 @@ class TritonBackend(AttentionBackend):
     def _num_splits(self, md: TritonMetadata, layer: AttentionLayer, q_dtype: torch.dtype
                     ) -> tuple[int, dict]:
         """The split-KV count of this forward and the kernel config it runs with (the
-        backend's ``kernel_config``, :data:`FP8_NARROW_CONFIG` where :func:`fp8_narrow_splits`
-        picks it, or :data:`WIDE_SPLIT_CONFIG` where :func:`wide_decode_splits` does)."""
+        backend's ``kernel_config``, :data:`FP8_SINGLE_WARP_CONFIG` where
+        :func:`fp8_single_warp_splits` picks it, :data:`FP8_NARROW_CONFIG` where
+        :func:`fp8_narrow_splits` does, or :data:`WIDE_SPLIT_CONFIG` where :func:`wide_decode_splits` does)."""
         if md.mode == ForwardMode.EXTEND:
             return 1, self._config(md.mode)
         if self.num_kv_splits is not None:
@@ -513,6 +550,10 @@ class TritonBackend(AttentionBackend):
             return splits, self._config(md.mode)
         if self.kind == AttentionKind.MLA:
             return mla_splits(splits, md.max_prefix), self._config(md.mode)
+        if fp8_cast and md.mode == ForwardMode.DECODE and rows <= FP8_SINGLE_WARP_CONFIG["block_m"] and not cfg:
+            single = fp8_single_warp_splits(programs, self._num_sms, md.max_prefix, width, self._hbm_bytes_per_s)
+            if single:
+                return single, FP8_SINGLE_WARP_CONFIG
         if fp8_cast and rows <= FP8_NARROW_CONFIG["block_m"] and not cfg:
             narrow = fp8_narrow_splits(programs, self._num_sms, md.max_prefix, width, self._hbm_bytes_per_s)
             if narrow:

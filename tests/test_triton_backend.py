@@ -695,6 +695,82 @@ def test_wide_decode_split_rule():
         assert config is not WIDE_SPLIT_CONFIG and 1 <= splits <= MAX_KV_SPLITS, kw
 
 
+def test_fp8_single_warp_decode_rule():
+    """fp8-cache MHA DECODE on an H200-class GPU runs 1-warp programs
+    (``FP8_SINGLE_WARP_CONFIG``) split to the count nearest eight programs per SM, where the
+    sweep measured them winning (132 SMs, 8 KV heads of 128: bs 8 / 16 / 32 / 64 / 128 over
+    8,192 / 16,384 / 8,192 / 2,048-8,192 / 8,192 keys; 3 or 8 KV heads of 64) and not where
+    it did not run them: a bs-1 / bs-4 decode (too few programs even in 16 splits), fewer than
+    512 keys a program, an H100, heads over 128, a bf16 cache, a verify, or under a kernel
+    config of the backend's own.  Elsewhere the narrow and wide rules stay as before."""
+    from specattn.backends.triton_backend import (FP8_NARROW_CONFIG, FP8_NARROW_SM_BANDWIDTH, FP8_SINGLE_WARP_CONFIG,
+                                                  FP8_SINGLE_WARP_KEYS, FP8_SINGLE_WARP_MIN_WAVES, MAX_KV_SPLITS,
+                                                  WIDE_SPLIT_CONFIG, fp8_single_warp_splits, hbm_bytes_per_s)
+    h100, h200 = (hbm_bytes_per_s(SimpleNamespace(memory_clock_rate=c, memory_bus_width=w))
+                  for c, w in ((2619000, 5120), (3201000, 6016)))
+    # (programs, keys) of the sweep's points -> the split counts it ran
+    points = ((256, 8191), (1024, 8191), (512, 4095), (128, 16383), (64, 8191), (512, 2047), (192, 8191), (256, 4095))
+    assert [fp8_single_warp_splits(p, 132, P, 128, h200) for p, P in points] == [4, 1, 2, 8, 16, 2, 6, 4]
+    assert [fp8_single_warp_splits(p, 132, P, 64, h200) for p, P in points[-2:]] == [6, 4]
+    assert [fp8_single_warp_splits(p, 132, P, 128, h100) for p, P in points] == [0] * len(points)
+    assert [fp8_single_warp_splits(p, 132, P, 128, h200) for p, P in ((8, 8191), (32, 8191), (49, 100000), (256, 1023),
+                                                                      (1024, 511), (0, 8191), (64, 0))] == [0] * 7
+    assert fp8_single_warp_splits(50, 132, 8191, 128, h200) == 16          # 800 programs >= 6 per SM
+    assert fp8_single_warp_splits(256, 0, 8191, 128, h200) == fp8_single_warp_splits(256, 132, 8191, 256, h200) == 0
+    rng = random.Random(seed_value := torch.randint(0, 2**31, ()).item())
+    for _ in range(2000):
+        programs, sms, P = rng.randint(0, 5000), rng.randint(0, 200), rng.randint(0, 200000)
+        hd, bw = rng.choice([32, 64, 128, 256]), rng.uniform(0, 8e12)
+        s = fp8_single_warp_splits(programs, sms, P, hd, bw)
+        assert s == 0 or (1 <= s <= MAX_KV_SPLITS and -(-P // s) >= FP8_SINGLE_WARP_KEYS and hd <= 128
+                          and bw >= FP8_NARROW_SM_BANDWIDTH * sms
+                          and programs * MAX_KV_SPLITS >= FP8_SINGLE_WARP_MIN_WAVES * sms
+                          and (s == MAX_KV_SPLITS or programs * s - 8 * sms >= -programs / 2)   # nearest,
+                          and (s == 1 or programs * s - 8 * sms <= programs / 2)                # clamped
+                          ), (seed_value, programs, sms, P, hd, bw, s)
+
+    def plan(mode=ForwardMode.DECODE, dtype=torch.float8_e4m3fn, q_dtype=torch.bfloat16, bs=8, max_prefix=8191,
+             bandwidth=h200, head_dim=128, **kw):
+        sc = make_scenario(mode, bs=bs, device="cpu", dtype=dtype, max_prefix=20, D=2, num_heads=32,
+                           num_kv_heads=8, head_dim=head_dim)
+        be = TritonBackend(sc.req_pool, sc.kv_pool, **kw)
+        be.init_forward_metadata(sc.batch)
+        be._num_sms, be._hbm_bytes_per_s = 132, bandwidth
+        be.forward_metadata.max_prefix = max_prefix
+        return be._num_splits(be.forward_metadata, sc.layer, q_dtype)
+
+    assert plan() == (16, FP8_SINGLE_WARP_CONFIG)                      # bs 8 x 8 KV heads: 64 programs
+    assert plan(bs=32) == (4, FP8_SINGLE_WARP_CONFIG) and plan(head_dim=64, bs=32) == (4, FP8_SINGLE_WARP_CONFIG)
+    assert plan(q_dtype=torch.float16, bs=16, max_prefix=16383) == (8, FP8_SINGLE_WARP_CONFIG)
+    assert plan(bs=1) == (48, WIDE_SPLIT_CONFIG)                       # too few programs: the wide splits stay
+    assert plan(bs=4, max_prefix=40000) == (16, FP8_NARROW_CONFIG)     # ... and the narrow ones
+    assert plan(bandwidth=h100, bs=32, head_dim=64) == (2, FP8_NARROW_CONFIG)      # H100: the narrow ones
+    for kw in (dict(max_prefix=8191, bandwidth=h100), dict(max_prefix=16 * 511 - 1), dict(dtype=torch.bfloat16, q_dtype=torch.bfloat16),
+               dict(q_dtype=torch.float32), dict(mode=ForwardMode.TARGET_VERIFY), dict(kernel_config={"num_warps": 4})):
+        splits, config = plan(**kw)
+        assert config is not FP8_SINGLE_WARP_CONFIG and config.get("num_warps") != 1 and 1 <= splits, kw
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_single_warp_config_matches_reference(device, seed):
+    """The 1-warp fp8 decode programs (``FP8_SINGLE_WARP_CONFIG``) against the reference:
+    heads of 128 and 64, pages of 1 and 16, 1 to 16 splits, prefixes across 32-key tile edges
+    (on the CPU short ones over a float32 cache; on a GPU fp8 and bf16 caches over thousands
+    of keys with bf16 queries)."""
+    from specattn.backends.triton_backend import FP8_SINGLE_WARP_CONFIG, MAX_KV_SPLITS
+    from triton_cases import check as check_cfg
+    rng = random.Random(seed)
+    dtypes = [torch.float32] if device == "cpu" else [torch.float8_e4m3fn, torch.bfloat16]
+    for dtype in dtypes:
+        for page_size, head_dim in ((1, 128), (16, 64), (16, 128)):
+            hkv = rng.choice([1, 2]) if device == "cpu" else rng.choice([3, 8])
+            sc = make_scenario(ForwardMode.DECODE, bs=rng.randint(1, 3), page_size=page_size, device=device,
+                               dtype=dtype, num_kv_heads=hkv, num_heads=rng.choice([1, 3, 4]) * hkv, head_dim=head_dim,
+                               max_prefix=rng.choice([40, 97]) if device == "cpu" else rng.choice([1500, 4100]),
+                               rng=rng)
+            check_cfg(sc, splits=rng.choice([1, 3, MAX_KV_SPLITS]), kernel_config=dict(FP8_SINGLE_WARP_CONFIG))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_wide_split_config_matches_reference(device, seed):
     """The programs of wide DECODE splits (``WIDE_SPLIT_CONFIG``) in up to ``MAX_WIDE_SPLITS``
