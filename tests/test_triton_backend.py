@@ -771,6 +771,21 @@ def test_fp8_single_warp_config_matches_reference(device, seed):
             check_cfg(sc, splits=rng.choice([1, 3, MAX_KV_SPLITS]), kernel_config=dict(FP8_SINGLE_WARP_CONFIG))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fp8_single_warp_config_graph_replay(page_size, seed):
+    """CUDA-graph capture and replay of an fp8 DECODE in the 1-warp programs
+    (``FP8_SINGLE_WARP_CONFIG``) at the split counts the rule picks (1 to 16), over thousands
+    of keys, bs 1..8 live in a bs-8 graph, against the reference (output poisoned first)."""
+    from specattn.backends.triton_backend import FP8_SINGLE_WARP_CONFIG
+    from triton_cases import graph_case
+    rng = random.Random(seed)
+    graph_case("mha", ForwardMode.DECODE, page_size, "cuda", True, seed, dtype=torch.float8_e4m3fn,
+               num_heads=rng.choice([8, 32]), num_kv_heads=8, head_dim=rng.choice([64, 128]),
+               splits=rng.choice([1, 2, 4, 16]), max_prefix=rng.choice([1100, 4100]), padded_bs=8,
+               kernel_config=dict(FP8_SINGLE_WARP_CONFIG), kv_scales=(rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0)))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_wide_split_config_matches_reference(device, seed):
     """The programs of wide DECODE splits (``WIDE_SPLIT_CONFIG``) in up to ``MAX_WIDE_SPLITS``
