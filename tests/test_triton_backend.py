@@ -597,6 +597,28 @@ def test_graph_prefix_bound_reaches_the_split_rule(seed):
     assert split_keys_mha(192, 3, 16) > split_keys_mha(48, 3, 16) > split_keys_mha(12, 3, 16)
 
 
+def _rule_samples(min_programs, max_programs, min_sms, head_dims, n=2000):
+    """``n`` random inputs of a split rule, each as ``(seed, programs, num_sms, max_prefix,
+    head_dim, hbm_bytes_per_s)`` (the seed, fresh per call, names the failing draw)."""
+    rng = random.Random(seed_value := torch.randint(0, 2**31, ()).item())
+    for _ in range(n):
+        yield (seed_value, rng.randint(min_programs, max_programs), rng.randint(min_sms, 200),
+               rng.randint(0, 200000), rng.choice(head_dims), rng.uniform(0, 8e12))
+
+
+def _split_plan(*, mode, dtype, q_dtype, bs, bandwidth, max_prefix=8191, head_dim=128, **kw):
+    """The Triton backend's (split count, kernel config) for a CPU batch of ``bs`` requests of
+    32 / 8 heads of ``head_dim`` as if on a 132-SM GPU of ``bandwidth`` bytes/s with a host
+    prefix bound ``max_prefix`` (the split rules' tests)."""
+    sc = make_scenario(mode, bs=bs, device="cpu", dtype=dtype, max_prefix=20, D=2, num_heads=32,
+                       num_kv_heads=8, head_dim=head_dim)
+    be = TritonBackend(sc.req_pool, sc.kv_pool, **kw)
+    be.init_forward_metadata(sc.batch)
+    be._num_sms, be._hbm_bytes_per_s = 132, bandwidth
+    be.forward_metadata.max_prefix = max_prefix
+    return be._num_splits(be.forward_metadata, sc.layer, q_dtype)
+
+
 def test_fp8_narrow_decode_rule():
     """fp8-cache MHA decode switches to 2-warp programs (``FP8_NARROW_CONFIG``) split to about
     four programs per SM only where each still reads ``FP8_NARROW_KEYS`` keys, for heads of
@@ -619,10 +641,7 @@ def test_fp8_narrow_decode_rule():
     assert [fp8_narrow_splits(p, 132, P, 128, h200) for p, P in ((8, 8191), (64, 8191), (256, 1023), (0, 8191),
                                                                 (8, 0))] == [0, 0, 0, 0, 0]
     assert fp8_narrow_splits(256, 0, 8191, 128, h200) == fp8_narrow_splits(256, 132, 8191, 256, h200) == 0
-    rng = random.Random(seed_value := torch.randint(0, 2**31, ()).item())
-    for _ in range(2000):
-        programs, sms, P = rng.randint(1, 5000), rng.randint(1, 200), rng.randint(0, 200000)
-        hd, bw = rng.choice([32, 64, 128, 256]), rng.uniform(0, 8e12)
+    for seed_value, programs, sms, P, hd, bw in _rule_samples(1, 5000, 1, (32, 64, 128, 256)):
         s = fp8_narrow_splits(programs, sms, P, hd, bw)
         assert s == 0 or (1 <= s <= MAX_KV_SPLITS and P // s >= FP8_NARROW_KEYS and hd <= 128
                           and (hd <= 64 or bw >= FP8_NARROW_SM_BANDWIDTH * sms)), (seed_value, programs, sms, P, hd, bw, s)
@@ -666,24 +685,14 @@ def test_wide_decode_split_rule():
     assert [wide_decode_splits(p, 132, 8191, 128, h200) for p in (1, 4, 12, 15, 16, 32, 0)] == [48, 48, 33, 26, 0, 0, 0]
     assert wide_decode_splits(8, 132, 8191, 128, h100) == wide_decode_splits(8, 132, 8191, 64, h200) == 0
     assert wide_decode_splits(8, 0, 8191, 128, h200) == wide_decode_splits(8, 132, 8191, 256, h200) == 0
-    rng = random.Random(seed_value := torch.randint(0, 2**31, ()).item())
-    for _ in range(2000):
-        programs, sms, P = rng.randint(0, 400), rng.randint(0, 200), rng.randint(0, 200000)
-        hd, bw = rng.choice([64, 128, 256]), rng.uniform(0, 8e12)
+    for seed_value, programs, sms, P, hd, bw in _rule_samples(0, 400, 0, (64, 128, 256)):
         s = wide_decode_splits(programs, sms, P, hd, bw)
         assert s == 0 or (MAX_KV_SPLITS < s <= MAX_WIDE_SPLITS and P >= WIDE_SPLIT_KEYS and hd == 128
                           and bw >= FP8_NARROW_SM_BANDWIDTH * sms and programs * MAX_KV_SPLITS < 2 * sms
                           and programs * s <= 3 * sms), (seed_value, programs, sms, P, hd, bw, s)
 
-    def plan(mode=ForwardMode.DECODE, dtype=torch.float32, q_dtype=torch.float32, bs=1, max_prefix=8191,
-             bandwidth=h200, head_dim=128, **kw):
-        sc = make_scenario(mode, bs=bs, device="cpu", dtype=dtype, max_prefix=20, D=2, num_heads=32,
-                           num_kv_heads=8, head_dim=head_dim)
-        be = TritonBackend(sc.req_pool, sc.kv_pool, **kw)
-        be.init_forward_metadata(sc.batch)
-        be._num_sms, be._hbm_bytes_per_s = 132, bandwidth
-        be.forward_metadata.max_prefix = max_prefix
-        return be._num_splits(be.forward_metadata, sc.layer, q_dtype)
+    plan = functools.partial(_split_plan, mode=ForwardMode.DECODE, dtype=torch.float32, q_dtype=torch.float32, bs=1,
+                             bandwidth=h200)
 
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     assert plan() == (48, WIDE_SPLIT_CONFIG)                          # bs 1 x 8 KV heads of 128
@@ -717,10 +726,7 @@ def test_fp8_single_warp_decode_rule():
                                                                       (1024, 511), (0, 8191), (64, 0))] == [0] * 7
     assert fp8_single_warp_splits(50, 132, 8191, 128, h200) == 16          # 800 programs >= 6 per SM
     assert fp8_single_warp_splits(256, 0, 8191, 128, h200) == fp8_single_warp_splits(256, 132, 8191, 256, h200) == 0
-    rng = random.Random(seed_value := torch.randint(0, 2**31, ()).item())
-    for _ in range(2000):
-        programs, sms, P = rng.randint(0, 5000), rng.randint(0, 200), rng.randint(0, 200000)
-        hd, bw = rng.choice([32, 64, 128, 256]), rng.uniform(0, 8e12)
+    for seed_value, programs, sms, P, hd, bw in _rule_samples(0, 5000, 0, (32, 64, 128, 256)):
         s = fp8_single_warp_splits(programs, sms, P, hd, bw)
         assert s == 0 or (1 <= s <= MAX_KV_SPLITS and -(-P // s) >= FP8_SINGLE_WARP_KEYS and hd <= 128
                           and bw >= FP8_NARROW_SM_BANDWIDTH * sms
@@ -729,15 +735,8 @@ def test_fp8_single_warp_decode_rule():
                           and (s == 1 or programs * s - 8 * sms <= programs / 2)                # clamped
                           ), (seed_value, programs, sms, P, hd, bw, s)
 
-    def plan(mode=ForwardMode.DECODE, dtype=torch.float8_e4m3fn, q_dtype=torch.bfloat16, bs=8, max_prefix=8191,
-             bandwidth=h200, head_dim=128, **kw):
-        sc = make_scenario(mode, bs=bs, device="cpu", dtype=dtype, max_prefix=20, D=2, num_heads=32,
-                           num_kv_heads=8, head_dim=head_dim)
-        be = TritonBackend(sc.req_pool, sc.kv_pool, **kw)
-        be.init_forward_metadata(sc.batch)
-        be._num_sms, be._hbm_bytes_per_s = 132, bandwidth
-        be.forward_metadata.max_prefix = max_prefix
-        return be._num_splits(be.forward_metadata, sc.layer, q_dtype)
+    plan = functools.partial(_split_plan, mode=ForwardMode.DECODE, dtype=torch.float8_e4m3fn, q_dtype=torch.bfloat16,
+                             bs=8, bandwidth=h200)
 
     assert plan() == (16, FP8_SINGLE_WARP_CONFIG)                      # bs 8 x 8 KV heads: 64 programs
     assert plan(bs=32) == (4, FP8_SINGLE_WARP_CONFIG) and plan(head_dim=64, bs=32) == (4, FP8_SINGLE_WARP_CONFIG)
