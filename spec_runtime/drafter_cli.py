@@ -91,6 +91,10 @@ def train_cmd(
                                              "its chat template's pre-query text, Magpie-style), added to "
                                              "--prompts; those that end within --self-prompt-max-tokens count."),
     self_prompt_max_tokens: int = typer.Option(96, help="Length limit of a self-written query."),
+    self_prompt_openers: float = typer.Option(0.0, help="Fraction (0..1) of the self-written queries that start "
+                                                        "from the first 1-4 words of a random --prompts prompt; "
+                                                        "the target writes the rest, so the queries follow the "
+                                                        "file's kinds of request."),
     seed_max_new_tokens: int = typer.Option(256, help="Length limit of the seed continuations."),
     seed_temperature: float = typer.Option(0.9, help="Temperature of the seed continuations."),
     data_time_budget_s: float = typer.Option(120.0, help="Start no generation batch after this many seconds "
@@ -201,6 +205,8 @@ def train_cmd(
         _fail("--temperature and --seed-temperature must be > 0")
     if not 0 < top_p <= 1:
         _fail(f"--top-p must be in (0, 1], got {top_p}")
+    if not 0 <= self_prompt_openers <= 1:
+        _fail(f"--self-prompt-openers must be in [0, 1], got {self_prompt_openers}")
     if not greedy and samples_per_prompt == 0:
         _fail("--no-greedy needs --samples-per-prompt >= 1")
     prompts = prompts or DEFAULT_TRAIN_PROMPTS
@@ -217,7 +223,8 @@ def train_cmd(
     gen = GenConfig(gen_batch=gen_batch, max_new_tokens=max_new_tokens, greedy=greedy,
                     samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k,
                     seed_max_new_tokens=seed_max_new_tokens, seed_temperature=seed_temperature,
-                    self_prompts=self_prompts, self_prompt_max_tokens=self_prompt_max_tokens, backend=backend,
+                    self_prompts=self_prompts, self_prompt_max_tokens=self_prompt_max_tokens,
+                    self_prompt_openers=self_prompt_openers, backend=backend,
                     cuda_graph=cuda_graph, time_budget_s=data_time_budget_s, seed=seed)
     tc = TrainConfig(kind=kind, seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr,
                      min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps, weight_decay=weight_decay,

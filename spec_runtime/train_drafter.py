@@ -128,7 +128,7 @@ from .loader import LlamaConfig
 from .model import LlamaModel, apply_rope, rms_norm, rope_cos_sin, swiglu_mlp
 
 __all__ = ["DATA_DIR", "DEFAULT_TRAIN_PROMPTS", "DEFAULT_EVAL_PROMPTS", "KINDS", "read_prompts",
-           "SequenceData", "GenConfig", "generate_data", "generate_self_prompts", "seed_texts",
+           "SequenceData", "GenConfig", "generate_data", "generate_self_prompts", "query_openers", "seed_texts",
            "DistContext", "init_distributed", "generate_data_sharded", "gather_sequence_data", "shard_share",
            "merge_rank_meta",
            "RANK_SEED_STRIDE",
@@ -274,7 +274,9 @@ class GenConfig:
     ``temperature`` / ``top_p`` / ``top_k``; seeds continue at ``seed_temperature`` for up to
     ``seed_max_new_tokens``.  ``self_prompts``: user queries the target writes itself from
     its chat template's pre-query text (:func:`generate_self_prompts`), sampled at
-    ``self_prompt_temperature`` for up to ``self_prompt_max_tokens``.  ``time_budget_s``: start
+    ``self_prompt_temperature`` for up to ``self_prompt_max_tokens``; a
+    ``self_prompt_openers`` fraction of them (0..1) starts from an opener, the first words of
+    a prompt-file prompt (:func:`query_openers`), and the target writes the rest.  ``time_budget_s``: start
     no new chunk after that many seconds (0 = no limit; the self-prompts and the responses
     each have that budget).  ``cuda_graph`` None: on for CUDA devices."""
 
@@ -290,6 +292,7 @@ class GenConfig:
     self_prompts: int = 0
     self_prompt_max_tokens: int = 96
     self_prompt_temperature: float = 1.0
+    self_prompt_openers: float = 0.0
     backend: str = "torch_reference"
     cuda_graph: Optional[bool] = None
     time_budget_s: float = 0.0
@@ -302,6 +305,8 @@ class GenConfig:
                              "must be >= 1")
         if self.self_prompts < 0:
             raise ValueError("self_prompts must be >= 0")
+        if not 0.0 <= self.self_prompt_openers <= 1.0:
+            raise ValueError(f"self_prompt_openers must be in [0, 1], got {self.self_prompt_openers}")
         if self.samples_per_prompt < 0 or (not self.greedy and self.samples_per_prompt == 0):
             raise ValueError("need greedy responses or samples_per_prompt >= 1")
         if (self.temperature <= 0 or self.seed_temperature <= 0 or self.self_prompt_temperature <= 0
@@ -327,8 +332,23 @@ def seed_texts(prompts: Sequence[str], n: int, seed: int = 0) -> List[str]:
     return out
 
 
+def query_openers(prompts: Sequence[str], n: int, seed: int = 0) -> List[str]:
+    """``n`` openers of user queries: the first 1-4 words of random ``prompts`` (seeded), for
+    :func:`generate_self_prompts` to continue, so that self-written queries follow the kinds of
+    request a prompt file holds ("Classify the sentiment", "Write a Rust") while the target
+    writes their content.  Empty for no prompts."""
+    rng = random.Random(seed * 7_919 + 11)
+    out = []
+    for _ in range(n if prompts else 0):
+        words = rng.choice(prompts).split()
+        if words:
+            out.append(" ".join(words[:rng.randint(1, min(4, len(words)))]))
+    return out
+
+
 def generate_self_prompts(config: LlamaConfig, weights: Dict[str, torch.Tensor], pre_query: Sequence[int], *,
-                          gen: GenConfig, device="cpu", dtype=torch.float32, progress: bool = True, console=None
+                          gen: GenConfig, openers: Sequence[Sequence[int]] = (), device="cpu",
+                          dtype=torch.float32, progress: bool = True, console=None
                           ) -> Tuple[List[List[int]], dict]:
     """User queries written by the target itself: ``gen.self_prompts`` continuations of the
     chat template's pre-query text (``loader.chat_user_prefix_ids``), sampled at
@@ -343,15 +363,21 @@ def generate_self_prompts(config: LlamaConfig, weights: Dict[str, torch.Tensor],
         pre_query: token ids of the template up to the user's text (non-empty).
         gen: :class:`GenConfig` (``self_prompts``, ``self_prompt_*``, ``gen_batch``, ``seed``,
             ``backend``, ``cuda_graph``, ``time_budget_s``).
+        openers: token ids of query openers (:func:`query_openers`, encoded without special
+            tokens); each sample starts from a random one (seeded) with probability
+            ``gen.self_prompt_openers``, appended to ``pre_query``, and the opener's ids lead
+            the query it ends.
 
     Returns:
         ``(queries, meta)``: the token ids (end token excluded) of every continuation that
         ended with an end token within the limit, in generation order (cut ones are dropped:
         a query cut mid-sentence is not a user message); ``meta``: requested / ended /
-        generated tokens / seconds / whether the time budget cut it short.
+        generated tokens / seconds / whether the time budget cut it short / ``opened``: the
+        ended queries that started from an opener.
 
     Raises:
-        ValueError: bad ``gen``, empty ``pre_query``, or a target without end tokens.
+        ValueError: bad ``gen``, empty ``pre_query``, a target without end tokens, or
+            ``gen.self_prompt_openers > 0`` without ``openers`` (or with an empty one).
     """
     from .engine import Engine, SpecConfig
     from .sampling import SamplingParams
@@ -363,14 +389,21 @@ def generate_self_prompts(config: LlamaConfig, weights: Dict[str, torch.Tensor],
         raise ValueError("the target has no end token: a query's end cannot be recognised")
     dev = torch.empty(0, device=device).device
     cuda_graph = dev.type == "cuda" if gen.cuda_graph is None else gen.cuda_graph
+    if gen.self_prompt_openers > 0 and (not openers or any(len(o) == 0 for o in openers)):
+        raise ValueError("self_prompt_openers > 0 needs openers, each of at least one token")
     n, B, L = gen.self_prompts, gen.gen_batch, gen.self_prompt_max_tokens
-    meta = {"requested": n, "ended": 0, "generated_tokens": 0, "seconds": 0.0, "truncated_by_time_budget": False}
+    meta = {"requested": n, "ended": 0, "generated_tokens": 0, "seconds": 0.0, "truncated_by_time_budget": False,
+            "opened": 0}
     if n == 0:
         return [], meta
     t0 = time.perf_counter()
+    rng = random.Random(gen.seed * 1_000_033 + 7)
+    starts = [list(rng.choice(openers)) if gen.self_prompt_openers > 0 and rng.random() < gen.self_prompt_openers
+              else [] for _ in range(n)]
+    longest = max(len(x) for x in starts)
     eng = Engine(config, weights, spec=SpecConfig("none"), backend=gen.backend, device=dev, dtype=dtype,
-                 max_batch=min(B, n), max_context=len(pre_query) + L + 16, eos_token_ids=config.eos_token_ids,
-                 cuda_graph=cuda_graph)
+                 max_batch=min(B, n), max_context=len(pre_query) + longest + L + 16,
+                 eos_token_ids=config.eos_token_ids, cuda_graph=cuda_graph)
     out: List[List[int]] = []
     with _progress(progress, console) as bar:
         task = bar.add_task("writing prompts", total=n, info="")
@@ -381,11 +414,12 @@ def generate_self_prompts(config: LlamaConfig, weights: Dict[str, torch.Tensor],
             m = min(B, n - start)
             params = SamplingParams(max_new_tokens=L, temperature=gen.self_prompt_temperature,
                                     seed=gen.seed * 100_003 + 50_021 + ci)
-            res = eng.generate([list(pre_query)] * m, params)
-            for toks in res.tokens:
+            res = eng.generate([list(pre_query) + starts[start + j] for j in range(m)], params)
+            for j, toks in enumerate(res.tokens):
                 meta["generated_tokens"] += len(toks)
                 if toks and toks[-1] in eos:
-                    out.append([int(t) for t in toks[:-1]])
+                    out.append(starts[start + j] + [int(t) for t in toks[:-1]])
+                    meta["opened"] += bool(starts[start + j])
             bar.update(task, completed=start + m, info=f"{len(out)} ended")
     del eng
     if dev.type == "cuda":
@@ -1593,7 +1627,9 @@ def _prompt_sources(meta: dict, gen: dict) -> str:
     return (f"{meta.get('file_prompts', '?')} from {src} and {sp.get('kept', 0)} written by the target itself "
             f"from its chat template's pre-query text, Magpie-style: {sp.get('requested', 0)} samples at "
             f"temperature {gen.get('self_prompt_temperature')}, {sp.get('ended', 0)} ended within "
-            f"{gen.get('self_prompt_max_tokens')} tokens, duplicates dropped")
+            f"{gen.get('self_prompt_max_tokens')} tokens"
+            + (f" ({sp['opened']} of them from the first words of a file prompt)" if sp.get("opened") else "")
+            + ", duplicates dropped")
 
 
 def _heldout_note(full_log: dict) -> str:
@@ -1885,11 +1921,14 @@ def run_training(opts: RunOptions, console=None) -> dict:
         if opts.gen.self_prompts:
             mine = replace(opts.gen, self_prompts=shard_share(opts.gen.self_prompts, ctx),
                            seed=opts.gen.seed + RANK_SEED_STRIDE * ctx.rank)
+            openers = [tok.encode(t, add_special_tokens=False)
+                       for t in query_openers(texts, len(texts) if opts.gen.self_prompt_openers else 0, opts.gen.seed)]
             got = _all_gather(ctx, generate_self_prompts(cfg, w, loader.chat_user_prefix_ids(tok), gen=mine,
-                                                         device=opts.device, dtype=opts.dtype, progress=progress,
-                                                         console=console))
+                                                         openers=[o for o in openers if o], device=opts.device,
+                                                         dtype=opts.dtype, progress=progress, console=console))
             queries = [q for qs, _ in got for q in qs]
-            qmeta = merge_rank_meta([m for _, m in got], ("requested", "ended", "generated_tokens"), ("seconds",))
+            qmeta = merge_rank_meta([m for _, m in got], ("requested", "ended", "generated_tokens", "opened"),
+                                    ("seconds",))
             seen = set(texts)
             for q in queries:   # distinct non-empty texts only
                 t = tok.decode(q, skip_special_tokens=True).strip()

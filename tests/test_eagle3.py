@@ -391,6 +391,48 @@ def test_self_prompts(tmp_path):
         generate_self_prompts(cfg, w, pre, gen=dataclasses.replace(gen, self_prompts=-1), progress=False)
 
 
+def test_self_prompts_from_openers(tmp_path):
+    """``self_prompt_openers``: that fraction of the samples continue ``pre_query`` + a random
+    opener, and the opener's ids lead the query they end (counted in ``opened``); no opener at
+    fraction 0; seeded; bad fractions and missing or empty openers raise."""
+    cfg, w = tiny_llama(tmp_path / "target", 9)
+    cfg = dataclasses.replace(cfg, eos_token_ids=list(range(0, cfg.vocab_size, 4)))
+    eos = set(cfg.eos_token_ids)
+    pre = random_prompts(4, cfg.vocab_size, n=1, max_len=6)[0]
+    openers = [[1, 2, 3], [5], [6, 7]]                   # no end token inside
+    gen = GenConfig(gen_batch=8, self_prompts=40, self_prompt_max_tokens=12, seed=3, self_prompt_openers=1.0)
+    q, meta = generate_self_prompts(cfg, w, pre, gen=gen, openers=openers, progress=False)
+    assert len(q) == meta["ended"] == meta["opened"] >= 10
+    assert all(any(x[:len(o)] == o for o in openers) for x in q)
+    assert {next(tuple(o) for o in openers if x[:len(o)] == o) for x in q} == {tuple(o) for o in openers}
+    assert all(not eos & set(x) for x in q)
+    assert generate_self_prompts(cfg, w, pre, gen=gen, openers=openers, progress=False)[0] == q   # seeded
+    half, hm = generate_self_prompts(cfg, w, pre, gen=dataclasses.replace(gen, self_prompt_openers=0.5),
+                                     openers=openers, progress=False)
+    assert 0 < hm["opened"] < hm["ended"]
+    none, nm = generate_self_prompts(cfg, w, pre, gen=dataclasses.replace(gen, self_prompt_openers=0.0),
+                                     openers=openers, progress=False)
+    assert nm["opened"] == 0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="self_prompt_openers"):
+            generate_self_prompts(cfg, w, pre, gen=dataclasses.replace(gen, self_prompt_openers=bad),
+                                  openers=openers, progress=False)
+    for bad in ((), [[1], []]):
+        with pytest.raises(ValueError, match="needs openers"):
+            generate_self_prompts(cfg, w, pre, gen=gen, openers=bad, progress=False)
+
+
+def test_query_openers():
+    """The openers are the first 1-4 words of the given prompts, seeded, every length drawn."""
+    from specattn.spec_runtime.train_drafter import query_openers
+    prompts = ["Classify the sentiment of this review", "Write a Rust function", "Hi", "  "]
+    got = query_openers(prompts, 400, seed=1)
+    assert got == query_openers(prompts, 400, seed=1) and got != query_openers(prompts, 400, seed=2)
+    assert 0 < len(got) <= 400 and all(any(p.split()[:len(g.split())] == g.split() for p in prompts) for g in got)
+    assert {len(g.split()) for g in got} == {1, 2, 3, 4} and "Hi" in got
+    assert query_openers([], 5) == [] and query_openers(prompts, 0) == []
+
+
 def test_run_training_with_self_prompts(tmp_path, monkeypatch):
     """``run_training`` with ``self_prompts``: the target's own queries join the prompt file's
     (decoded, distinct, chat-templated), the data meta counts them and the card names them."""
@@ -433,6 +475,22 @@ def test_run_training_with_self_prompts(tmp_path, monkeypatch):
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"{sp['kept']} written by the target itself" in card and "3 from `prompts.txt`" in card
     assert res["data_stats"]["sequences"] == data.num_sequences
+    assert sp["opened"] == 0 and "first words of a file prompt" not in card
+
+    # every self-written query from an opener: its text starts with a file prompt's word (one-word prompts)
+    gen = dataclasses.replace(gen, self_prompt_openers=1.0)
+    run_training(RunOptions(out=tmp_path / "out2", model=str(model_dir), prompts=prompts,
+                            data=tmp_path / "data2.safetensors", num_seeds=2, gen=gen, train=tc, progress=False))
+    meta = SequenceData.load(tmp_path / "data2.safetensors").meta
+    sp = meta["self_prompts"]
+    assert sp["opened"] == sp["ended"] >= 1 and sp["kept"] >= 1
+    data = SequenceData.load(tmp_path / "data2.safetensors")
+    words = [Tok().encode(t) for t in ("ABC", "DEFG", "HI")]
+    selfs = [data.tokens[int(data.offsets[i]) + 3:int(data.offsets[i + 1])].tolist()
+             for i in range(data.num_sequences) if 3 <= int(data.group[i]) < meta["prompts"]]
+    assert selfs and all(any(x[:len(o)] == o for o in words) for x in selfs)
+    card = (tmp_path / "out2" / "README.md").read_text()
+    assert f"({sp['opened']} of them from the first words of a file prompt)" in card
 
 
 # ----------------------------------------------------------------------------- training end to end
@@ -511,14 +569,17 @@ def test_cli_help_and_bad_arguments(tmp_path):
     runner = CliRunner()
     r = runner.invoke(drafter_app, ["train", "--help"])
     assert r.exit_code == 0
-    for opt in ("--out", "--data", "--ttt-steps", "--time-budget-s", "--gen-batch", "--backend", "--self-prompts"):
+    for opt in ("--out", "--data", "--ttt-steps", "--time-budget-s", "--gen-batch", "--backend", "--self-prompts",
+                "--self-prompt-openers"):
         assert opt in r.output
     for bad, word in ((["--steps", "0"], "--steps"), (["--device", "tpu"], "--device"),
                       (["--dtype", "int8"], "--dtype"), (["--eval-frac", "1.5"], "--eval-frac"),
                       (["--backend", "nope"], "--backend"), (["--model", str(tmp_path / "missing")], "--model"),
                       (["--prompts", str(tmp_path / "none.txt")], "prompt file"),
                       (["--self-prompts", "-1"], "--self-prompts"),
-                      (["--self-prompt-max-tokens", "0"], "--self-prompt-max-tokens")):
+                      (["--self-prompt-max-tokens", "0"], "--self-prompt-max-tokens"),
+                      (["--self-prompt-openers", "1.5"], "--self-prompt-openers"),
+                      (["--self-prompt-openers", "-0.5"], "--self-prompt-openers")):
         r = runner.invoke(drafter_app, ["train", "--out", str(tmp_path / "o"), "--device", "cpu", *bad])
         assert r.exit_code == 2, (bad, r.output)
         lines = [l for l in r.output.splitlines() if l.strip()]
