@@ -80,8 +80,9 @@ An fp8 cache read by 16-bit queries, at decode-sized rows (at most 16 per KV hea
 long prefixes, runs 2-warp programs split to about four per SM instead
 (:func:`fp8_narrow_splits`: heads of up to 64, or of 128 on GPUs with H200-class bandwidth per
 SM); on GPUs with H200-class bandwidth per SM, a DECODE with enough programs runs 1-warp
-programs of 32-key tiles, about eight per SM, ahead of them (:func:`fp8_single_warp_splits`).  A DECODE that even 16 splits leave under two programs per SM (bs 1 with 8 KV heads),
-over 2,048+ keys, splits wider into 2-warp programs of 64 keys, about three per SM
+programs of 32-key tiles, about eight per SM, ahead of them (:func:`fp8_single_warp_splits`).
+A DECODE that even 16 splits leave under two programs per SM (bs 1 with 8 KV heads), over
+2,048+ keys, splits wider into 2-warp programs of 64 keys, about three per SM
 (:func:`wide_decode_splits`: heads of 128 on GPUs with H200-class bandwidth per SM).
 ``num_kv_splits=`` forces a count (tests, sweeps).  EXTEND never splits.
 
@@ -220,23 +221,23 @@ def fp8_single_warp_splits(programs: int, num_sms: int, max_prefix: int, head_di
     """The split count at which an fp8-cache MHA DECODE runs ``FP8_SINGLE_WARP_CONFIG``
     (1-warp, 4-stage programs of 16 rows x 32 keys), or 0 where it does not apply.
 
-    Arguments as :func:`fp8_narrow_splits`.  The count is the one nearest to
-    ``FP8_SINGLE_WARP_WAVES`` programs per SM (at most ``MAX_KV_SPLITS``); the rule applies
-    on a GPU with at least ``FP8_NARROW_SM_BANDWIDTH`` bytes/s of DRAM per SM, for heads of up
-    to 128, where ``MAX_KV_SPLITS`` splits reach ``FP8_SINGLE_WARP_MIN_WAVES`` programs per SM
-    and a split still holds ``FP8_SINGLE_WARP_KEYS`` keys (``cdiv(max_prefix, splits)``).  Such a decode is paced by the
-    byte-wide shared-memory reads of its value tiles (``docs/attention.md``), not by DRAM:
-    one warp a program with a deep pipeline of small tiles keeps the most of them in flight
-    per SM.  Measured in CUDA graphs, page 16, on an H200 (37 GB/s per SM), interleaved, the
-    default before this rule -> these programs: Llama-3-8B GQA (32 / 8 heads of 128) bs 32 x
-    8,192 keys 166.9 -> 155.3 us (the bf16 cache 248.3), bs 128 x 8,192 653.6 -> 574.5
-    (964.1), bs 64 x 4,096 179.5 -> 159.5, bs 16 x 16,384 164.6 -> 154.0, bs 8 x 8,192 (16
-    splits of 512 keys) 58.1 -> 51.1, bs 64 x 2,048 104.8 -> 89.5; heads of 64: 9 / 3 heads
-    at bs 64 x 8,192 keys 102.5 -> 80.2, 32 / 8 at bs 32 x 4,096 73.3 -> 60.5.  About four
-    programs per SM were slower than the default (1-warp programs of 64 keys at bs 32 x 8,192
-    keys: 184.1 us), and 1-warp programs of 128-key tiles far slower (273.6).  A bf16
-    cache ran slower in 1-warp programs at heads of 128 (275.3 against 248.3 us).  GPUs with
-    less bandwidth per SM (H100) are unmeasured, hence left out.  Returns an int."""
+    Arguments as :func:`fp8_narrow_splits`. The count is the one nearest to
+    ``FP8_SINGLE_WARP_WAVES`` programs per SM (at most ``MAX_KV_SPLITS``); the rule applies on a
+    GPU with at least ``FP8_NARROW_SM_BANDWIDTH`` bytes/s of DRAM per SM, for heads of up to
+    128, where ``MAX_KV_SPLITS`` splits reach ``FP8_SINGLE_WARP_MIN_WAVES`` programs per SM and
+    a split still holds ``FP8_SINGLE_WARP_KEYS`` keys (``cdiv(max_prefix, splits)``). Such a
+    decode is paced by the byte-wide shared-memory reads of its value tiles
+    (``docs/attention.md``), not by DRAM: one warp a program with a deep pipeline of small tiles
+    keeps the most of them in flight per SM. Measured in CUDA graphs, page 16, on an H200
+    (37 GB/s per SM), interleaved, the default before this rule -> these programs: Llama-3-8B GQA
+    (32 / 8 heads of 128) bs 32 x 8,192 keys 166.9 -> 155.3 us (the bf16 cache 248.3), bs 128 x
+    8,192 653.6 -> 574.5 (964.1), bs 64 x 4,096 179.5 -> 159.5, bs 16 x 16,384 164.6 -> 154.0,
+    bs 8 x 8,192 (16 splits of 512 keys) 58.1 -> 51.1, bs 64 x 2,048 104.8 -> 89.5; heads of 64:
+    9 / 3 heads at bs 64 x 8,192 keys 102.5 -> 80.2, 32 / 8 at bs 32 x 4,096 73.3 -> 60.5. About
+    four programs per SM were slower than the default (1-warp programs of 64 keys at bs 32 x
+    8,192 keys: 184.1 us), and 1-warp programs of 128-key tiles far slower (273.6). A bf16 cache
+    ran slower in 1-warp programs at heads of 128 (275.3 against 248.3 us). GPUs with less
+    bandwidth per SM (H100) are unmeasured, hence left out.  Returns an int."""
     if programs <= 0 or num_sms <= 0 or head_dim > 128 or hbm_bytes_per_s < FP8_NARROW_SM_BANDWIDTH * num_sms:
         return 0
     if programs * MAX_KV_SPLITS < FP8_SINGLE_WARP_MIN_WAVES * num_sms:
@@ -518,7 +519,8 @@ class TritonBackend(AttentionBackend):
         """The split-KV count of this forward and the kernel config it runs with (the
         backend's ``kernel_config``, :data:`FP8_SINGLE_WARP_CONFIG` where
         :func:`fp8_single_warp_splits` picks it, :data:`FP8_NARROW_CONFIG` where
-        :func:`fp8_narrow_splits` does, or :data:`WIDE_SPLIT_CONFIG` where :func:`wide_decode_splits` does)."""
+        :func:`fp8_narrow_splits` does, or :data:`WIDE_SPLIT_CONFIG` where
+        :func:`wide_decode_splits` does)."""
         if md.mode == ForwardMode.EXTEND:
             return 1, self._config(md.mode)
         if self.num_kv_splits is not None:

@@ -276,9 +276,10 @@ class GenConfig:
     its chat template's pre-query text (:func:`generate_self_prompts`), sampled at
     ``self_prompt_temperature`` for up to ``self_prompt_max_tokens``; a
     ``self_prompt_openers`` fraction of them (0..1) starts from an opener, the first words of
-    a prompt-file prompt (:func:`query_openers`), and the target writes the rest.  ``time_budget_s``: start
-    no new chunk after that many seconds (0 = no limit; the self-prompts and the responses
-    each have that budget).  ``cuda_graph`` None: on for CUDA devices."""
+    a prompt-file prompt (:func:`query_openers`), and the target writes the rest.
+    ``time_budget_s``: start no new chunk after that many seconds (0 = no limit; the
+    self-prompts and the responses each have that budget).  ``cuda_graph`` None: on for CUDA
+    devices."""
 
     gen_batch: int = 64
     max_new_tokens: int = 384
@@ -1921,8 +1922,8 @@ def run_training(opts: RunOptions, console=None) -> dict:
         if opts.gen.self_prompts:
             mine = replace(opts.gen, self_prompts=shard_share(opts.gen.self_prompts, ctx),
                            seed=opts.gen.seed + RANK_SEED_STRIDE * ctx.rank)
-            openers = [tok.encode(t, add_special_tokens=False)
-                       for t in query_openers(texts, len(texts) if opts.gen.self_prompt_openers else 0, opts.gen.seed)]
+            n_open = len(texts) if opts.gen.self_prompt_openers else 0
+            openers = [tok.encode(t, add_special_tokens=False) for t in query_openers(texts, n_open, opts.gen.seed)]
             got = _all_gather(ctx, generate_self_prompts(cfg, w, loader.chat_user_prefix_ids(tok), gen=mine,
                                                          openers=[o for o in openers if o], device=opts.device,
                                                          dtype=opts.dtype, progress=progress, console=console))

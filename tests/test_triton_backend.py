@@ -744,7 +744,8 @@ def test_fp8_single_warp_decode_rule():
     assert plan(bs=1) == (48, WIDE_SPLIT_CONFIG)                       # too few programs: the wide splits stay
     assert plan(bs=4, max_prefix=40000) == (16, FP8_NARROW_CONFIG)     # ... and the narrow ones
     assert plan(bandwidth=h100, bs=32, head_dim=64) == (2, FP8_NARROW_CONFIG)      # H100: the narrow ones
-    for kw in (dict(max_prefix=8191, bandwidth=h100), dict(max_prefix=16 * 511 - 1), dict(dtype=torch.bfloat16, q_dtype=torch.bfloat16),
+    for kw in (dict(max_prefix=8191, bandwidth=h100), dict(max_prefix=16 * 511 - 1),
+               dict(dtype=torch.bfloat16, q_dtype=torch.bfloat16),
                dict(q_dtype=torch.float32), dict(mode=ForwardMode.TARGET_VERIFY), dict(kernel_config={"num_warps": 4})):
         splits, config = plan(**kw)
         assert config is not FP8_SINGLE_WARP_CONFIG and config.get("num_warps") != 1 and 1 <= splits, kw
