@@ -96,6 +96,7 @@ class E2EConfig:
     dflash_verify_by_batch: Sequence[Tuple[int, int]] = ((4, 8), (16, 4))
     ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=8, num_draft_tokens=32))
     ddtree_by_batch: Sequence[Tuple[int, int]] = ((2, 16), (32, 8))
+    ddtree_depth_decay: float = 1.0         # SpecConfig.ddtree_depth_decay
     ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))
     # n-gram: (min_batch, topk) pairs, fewer chains for large batches (SpecConfig: 1 + topk * num_steps tokens)
     ngram_topk_by_batch: Sequence[Tuple[int, int]] = ((16, 1),)
@@ -128,7 +129,8 @@ def spec_fields(algo: str, cfg: E2EConfig) -> dict:
                     num_draft_tokens_by_batch=tuple(tuple(p) for p in cfg.dflash_verify_by_batch))
     if algo == "ddtree":
         return dict(algo="dflash", block_size=cfg.block_size, **cfg.ddtree,
-                    num_draft_tokens_by_batch=tuple(tuple(p) for p in cfg.ddtree_by_batch))
+                    num_draft_tokens_by_batch=tuple(tuple(p) for p in cfg.ddtree_by_batch),
+                    ddtree_depth_decay=cfg.ddtree_depth_decay)
     if algo == "ngram":
         return dict(algo="ngram", **cfg.ngram, num_draft_tokens_by_batch=tuple(
             (m, 1 + k * cfg.ngram["num_steps"]) for m, k in cfg.ngram_topk_by_batch))

@@ -343,6 +343,7 @@ ALGO_OPTIONS = {
     "block_size_by_batch": ("--block-size-by-batch", ("dflash",)),
     "num_draft_tokens_by_batch": ("--num-draft-tokens-by-batch", ("eagle", "dflash", "ngram")),
     "draft_vocab": ("--draft-vocab", ("eagle", "dflash")),
+    "ddtree_depth_decay": ("--ddtree-depth-decay", ("dflash",)),
 }
 
 
@@ -356,7 +357,7 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
                         draft_layers, block_size, backend, page_size, device, dtype, temperature, top_k,
                         top_p, model, draft_model, self_draft, cuda_graph, threads, ngram_size=4,
                         draft_vocab=None, kv_cache_dtype="auto", block_size_by_batch="",
-                        num_draft_tokens_by_batch="") -> List[str]:
+                        num_draft_tokens_by_batch="", ddtree_depth_decay=1.0) -> List[str]:
     """Check ``specattn generate``'s arguments before anything loads; returns the prompts.
     Every problem ends the command with one line (:func:`fail`, exit status 2)."""
     def bad(msg: str) -> None:
@@ -391,6 +392,8 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         users = sorted({a for name, (flag, algos) in ALGO_OPTIONS.items() if flag in foreign for a in algos})
         bad(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to --algo {algo} "
             f"(only to --algo {' / '.join(users)})")
+    if algo == "dflash" and topk == 1 and _given(ctx, "ddtree_depth_decay"):
+        bad("--ddtree-depth-decay applies to DDTree (--algo dflash --topk > 1), not to the DFlash chain")
     if algo == "eagle":
         if topk < 1:
             bad(f"--topk must be >= 1 (1 drafts a chain), got {topk}")
@@ -422,7 +425,8 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         bad(f"--draft-model {draft_model}: no such file or folder")
     if algo in ("eagle", "dflash", "ngram"):
         from .strategies import SpecConfig, parse_by_batch
-        spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, ngram_size)
+        spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, ngram_size,
+                          ddtree_depth_decay=ddtree_depth_decay)
         try:  # the engine's own bounds (the checks above name the options)
             spec.validate()
         except ValueError as e:
@@ -511,6 +515,10 @@ def generate(
              "rounds over at least MIN_BATCH requests (e.g. 2:16,32:8 after --num-draft-tokens 32); "
              "a DFlash chain: verify only the block's first TOKENS (root included); "
              "n-gram: TOKENS = 1 + chains * num_steps keeps that many of its --topk chains (1: none)."),
+    ddtree_depth_decay: float = typer.Option(1.0, "--ddtree-depth-decay",
+                                             help="DDTree (dflash, --topk > 1): block position k's "
+                                                  "log-probabilities weigh DECAY ** (k - 1) in a node's score "
+                                                  "(< 1 favours deeper nodes)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab",
                                               help="EAGLE-3 and DFlash: draft only from the N most frequent "
                                                    "tokens of the drafter's token_frequencies.json (FR-Spec; a "
@@ -556,7 +564,8 @@ def generate(
         page_size=page_size, device=device, dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p,
         model=model, draft_model=draft_model, self_draft=self_draft, cuda_graph=cuda_graph, threads=threads,
         ngram_size=ngram_size, draft_vocab=draft_vocab, kv_cache_dtype=kv_cache_dtype,
-        block_size_by_batch=block_size_by_batch, num_draft_tokens_by_batch=num_draft_tokens_by_batch)
+        block_size_by_batch=block_size_by_batch, num_draft_tokens_by_batch=num_draft_tokens_by_batch,
+        ddtree_depth_decay=ddtree_depth_decay)
     with cpu_threads(threads, device) as n_threads:
         _generate(texts, algo=algo, topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
                   ngram_size=ngram_size,
@@ -566,13 +575,14 @@ def generate(
                   self_draft=self_draft, chat=chat, cuda_graph=cuda_graph, warmup=warmup,
                   as_json=as_json, threads=n_threads, draft_vocab=draft_vocab,
                   kv_cache_dtype=kv_cache_dtype, block_size_by_batch=block_size_by_batch,
-                  num_draft_tokens_by_batch=num_draft_tokens_by_batch)
+                  num_draft_tokens_by_batch=num_draft_tokens_by_batch, ddtree_depth_decay=ddtree_depth_decay)
 
 
 def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, backend,
               page_size, device, dtype, max_new_tokens, temperature, top_k, top_p, seed, model, draft_model,
               self_draft, chat, cuda_graph, warmup, as_json, threads, ngram_size=4, draft_vocab=None,
-              kv_cache_dtype="auto", block_size_by_batch="", num_draft_tokens_by_batch="") -> None:
+              kv_cache_dtype="auto", block_size_by_batch="", num_draft_tokens_by_batch="",
+              ddtree_depth_decay=1.0) -> None:
     """``specattn generate`` once its arguments are checked: load, build the engine, run,
     report."""
     from . import loader
@@ -580,7 +590,8 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
     from .strategies import SpecConfig, parse_by_batch
     spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, ngram_size,
                       parse_by_batch(block_size_by_batch) if algo == "dflash" else (),
-                      parse_by_batch(num_draft_tokens_by_batch) if algo in ("eagle", "dflash", "ngram") else ())
+                      parse_by_batch(num_draft_tokens_by_batch) if algo in ("eagle", "dflash", "ngram") else (),
+                      ddtree_depth_decay=ddtree_depth_decay)
     try:
         cfg, w, tok = load_model(model, DTYPES[dtype])
     except FileNotFoundError as e:

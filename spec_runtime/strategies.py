@@ -21,6 +21,8 @@ position ``P``); a strategy adds its own (e.g. EAGLE: the drafter's top-k after 
 """
 from __future__ import annotations
 
+import math
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -71,7 +73,16 @@ class SpecConfig:
       runs the block it was trained on, the verify pays for fewer tokens.  N-gram drafting
       verifies ``1 + topk * num_steps`` tokens; its values ``1 + c * num_steps`` keep ``c``
       (``0 <= c <= topk``) of its chains, the best matches (``c = 0``: the root alone,
-      speculation off from that batch size)."""
+      speculation off from that batch size).
+
+    ``ddtree_depth_decay`` (DDTree only, ``> 0``): block position ``k``'s log-probabilities
+    weigh ``ddtree_depth_decay ** (k - 1)`` in a candidate's summed score.  The block
+    predicts every position alone, so a path's product of marginals underrates a deep draft
+    whose ancestors were accepted; below 1 ranks deeper nodes higher while every node still
+    scores at most its parent, so the kept nodes keep their ancestors.  The shipped DFlash
+    drafter, topk 8, 32 tokens, the 64 eval prompts, CPU float32 exact greedy: 2.99 tokens
+    per verify at 1.0, 3.02 at 0.8 (the first 16 prompts: 2.97 at 1.0, 3.01 / 3.02 / 3.02 /
+    2.94 / 2.86 at 0.9 / 0.8 / 0.7 / 0.6 / 0.5, 2.95 at 1.1)."""
 
     algo: str = "none"
     topk: int = 1
@@ -82,6 +93,7 @@ class SpecConfig:
     ngram_size: int = 4
     block_size_by_batch: Tuple[Tuple[int, int], ...] = ()
     num_draft_tokens_by_batch: Tuple[Tuple[int, int], ...] = ()
+    ddtree_depth_decay: float = 1.0
 
     @staticmethod
     def _for(base: int, pairs: Sequence[Tuple[int, int]], batch_rows: int) -> int:
@@ -161,6 +173,9 @@ class SpecConfig:
                 raise ValueError(f"eagle needs topk >= 1 and num_steps >= 1, got topk={self.topk}, "
                                  f"num_steps={self.num_steps}")
             self._check_tree_tokens(self.num_draft_tokens, "num_draft_tokens")
+        if not (isinstance(self.ddtree_depth_decay, (int, float)) and self.ddtree_depth_decay > 0
+                and math.isfinite(self.ddtree_depth_decay)):
+            raise ValueError(f"ddtree_depth_decay must be a finite number > 0, got {self.ddtree_depth_decay!r}")
         if self.algo == "dflash" and self.block_size < 2:
             raise ValueError(f"dflash needs block_size >= 2, got {self.block_size}")
         if self.block_size_by_batch:

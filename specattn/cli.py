@@ -251,6 +251,9 @@ def bench_e2e(
                                                     "first TOKENS (root included) for rounds over at least "
                                                     "MIN_BATCH requests ('' verifies the whole block)."),
     ddtree: str = typer.Option("8,32", help="DDTree: topk,num_draft_tokens (DFlash drafts verified as a tree)."),
+    ddtree_depth_decay: float = typer.Option(1.0, "--ddtree-depth-decay",
+                                             help="DDTree: block position k's log-probabilities weigh "
+                                                  "DECAY ** (k - 1) in a node's score (< 1 favours depth)."),
     ddtree_by_batch: str = typer.Option("2:16,32:8", "--ddtree-by-batch",
                                         help="DDTree: MIN_BATCH:TOKENS,... another num_draft_tokens for rounds "
                                              "over at least MIN_BATCH requests ('' keeps --ddtree's)."),
@@ -293,6 +296,10 @@ def bench_e2e(
     from specattn.spec_runtime.strategies import SpecConfig, parse_by_batch
     tree_cfg, ddtree_cfg = triple(tree, "--tree"), ints(ddtree, "--ddtree", ("topk", "num_draft_tokens"))
     ngram_cfg = ints(ngram, "--ngram", ("topk", "num_steps", "ngram_size"))
+    try:
+        SpecConfig("dflash", ddtree_depth_decay=ddtree_depth_decay).validate()
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--ddtree-depth-decay")
     checks = (("--block-size-by-batch", block_size_by_batch,
                lambda v: SpecConfig("dflash", block_size=block_size, block_size_by_batch=v)),
               ("--dflash-verify-by-batch", dflash_verify_by_batch,
@@ -328,6 +335,7 @@ def bench_e2e(
                         dflash_verify_by_batch=by_batch["--dflash-verify-by-batch"],
                         tree_by_batch=by_batch["--tree-by-batch"],
                         ddtree=ddtree_cfg, ddtree_by_batch=by_batch["--ddtree-by-batch"],
+                        ddtree_depth_decay=ddtree_depth_decay,
                         ngram=ngram_cfg, ngram_topk_by_batch=by_batch["--ngram-topk-by-batch"],
                         repetitive_algos=rep_names,
                         drafter=str(drafter) if drafter else None, draft_vocab=draft_vocab,

@@ -35,6 +35,9 @@ def test_spec_fields():
     assert e2e.spec_fields("ddtree", cfg)["num_draft_tokens_by_batch"] == ((2, 16), (32, 8))
     assert "num_draft_tokens_by_batch" not in e2e.spec_fields("eagle_chain", cfg)
     assert e2e.spec_fields("ddtree", e2e.E2EConfig(ddtree_by_batch=[]))["num_draft_tokens_by_batch"] == ()
+    assert e2e.spec_fields("ddtree", cfg)["ddtree_depth_decay"] == 1.0
+    assert e2e.spec_fields("ddtree", e2e.E2EConfig(ddtree_depth_decay=0.8))["ddtree_depth_decay"] == 0.8
+    assert "ddtree_depth_decay" not in e2e.spec_fields("dflash", cfg)
     assert e2e.spec_fields("eagle_tree", e2e.E2EConfig(tree_by_batch=[[4, 6]]))["num_draft_tokens_by_batch"] == ((4, 6),)
     ngram = e2e.E2EConfig(ngram=dict(topk=3, num_steps=2, ngram_size=4), ngram_topk_by_batch=[[8, 2], [32, 1]])
     assert e2e.spec_fields("ngram", ngram)["num_draft_tokens_by_batch"] == ((8, 5), (32, 3))   # 1 + topk * 2
@@ -209,6 +212,8 @@ def test_cli_errors():
     assert res.exit_code == 2 and "topk,num_steps,num_draft_tokens" in res.output
     res = runner.invoke(cli.app, ["bench", "e2e", "--ddtree", "4,500"])
     assert res.exit_code == 2 and "num_draft_tokens" in res.output
+    res = runner.invoke(cli.app, ["bench", "e2e", "--ddtree-depth-decay", "0"])
+    assert res.exit_code == 2 and "--ddtree-depth-decay" in res.output and "> 0" in res.output, res.output
     res = runner.invoke(cli.app, ["bench", "plot", "nope.json"])
     assert res.exit_code == 2 and "no such file" in res.output
 

@@ -71,6 +71,10 @@ def no_model_load(monkeypatch):
     (["--algo", "eagle", "--draft-layers", "0"], ["--draft-layers must be >= 1"]),
     (["--algo", "eagle", "--draft-vocab", "-1"], ["--draft-vocab must be >= 0"]),
     (["--algo", "eagle", "--self-draft", "--draft-vocab", "8"], ["--draft-vocab applies to EAGLE-3 and DFlash drafters"]),
+    (["--algo", "dflash", "--ddtree-depth-decay", "0.8"], ["--ddtree-depth-decay applies to DDTree"]),
+    (["--algo", "eagle", "--ddtree-depth-decay", "0.8"], ["--ddtree-depth-decay does not apply to --algo eagle"]),
+    (["--algo", "dflash", "--topk", "4", "--num-draft-tokens", "8", "--ddtree-depth-decay", "0"],
+     ["ddtree_depth_decay must be a finite number > 0"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("-") else None)
 def test_bad_arguments_are_one_line(no_model_load, args, words):
     line = one_error_line(run(*PROMPT, *args), 2)

@@ -52,8 +52,9 @@ def _repetitive_prompts(rng, n=3):
 @pytest.mark.parametrize("spec", [SpecConfig("ngram", topk=1, num_steps=4), SpecConfig("ngram", topk=3, num_steps=3, ngram_size=2),
                                   SpecConfig("dflash", topk=2, num_draft_tokens=6, block_size=4),
                                   SpecConfig("dflash", topk=4, num_draft_tokens=12, block_size=6),
-                                  SpecConfig("dflash", topk=3, num_draft_tokens=3, block_size=2)],
-                         ids=["ngram-chain", "ngram-tree", "ddtree-small", "ddtree", "ddtree-one-level"])
+                                  SpecConfig("dflash", topk=3, num_draft_tokens=3, block_size=2),
+                                  SpecConfig("dflash", topk=4, num_draft_tokens=12, block_size=6, ddtree_depth_decay=0.6)],
+                         ids=["ngram-chain", "ngram-tree", "ddtree-small", "ddtree", "ddtree-one-level", "ddtree-decay"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_lossless(tmp_path, seed, spec, page_size, backend_name):
     cfg, w = tiny_llama(tmp_path, seed, vocab=V)
@@ -69,6 +70,37 @@ def test_lossless(tmp_path, seed, spec, page_size, backend_name):
     if page_size > 1:
         flat = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=96).generate(prompts, p)
         assert res.accept_lengths == flat.accept_lengths
+
+
+def test_ddtree_depth_decay_weighs_positions(tmp_path, seed, backend_name, monkeypatch):
+    """``ddtree_depth_decay``: the DDTree's candidates are grown from the block's top-k
+    log-probabilities with position ``k`` weighed ``decay ** (k - 1)`` (the first round, the
+    same block forward either way), the output stays the target's greedy text, and
+    SpecConfig refuses a decay that is not a finite number above 0."""
+    from specattn import ops
+    cfg, w = tiny_llama(tmp_path, seed, vocab=V)
+    prompts = _repetitive_prompts(random.Random(seed), 2)
+    p = SamplingParams(max_new_tokens=12)
+    seen = []
+    orig = ops.ddtree_candidates
+
+    def spy(vals, toks, **kw):
+        seen.append(vals.detach().clone())
+        return orig(vals, toks, **kw)
+    monkeypatch.setattr(ops, "ddtree_candidates", spy)
+    base = make_engine(backend_name, cfg, dict(w), max_context=96).generate(prompts, p)
+    outs = {}
+    for decay in (1.0, 0.5):
+        seen.clear()
+        spec = SpecConfig("dflash", topk=3, num_draft_tokens=8, block_size=5, ddtree_depth_decay=decay)
+        outs[decay] = (make_engine(backend_name, cfg, dict(w), spec=spec, max_context=96).generate(prompts, p), seen[0])
+        assert outs[decay][0].tokens == base.tokens, f"seed={seed} decay={decay}"
+    one, half = outs[1.0][1], outs[0.5][1]
+    weights = 0.5 ** torch.arange(one.shape[1], dtype=one.dtype, device=one.device)
+    assert torch.allclose(half, one * weights[:, None]) and not torch.equal(half, one)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ddtree_depth_decay"):
+            SpecConfig("dflash", topk=3, num_draft_tokens=8, block_size=5, ddtree_depth_decay=bad).validate()
 
 
 def test_ddtree_selection_past_the_fused_select(tmp_path, seed, backend_name, monkeypatch):
