@@ -133,8 +133,9 @@ def test_ngram_accepts_on_repeated_text(tmp_path, seed, backend_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", [SpecConfig("ngram", topk=3, num_steps=3), SpecConfig("dflash", topk=3, num_draft_tokens=10, block_size=6)],
-                         ids=["ngram", "ddtree"])
+@pytest.mark.parametrize("spec", [SpecConfig("ngram", topk=3, num_steps=3), SpecConfig("dflash", topk=3, num_draft_tokens=10, block_size=6),
+                                  SpecConfig("dflash", topk=3, num_draft_tokens=10, block_size=6, ddtree_depth_decay=0.8)],
+                         ids=["ngram", "ddtree", "ddtree-decay"])
 def test_graphs_lossless(tmp_path, seed, spec, backend_name):
     cfg, w = tiny_llama(tmp_path, seed, vocab=V)
     prompts = _repetitive_prompts(random.Random(seed), 4)
