@@ -81,7 +81,7 @@ class SpecConfig:
     whose ancestors were accepted; below 1 ranks deeper nodes higher while every node still
     scores at most its parent, so the kept nodes keep their ancestors.  The shipped DFlash
     drafter, topk 8, 32 tokens, the 64 eval prompts, CPU float32 exact greedy: 2.99 tokens
-    per verify at 1.0, 3.02 at 0.8 (the first 16 prompts: 2.97 at 1.0, 3.01 / 3.02 / 3.02 /
+    per verify at 1.0, 3.02 at 0.8 (the first 16 prompts: 2.97 at 1.0, 3.00 / 3.02 / 3.02 /
     2.94 / 2.86 at 0.9 / 0.8 / 0.7 / 0.6 / 0.5, 2.95 at 1.1)."""
 
     algo: str = "none"
