@@ -96,7 +96,7 @@ class E2EConfig:
     dflash_verify_by_batch: Sequence[Tuple[int, int]] = ((4, 8), (16, 4))
     ddtree: Dict[str, int] = field(default_factory=lambda: dict(topk=8, num_draft_tokens=32))
     ddtree_by_batch: Sequence[Tuple[int, int]] = ((2, 16), (32, 8))
-    ddtree_depth_decay: float = 1.0         # SpecConfig.ddtree_depth_decay
+    ddtree_depth_decay: float = 0.8         # SpecConfig.ddtree_depth_decay
     ngram: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=4, ngram_size=4))
     # n-gram: (min_batch, topk) pairs, fewer chains for large batches (SpecConfig: 1 + topk * num_steps tokens)
     ngram_topk_by_batch: Sequence[Tuple[int, int]] = ((16, 1),)
@@ -545,8 +545,10 @@ def _dflash_ngram_settings(report: dict) -> str:
         out += f"; drafting from the {dv:,} most frequent tokens." if dv else "."
     if "ddtree_by_batch" in st and "ddtree" in algos:
         dd = st["ddtree"]
+        decay = dd.get("ddtree_depth_decay", 1.0)
         out += (f" DDTree: topk {dd['topk']}, {dd['num_draft_tokens']} tokens"
-                f"{_from_batch(st.get('ddtree_by_batch'))}.")
+                f"{_from_batch(st.get('ddtree_by_batch'))}"
+                + (f", position k's log-probabilities weighed {decay:g} ** (k - 1)." if decay != 1.0 else "."))
     if "ngram_topk_by_batch" in st and "ngram" in algos:
         ng = st["ngram"]
         out += (f" N-gram: {ng['topk']} chains of {ng['num_steps']} (suffixes of up to {ng['ngram_size']} tokens)"

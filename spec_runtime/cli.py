@@ -357,7 +357,7 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
                         draft_layers, block_size, backend, page_size, device, dtype, temperature, top_k,
                         top_p, model, draft_model, self_draft, cuda_graph, threads, ngram_size=4,
                         draft_vocab=None, kv_cache_dtype="auto", block_size_by_batch="",
-                        num_draft_tokens_by_batch="", ddtree_depth_decay=1.0) -> List[str]:
+                        num_draft_tokens_by_batch="", ddtree_depth_decay=0.8) -> List[str]:
     """Check ``specattn generate``'s arguments before anything loads; returns the prompts.
     Every problem ends the command with one line (:func:`fail`, exit status 2)."""
     def bad(msg: str) -> None:
@@ -515,10 +515,10 @@ def generate(
              "rounds over at least MIN_BATCH requests (e.g. 2:16,32:8 after --num-draft-tokens 32); "
              "a DFlash chain: verify only the block's first TOKENS (root included); "
              "n-gram: TOKENS = 1 + chains * num_steps keeps that many of its --topk chains (1: none)."),
-    ddtree_depth_decay: float = typer.Option(1.0, "--ddtree-depth-decay",
+    ddtree_depth_decay: float = typer.Option(0.8, "--ddtree-depth-decay",
                                              help="DDTree (dflash, --topk > 1): block position k's "
                                                   "log-probabilities weigh DECAY ** (k - 1) in a node's score "
-                                                  "(< 1 favours deeper nodes)."),
+                                                  "(< 1 favours deeper nodes; 1 = plain path probability)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab",
                                               help="EAGLE-3 and DFlash: draft only from the N most frequent "
                                                    "tokens of the drafter's token_frequencies.json (FR-Spec; a "
@@ -582,7 +582,7 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
               page_size, device, dtype, max_new_tokens, temperature, top_k, top_p, seed, model, draft_model,
               self_draft, chat, cuda_graph, warmup, as_json, threads, ngram_size=4, draft_vocab=None,
               kv_cache_dtype="auto", block_size_by_batch="", num_draft_tokens_by_batch="",
-              ddtree_depth_decay=1.0) -> None:
+              ddtree_depth_decay=0.8) -> None:
     """``specattn generate`` once its arguments are checked: load, build the engine, run,
     report."""
     from . import loader

@@ -991,12 +991,11 @@ class DFlashStrategy(Strategy):
                                 c.retrive_next_sibling[:bs])
             return P, self.propose_block(eng, rb, rows, block, D), tree, D - 1, slots
         ids, vals, toks = self.block_top(eng, rb, rows, self.K, block)
-        decay = self.spec.ddtree_depth_decay
-        if decay != 1.0:   # SpecConfig's docstring: position k's log-probabilities weigh decay ** (k - 1)
-            S = vals.shape[1]
-            vals = vals * eng.constant(("ddtree_depth_weights", S, decay), lambda: torch.pow(
-                decay, torch.arange(S, dtype=vals.dtype, device=eng.device)))[:, None]
-        parent_list, scores, tokens = ops.ddtree_candidates(vals, toks)
+        decay, S = self.spec.ddtree_depth_decay, vals.shape[1]
+        weights = None if decay == 1.0 else eng.constant(   # position k's log-probabilities weigh decay ** (k - 1)
+            ("ddtree_depth_weights", S, decay),
+            lambda: torch.pow(decay, torch.arange(S, dtype=vals.dtype, device=eng.device)))
+        parent_list, scores, tokens = ops.ddtree_candidates(vals, toks, depth_weights=weights)
         roots = ids[:, 0]
         if scores.shape[1] <= ops.EAGLE_MAX_CANDIDATES:   # one launch: the D - 1 best, in order
             selected, draft_tokens = ops.select_draft_tokens(scores, tokens, roots, D)

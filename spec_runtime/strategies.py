@@ -79,10 +79,12 @@ class SpecConfig:
     weigh ``ddtree_depth_decay ** (k - 1)`` in a candidate's summed score.  The block
     predicts every position alone, so a path's product of marginals underrates a deep draft
     whose ancestors were accepted; below 1 ranks deeper nodes higher while every node still
-    scores at most its parent, so the kept nodes keep their ancestors.  The shipped DFlash
-    drafter, topk 8, 32 tokens, the 64 eval prompts, CPU float32 exact greedy: 2.99 tokens
-    per verify at 1.0, 3.02 at 0.8 (the first 16 prompts: 2.97 at 1.0, 3.00 / 3.02 / 3.02 /
-    2.94 / 2.86 at 0.9 / 0.8 / 0.7 / 0.6 / 0.5, 2.95 at 1.1)."""
+    scores at most its parent, so the kept nodes keep their ancestors.  The default 0.8: the
+    shipped DFlash drafter, topk 8, 32 tokens, CPU float32 exact greedy, 2.99 tokens per
+    verify at 1.0 and 3.02 at 0.8 on the 64 eval prompts (the first 16: 2.97 at 1.0, 3.00 /
+    3.02 / 3.02 / 2.94 / 2.86 at 0.9 / 0.8 / 0.7 / 0.6 / 0.5, 2.95 at 1.1), and on two
+    other sets of 24 chat prompts 3.06 -> 3.09 and 3.03 -> 3.07.  The weights ride in
+    :func:`specattn.ops.ddtree_candidates`' launch (``depth_weights``)."""
 
     algo: str = "none"
     topk: int = 1
@@ -93,7 +95,7 @@ class SpecConfig:
     ngram_size: int = 4
     block_size_by_batch: Tuple[Tuple[int, int], ...] = ()
     num_draft_tokens_by_batch: Tuple[Tuple[int, int], ...] = ()
-    ddtree_depth_decay: float = 1.0
+    ddtree_depth_decay: float = 0.8
 
     @staticmethod
     def _for(base: int, pairs: Sequence[Tuple[int, int]], batch_rows: int) -> int:

@@ -251,7 +251,7 @@ def bench_e2e(
                                                     "first TOKENS (root included) for rounds over at least "
                                                     "MIN_BATCH requests ('' verifies the whole block)."),
     ddtree: str = typer.Option("8,32", help="DDTree: topk,num_draft_tokens (DFlash drafts verified as a tree)."),
-    ddtree_depth_decay: float = typer.Option(1.0, "--ddtree-depth-decay",
+    ddtree_depth_decay: float = typer.Option(0.8, "--ddtree-depth-decay",
                                              help="DDTree: block position k's log-probabilities weigh "
                                                   "DECAY ** (k - 1) in a node's score (< 1 favours depth)."),
     ddtree_by_batch: str = typer.Option("2:16,32:8", "--ddtree-by-batch",

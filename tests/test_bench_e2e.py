@@ -35,8 +35,8 @@ def test_spec_fields():
     assert e2e.spec_fields("ddtree", cfg)["num_draft_tokens_by_batch"] == ((2, 16), (32, 8))
     assert "num_draft_tokens_by_batch" not in e2e.spec_fields("eagle_chain", cfg)
     assert e2e.spec_fields("ddtree", e2e.E2EConfig(ddtree_by_batch=[]))["num_draft_tokens_by_batch"] == ()
-    assert e2e.spec_fields("ddtree", cfg)["ddtree_depth_decay"] == 1.0
-    assert e2e.spec_fields("ddtree", e2e.E2EConfig(ddtree_depth_decay=0.8))["ddtree_depth_decay"] == 0.8
+    assert e2e.spec_fields("ddtree", cfg)["ddtree_depth_decay"] == SpecConfig().ddtree_depth_decay == 0.8
+    assert e2e.spec_fields("ddtree", e2e.E2EConfig(ddtree_depth_decay=1.0))["ddtree_depth_decay"] == 1.0
     assert "ddtree_depth_decay" not in e2e.spec_fields("dflash", cfg)
     assert e2e.spec_fields("eagle_tree", e2e.E2EConfig(tree_by_batch=[[4, 6]]))["num_draft_tokens_by_batch"] == ((4, 6),)
     ngram = e2e.E2EConfig(ngram=dict(topk=3, num_steps=2, ngram_size=4), ngram_topk_by_batch=[[8, 2], [32, 1]])
@@ -135,7 +135,11 @@ def test_writers(tmp_path):
     md = (tmp_path / "h100" / "e2e.md").read_text()
     assert "DDTree: topk 8, 32 tokens, 16 from batch 2, 8 from batch 32." in md and "DFlash chain" not in md
     assert "tree (4, 5, 32) (topk, num_steps, num_draft_tokens) (tree tokens 32, 16 from batch 2)." in md
-    assert "N-gram" not in md
+    assert "N-gram" not in md and "weighed" not in md
+    rep["settings"]["ddtree"]["ddtree_depth_decay"] = 0.8
+    e2e.write_results(rep, tmp_path / "h100")
+    assert ("DDTree: topk 8, 32 tokens, 16 from batch 2, 8 from batch 32, position k's log-probabilities "
+            "weighed 0.8 ** (k - 1).") in (tmp_path / "h100" / "e2e.md").read_text()
     rep = _report(rows + [dict(rows[1], algo="ngram")])
     rep["settings"].update(ngram=dict(topk=4, num_steps=4, ngram_size=3), ngram_topk_by_batch=[[16, 2], [32, 1]])
     e2e.write_results(rep, tmp_path / "h100")
@@ -329,3 +333,18 @@ def test_busy_ms_is_the_union_of_intervals():
     assert e2e.busy_ms(spans) == pytest.approx(len(grid) / 1e3)
     assert e2e.busy_ms([]) == 0.0
     assert e2e.busy_ms([(0.0, 5.0), (5.0, 7.0), (2.0, 3.0)]) == pytest.approx(7e-3)
+
+
+def test_ddtree_depth_decay_defaults_agree():
+    """``specattn generate``'s and ``specattn bench e2e``'s ``--ddtree-depth-decay`` default to
+    SpecConfig's and E2EConfig's value (one default, whatever the entry point)."""
+    import typer.main
+    root = typer.main.get_command(cli.app)
+    want = SpecConfig().ddtree_depth_decay
+    assert e2e.E2EConfig().ddtree_depth_decay == want
+    for path in (["generate"], ["bench", "e2e"]):
+        cmd = root
+        for name in path:
+            cmd = cmd.commands[name]
+        (param,) = [p for p in cmd.params if p.name == "ddtree_depth_decay"]
+        assert param.default == want, path

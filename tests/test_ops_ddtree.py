@@ -91,6 +91,25 @@ def test_ddtree_candidates_triton_equals_reference(seed, bs, S, K):
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("bs,S,K", [(3, 5, 3), (2, 1, 4), (2, 7, 8)])
+def test_ddtree_candidates_depth_weights(seed, impl, bs, S, K):
+    """``depth_weights``: the candidates of the block's values with position ``s + 1`` scaled
+    by ``depth_weights[s]`` (the definition on the scaled log-probabilities), bit for bit the
+    call on pre-scaled values, and different from the unweighted call (a kernel that ignores
+    the weights fails)."""
+    g = torch.Generator().manual_seed(seed)
+    lp, vals, toks = _block_top(g, bs, S, K, 19)
+    w = torch.rand(S, generator=g) * 1.5 + 0.25
+    got = ops.ddtree_candidates(vals.to(DEV), toks.to(DEV), depth_weights=w.to(DEV), impl=impl)
+    _check_definition(lp * w[None, :, None], vals * w[None, :, None], toks, *(t.cpu() for t in got))
+    pre = ops.ddtree_candidates((vals * w[None, :, None]).to(DEV), toks.to(DEV), impl=impl)
+    for a, b in zip(got, pre):
+        assert torch.equal(a, b)
+    plain = ops.ddtree_candidates(vals.to(DEV), toks.to(DEV), impl=impl)
+    assert not torch.equal(plain[1], got[1])
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_ddtree_candidates_feed_build_tree(seed, impl):
     """The best ``D - 1`` candidates form a tree: every kept node's parent is kept (the scores
     of a path only fall) and its depth is its level + 1."""
@@ -123,6 +142,10 @@ def test_ddtree_candidates_errors():
         ops.ddtree_candidates(torch.zeros(2, 3, 9), torch.zeros(2, 3, 9, dtype=torch.int64))
     with pytest.raises(TypeError):
         ops.ddtree_candidates(vals.tolist(), toks)
+    with pytest.raises(ValueError, match="depth_weights must have shape"):
+        ops.ddtree_candidates(vals, toks, depth_weights=torch.ones(4))
+    with pytest.raises(ValueError, match="depth_weights must have dtype"):
+        ops.ddtree_candidates(vals, toks, depth_weights=torch.ones(3, dtype=torch.float64))
 
 
 @pytest.mark.gpu
@@ -137,12 +160,16 @@ def test_ddtree_candidates_cuda_graph(seed):
     want = ops.ddtree_candidates(vals, toks, impl="reference")
     got = ops.ddtree_candidates(vals, toks, impl="triton")
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+    weights = 0.8 ** torch.arange(15, dtype=torch.float32, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ops.ddtree_candidates(vals, toks, impl="triton")
+        out_w = ops.ddtree_candidates(vals, toks, depth_weights=weights, impl="triton")
     _, v2, t2 = _block_top(g, 64, 15, 4, 1000, ties=True)
     vals.copy_(v2.cuda())
     toks.copy_(t2.cuda())
     graph.replay()
     want = ops.ddtree_candidates(vals, toks, impl="reference")
     assert all(torch.equal(a, b) for a, b in zip(want, out))
+    want = ops.ddtree_candidates(vals, toks, depth_weights=weights, impl="reference")
+    assert all(torch.equal(a, b) for a, b in zip(want, out_w))

@@ -84,8 +84,11 @@ def test_ddtree_depth_decay_weighs_positions(tmp_path, seed, backend_name, monke
     seen = []
     orig = ops.ddtree_candidates
 
-    def spy(vals, toks, **kw):
-        seen.append(vals.detach().clone())
+    def spy(vals, toks, **kw):   # the values the candidates are scored from
+        w = kw.get("depth_weights")
+        seen.append((vals if w is None else vals * w[:, None]).detach().clone())
+        if w is not None:
+            assert w.dtype == torch.float32 and w.shape == (vals.shape[1],)
         return orig(vals, toks, **kw)
     monkeypatch.setattr(ops, "ddtree_candidates", spy)
     base = make_engine(backend_name, cfg, dict(w), max_context=96).generate(prompts, p)

@@ -10,7 +10,9 @@ a max over the order keys of :mod:`.topk` (value, then the lower column: the ref
 order; :func:`.eagle_draft.select_top_lanes`, shared with the EAGLE beam step) for the next
 beams and their ``parent_list`` columns.  A beam's score reaches its lane
 through a one-hot sum over its int32 bits (exact: one non-zero term, so ``-0.0`` stays
-``-0.0``).  ``S`` is a runtime loop bound: one compile per ``K``.
+``-0.0``).  ``S`` is a runtime loop bound: one compile per ``K`` (and per
+``HAS_W``: the optional ``depth_weights`` multiply each position's values as they are loaded, the
+reference's one float32 product).
 
 No host sync and no allocation but the outputs (``torch.empty``): CUDA-graph capturable.  The
 launcher trusts the wrapper's validation (shapes, dtypes, ``1 <= K <= 8``).  CPU interpreter
@@ -20,7 +22,7 @@ tensors raise RuntimeError.
 from __future__ import annotations
 
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -35,8 +37,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
-def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, cs_ptr, ct_ptr,
-                   S, NPL, NC, K: tl.constexpr, KP: tl.constexpr, KKP: tl.constexpr, PDL: tl.constexpr = False):
+def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, cs_ptr, ct_ptr, w_ptr,
+                   S, NPL, NC, K: tl.constexpr, KP: tl.constexpr, KKP: tl.constexpr, HAS_W: tl.constexpr,
+                   PDL: tl.constexpr = False):
     gdc_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, KP)
@@ -47,6 +50,8 @@ def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, 
     ct = ct_ptr + b * NC
     # level 0: the root's children, and the first beams
     beam = tl.load(v_ptr + b * v_s0 + kk64 * v_s2, mask=km, other=0.0)
+    if HAS_W:
+        beam = beam * tl.load(w_ptr)
     tok0 = tl.load(t_ptr + b * t_s0 + kk64 * t_s2, mask=km, other=0).to(tl.int64)
     tl.store(cs + kk64, beam, mask=km)
     tl.store(ct + kk64, tok0, mask=km)
@@ -63,6 +68,8 @@ def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, 
         bj = tl.sum(tl.where(pick, bits[:, None], 0), axis=0).to(tl.int32).to(tl.float32, bitcast=True)
         row = b * v_s0 + s * v_s1
         child = tl.load(v_ptr + row + i * v_s2, mask=live, other=0.0)
+        if HAS_W:
+            child = child * tl.load(w_ptr + s)
         tok = tl.load(t_ptr + b * t_s0 + s * t_s1 + i * t_s2, mask=live, other=0).to(tl.int64)
         score = bj + child
         off = K + (s - 1) * K * K
@@ -74,7 +81,8 @@ def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, 
 
 
 @on_tensor_device
-def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor, depth_weights: Optional[torch.Tensor] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton :func:`specattn.ops.ddtree_candidates` (one launch; arguments validated by the
     wrapper).  Returns ``(parent_list int64 [bs, K*(S-1)+1], scores float32 [bs, n_cand],
     tokens int64 [bs, n_cand])``, new tensors."""
@@ -89,7 +97,8 @@ def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor) -> Tuple[torch.Ten
         return parent_list, scores, tokens
     _ddtree_kernel[(bs,)](vals, vals.stride(0), vals.stride(1), vals.stride(2),
                           toks, toks.stride(0), toks.stride(1), toks.stride(2),
-                          parent_list, scores, tokens, S, npl, nc,
+                          parent_list, scores, tokens, vals if depth_weights is None else depth_weights, S, npl, nc,
                           K=K, KP=triton.next_power_of_2(K), KKP=triton.next_power_of_2(K * K),
+                          HAS_W=depth_weights is not None,
                           num_warps=1, **pdl_kwargs(vals))
     return parent_list, scores, tokens

@@ -30,7 +30,7 @@ value is used as an index and nothing syncs with the host: CUDA-graph capturable
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -43,11 +43,14 @@ __all__ = ["ddtree_candidates", "ddtree_candidates_reference", "MAX_TOPK"]
 MAX_TOPK = 8   # K * K <= 64 lanes per level: one program's register vectors
 
 
-def ddtree_candidates_reference(vals: torch.Tensor, toks: torch.Tensor
+def ddtree_candidates_reference(vals: torch.Tensor, toks: torch.Tensor,
+                                depth_weights: Optional[torch.Tensor] = None
                                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PyTorch :func:`ddtree_candidates` (no validation)."""
     bs, S, K = vals.shape
     dev = vals.device
+    if depth_weights is not None:
+        vals = vals * depth_weights[None, :, None]
     toks = toks.long()
     beam = vals[:, 0]
     scores, tokens = [beam], [toks[:, 0]]
@@ -70,7 +73,8 @@ registry.register("ddtree_candidates", "triton",
                   registry.from_module("specattn.triton_kernels.ddtree", "ddtree_candidates", "Triton"))
 
 
-def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor, *, impl: str = "auto"
+def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor, *,
+                      depth_weights: Optional[torch.Tensor] = None, impl: str = "auto"
                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The DDTree's candidate nodes, in the layout :func:`specattn.ops.build_tree` reads
     (module docstring; source: Ringel and Romano's DDTree construction, with EAGLE's beam rule).
@@ -80,6 +84,11 @@ def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor, *, impl: str = "au
             ``1 .. S`` (``S >= 1``, ``1 <= K <= 8``), largest first
             (:func:`specattn.ops.topk_log_probs` of the block's logits).
         toks: int64 / int32 ``[bs, S, K]``: their tokens.
+        depth_weights: optional float32 ``[S]`` on ``vals``' device: position ``s + 1``'s
+            log-probabilities are multiplied by ``depth_weights[s]`` before they are summed
+            (one float32 product per value, the same in both implementations).  Weights below
+            1 at deeper positions favour depth; non-increasing positive weights keep every
+            node's score at or below its parent's.  ``None``: all 1.
         impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
@@ -91,14 +100,17 @@ def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor, *, impl: str = "au
 
     Raises:
         TypeError: a non-tensor argument.  ValueError: wrong ranks, shapes, dtypes or devices,
-        ``S == 0``, ``K`` outside ``[1, 8]``.  RuntimeError: a forced ``impl`` unavailable here.
+        ``S == 0``, ``K`` outside ``[1, 8]``, ``depth_weights`` not float32 ``[S]`` on
+        ``vals``' device.  RuntimeError: a forced ``impl`` unavailable here.
     """
     check_tensor("vals", vals, dim=3, dtypes=(torch.float32,))
     check_tensor("toks", toks, dtypes=INDEX_DTYPES, device=vals.device, shape=tuple(vals.shape))
     bs, S, K = vals.shape
+    if depth_weights is not None:
+        check_tensor("depth_weights", depth_weights, dtypes=(torch.float32,), device=vals.device, shape=(S,))
     if S < 1:
         raise ValueError(f"vals must hold at least one block position, got {list(vals.shape)}")
     if not 1 <= K <= MAX_TOPK:
         raise ValueError(f"K (the last dim) must be in [1, {MAX_TOPK}], got {K}")
     fn = registry.dispatch("ddtree_candidates", impl, vals.device)
-    return fn(vals, toks)
+    return fn(vals, toks, depth_weights)
