@@ -12,7 +12,9 @@ beams and their ``parent_list`` columns.  A beam's score reaches its lane
 through a one-hot sum over its int32 bits (exact: one non-zero term, so ``-0.0`` stays
 ``-0.0``).  ``S`` is a runtime loop bound: one compile per ``K`` (and per
 ``HAS_W``: the optional ``depth_weights`` multiply each position's values as they are loaded, the
-reference's one float32 product).
+reference's one float32 product; ``enable_fp_fusion=False`` keeps the compiler from fusing that
+product and the sum that follows into one FMA, whose single rounding would differ from the
+reference's two).
 
 No host sync and no allocation but the outputs (``torch.empty``): CUDA-graph capturable.  The
 launcher trusts the wrapper's validation (shapes, dtypes, ``1 <= K <= 8``).  CPU interpreter
@@ -100,5 +102,5 @@ def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor, depth_weights: Opt
                           parent_list, scores, tokens, vals if depth_weights is None else depth_weights, S, npl, nc,
                           K=K, KP=triton.next_power_of_2(K), KKP=triton.next_power_of_2(K * K),
                           HAS_W=depth_weights is not None,
-                          num_warps=1, **pdl_kwargs(vals))
+                          num_warps=1, enable_fp_fusion=False, **pdl_kwargs(vals))
     return parent_list, scores, tokens
