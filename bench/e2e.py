@@ -545,7 +545,7 @@ def _dflash_ngram_settings(report: dict) -> str:
         out += f"; drafting from the {dv:,} most frequent tokens." if dv else "."
     if "ddtree_by_batch" in st and "ddtree" in algos:
         dd = st["ddtree"]
-        decay = dd.get("ddtree_depth_decay", 1.0)
+        decay = st.get("ddtree_depth_decay", 1.0)   # (reports from before the setting ran at 1)
         out += (f" DDTree: topk {dd['topk']}, {dd['num_draft_tokens']} tokens"
                 f"{_from_batch(st.get('ddtree_by_batch'))}"
                 + (f", position k's log-probabilities weighed {decay:g} ** (k - 1)." if decay != 1.0 else "."))

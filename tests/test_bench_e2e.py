@@ -136,7 +136,7 @@ def test_writers(tmp_path):
     assert "DDTree: topk 8, 32 tokens, 16 from batch 2, 8 from batch 32." in md and "DFlash chain" not in md
     assert "tree (4, 5, 32) (topk, num_steps, num_draft_tokens) (tree tokens 32, 16 from batch 2)." in md
     assert "N-gram" not in md and "weighed" not in md
-    rep["settings"]["ddtree"]["ddtree_depth_decay"] = 0.8
+    rep["settings"]["ddtree_depth_decay"] = 0.8
     e2e.write_results(rep, tmp_path / "h100")
     assert ("DDTree: topk 8, 32 tokens, 16 from batch 2, 8 from batch 32, position k's log-probabilities "
             "weighed 0.8 ** (k - 1).") in (tmp_path / "h100" / "e2e.md").read_text()
