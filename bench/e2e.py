@@ -6,12 +6,15 @@ set) the suite builds the runtime's engine on one GPU, in one process (CUDA grap
 ``triton`` backend, bf16 by default), runs every generation once untimed (warm-up: a new
 prompt length can trigger a Triton compile), then times generations of the committed eval
 prompts (``spec_runtime/data/eval_prompts.txt``, never used for training).  Batch size ``b``
-serves ``n = max(min_requests, requests_per_row * b)`` prompts (rounded down to a multiple
-of ``b`` and to the prompt set) with up to ``max_new_tokens`` each (a request ends after the
-model's end-of-turn token, as served; ``stop_at_eos=False`` makes every request run the full
-length) through ``b`` request rows: one ``generate`` call whose waiting prompts take the rows
-of finished requests (continuous batching), so batch 1 averages over several prompts and a
-speculative batch does not idle while its slowest request finishes.
+serves ``n = b * max(1, min_requests // b, requests_per_row)`` requests, the prompt set in
+order and cycled when it is shorter (``cycle_prompts=False``: rounded down to the set
+instead, and a batch size above the set's size skipped), with up to ``max_new_tokens`` each
+(a request ends after the model's end-of-turn token, as served; ``stop_at_eos=False`` makes
+every request run the full length) through ``b`` request rows: one ``generate`` call whose
+waiting prompts take the rows of finished requests (continuous batching), so batch 1
+averages over several prompts and a speculative batch does not idle while its slowest
+request finishes (without the cycling, batch 64 over 64 prompts is one wave, whose time is
+its longest request's).
 
 One row per pair (the JSON's ``rows``):
 
@@ -84,6 +87,7 @@ class E2EConfig:
     stop_at_eos: bool = True                # a request ends at the model's end-of-turn token(s)
     min_requests: int = 4
     requests_per_row: int = 8               # prompts per request row (continuous batching)
+    cycle_prompts: bool = True              # a set shorter than a batch size's requests repeats its prompts
     min_free_slots: Optional[int] = None    # Engine(min_free_slots=min(this, bs)); None: the engine's default
     chain: Dict[str, int] = field(default_factory=lambda: dict(topk=1, num_steps=5, num_draft_tokens=6))
     tree: Dict[str, int] = field(default_factory=lambda: dict(topk=4, num_steps=5, num_draft_tokens=32))
@@ -414,11 +418,14 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
     base_tps: Dict[Tuple[str, int], float] = {}
     for bs, set_name in ((bs, name) for bs in cfg.batch_sizes for name in sets):
         ids_all, algos = set_ids[set_name], sets[set_name][1]
-        n_batches = min(max(1, cfg.min_requests // bs, cfg.requests_per_row), len(ids_all) // bs)
-        if n_batches < 1:
-            say(f"{set_name}: batch size {bs} needs {bs} prompts, the set has {len(ids_all)}: skipped")
-            continue
-        batches = [ids_all[i * bs:(i + 1) * bs] for i in range(n_batches)]   # (HF static: one by one)
+        n_batches = max(1, cfg.min_requests // bs, cfg.requests_per_row)
+        if not cfg.cycle_prompts:
+            n_batches = min(n_batches, len(ids_all) // bs)
+            if n_batches < 1:
+                say(f"{set_name}: batch size {bs} needs {bs} prompts, the set has {len(ids_all)}: skipped")
+                continue
+        ids = [ids_all[i % len(ids_all)] for i in range(n_batches * bs)]   # the set cycled when shorter
+        batches = [ids[i * bs:(i + 1) * bs] for i in range(n_batches)]   # (HF static: one by one)
         longest = max(len(p) for b in batches for p in b)
         for algo in algos:
             fields = spec_fields(algo, cfg)
@@ -441,7 +448,7 @@ def run_e2e(cfg: E2EConfig, progress: Optional[Callable[[str], None]] = None,
             row, outs = measure_engine(eng, [[p for b in batches for p in b]], cfg.max_new_tokens, cfg.profile,
                                        cfg.retime_below_busy)
             row.update(algo=algo, prompt_set=set_name, backend=cfg.backend, dtype=cfg.dtype, bs=bs,
-                       config=fields,
+                       requests=len(ids), config=fields,
                        drafter=(Path(dflash_path if spec.algo == "dflash" else drafter_path).name
                                 if draft is not None else
                                 ("self-speculative" if spec.algo == "eagle" else
@@ -501,7 +508,11 @@ def _prompt_counts(report: dict) -> str:
     n = report["num_prompts"]
     if isinstance(n, int):
         return f"{n} eval prompts"
-    return ", ".join(f"{v} {k} prompts" for k, v in n.items())
+    out = ", ".join(f"{v} {k} prompts" for k, v in n.items())
+    st = report.get("settings") or {}
+    if st.get("cycle_prompts") and st.get("requests_per_row"):
+        out += f" ({st['requests_per_row']} requests per request row, a set cycled where it is shorter)"
+    return out
 
 
 def _cell(x, spec: str) -> str:
@@ -614,7 +625,8 @@ def markdown(report: dict) -> str:
 def unmeasured_rows(report: dict) -> List[Tuple[str, str, int]]:
     """``(prompt set, algo, bs)`` of every row the report's settings plan that it lacks, in
     the order a run measures them: batch sizes outermost, then the chat and repetitive sets
-    (a set with fewer prompts than the batch size plans nothing there), each set's algos,
+    (without ``cycle_prompts``, a set with fewer prompts than the batch size plans nothing
+    there), each set's algos,
     then the HF peer at batch 1 and 16 on the chat set (with peers and the default model).
     Empty for a complete run; a report without settings plans nothing."""
     st, counts = report.get("settings") or {}, report.get("num_prompts") or {}
@@ -627,7 +639,7 @@ def unmeasured_rows(report: dict) -> List[Tuple[str, str, int]]:
     planned = []
     for bs in st.get("batch_sizes") or []:
         for name, algos in sets:
-            if counts.get(name, 0) < bs:
+            if counts.get(name, 0) < (1 if st.get("cycle_prompts") else bs):
                 continue
             planned += [(name, a, bs) for a in algos]
             if name == "chat" and st.get("peers") and st.get("model") is None and bs in (1, 16):

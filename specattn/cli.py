@@ -234,6 +234,9 @@ def bench_e2e(
     min_requests: int = typer.Option(4, min=1, help="Requests per batch size (batch 1: that many runs)."),
     requests_per_row: int = typer.Option(8, min=1, help="At least this many requests per request row: "
                                                         "waiting ones take the rows of finished ones."),
+    cycle_prompts: bool = typer.Option(True, "--cycle-prompts/--no-cycle-prompts",
+                                       help="Repeat a prompt set shorter than a batch size's requests "
+                                            "(else: fewer requests, and a batch size above the set skipped)."),
     min_free_slots: Optional[int] = typer.Option(None, min=1, help="Admission batching: prefill waiting requests "
                                                  "once this many rows are free (capped by the batch size; "
                                                  "default: the engine's, round(sqrt(bs)) - 1, at least 1)."),
@@ -329,7 +332,8 @@ def bench_e2e(
     rep_names = [a.strip() for a in repetitive_algos.split(",") if a.strip()]
     cfg = e2e.E2EConfig(algos=names, batch_sizes=sizes, backend=backend, dtype=dtype,
                         max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, min_requests=min_requests,
-                        requests_per_row=requests_per_row, min_free_slots=min_free_slots,
+                        requests_per_row=requests_per_row, cycle_prompts=cycle_prompts,
+                        min_free_slots=min_free_slots,
                         chain=triple(chain, "--chain"), tree=tree_cfg, block_size=block_size,
                         block_size_by_batch=by_batch["--block-size-by-batch"],
                         dflash_verify_by_batch=by_batch["--dflash-verify-by-batch"],

@@ -320,6 +320,45 @@ def test_run_e2e_stops_requests_at_eos(tmp_path, seed, monkeypatch, stop_at_eos)
     assert ("up to 5 new tokens per request" in md) == stop_at_eos
 
 
+@pytest.mark.parametrize("cycle", [True, False])
+def test_run_e2e_cycles_a_short_prompt_set(tmp_path, seed, monkeypatch, cycle):
+    """A batch size's requests (``requests_per_row`` per row) cycle a shorter prompt set, in
+    order, so a batch above the set's size runs too; without cycling the requests are cut to
+    the set and that batch size is skipped (and not planned)."""
+    from specattn.spec_runtime import cli as rcli
+    from specattn.spec_runtime import loader
+    from specattn.spec_runtime import engine as eng_mod
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96)
+    cfg.eos_token_ids = list(range(96))   # every request emits one token
+    monkeypatch.setattr(rcli, "load_model", lambda model, dtype: (cfg, dict(w), _Tok()))
+    monkeypatch.setattr(loader, "apply_chat_template", lambda tok, text: tok.encode(text))
+    served = []
+    orig = eng_mod.Engine.generate
+
+    def spy(self, prompts, *a, **kw):
+        served.append((self.max_batch, [list(p) for p in prompts]))
+        return orig(self, prompts, *a, **kw)
+    monkeypatch.setattr(eng_mod.Engine, "generate", spy)
+    texts = ["ab", "cd", "ef"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(texts) + "\n")
+    conf = e2e.E2EConfig(algos=("none",), repetitive_algos=(), batch_sizes=(2, 4), max_new_tokens=3,
+                         min_requests=1, requests_per_row=2, cycle_prompts=cycle, dtype="float32",
+                         backend="torch_reference", prompts=str(prompts), peers=False, profile=False,
+                         model="tiny", device="cpu")
+    report = e2e.run_e2e(conf)
+    ids = [_Tok().encode(t) for t in texts]
+    if cycle:
+        assert [(r["bs"], r["requests"], r["tokens"]) for r in report["rows"]] == [(2, 4, 4), (4, 8, 8)]
+        assert {bs: p for bs, p in served} == {2: [ids[i % 3] for i in range(4)], 4: [ids[i % 3] for i in range(8)]}
+        assert "(2 requests per request row, a set cycled where it is shorter)" in e2e.markdown(report)
+    else:
+        assert [(r["bs"], r["requests"], r["tokens"]) for r in report["rows"]] == [(2, 2, 2)]
+        assert {bs: p for bs, p in served} == {2: ids[:2]}
+        assert "cycled" not in e2e.markdown(report)
+    assert e2e.unmeasured_rows(report) == []
+
+
 def test_busy_ms_is_the_union_of_intervals():
     """Overlapping kernels (programmatic dependent launch) count once, gaps not at all, on
     shuffled random intervals against a dense microsecond grid."""
