@@ -12,9 +12,9 @@ instead, and a batch size above the set's size skipped), with up to ``max_new_to
 (a request ends after the model's end-of-turn token, as served; ``stop_at_eos=False`` makes
 every request run the full length) through ``b`` request rows: one ``generate`` call whose
 waiting prompts take the rows of finished requests (continuous batching), so batch 1
-averages over several prompts and a speculative batch does not idle while its slowest
-request finishes (without the cycling, batch 64 over 64 prompts is one wave, whose time is
-its longest request's).
+averages over the whole chat set (``min_requests`` 64) and a speculative batch does not
+idle while its slowest request finishes (without the cycling, batch 64 over 64 prompts is
+one wave, whose time is its longest request's).
 
 One row per pair (the JSON's ``rows``):
 
@@ -85,7 +85,7 @@ class E2EConfig:
     dtype: str = "bfloat16"
     max_new_tokens: int = 128
     stop_at_eos: bool = True                # a request ends at the model's end-of-turn token(s)
-    min_requests: int = 4
+    min_requests: int = 64                  # at least the chat set once at every batch size
     requests_per_row: int = 8               # prompts per request row (continuous batching)
     cycle_prompts: bool = True              # a set shorter than a batch size's requests repeats its prompts
     min_free_slots: Optional[int] = None    # Engine(min_free_slots=min(this, bs)); None: the engine's default
@@ -511,7 +511,8 @@ def _prompt_counts(report: dict) -> str:
     out = ", ".join(f"{v} {k} prompts" for k, v in n.items())
     st = report.get("settings") or {}
     if st.get("cycle_prompts") and st.get("requests_per_row"):
-        out += f" ({st['requests_per_row']} requests per request row, a set cycled where it is shorter)"
+        least = f"at least {st['min_requests']} requests per batch size and " if st.get("min_requests") else ""
+        out += f" ({least}{st['requests_per_row']} per request row, a set cycled where it is shorter)"
     return out
 
 

@@ -231,7 +231,8 @@ def bench_e2e(
     stop_at_eos: bool = typer.Option(True, "--stop-at-eos/--ignore-eos",
                                      help="End a request at the model's end-of-turn token (as served), "
                                           "or run every request the full max-new-tokens."),
-    min_requests: int = typer.Option(4, min=1, help="Requests per batch size (batch 1: that many runs)."),
+    min_requests: int = typer.Option(64, min=1, help="At least this many requests per batch size (batch 1: "
+                                                    "that many runs; 64: every chat prompt once)."),
     requests_per_row: int = typer.Option(8, min=1, help="At least this many requests per request row: "
                                                         "waiting ones take the rows of finished ones."),
     cycle_prompts: bool = typer.Option(True, "--cycle-prompts/--no-cycle-prompts",
