@@ -107,6 +107,11 @@ def test_ddtree_candidates_depth_weights(seed, impl, bs, S, K):
         assert torch.equal(a, b)
     plain = ops.ddtree_candidates(vals.to(DEV), toks.to(DEV), impl=impl)
     assert not torch.equal(plain[1], got[1])
+    strided = torch.zeros(2 * S)
+    strided[::2] = w                                    # a non-contiguous view of the same weights
+    for a, b in zip(got, ops.ddtree_candidates(vals.to(DEV), toks.to(DEV), depth_weights=strided.to(DEV)[::2],
+                                               impl=impl)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])

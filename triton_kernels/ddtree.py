@@ -39,7 +39,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
-def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, cs_ptr, ct_ptr, w_ptr,
+def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, cs_ptr, ct_ptr, w_ptr, w_s0,
                    S, NPL, NC, K: tl.constexpr, KP: tl.constexpr, KKP: tl.constexpr, HAS_W: tl.constexpr,
                    PDL: tl.constexpr = False):
     gdc_enter(PDL)
@@ -53,7 +53,7 @@ def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, 
     # level 0: the root's children, and the first beams
     beam = tl.load(v_ptr + b * v_s0 + kk64 * v_s2, mask=km, other=0.0)
     if HAS_W:
-        beam = beam * tl.load(w_ptr)
+        beam = beam * tl.load(w_ptr)                                # position 1's weight
     tok0 = tl.load(t_ptr + b * t_s0 + kk64 * t_s2, mask=km, other=0).to(tl.int64)
     tl.store(cs + kk64, beam, mask=km)
     tl.store(ct + kk64, tok0, mask=km)
@@ -71,7 +71,7 @@ def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, 
         row = b * v_s0 + s * v_s1
         child = tl.load(v_ptr + row + i * v_s2, mask=live, other=0.0)
         if HAS_W:
-            child = child * tl.load(w_ptr + s)
+            child = child * tl.load(w_ptr + s * w_s0)
         tok = tl.load(t_ptr + b * t_s0 + s * t_s1 + i * t_s2, mask=live, other=0).to(tl.int64)
         score = bj + child
         off = K + (s - 1) * K * K
@@ -99,7 +99,8 @@ def ddtree_candidates(vals: torch.Tensor, toks: torch.Tensor, depth_weights: Opt
         return parent_list, scores, tokens
     _ddtree_kernel[(bs,)](vals, vals.stride(0), vals.stride(1), vals.stride(2),
                           toks, toks.stride(0), toks.stride(1), toks.stride(2),
-                          parent_list, scores, tokens, vals if depth_weights is None else depth_weights, S, npl, nc,
+                          parent_list, scores, tokens, vals if depth_weights is None else depth_weights,
+                          0 if depth_weights is None else depth_weights.stride(0), S, npl, nc,
                           K=K, KP=triton.next_power_of_2(K), KKP=triton.next_power_of_2(K * K),
                           HAS_W=depth_weights is not None,
                           num_warps=1, enable_fp_fusion=False, **pdl_kwargs(vals))
