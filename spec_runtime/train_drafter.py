@@ -337,7 +337,8 @@ def query_openers(prompts: Sequence[str], n: int, seed: int = 0) -> List[str]:
     """``n`` openers of user queries: the first 1-4 words of random ``prompts`` (seeded), for
     :func:`generate_self_prompts` to continue, so that self-written queries follow the kinds of
     request a prompt file holds ("Classify the sentiment", "Write a Rust") while the target
-    writes their content.  Empty for no prompts."""
+    writes their content.  Returns up to ``n`` strings (none for no prompts; a prompt without
+    words gives none)."""
     rng = random.Random(seed * 7_919 + 11)
     out = []
     for _ in range(n if prompts else 0):
