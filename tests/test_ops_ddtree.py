@@ -131,6 +131,37 @@ def test_ddtree_candidates_feed_build_tree(seed, impl):
         assert pos[b].tolist() == [int(P[b]) + (lv + 1 if j else 0) for j, lv in enumerate(levels)]
 
 
+def _sparse_view(path, shape, strides, dtype):
+    """A view with ``strides`` into a storage of ``max offset + 1`` elements mapped from a
+    sparse file: only the pages of the elements written or read take memory."""
+    n = sum((d - 1) * st for d, st in zip(shape, strides)) + 1
+    with open(path, "wb") as f:
+        f.truncate(n * torch.empty(0, dtype=dtype).element_size())
+    return torch.from_file(str(path), shared=False, size=n, dtype=dtype).as_strided(shape, strides)
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="a view past 2**31 elements, mapped sparse in host memory")
+@pytest.mark.parametrize("which", ["vals", "toks", "depth_weights"])
+def test_ddtree_candidates_offsets_past_int32(tmp_path, seed, which):
+    """Position ``s`` of an input whose position stride puts ``s * stride`` past 2**31 elements
+    (a view of a large storage): the Triton kernel offsets in int64 and equals the reference
+    (int32 offsets wrapped negative and read out of bounds)."""
+    g = torch.Generator().manual_seed(seed)
+    bs, S, K, big = 1, 3, 2, 2 ** 30 + 3
+    _, vals, toks = _block_top(g, bs, S, K, 11)
+    w = torch.rand(S, generator=g) + 0.5
+    if which == "vals":
+        vals = _sparse_view(tmp_path / "v.bin", (bs, S, K), (S * big, big, 1), torch.float32).copy_(vals)
+    elif which == "toks":
+        toks = _sparse_view(tmp_path / "t.bin", (bs, S, K), (S * big, big, 1), torch.int32).copy_(toks)
+    else:
+        w = _sparse_view(tmp_path / "w.bin", (S,), (big,), torch.float32).copy_(w)
+    ref = ops.ddtree_candidates(vals, toks, depth_weights=w, impl="reference")
+    got = ops.ddtree_candidates(vals, toks, depth_weights=w, impl="triton")
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
 def test_ddtree_candidates_errors():
     vals, toks = torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, dtype=torch.int64)
     with pytest.raises(ValueError, match="vals must have dtype"):

@@ -68,18 +68,19 @@ def _ddtree_kernel(v_ptr, v_s0, v_s1, v_s2, t_ptr, t_s0, t_s1, t_s2, plist_ptr, 
         bits = beam.to(tl.int32, bitcast=True)
         pick = j[None, :] == kk[:, None]                             # [KP, KKP]
         bj = tl.sum(tl.where(pick, bits[:, None], 0), axis=0).to(tl.int32).to(tl.float32, bitcast=True)
-        row = b * v_s0 + s * v_s1
+        s64 = tl.cast(s, tl.int64)                                  # offsets past 2**31 elements
+        row = b * v_s0 + s64 * v_s1
         child = tl.load(v_ptr + row + i * v_s2, mask=live, other=0.0)
         if HAS_W:
-            child = child * tl.load(w_ptr + s * w_s0)
-        tok = tl.load(t_ptr + b * t_s0 + s * t_s1 + i * t_s2, mask=live, other=0).to(tl.int64)
+            child = child * tl.load(w_ptr + s64 * w_s0)
+        tok = tl.load(t_ptr + b * t_s0 + s64 * t_s1 + i * t_s2, mask=live, other=0).to(tl.int64)
         score = bj + child
-        off = K + (s - 1) * K * K
+        off = K + (s64 - 1) * K * K
         tl.store(cs + off + cc, score, mask=live)
         tl.store(ct + off + cc, tok, mask=live)
         if s < S - 1:
             best, beam, _ = select_top_lanes(score, cc, live, kk, km, K, KP)   # best in [0, K*K)
-            tl.store(plist + 1 + K + (s - 1) * K + kk64, off + best, mask=km)
+            tl.store(plist + 1 + K + (s64 - 1) * K + kk64, off + best, mask=km)
 
 
 @on_tensor_device
