@@ -413,12 +413,13 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         if topk < 1:
             bad(f"--topk must be >= 1 (1 verifies the block as a chain), got {topk}")
     if algo == "ngram":
-        if topk < 1:
-            bad(f"--topk must be >= 1 (chains of drafts copied from the history), got {topk}")
-        if num_steps < 1:
-            bad(f"--num-steps must be >= 1 (drafts per chain), got {num_steps}")
-        if ngram_size < 1:
-            bad(f"--ngram-size must be >= 1 (longest suffix matched), got {ngram_size}")
+        from specattn.ops import NGRAM_MAX_SIZE, NGRAM_MAX_STEPS, NGRAM_MAX_TOPK
+        if not 1 <= topk <= NGRAM_MAX_TOPK:
+            bad(f"--topk must be in [1, {NGRAM_MAX_TOPK}] (chains of drafts copied from the history), got {topk}")
+        if not 1 <= num_steps <= NGRAM_MAX_STEPS:
+            bad(f"--num-steps must be in [1, {NGRAM_MAX_STEPS}] (drafts per chain), got {num_steps}")
+        if not 1 <= ngram_size <= NGRAM_MAX_SIZE:
+            bad(f"--ngram-size must be in [1, {NGRAM_MAX_SIZE}] (longest suffix matched), got {ngram_size}")
     if draft_layers is not None and draft_layers < 1:
         bad(f"--draft-layers must be >= 1, got {draft_layers}")
     if draft_model is not None and not Path(draft_model).exists():

@@ -163,9 +163,12 @@ class SpecConfig:
         """Raises ValueError on an unknown algo or bounds that no tree can meet."""
         if self.algo not in ("none", "eagle", "dflash", "ngram"):
             raise ValueError(f"unknown algo {self.algo!r} (none | eagle | dflash | ngram)")
-        if self.algo == "ngram" and (self.topk < 1 or self.num_steps < 1 or self.ngram_size < 1):
-            raise ValueError(f"ngram needs topk >= 1 (chains), num_steps >= 1 (drafts per chain) and "
-                             f"ngram_size >= 1, got {self.topk}, {self.num_steps}, {self.ngram_size}")
+        if self.algo == "ngram" and not (1 <= self.topk <= ops.NGRAM_MAX_TOPK
+                                         and 1 <= self.num_steps <= ops.NGRAM_MAX_STEPS
+                                         and 1 <= self.ngram_size <= ops.NGRAM_MAX_SIZE):
+            raise ValueError(f"ngram needs topk in [1, {ops.NGRAM_MAX_TOPK}] (chains), num_steps in "
+                             f"[1, {ops.NGRAM_MAX_STEPS}] (drafts per chain) and ngram_size in "
+                             f"[1, {ops.NGRAM_MAX_SIZE}], got {self.topk}, {self.num_steps}, {self.ngram_size}")
         if self.algo == "dflash" and self.topk > 1:
             if self.topk > ops.DDTREE_MAX_TOPK:
                 raise ValueError(f"dflash trees (DDTree) take topk <= {ops.DDTREE_MAX_TOPK}, got {self.topk}")

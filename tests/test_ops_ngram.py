@@ -63,8 +63,16 @@ def test_ngram_candidates_errors():
         ops.ngram_candidates(hist.int(), P, 2, 2, 2)
     with pytest.raises(ValueError, match="shape"):
         ops.ngram_candidates(hist, P[:1], 2, 2, 2)
-    with pytest.raises(ValueError, match="topk must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"topk must be an int in \[1, 32\]"):
         ops.ngram_candidates(hist, P, 2, 0, 2)
+    # the limits (the kernel unrolls ngram_size and topk): one past each raises, each itself runs
+    for args, name in (((ops.NGRAM_MAX_SIZE + 1, 2, 2), "ngram_size"), ((2, ops.NGRAM_MAX_TOPK + 1, 2), "topk"),
+                       ((2, 2, ops.NGRAM_MAX_STEPS + 1), "num_steps")):
+        with pytest.raises(ValueError, match=f"{name} must be an int in"):
+            ops.ngram_candidates(hist, P, *args)
+    drafts, lens = ops.ngram_candidates(hist, P, ops.NGRAM_MAX_SIZE, ops.NGRAM_MAX_TOPK, ops.NGRAM_MAX_STEPS,
+                                        impl="reference")
+    assert drafts.shape == (2, ops.NGRAM_MAX_TOPK, ops.NGRAM_MAX_STEPS) and lens.shape == (2, ops.NGRAM_MAX_TOPK)
     with pytest.raises(IndexError, match="prefix_lens"):
         ops.ngram_candidates(hist, torch.tensor([0, 8]), 2, 2, 2)
 

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from specattn.ops import registry, topk_log_probs, topk_log_probs_reference  # noqa: E402
+from specattn.ops import order_keys, registry, topk_log_probs, topk_log_probs_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = 1e-5
@@ -233,6 +233,11 @@ def test_validation_errors():
         topk_log_probs([[1.0, 2.0]], 1)
     with pytest.raises(ValueError, match="impl must be"):
         topk_log_probs(x, 1, impl="fast")
+    for bad in (torch.bfloat16, torch.float16, torch.float64, torch.int32):   # bits of another width
+        with pytest.raises(ValueError, match="x must have dtype"):
+            order_keys(torch.zeros(2, 3, dtype=bad))
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        order_keys(torch.zeros(3))
 
 
 def test_triton_impl_needs_interpreter_or_gpu(monkeypatch):

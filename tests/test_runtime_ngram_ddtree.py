@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from runtime_backend import check_rows_restored, make_engine, uses_graphs
+from specattn import ops
 from specattn.backends import unpack_tree_mask
 from specattn.spec_runtime.engine import SpecConfig
 from specattn.spec_runtime.ngram import chains_tree_shape
@@ -117,6 +118,16 @@ def test_ddtree_selection_past_the_fused_select(tmp_path, seed, backend_name, mo
     monkeypatch.setattr(ops, "EAGLE_MAX_CANDIDATES", 4)
     torch_path = make_engine(backend_name, cfg, dict(w), spec=spec, max_context=96).generate(prompts, p)
     assert torch_path.tokens == fused.tokens and torch_path.accept_lengths == fused.accept_lengths
+
+
+def test_ngram_spec_limits():
+    """SpecConfig takes n-gram chains up to the op's limits (the kernel unrolls ngram_size and
+    topk) and refuses one past each."""
+    SpecConfig("ngram", topk=ops.NGRAM_MAX_TOPK, num_steps=ops.NGRAM_MAX_STEPS, ngram_size=ops.NGRAM_MAX_SIZE).validate()
+    for kw in (dict(topk=ops.NGRAM_MAX_TOPK + 1), dict(num_steps=ops.NGRAM_MAX_STEPS + 1),
+               dict(ngram_size=ops.NGRAM_MAX_SIZE + 1), dict(topk=0)):
+        with pytest.raises(ValueError, match="ngram needs topk in"):
+            SpecConfig("ngram", **{"topk": 2, "num_steps": 2, **kw}).validate()
 
 
 def test_ngram_accepts_on_repeated_text(tmp_path, seed, backend_name):

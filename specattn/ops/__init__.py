@@ -39,6 +39,7 @@ from .fused_llama import (llama_rms_norm_reference, matmul_residual, matmul_resi
 from .kv_materialize import (apply_rope_neox_reference, make_cos_sin_cache, materialize_kv,
                              materialize_kv_reference, rms_norm_reference, stack_kv_proj_weights)
 from .kv_move import move_kv_cache, move_kv_cache_reference
+from .ngram import MAX_NGRAM_SIZE as NGRAM_MAX_SIZE, MAX_STEPS as NGRAM_MAX_STEPS, MAX_TOPK as NGRAM_MAX_TOPK
 from .ngram import ngram_candidates, ngram_candidates_reference
 from .rows import (MAX_ROW_TENSORS, ExtendCacheLocs, commit_accepted, commit_accepted_reference,
                    extend_cache_locs, extend_cache_locs_reference, gather_rows, gather_rows_reference,
@@ -62,7 +63,8 @@ __all__ = ["registry", "move_kv_cache", "move_kv_cache_reference", "order_keys",
            "qkv_rope_store_reference", "matmul_residual", "matmul_residual_reference",
            "rms_norm_swiglu", "rms_norm_swiglu_reference", "llama_rms_norm_reference", "fold_rms_norm_weight",
            "topk_log_probs", "topk_log_probs_reference", "TOPK_MAX_K", "ngram_candidates",
-           "ngram_candidates_reference", "BeamStep", "eagle_beam_step", "eagle_beam_step_reference",
+           "ngram_candidates_reference", "NGRAM_MAX_SIZE", "NGRAM_MAX_TOPK", "NGRAM_MAX_STEPS",
+           "BeamStep", "eagle_beam_step", "eagle_beam_step_reference",
            "select_draft_tokens", "select_draft_tokens_reference", "fork_req_to_token_rows",
            "fork_req_to_token_rows_reference", "EAGLE_MAX_TOPK",
            "EAGLE_MAX_CANDIDATES", "gather_rows", "gather_rows_reference", "scatter_rows",

@@ -27,7 +27,13 @@ import torch
 from . import registry
 from .checks import INDEX_DTYPES, check_index_range, check_tensor
 
-__all__ = ["ngram_candidates", "ngram_candidates_reference"]
+__all__ = ["ngram_candidates", "ngram_candidates_reference", "MAX_NGRAM_SIZE", "MAX_TOPK", "MAX_STEPS"]
+
+# Limits of the arguments: the Triton kernel unrolls ``ngram_size`` and ``topk`` (one
+# compiled kernel per value) and holds a chain's ``num_steps`` drafts in one register vector.
+MAX_NGRAM_SIZE = 32
+MAX_TOPK = 32
+MAX_STEPS = 256
 
 
 def ngram_candidates_reference(history: torch.Tensor, prefix_lens: torch.Tensor, ngram_size: int, topk: int,
@@ -73,8 +79,9 @@ def ngram_candidates(history: torch.Tensor, prefix_lens: torch.Tensor, ngram_siz
             root (positions past it are ignored).
         prefix_lens: int32 / int64 ``[bs]``: ``P_i``, in ``[0, W)`` (checked with one host sync
             unless ``check_values=False`` or a CUDA graph is being captured).
-        ngram_size: longest suffix matched (>= 1).
-        topk, num_steps: chains and drafts per chain (>= 1 each).
+        ngram_size: longest suffix matched, in ``[1, MAX_NGRAM_SIZE]`` (32).
+        topk, num_steps: chains and drafts per chain, in ``[1, MAX_TOPK]`` (32) and
+            ``[1, MAX_STEPS]`` (256).
         impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
@@ -90,9 +97,10 @@ def ngram_candidates(history: torch.Tensor, prefix_lens: torch.Tensor, ngram_siz
     check_tensor("history", history, dim=2, dtypes=(torch.int64,))
     check_tensor("prefix_lens", prefix_lens, dim=1, dtypes=INDEX_DTYPES, device=history.device,
                  shape=[history.shape[0]])
-    for name, v in (("ngram_size", ngram_size), ("topk", topk), ("num_steps", num_steps)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    for name, v, most in (("ngram_size", ngram_size, MAX_NGRAM_SIZE), ("topk", topk, MAX_TOPK),
+                          ("num_steps", num_steps, MAX_STEPS)):
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most:
+            raise ValueError(f"{name} must be an int in [1, {most}], got {v!r}")
     if history.shape[1] < 1:
         raise ValueError(f"history must have at least one position, got {list(history.shape)}")
     if check_values:

@@ -54,7 +54,12 @@ def order_keys(x: torch.Tensor) -> torch.Tensor:
     the values and, among equal values, with the lower column on top: ``(o << 32) | (2^31 -
     1 - col)``, ``o`` the float's bits made monotone (``b`` if ``b >= 0`` else ``b ^
     0x7FFFFFFF``; ``-0.0`` read as ``+0.0``).  ``x.topk(k)`` of the keys is a deterministic
-    top-k (the Triton kernels' order; NaNs rank by their bits)."""
+    top-k (the Triton kernels' order; NaNs rank by their bits).
+
+    Raises:
+        TypeError / ValueError: ``x`` not a 2-D float32 tensor (another width's bits would
+        be read as float32's)."""
+    check_tensor("x", x, dim=2, dtypes=(torch.float32,))
     b = torch.where(x == 0, torch.zeros_like(x), x).view(torch.int32)
     o = torch.where(b >= 0, b, b ^ 0x7FFFFFFF).to(torch.int64)
     low = 0x7FFFFFFF - torch.arange(x.shape[1], device=x.device, dtype=torch.int64)
