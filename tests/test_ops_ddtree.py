@@ -132,12 +132,13 @@ def test_ddtree_candidates_feed_build_tree(seed, impl):
 
 
 def _sparse_view(path, shape, strides, dtype):
-    """A view with ``strides`` into a storage of ``max offset + 1`` elements mapped from a
-    sparse file: only the pages of the elements written or read take memory."""
+    """A view with ``strides`` into a storage of ``max offset + 1`` elements mapped (shared,
+    so not counted against the memory commit) from a sparse file: only the pages of the
+    elements written or read take memory."""
     n = sum((d - 1) * st for d, st in zip(shape, strides)) + 1
     with open(path, "wb") as f:
         f.truncate(n * torch.empty(0, dtype=dtype).element_size())
-    return torch.from_file(str(path), shared=False, size=n, dtype=dtype).as_strided(shape, strides)
+    return torch.from_file(str(path), shared=True, size=n, dtype=dtype).as_strided(shape, strides)
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="a view past 2**31 elements, mapped sparse in host memory")

@@ -138,7 +138,7 @@ def _attn_fwd_kernel(
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < V_DIM
 
-    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(Q + tok[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)

@@ -124,7 +124,7 @@ def draft_visibility(tree_mask, stride_tmb, stride_tmj, req, j, row_ok, offs_k, 
     (``MASK_MODE == 1``) or ``offs_k <= j`` (causal)."""
     if MASK_MODE == 1:
         wmask = row_ok[:, None] & k_ok[None, :]
-        words = tl.load(tree_mask + req.to(tl.int64) * stride_tmb + j[:, None] * stride_tmj
+        words = tl.load(tree_mask + req.to(tl.int64) * stride_tmb + j.to(tl.int64)[:, None] * stride_tmj
                         + (offs_k // 32)[None, :], mask=wmask, other=0)
         vis = (((words >> (offs_k % 32)[None, :]) & 1) != 0) & wmask
     else:
@@ -141,7 +141,8 @@ def store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_v, st_mask, l
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = tl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
     if NUM_SPLITS == 1:
-        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_v[None, :],
+        # (int64: a caller's out view can put head * stride_oh past 2**31 elements)
+        tl.store(O + tok[:, None] * stride_ot + head.to(tl.int64)[:, None] * stride_oh + offs_v[None, :],
                  out.to(O.dtype.element_ty), mask=st_mask)
     else:
         sp = split.to(tl.int64)
@@ -160,7 +161,7 @@ def merge_kernel(O_PART, LSE_PART, O, stride_ps, stride_pt, stride_ph, stride_ls
     ``split * stride`` product that could overflow on a large ``T``."""
     gdc_enter(PDL)  # before any load or store (programmatic dependent launch)
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK_DV)
     ok = offs < V_DIM
     lse_max = float("-inf")

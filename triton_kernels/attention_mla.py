@@ -227,7 +227,7 @@ def _mla_fwd_kernel(
         offs_oth = (1 - dvi) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     offs_r = KV_LORA + tl.arange(0, ROPE)
 
-    q_row = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    q_row = Q + tok[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh   # (int64: a caller's q view)
     q_own = tl.load(q_row + offs_own[None, :], mask=row_ok[:, None], other=0.0)
     q_pe = tl.load(q_row + offs_r[None, :], mask=row_ok[:, None], other=0.0)
     if NUM_DV == 2:

@@ -108,8 +108,8 @@ def _beam_step_kernel(beam_s_ptr, beam_s_s0, beam_s_s1, child_s_ptr, child_s_s0,
     kk = tl.arange(0, KP)
     km = kk < K
     if WRITE_BEAMS:
-        bsc = tl.load(beam_s_ptr + b * beam_s_s0 + kk * beam_s_s1, mask=km, other=0.0)
-        btk = tl.load(beam_t_ptr + b * beam_t_s0 + kk * beam_t_s1, mask=km, other=0)
+        bsc = tl.load(beam_s_ptr + b * beam_s_s0 + kk.to(tl.int64) * beam_s_s1, mask=km, other=0.0)
+        btk = tl.load(beam_t_ptr + b * beam_t_s0 + kk.to(tl.int64) * beam_t_s1, mask=km, other=0)
         bcol = beam_offset + kk.to(tl.int64)
         tl.store(cand_s_ptr + b * cand_s_s0 + bcol * cand_s_s1, bsc, mask=km)
         tl.store(cand_t_ptr + b * cand_t_s0 + bcol * cand_t_s1, btk, mask=km)
@@ -123,7 +123,7 @@ def _beam_step_kernel(beam_s_ptr, beam_s_s0, beam_s_s1, child_s_ptr, child_s_s0,
         tl.store(best_ptr + o, best, mask=km)
         tl.store(parent_ptr + o, parents, mask=km)
         if GATHER_ROWS:
-            src = tl.load(cur_ptr + b * cur_s0 + parents * cur_s1, mask=km, other=0)
+            src = tl.load(cur_ptr + b * cur_s0 + parents.to(tl.int64) * cur_s1, mask=km, other=0)
             tl.store(src_ptr + o, src.to(tl.int64), mask=km)
         if WRITE_PARENTS:
             pcol = parent_offset + kk.to(tl.int64)
@@ -138,7 +138,7 @@ def _select_kernel(score_ptr, score_s0, score_s1, tok_ptr, tok_s0, tok_s1, root_
     b = tl.program_id(0).to(tl.int64)
     cc = tl.arange(0, NP)
     live = cc < N
-    x = tl.load(score_ptr + b * score_s0 + cc * score_s1, mask=live, other=0.0)
+    x = tl.load(score_ptr + b * score_s0 + cc.to(tl.int64) * score_s1, mask=live, other=0.0)
     key = order_keys(x, cc, live)
     # hi: the NSEL-th largest key (TOP_ROUNDS = NSEL rounds), or the padding key
     hi = tl.full((), KEY_MIN, tl.int64)
@@ -154,7 +154,7 @@ def _select_kernel(score_ptr, score_s0, score_s1, tok_ptr, tok_s0, tok_s1, root_
         k = tl.where(k == lo, KEY_MAX, k)
     keep = live & (key >= hi) & (key > lo)
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1                        # ascending columns
-    tok = tl.load(tok_ptr + b * tok_s0 + cc * tok_s1, mask=keep, other=0)
+    tok = tl.load(tok_ptr + b * tok_s0 + cc.to(tl.int64) * tok_s1, mask=keep, other=0)
     tl.store(sel_ptr + b * NSEL + pos, cc.to(tl.int64), mask=keep)
     tl.store(draft_ptr + b * (NSEL + 1) + 1 + pos, tok, mask=keep)
     root = tl.load(root_ptr + b * root_s0 + cc * 0, mask=cc == 0, other=0)  # (vector masks only)

@@ -502,8 +502,9 @@ def _qkv_rope_kernel(x_ptr, ldx, g_ptr, w_ptr, ldw, pos_ptr, pos_s, cs_ptr, cs_s
     h_rows = tl.zeros([BLOCK_M], dtype=tl.int32) + h  # (per-row copies: vector masks)
     cm = (rmask & pos_ok & (h_rows < num_heads + num_kv_heads))[:, None]
     cs_row = cs_ptr + tl.where(pos_ok, pos, 0)[:, None] * cs_s0
-    cos = tl.load(cs_row + j[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
-    sin = tl.load(cs_row + (HALF + j)[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
+    j64 = j.to(tl.int64)  # (a cos/sin view's column stride can pass 2**31 / head_dim)
+    cos = tl.load(cs_row + j64[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
+    sin = tl.load(cs_row + (HALF + j64)[None, :] * cs_s1, mask=cm, other=0.0).to(tl.float32)
     slot = tl.load(loc_ptr + rows64 * loc_s, mask=rmask & (h_rows >= num_heads), other=-1).to(tl.int64)
 
     # the row scale before the dot (from a pre-pass over the rows) where a norm weight

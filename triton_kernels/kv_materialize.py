@@ -123,13 +123,14 @@ def _kv_epilogue_kernel(kv_ptr, kv_ld, bias_ptr, bias_s, w_ptr, w_s0, w_s1, cs_p
     inv = tl.div_rn(1.0, tl.sqrt_rn(ss / D + eps))  # [BLOCK_H]; IEEE, like the reference
 
     wrow = w_ptr + l.to(tl.int64) * w_s0
-    w1 = tl.load(wrow + j * w_s1, mask=jm, other=0.0).to(tl.float32)
-    w2 = tl.load(wrow + (half + j) * w_s1, mask=jm, other=0.0).to(tl.float32)
+    j64 = j.to(tl.int64)                       # column offsets: a view's strides can pass 2**31 / D
+    w1 = tl.load(wrow + j64 * w_s1, mask=jm, other=0.0).to(tl.float32)
+    w2 = tl.load(wrow + (half + j64) * w_s1, mask=jm, other=0.0).to(tl.float32)
     y1 = x1 * inv[:, None] * w1[None, :]
     y2 = x2 * inv[:, None] * w2[None, :]
     csrow = cs_ptr + tl.where(ok, pos, 0) * cs_s0
-    cos = tl.load(csrow + j * cs_s1, mask=jm, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(csrow + (half + j) * cs_s1, mask=jm, other=0.0).to(tl.float32)[None, :]
+    cos = tl.load(csrow + j64 * cs_s1, mask=jm, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(csrow + (half + j64) * cs_s1, mask=jm, other=0.0).to(tl.float32)[None, :]
     o1 = y1 * cos - y2 * sin
     o2 = y2 * cos + y1 * sin
 
@@ -140,7 +141,7 @@ def _kv_epilogue_kernel(kv_ptr, kv_ld, bias_ptr, bias_s, w_ptr, w_s0, w_s1, cs_p
     tl.store(kdst[:, None] + half + j[None, :],
              _cast(o2, k_scale, CACHE_KIND, cache_ptr.dtype.element_ty), mask=sm2)
     if HAS_TAIL:
-        w3 = tl.load(wrow + (rot + e) * w_s1, mask=em, other=0.0).to(tl.float32)
+        w3 = tl.load(wrow + (rot + e.to(tl.int64)) * w_s1, mask=em, other=0.0).to(tl.float32)
         y3 = x3 * inv[:, None] * w3[None, :]
         tl.store(kdst[:, None] + rot + e[None, :],
                  _cast(y3, k_scale, CACHE_KIND, cache_ptr.dtype.element_ty),

@@ -25,10 +25,11 @@ def tree_rows(cand_ptr, c_s0, c_s1, ri_ptr, ri_s0, ri_s1, nx_ptr, nx_s0, nx_s1, 
     CUDA graph is captured, so a bad link must never become an address."""
     jj = tl.arange(0, BLOCK_D)
     vm = jj < D
-    cand = tl.load(cand_ptr + b * c_s0 + jj * c_s1, mask=vm, other=0).to(tl.int64)
-    ridx = tl.load(ri_ptr + b * ri_s0 + jj * ri_s1, mask=vm, other=0).to(tl.int64)
-    nxt = tl.load(nx_ptr + b * nx_s0 + jj * nx_s1, mask=vm, other=-1).to(tl.int32)
-    sib = tl.load(sb_ptr + b * sb_s0 + jj * sb_s1, mask=vm, other=-1).to(tl.int32)
+    j64 = jj.to(tl.int64)                          # offsets: a view's strides can pass 2**31 / D
+    cand = tl.load(cand_ptr + b * c_s0 + j64 * c_s1, mask=vm, other=0).to(tl.int64)
+    ridx = tl.load(ri_ptr + b * ri_s0 + j64 * ri_s1, mask=vm, other=0).to(tl.int64)
+    nxt = tl.load(nx_ptr + b * nx_s0 + j64 * nx_s1, mask=vm, other=-1).to(tl.int32)
+    sib = tl.load(sb_ptr + b * sb_s0 + j64 * sb_s1, mask=vm, other=-1).to(tl.int32)
     nxt = tl.where((nxt >= 0) & (nxt < D), nxt, -1)
     sib = tl.where((sib >= 0) & (sib < D), sib, -1)
     return jj, cand, ridx, nxt, sib

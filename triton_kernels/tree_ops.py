@@ -46,10 +46,10 @@ def _build_tree_kernel(pl_ptr, pl_s0, pl_s1, sel_ptr, sel_s0, sel_s1, vsl_ptr, v
     valid = j < D
     is_draft = (j >= 1) & valid
     # flat candidate of each draft token (-1 for the root / padding)
-    sel = tl.load(sel_ptr + b * sel_s0 + (j - 1) * sel_s1, mask=is_draft, other=-1).to(tl.int32)
+    sel = tl.load(sel_ptr + b * sel_s0 + (j - 1).to(tl.int64) * sel_s1, mask=is_draft, other=-1).to(tl.int32)
     beam = tl.where(is_draft, sel // topk, 0)
     has_beam = is_draft & (beam > 0)
-    pcand = tl.load(pl_ptr + b * pl_s0 + beam * pl_s1, mask=has_beam, other=-2).to(tl.int32)
+    pcand = tl.load(pl_ptr + b * pl_s0 + beam.to(tl.int64) * pl_s1, mask=has_beam, other=-2).to(tl.int32)
     # draft index whose candidate is pcand (selected candidates are distinct: <= 1 match)
     match = (sel[None, :] == pcand[:, None]) & is_draft[None, :] & has_beam[:, None]
     found = tl.max(tl.where(match, j[None, :], -1), axis=1)
@@ -191,12 +191,12 @@ def _verify_greedy_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al
         accv = tl.where((ks == n) & ok, last, accv)
         go = (ok & (n < S - 1)).to(tl.int32)
 
-    tl.store(acc_ptr + b * acc_s0 + ks * acc_s1, accv.to(tl.int32), mask=ks < S)
+    tl.store(acc_ptr + b * acc_s0 + ks.to(tl.int64) * acc_s1, accv.to(tl.int32), mask=ks < S)
     tl.store(al_ptr + b * al_s0, n.to(tl.int32))
     # predicts of this block: the target's token at path rows (next draft or bonus), else 0
     row = b * D + jj
     on_path = tl.max(((accv[None, :] == row[:, None]) & (ks[None, :] < S)).to(tl.int32), axis=1)
-    tg = tl.load(tg_ptr + b * tg_s0 + jj * tg_s1, mask=vm & (on_path != 0), other=0)
+    tg = tl.load(tg_ptr + b * tg_s0 + jj.to(tl.int64) * tg_s1, mask=vm & (on_path != 0), other=0)
     tl.store(pred_ptr + row * pred_s0, tg.to(tl.int32), mask=vm)
 
 
@@ -234,7 +234,7 @@ def _compact_kernel(ai_ptr, ai_s0, ai_s1, al_ptr, al_s0, ocl_ptr, ocl_s0, pr_ptr
     vm = k < D
     n = tl.load(al_ptr + b * al_s0).to(tl.int64) + 1  # root + accepted drafts
     on = vm & (k < n) & (k < S)
-    ai = tl.load(ai_ptr + b * ai_s0 + k * ai_s1, mask=on, other=0).to(tl.int64)
+    ai = tl.load(ai_ptr + b * ai_s0 + k.to(tl.int64) * ai_s1, mask=on, other=0).to(tl.int64)
     row = b * D + k
     src = tl.where(on, ai, row)
     if ph == 0:

@@ -148,7 +148,7 @@ def _tree_sampling_kernel(pred_ptr, pred_s0, acc_ptr, acc_s0, acc_s1, al_ptr, al
     predv = tl.where(ks == n, bonus.to(tl.int64), predv)
 
     # ---- outputs
-    tl.store(acc_ptr + b * acc_s0 + ks * acc_s1, accv.to(tl.int32), mask=ks < S)
+    tl.store(acc_ptr + b * acc_s0 + ks.to(tl.int64) * acc_s1, accv.to(tl.int32), mask=ks < S)
     tl.store(al_ptr + b * al_s0, n.to(tl.int32))
     row = b * D + jj  # this request's rows of predicts: path rows get their token, others 0
     on = (accv[None, :] == row[:, None]) & (ks[None, :] <= n)
