@@ -4,8 +4,10 @@ same call on contiguous tensors).  With int32 offsets ``index * stride`` wrapped
 the kernels read or wrote out of bounds (a segfault under the interpreter).
 
 The views come from a sparse file mapped shared into host memory: only the pages written or
-read take memory or disk, so each case costs well under a GB whatever the strides.  CPU only (the Triton
-kernels run in the interpreter)."""
+read take memory or disk, so each case costs well under a GB whatever the strides.  Those
+cases run on the CPU (the Triton kernels in the interpreter).  The Gluon sm_90 kernels offset
+heads and tree-mask rows in int32: views past that run the portable kernels (a GPU test), and
+``sm90=True`` names the need."""
 import os
 
 import torch
@@ -18,7 +20,7 @@ import pytest  # noqa: E402
 from specattn import ops  # noqa: E402
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="views mapped sparse in host memory (CPU run)")
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="views mapped sparse in host memory (CPU run)")
 
 BIG = 2 ** 30 + 3          # index 2 times this stride passes 2**31
 
@@ -47,6 +49,7 @@ def _equal(a, b):
     return all(_equal(x, y) for x, y in zip(a, b))
 
 
+@cpu_only
 @pytest.mark.parametrize("which", ["scores", "tokens"])
 def test_select_draft_tokens(wide, seed, which):
     g = torch.Generator().manual_seed(seed)
@@ -60,6 +63,7 @@ def test_select_draft_tokens(wide, seed, which):
                   ops.select_draft_tokens(scores, tokens, roots, 5, impl="triton"))
 
 
+@cpu_only
 @pytest.mark.parametrize("which", ["scores", "tokens"])
 def test_eagle_beam_step_beams(wide, seed, which):
     g = torch.Generator().manual_seed(seed)
@@ -85,6 +89,7 @@ def _chain():
     return parent_list, selected, torch.tensor([5], dtype=torch.int32)
 
 
+@cpu_only
 @pytest.mark.parametrize("which", ["selected", "parent_list"])
 def test_build_tree(wide, which):
     parent_list, selected, vsl = _chain()
@@ -96,6 +101,7 @@ def test_build_tree(wide, which):
                   tuple(ops.build_tree(parent_list, selected, vsl, 1, 4, 4, impl="triton")))
 
 
+@cpu_only
 @pytest.mark.parametrize("which", ["candidates", "retrive_index", "target_predict", "sampling"])
 def test_verify_tree(wide, which):
     tree = ops.build_tree(*_chain(), 1, 4, 4, impl="reference")
@@ -118,6 +124,7 @@ def test_verify_tree(wide, which):
     assert _equal(tuple(run("reference")), tuple(run("triton")))
 
 
+@cpu_only
 def test_compact_accepted_path(wide):
     ai = wide(torch.tensor([[0, 1, 2, 3]], dtype=torch.int32), (1, BIG))
     args = (ai, torch.tensor([3], dtype=torch.int32), torch.tensor([40, 41, 42, 43]), 4)
@@ -126,6 +133,7 @@ def test_compact_accepted_path(wide):
                   tuple(ops.compact_accepted_path(*args, predicts=pr, impl="triton")))
 
 
+@cpu_only
 @pytest.mark.parametrize("which", ["cos_sin_cache", "k_norm_weight"])
 def test_materialize_kv(wide, seed, which):
     g = torch.Generator().manual_seed(seed)
@@ -145,6 +153,7 @@ def test_materialize_kv(wide, seed, which):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@cpu_only
 def test_qkv_rope_store(wide, seed):
     g = torch.Generator().manual_seed(seed)
     M, K, D = 2, 32, 32
@@ -160,6 +169,7 @@ def test_qkv_rope_store(wide, seed):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@cpu_only
 @pytest.mark.parametrize("which", ["mha_q", "mha_out", "mha_merge_out", "mha_tree_mask", "mla_q", "mla_out"])
 def test_attention(wide, seed, which):
     """``q`` / ``out`` whose head stride puts head 2 past 2**31 elements (one split and the
@@ -194,3 +204,71 @@ def test_attention(wide, seed, which):
     else:
         got = run(q, None, wide(tm, (3 * BIG, BIG, 1)))
     assert torch.equal(ref, got)
+
+
+def test_gluon_int32_offset_needs():
+    """The host check that sends views past the Gluon kernels' int32 offsets to the portable
+    kernels: empty for ordinary layouts (a head-major q of 4096 tokens too), one need per view
+    past 2**31 elements, at the edge exactly."""
+    from specattn.triton_kernels.gluon_common import int32_offset_needs
+    meta = lambda shape, strides: torch.empty(0, device="meta").as_strided(shape, strides)   # noqa: E731
+    T, H, D = 64, 32, 128
+    q, out, tm = meta((T, H, D), (H * D, D, 1)), meta((T, H, D), (H * D, D, 1)), meta((1, T, 2), (2 * T, 2, 1))
+    assert int32_offset_needs(q, out, tm, T) == []
+    assert int32_offset_needs(meta((4096, H, D), (D, 4096 * D, 1)), out, None, T) == []   # head-major
+    edge = (2 ** 31 - D) // (H - 1)                          # (H - 1) * stride + D == 2**31 - (a little)
+    assert int32_offset_needs(meta((T, H, D), (1, edge, 1)), out, tm, T) == []
+    why = int32_offset_needs(meta((T, H, D), (1, edge + 1, 1)), meta((T, H, D), (1, BIG, 1)),
+                             meta((1, T, 2), (T * BIG, BIG, 1)), T)
+    assert len(why) == 3 and why[0].startswith("q's head") and why[1].startswith("out's head")
+    assert why[2].startswith("tree_mask's row")
+
+
+@cpu_only
+def test_gluon_sm90_true_names_the_int32_need(wide):
+    """``sm90=True`` with an ``out`` view past the Gluon kernels' int32 head offsets is a
+    ValueError that names it (before any launch)."""
+    from specattn.triton_kernels.attention import paged_attention
+    H, Dh, T = 4, 64, 2
+    q, kc = torch.randn(T, H, Dh, dtype=torch.bfloat16), torch.randn(8, 1, Dh, dtype=torch.bfloat16)
+    out = wide(torch.zeros(T, H, Dh, dtype=torch.bfloat16), (H * BIG, BIG, 1))
+    tm = torch.tensor([[[1], [3]]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="out's head offsets below 2\\*\\*31"):
+        paged_attention(q, kc, kc, torch.arange(8, dtype=torch.int32)[None], torch.tensor([0]),
+                        torch.tensor([3], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32), tm, T, 0.125,
+                        out=out, sm90=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the Gluon kernels run on sm_90")
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_gluon_views_past_int32_run_the_portable_kernels(seed, kind):
+    """On sm_90 a tree verify whose ``q`` and ``out`` are views with head strides past the
+    Gluon kernels' int32 offsets (a head-major buffer of 2**31 / H elements a head) runs the
+    portable kernels and equals the same call on contiguous tensors (which runs Gluon)."""
+    from specattn.triton_kernels.attention import paged_attention
+    from specattn.triton_kernels.attention_mla import mla_paged_attention
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, P, dev, dt = 64, 300, "cuda", torch.bfloat16
+    H, Dq, Dv = (8, 128, 128) if kind == "mha" else (16, 576, 512)
+    rtt = torch.randperm(1024, device=dev, generator=g)[None].int()
+    tm = torch.zeros(1, n, 2, dtype=torch.int32, device=dev)
+    for j in range(n):                                       # a chain: token j sees 0..j
+        tm[0, j, 0] = (1 << min(j + 1, 31)) - 1 if j < 31 else -1
+        tm[0, j, 1] = 0 if j < 32 else ((1 << (j - 31)) - 1 if j < 63 else -1)
+    meta = (rtt, torch.tensor([0], device=dev), torch.tensor([P], dtype=torch.int32, device=dev),
+            torch.tensor([0, n], dtype=torch.int32, device=dev), tm, n, Dq ** -0.5)
+    q = torch.randn(n, H, Dq, dtype=dt, device=dev, generator=g)
+    head = -(-2 ** 31 // (H - 1))                             # (H - 1) * head stride >= 2**31
+    q_wide = torch.empty(H * head, dtype=dt, device=dev).as_strided((n, H, Dq), (Dq, head, 1)).copy_(q)
+    out_wide = torch.empty(H * head, dtype=dt, device=dev).as_strided((n, H, Dv), (Dv, head, 1))
+    if kind == "mha":
+        kc, vc = (torch.randn(1024, 2, Dq, dtype=dt, device=dev, generator=g) for _ in range(2))
+        ref = paged_attention(q, kc, vc, *meta)
+        got = paged_attention(q_wide, kc, vc, *meta, out=out_wide)
+    else:
+        kv = torch.randn(1024, 1, Dq, dtype=dt, device=dev, generator=g)
+        ref = mla_paged_attention(q, kv, *meta, 512)
+        got = mla_paged_attention(q_wide, kv, *meta, 512, out=out_wide)
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)

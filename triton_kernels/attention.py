@@ -70,6 +70,7 @@ from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draf
                                prefix_range, program_request, split_partials, store_rows,
                                tile_rows, tree_mask_arg)
 from .attention_sm90 import SM90_BLOCK_M, sm90_tree_verify, sm90_tree_verify_supported
+from .gluon_common import int32_offset_needs
 
 __all__ = ["paged_attention", "choose_block_m", "default_config", "check_kernel_config",
            "MHA_CONFIG_KEYS", "SHORT_LOOP_KEYS"]
@@ -364,6 +365,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if block_n not in (None, 64, 128):
             conflicts.append(f"block_n={block_n}")
         why = sm90_tree_verify_supported(q, k_cache, v_cache, tree_mask, pingpong is not False)
+        why = "; ".join(([why] if why else []) + int32_offset_needs(q, out, tree_mask, max_q)) or None
     else:
         conflicts = []
         why = ("sm90=False" if sm90 is False

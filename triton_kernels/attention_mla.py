@@ -118,6 +118,7 @@ import triton.language as tl
 from ._util import (check_attention_dtypes, check_dequant_scales, check_paged_metadata, check_sm_scale,
                     choose_gluon, is_pow2, kv_conversion, launch_fitting, on_tensor_device)
 from .attention_mla_sm90 import sm90_mla_attention, sm90_mla_supported
+from .gluon_common import int32_offset_needs
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
                                draft_visibility, full_update, masked_update, merge_partials,
                                prefix_range, program_request, split_partials, store_rows,
@@ -453,6 +454,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
         if block_n not in (None, 32, 64):
             conflicts.append(f"block_n={block_n}")
         why = sm90_mla_supported(q, kv_cache, rank)
+        why = "; ".join(([why] if why else []) + int32_offset_needs(q, out, tree_mask, max_q)) or None
         if why is None and max_q > 65535:  # the token is the Gluon kernel's grid axis 1
             why = f"max_q <= 65535 (got {max_q})"
     use_sm90 = choose_gluon(sm90, why, conflicts, "seesaw", seesaw)

@@ -8,6 +8,8 @@ the per-key slot gather (:func:`load_slots`) and the epilogue (:func:`store_out`
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 
@@ -41,7 +43,7 @@ try:  # its Hopper ops are only compiled on an sm_90 device
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["GLUON_TRITON", "HAVE_GLUON", "gluon_api_matches", "sm90_device_needs"] + (
+__all__ = ["GLUON_TRITON", "HAVE_GLUON", "gluon_api_matches", "sm90_device_needs", "int32_offset_needs"] + (
     ["SW128", "load_slots", "store_out"] if HAVE_GLUON else [])
 
 
@@ -55,6 +57,22 @@ def sm90_device_needs(t: torch.Tensor) -> list:
                    f"(this is Triton {triton.__version__})")
     if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device) != (9, 0):
         why.append(f"an sm_90 GPU (got {t.device})")
+    return why
+
+
+def int32_offset_needs(q: torch.Tensor, out: torch.Tensor, tree_mask: Optional[torch.Tensor],
+                       max_q: int) -> list:
+    """What the Gluon kernels' int32 offsets need and this call's views lack (empty when they
+    fit): a head of ``q [T, H, D]`` / ``out [T, H, Dv]`` (``head * stride(1)`` plus the
+    head's columns) and a token's tree-mask row (``j * tree_mask.stride(1)`` plus its words,
+    ``j < max_q``) below 2**31 elements.  Views past that (a head-major buffer of many
+    tokens seen as ``[T, H, D]``) run the portable kernels, which offset in int64."""
+    why = []
+    for name, t in (("q", q), ("out", out)):
+        if (t.shape[1] - 1) * t.stride(1) + t.shape[2] >= 2 ** 31:
+            why.append(f"{name}'s head offsets below 2**31 elements (its head stride is {t.stride(1)})")
+    if tree_mask is not None and (max_q - 1) * tree_mask.stride(1) + tree_mask.shape[2] >= 2 ** 31:
+        why.append(f"tree_mask's row offsets below 2**31 elements (its row stride is {tree_mask.stride(1)})")
     return why
 
 
