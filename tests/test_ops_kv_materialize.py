@@ -339,10 +339,10 @@ def test_check_values_false_same_result_and_skips_checks(seed):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
     bad = pos.clone()
     bad[0] = 32  # outside the cos/sin cache
-    kb = [torch.zeros(slots, hkv, d) for _ in range(L)]
+    kb, vb = ([torch.zeros(slots, hkv, d) for _ in range(L)] for _ in range(2))
     with pytest.raises(IndexError, match="positions"):
-        materialize_kv(hidden, w_kv, k_norm, bad, cs, loc, kb, kb, impl="reference")
+        materialize_kv(hidden, w_kv, k_norm, bad, cs, loc, kb, vb, impl="reference")
     with pytest.raises(IndexError) as e:  # torch's own error from the reference's gather
-        materialize_kv(hidden, w_kv, k_norm, bad, cs, loc, kb, kb, check_values=False,
+        materialize_kv(hidden, w_kv, k_norm, bad, cs, loc, kb, vb, check_values=False,
                        impl="reference")
     assert "positions has values" not in str(e.value)

@@ -3,7 +3,7 @@ kernel runs, and :func:`capturing` (the one test for "a CUDA graph is being capt
 every layer above the kernels uses)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -66,3 +66,59 @@ def check_fits_int32(name: str, values: torch.Tensor) -> None:
     """Raise IndexError unless every value of ``values`` (an integer tensor) fits int32, for
     an int32 output that would otherwise wrap it; :func:`check_index_range`'s host sync."""
     check_index_range(name, values, 2**31, lower=-2**31)
+
+
+def memory_span(t: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """``[first, last + 1)`` byte addresses ``t``'s elements lie in (None when empty)."""
+    if t.numel() == 0:
+        return None
+    last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def check_disjoint(name_a: str, a: Optional[torch.Tensor], name_b: str, b: Optional[torch.Tensor]) -> None:
+    """Raise ValueError when ``a`` and ``b`` (either may be None) may share memory: their
+    byte spans overlap (conservative for interleaved views).  For an op that writes one of
+    them while it reads the other, whose result would then depend on program order."""
+    sa = memory_span(a) if a is not None else None
+    sb = memory_span(b) if b is not None else None
+    if sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]:
+        raise ValueError(f"{name_a} and {name_b} overlap in memory; the kernel would read what it "
+                         f"writes (or write one place twice)")
+
+
+def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
+    """Raise ValueError unless no two elements of ``t`` (a tensor an op writes) share memory
+    (e.g. an ``expand``-ed view): taken by stride, each dimension of size > 1 must step past
+    the span of the smaller ones."""
+    span = 1
+    for st, n in sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if st < span:
+            raise ValueError(f"{name} has elements that share memory (shape {list(t.shape)}, strides "
+                             f"{list(t.stride())}); it is written, so each element needs its own")
+        span += st * (n - 1)
+
+
+def check_writes_disjoint(written: Sequence[Tuple[str, torch.Tensor]],
+                          read: Sequence[Tuple[str, Optional[torch.Tensor]]] = ()) -> None:
+    """Raise ValueError when a ``written`` tensor may share memory with another written one
+    or with a ``read`` one (read ones may share memory with each other): one sort of the byte
+    spans (:func:`check_disjoint` pairwise, for many buffers at once)."""
+    spans = []
+    for is_written, group in ((True, written), (False, read)):
+        for name, t in group:
+            sp = memory_span(t) if t is not None else None
+            if sp is not None:
+                spans.append((sp[0], sp[1], is_written, name))
+    spans.sort(key=lambda x: x[0])
+    last_any = last_written = None      # (end, name) of the furthest-reaching span so far
+    for start, end, is_written, name in spans:
+        other = last_any if is_written else last_written
+        if other is not None and start < other[0]:
+            raise ValueError(f"{other[1]} and {name} overlap in memory; the kernel would read what it "
+                             f"writes (or write one place twice)")
+        if last_any is None or end > last_any[0]:
+            last_any = (end, name)
+        if is_written and (last_written is None or end > last_written[0]):
+            last_written = (end, name)

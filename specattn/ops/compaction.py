@@ -90,7 +90,7 @@ def compact_accepted_path(accept_index: torch.Tensor, accept_length: torch.Tenso
         out_cache_loc: int32/int64 ``[bs * D]``: the verify forward's KV slots (tree order).
         num_draft_tokens: ``D`` (>= 1), tokens per request in the verify forward.
         predicts: optional ``[bs * D]`` (int32/int64) from the verify op.
-        hidden_states: optional ``[bs * D, ...]`` (any dtype): the target's per-token hidden
+        hidden_states: optional ``[bs * D, ...]`` (any real dtype): the target's per-token hidden
             states from the verify forward.
         impl: ``"auto"`` | ``"cuda"`` | ``"triton"`` | ``"reference"``.
     Returns:
@@ -137,6 +137,8 @@ def compact_accepted_path(accept_index: torch.Tensor, accept_length: torch.Tenso
         check_tensor("predicts", predicts, dtypes=INDEX_DTYPES, device=dev, shape=(bs * D,))
     if hidden_states is not None:
         check_tensor("hidden_states", hidden_states, device=dev)
+        if hidden_states.is_complex():
+            raise ValueError(f"hidden_states must have a real dtype, got {hidden_states.dtype}")
         if hidden_states.dim() < 1 or hidden_states.shape[0] != bs * D:
             raise ValueError(f"hidden_states must be [{bs * D}, ...], "
                              f"got {list(hidden_states.shape)}")

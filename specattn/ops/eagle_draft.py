@@ -50,7 +50,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import registry
-from .checks import INDEX_DTYPES, capturing, check_fits_int32, check_index_range, check_tensor
+from .checks import (INDEX_DTYPES, capturing, check_fits_int32, check_index_range, check_no_internal_overlap,
+                     check_tensor)
 from .topk import order_keys
 
 __all__ = ["BeamStep", "eagle_beam_step", "eagle_beam_step_reference", "select_draft_tokens",
@@ -210,7 +211,9 @@ def eagle_beam_step(beam_scores: torch.Tensor, child_scores: torch.Tensor, child
     Raises:
         TypeError: a non-tensor or a non-int offset.  ValueError: ranks, dtypes, devices or
         shapes that do not match, ``K > 8`` (:data:`MAX_TOPK`), column ranges outside the
-        buffers or overlapping, ``beam_tokens`` / ``parent_offset`` missing or given without
+        buffers or overlapping, an output buffer (``cand_scores``, ``cand_tokens``,
+        ``parent_list``) with elements that share memory (an ``expand``-ed view),
+        ``beam_tokens`` / ``parent_offset`` missing or given without
         their partner, ``cur_rows`` / ``parent_list`` without ``select``.  RuntimeError: a
         forced ``impl`` unavailable here.
     """
@@ -245,6 +248,9 @@ def eagle_beam_step(beam_scores: torch.Tensor, child_scores: torch.Tensor, child
         check_tensor("parent_list", parent_list, dim=2, dtypes=(torch.int64,), device=dev,
                      shape=[bs, None])
         parent_offset = _int_arg("parent_offset", parent_offset, 0, parent_list.shape[1] - K)
+    for name, t in (("cand_scores", cand_scores), ("cand_tokens", cand_tokens), ("parent_list", parent_list)):
+        if t is not None:   # written: one memory place per element (no expand-ed views)
+            check_no_internal_overlap(name, t)
     fn = registry.dispatch("eagle_beam_step", impl, dev)
     out = fn(beam_scores, child_scores, child_tokens, cand_scores, cand_tokens, offset, beam_tokens,
              beam_offset, select, cur_rows, parent_list, parent_offset)
@@ -336,7 +342,8 @@ def fork_req_to_token_rows(req_to_token: torch.Tensor, src_rows: torch.Tensor, d
 
     Raises:
         TypeError: a non-tensor or a non-int ``num_cols``.  ValueError: ranks, dtypes,
-        devices or shapes that do not match, ``new_slots`` without ``new_col`` or the other
+        devices or shapes that do not match, a ``req_to_token`` whose rows share memory,
+        ``new_slots`` without ``new_col`` or the other
         way round, repeated ``dst`` rows or one that is also a ``src`` row (with
         ``check_values``).  IndexError: a row outside ``req_to_token``, or an int64
         ``new_slots`` value that an int32 ``req_to_token`` cannot hold (with
@@ -346,6 +353,7 @@ def fork_req_to_token_rows(req_to_token: torch.Tensor, src_rows: torch.Tensor, d
     dev = req_to_token.device
     if req_to_token.stride(1) != 1:
         raise ValueError("req_to_token needs a contiguous last dim")
+    check_no_internal_overlap("req_to_token", req_to_token)   # written: rows must not share memory
     check_tensor("dst_rows", dst_rows, dim=2, dtypes=INDEX_DTYPES, device=dev)
     bs, R = dst_rows.shape
     check_tensor("src_rows", src_rows, dtypes=INDEX_DTYPES, device=dev, shape=[bs, R])

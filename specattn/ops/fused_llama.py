@@ -90,7 +90,7 @@ import torch
 import torch.nn.functional as F
 
 from . import registry
-from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_disjoint, check_index_range, check_tensor
 from .fp8 import KV_CACHE_DTYPES, check_kv_scale, quantize_kv
 from .topk import MAX_K as TOPK_MAX_K, topk_log_probs_reference
 
@@ -303,21 +303,6 @@ def _check_row_sumsq(row_sumsq, x: torch.Tensor) -> Optional[torch.Tensor]:
     return row_sumsq if row_sumsq.stride(1) == 1 or x.shape[0] <= 1 else row_sumsq.contiguous()
 
 
-def _span(t: torch.Tensor):
-    if t.numel() == 0:
-        return None
-    last = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
-    start = t.data_ptr()
-    return start, start + (last + 1) * t.element_size()
-
-
-def _check_disjoint(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
-    sa, sb = _span(a), _span(b)
-    if sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]:
-        raise ValueError(f"{name_a} and {name_b} overlap in memory; the kernel would read "
-                         f"what it writes")
-
-
 def _check_int(name: str, v, lo: int) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -458,10 +443,10 @@ def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
         if M > 0 and N > 0 and (t.stride(1) != 1 or (M > 1 and t.stride(0) < N)):
             raise ValueError(f"{name} must have a contiguous last dim and non-overlapping rows, "
                              f"got strides {list(t.stride())}")
-        _check_disjoint(name, t, "x", x)
-        _check_disjoint(name, t, "weight", weight)
+        check_disjoint(name, t, "x", x)
+        check_disjoint(name, t, "weight", weight)
     if copy_to is not None:
-        _check_disjoint("copy_to", copy_to, "residual", residual)
+        check_disjoint("copy_to", copy_to, "residual", residual)
     return _run("matmul_residual", impl, x.device)(x, weight, residual,
                                                     return_row_sumsq=bool(return_row_sumsq), copy_to=copy_to)
 
@@ -582,7 +567,8 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
     Raises:
         TypeError: a non-tensor argument.  ValueError: wrong ranks, shapes, dtypes or devices,
         ``K == 0``, bad head counts / ``head_dim`` / ``eps``, a ``w_qkv`` without a contiguous
-        last dim, caches not contiguous or overlapping, a ``cos_sin_cache`` not
+        last dim, caches not contiguous or overlapping (each other or ``x``, ``x2``,
+        ``w_qkv``, ``cos_sin_cache``), a ``cos_sin_cache`` not
         ``[>= 1, D]``, repeated slots in ``out_cache_loc``, a ``row_sumsq`` not float32
         ``[P >= 1, M]``, ``x2`` and the norm weights not given together;
         ``impl="triton"`` with a head dim it does not take; a ``k_scale`` / ``v_scale``
@@ -637,7 +623,10 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not c.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    _check_disjoint("k_cache", k_cache, "v_cache", v_cache)
+    check_disjoint("k_cache", k_cache, "v_cache", v_cache)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):    # written while these are read
+        for name_in, t in (("x", x), ("x2", x2), ("w_qkv", w_qkv), ("cos_sin_cache", cos_sin_cache)):
+            check_disjoint(name, c, name_in, t)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale = check_kv_scale("k_scale", k_scale, fp8)
     v_scale = check_kv_scale("v_scale", v_scale, fp8)

@@ -79,7 +79,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import registry
-from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor
+from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor, check_writes_disjoint
 from .fp8 import FLOAT_DTYPES, KV_CACHE_DTYPES, check_kv_scale, quantize_kv
 from .fused_llama import llama_rms_norm_reference, rms_norm_matmul
 
@@ -324,7 +324,8 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
     Raises:
         TypeError: a non-tensor argument, buffers not given as a list, non-float scales.
         ValueError: wrong ranks / shapes / dtypes, tensors on different devices, non-contiguous
-            cache buffers, K/V layer counts or shapes that disagree with ``w_kv`` /
+            cache buffers, buffers that share memory with each other or with an input,
+            K/V layer counts or shapes that disagree with ``w_kv`` /
             ``k_norm_weight``, an odd or too large rotary dim, ``eps <= 0``, bad scales,
             repeated slots in ``out_cache_loc``.
         IndexError: a slot outside ``[0, num_slots)`` or a position outside ``[0, max_pos)``
@@ -376,6 +377,12 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
     fp8 = cache_dtype == torch.float8_e4m3fn
     k_scale = check_kv_scale("k_scale", k_scale, fp8)
     v_scale = check_kv_scale("v_scale", v_scale, fp8)
+    check_writes_disjoint([(f"k_buffers[{i}]", b) for i, b in enumerate(k_buffers)]
+                          + [(f"v_buffers[{i}]", b) for i, b in enumerate(v_buffers)],
+                          [("hidden", hidden), ("w_kv", w_kv), ("k_norm_weight", k_norm_weight),
+                           ("cos_sin_cache", cos_sin_cache), ("positions", positions),
+                           ("out_cache_loc", out_cache_loc), ("kv_bias", kv_bias),
+                           ("hidden_norm_weight", hidden_norm_weight)])
     if num_tokens == 0:
         return
     if check_values:

@@ -28,7 +28,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import registry
-from .checks import INDEX_DTYPES, capturing, check_fits_int32, check_index_range, check_tensor
+from .checks import (INDEX_DTYPES, capturing, check_disjoint, check_fits_int32, check_index_range,
+                     check_no_internal_overlap, check_tensor)
 
 __all__ = ["gather_rows", "gather_rows_reference", "scatter_rows", "scatter_rows_reference", "MAX_ROW_TENSORS",
            "ExtendCacheLocs", "extend_cache_locs", "extend_cache_locs_reference", "commit_accepted",
@@ -100,6 +101,8 @@ def _check_rows(rows) -> None:
 
 def _check_state(name: str, t, rows: torch.Tensor) -> None:
     check_tensor(name, t, device=rows.device)
+    if t.is_complex():
+        raise ValueError(f"{name} must have a real dtype (bool, integer, floating or float8), got {t.dtype}")
     if t.dim() < 1:
         raise ValueError(f"{name} must have a row dimension, got a 0-d tensor")
     if not t.is_contiguous():
@@ -119,7 +122,8 @@ def gather_rows(rows: torch.Tensor, tensors: Sequence[torch.Tensor], *, check_va
         rows: int32 / int64 ``[bs]`` row indices (repeats allowed), in ``[0, N_t)`` for every
             tensor (checked with one host sync unless ``check_values=False`` or a CUDA graph
             is being captured).
-        tensors: 1 to 8 contiguous tensors ``[N_t, ...]`` on ``rows``' device, any dtypes.
+        tensors: 1 to 8 contiguous tensors ``[N_t, ...]`` on ``rows``' device, any real dtypes
+            (bool, integer, floating, float8; not complex).
         impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
     Returns:
         New contiguous tensors ``[bs, ...]``, one per input, in its dtype.
@@ -151,7 +155,8 @@ def scatter_rows(rows: torch.Tensor, pairs: Sequence[Tuple[torch.Tensor, torch.T
         impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
     Raises:
         TypeError / ValueError: as :func:`gather_rows`, a pair that is not two tensors, a
-        ``src`` whose shape is not ``[bs] + dst.shape[1:]`` or whose dtype differs.
+        ``src`` whose shape is not ``[bs] + dst.shape[1:]`` or whose dtype differs, a ``dst``
+        that shares memory with any ``src``, another ``dst`` or ``rows``.
         IndexError: a row out of range (``check_values``).  RuntimeError: a forced ``impl``
         unavailable here.
     """
@@ -167,6 +172,12 @@ def scatter_rows(rows: torch.Tensor, pairs: Sequence[Tuple[torch.Tensor, torch.T
         if tuple(src.shape) != (rows.shape[0],) + tuple(dst.shape[1:]) or src.dtype != dst.dtype:
             raise ValueError(f"pairs[{k}]: src must be {dst.dtype} {[rows.shape[0]] + list(dst.shape[1:])}, "
                              f"got {src.dtype} {list(src.shape)}")
+    for k, (dst, _) in enumerate(pairs):   # a dst is written while every src and rows are read
+        check_disjoint(f"pairs[{k}] dst", dst, "rows", rows)
+        for k2, (dst2, src2) in enumerate(pairs):
+            check_disjoint(f"pairs[{k}] dst", dst, f"pairs[{k2}] src", src2)
+            if k2 > k:
+                check_disjoint(f"pairs[{k}] dst", dst, f"pairs[{k2}] dst", dst2)
     if check_values:
         check_index_range("rows", rows, min(dst.shape[0] for dst, _ in pairs))
     registry.dispatch("scatter_rows", impl, rows.device)(rows.contiguous(), pairs)
@@ -198,7 +209,8 @@ def extend_cache_locs(rows: torch.Tensor, prefix_lens: torch.Tensor, req_to_toke
         int64 ``[bs, n]`` (``[roots[row], fill_id, ..]``; None without ``roots``).
     Raises:
         TypeError / ValueError: wrong types, ranks, dtypes, devices, a non-contiguous
-        ``req_to_token`` row or ``n < 1``.  IndexError: a row or position out of range
+        ``req_to_token`` row, ``n < 1`` or a ``fill_id`` that is not an int int64 holds.
+        IndexError: a row or position out of range
         (``check_values``).  RuntimeError: a forced ``impl`` unavailable here.
     """
     _check_rows(rows)
@@ -210,6 +222,8 @@ def extend_cache_locs(rows: torch.Tensor, prefix_lens: torch.Tensor, req_to_toke
         check_tensor("roots", roots, dim=1, dtypes=INDEX_DTYPES, device=rows.device)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if isinstance(fill_id, bool) or not isinstance(fill_id, int) or not -2 ** 63 <= fill_id < 2 ** 63:
+        raise ValueError(f"fill_id must be an int that int64 holds, got {fill_id!r}")
     if check_values and rows.numel() and not capturing():
         check_index_range("rows", rows, min(prefix_lens.shape[0], req_to_token.shape[0],
                                             roots.shape[0] if roots is not None else prefix_lens.shape[0]))
@@ -242,7 +256,9 @@ def commit_accepted(rows: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.
         impl: ``"auto"`` | ``"triton"`` | ``"reference"``.
     Raises:
         TypeError / ValueError: wrong types, ranks, dtypes, shapes or devices, a
-        non-contiguous ``prefix_lens`` / ``roots``.  IndexError: a row or an
+        non-contiguous ``prefix_lens`` / ``roots``, an ``emitted`` whose rows share memory,
+        an output (``prefix_lens``, ``roots``, ``emitted``) that shares memory with another
+        or with an input.  IndexError: a row or an
         ``accept_length`` out of range, or a new prefix length or root that an int32
         ``prefix_lens`` / ``roots`` cannot hold (``check_values``).  RuntimeError: a forced
         ``impl`` unavailable here.
@@ -262,6 +278,12 @@ def commit_accepted(rows: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.
         raise ValueError(f"path must be contiguous [{bs}, n >= 1], got {list(path.shape)}")
     if emitted.shape[0] != bs or emitted.shape[1] < 1 + n or emitted.stride(1) != 1:
         raise ValueError(f"emitted must be [{bs}, >= {1 + n}] with contiguous rows, got {list(emitted.shape)}")
+    check_no_internal_overlap("emitted", emitted)
+    outs = (("prefix_lens", prefix_lens), ("roots", roots), ("emitted", emitted))
+    for i, (name, out) in enumerate(outs):   # written while the inputs are read
+        for name_in, t in (("rows", rows), ("seq_lens", seq_lens), ("path", path),
+                           ("accept_length", accept_length)) + outs[i + 1:]:
+            check_disjoint(name, out, name_in, t)
     if check_values and bs and not capturing():
         check_index_range("rows", rows, min(prefix_lens.shape[0], roots.shape[0]))
         check_index_range("accept_length", accept_length, n)

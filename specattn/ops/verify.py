@@ -149,7 +149,7 @@ def tree_speculative_sampling_reference(predicts, accept_index, accept_length, c
         if dprobs is not None and n_acc[b] != S - 1:
             residual -= dprobs[b, node]
         residual[rejected] = 0.0
-        residual.clamp_(min=0.0)
+        residual = torch.where(residual > 0, residual, 0.0)     # relu; a NaN counts 0 (as fmaxf)
         u = f32(final_coins[b]) * f32(residual.sum().item())
         pos = residual > 0
         above = ((residual.cumsum(0) > float(u)) & pos).nonzero()
@@ -292,7 +292,8 @@ def tree_speculative_sampling(candidates: torch.Tensor, retrive_index: torch.Ten
     ``draft_probs`` is None), except that ``p = 0`` after ``num_steps`` accepts (SGLang: "no
     draft probs for the bonus token") and ``p[t] = q[t]`` for the token ``t`` of every child
     of ``a`` rejected at ``a`` (SGLang writes those into its ``draft_probs`` buffer; this op
-    never writes the caller's tensor).  The first token whose residual is positive and whose
+    never writes the caller's tensor); a NaN residual counts as 0.  The first token whose
+    residual is positive and whose
     cumulative sum exceeds the target value is taken; if rounding leaves none (coin ~ 1), the
     last token with a positive residual; ``V - 1`` if the residual is all zero.  (SGLang's
     copy of FlashInfer's draw takes ``V - 1`` whenever no cumulative sum exceeds the target
