@@ -42,6 +42,8 @@ construction raises ``UnsupportedError`` naming what is missing.
 """
 from __future__ import annotations
 
+import numbers
+import operator
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -197,7 +199,7 @@ class Engine:
             every request row reserves ``max_context`` KV slots up front).
         page_size: KV page size of every pool (``max_context`` a multiple of it); e.g. 64
             for FlashMLA.
-        eos_token_ids: generation stops after emitting one of these.
+        eos_token_ids: generation stops after emitting one of these (ints; TypeError else).
         draft_model: the drafter, or a callable ``target -> drafter`` that builds one over
             the engine's target.  EAGLE: a Llama over the target's vocabulary (run like the
             target) or an EAGLE-3 drafter (:class:`~specattn.spec_runtime.eagle3.Eagle3Drafter`,
@@ -277,7 +279,10 @@ class Engine:
         self.prefill_graph_tokens = prefill_graph_tokens
         self.min_free_slots, self.max_admission_delay = min_free_slots, max_admission_delay
         self.overlap = overlap
-        self.eos = set(eos_token_ids)
+        try:    # ints (numpy ints and 0-d tensors too): a tensor in a set would never match a token
+            self.eos = {int(operator.index(t)) for t in eos_token_ids}
+        except TypeError:
+            raise TypeError(f"eos_token_ids must be ints, got {list(eos_token_ids)!r}") from None
         if weights is not None:
             self.target = LlamaModel(config, weights, "cpu" if device is None else device, dtype)
         else:  # a ready model brings its device (and dtype)
@@ -684,6 +689,24 @@ class Engine:
             ops.scatter_rows(rows, list(also), check_values=False)
 
     # ------------------------------------------------------------------ driver
+    def _prompt_ids(self, i: int, prompt) -> List[int]:
+        """Prompt ``i``'s token ids as ints, or TypeError (a non-integer id: a float would be
+        truncated) / ValueError (an id outside ``[0, vocab_size)``: a negative one would
+        index the embedding from its end)."""
+        try:
+            ids = torch.as_tensor(prompt if isinstance(prompt, torch.Tensor) else list(prompt))
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"prompt {i} must be a sequence of int token ids") from None
+        if ids.dim() > 1 or (ids.numel() and (ids.is_floating_point() or ids.is_complex())):
+            raise TypeError(f"prompt {i} must be a sequence of int token ids, got {ids.dtype} "
+                            f"{list(ids.shape)}")
+        ids = ids.reshape(-1).long()
+        V = self.target.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+            bad = int(ids[(ids < 0) | (ids >= V)][0])
+            raise ValueError(f"prompt {i} has token id {bad}, outside the vocabulary [0, {V})")
+        return ids.tolist()
+
     def _margin(self, overlap: bool) -> int:
         """Positions past ``len(prompt) + max_new_tokens`` a request may touch: one round's
         tokens (two with the overlapped loop, which runs one round more) + 2."""
@@ -862,22 +885,30 @@ class Engine:
         every round.
 
         Raises:
-            ValueError: no prompts, an empty prompt, one too long for ``max_context``, or bad
-                ``max_new_tokens``.
+            ValueError: no prompts, an empty prompt, a token id outside the vocabulary, a
+                prompt too long for ``max_context`` (with ``max_new_tokens`` and the positions
+                one round may write past them), or bad ``max_new_tokens``.
+            TypeError: a prompt that is not a sequence of int ids, a non-int limit.
         """
         params = params or SamplingParams()
         limits = list(max_new_tokens) if max_new_tokens is not None else [params.max_new_tokens] * len(prompts)
+        if any(isinstance(m, bool) or not isinstance(m, numbers.Integral) for m in limits):
+            raise TypeError(f"max_new_tokens must be ints, got {limits!r}")
         if len(limits) != len(prompts) or min(limits, default=1) < 1:
             raise ValueError("max_new_tokens needs one limit >= 1 per prompt")
         if not prompts:
             raise ValueError("no prompts")
-        reqs = [Request(i, list(p), row=-1, max_new_tokens=m) for i, (p, m) in enumerate(zip(prompts, limits))]
+        reqs = [Request(i, self._prompt_ids(i, p), row=-1, max_new_tokens=int(m))
+                for i, (p, m) in enumerate(zip(prompts, limits))]
+        empty = next((r for r in reqs if not r.prompt), None)
+        if empty is not None:
+            raise ValueError(f"prompt {empty.rid} is empty (a request needs at least one token)")
         need = max(len(r.prompt) + r.max_new_tokens for r in reqs)
-        if any(not r.prompt for r in reqs) or need + self._margin(False) > self.max_context:
-            r = next(r for r in reqs if not r.prompt or len(r.prompt) + r.max_new_tokens + self._margin(False)
-                     > self.max_context)
-            raise ValueError(f"prompt {r.rid}: length {len(r.prompt)} + max_new_tokens "
-                             f"{r.max_new_tokens} does not fit max_context {self.max_context}")
+        if need + self._margin(False) > self.max_context:
+            r = next(r for r in reqs if len(r.prompt) + r.max_new_tokens + self._margin(False) > self.max_context)
+            raise ValueError(f"prompt {r.rid}: length {len(r.prompt)} + max_new_tokens {r.max_new_tokens} "
+                             f"+ {self._margin(False)} positions one round may write past them does not fit "
+                             f"max_context {self.max_context}")
         overlap = (self.whole_round_graphs if self.overlap is None else self.overlap) and \
             need + self._margin(True) <= self.max_context
         self.params = params

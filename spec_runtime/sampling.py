@@ -1,6 +1,8 @@
 """Turning logits into a next-token law: temperature, top-k, top-p (as HF / SGLang)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -12,13 +14,32 @@ from specattn import ops
 @dataclass
 class SamplingParams:
     """``temperature == 0`` is greedy.  ``top_k <= 0`` and ``top_p >= 1`` disable those filters.
-    ``max_new_tokens`` counts generated tokens; generation also stops at an EOS id."""
+    ``max_new_tokens`` counts generated tokens; generation also stops at an EOS id.
+
+    Raises:
+        TypeError: a field of the wrong type (bools are not numbers here).
+        ValueError: a ``temperature`` that is not finite and >= 0, a ``top_p`` that is not
+            finite and > 0 (``top_p <= 0`` would drop every token)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 32
     seed: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"{name} must be a real number, got {v!r}")
+        for name in ("top_k", "max_new_tokens") + (("seed",) if self.seed is not None else ()):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {self.temperature}")
+        if not (math.isfinite(self.top_p) and self.top_p > 0):
+            raise ValueError(f"top_p must be finite and > 0 (>= 1: off), got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -289,3 +289,38 @@ def test_admission_batching(tmp_path, spec, backend_name):
     for bad in (dict(min_free_slots=0), dict(min_free_slots=5), dict(max_admission_delay=-1)):
         with pytest.raises(ValueError, match="min_free_slots|max_admission_delay"):
             make_engine(backend_name, cfg, dict(w), spec=spec, max_context=128, max_batch=4, **bad)
+
+
+def test_generate_input_errors(tmp_path, seed, backend_name):
+    """Prompt ids outside the vocabulary (a negative one would index the embedding from its
+    end) or not ints (a float would be truncated), non-int limits, bad sampling parameters
+    and an empty prompt are clear errors before anything runs; EOS ids given as 0-d tensors
+    or numpy ints stop generation like ints; a prompt given as a tensor equals its list."""
+    import numpy as np
+    from tiny_models import tiny_llama
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=2)
+    eng = make_engine(backend_name, cfg, dict(w), max_context=64)
+    p = SamplingParams(max_new_tokens=4)
+    for prompt, exc, msg in (([1, -1], ValueError, r"token id -1, outside the vocabulary \[0, 96\)"),
+                             ([1, 96], ValueError, "token id 96"), ([1, 2.7], TypeError, "int token ids"),
+                             ([[1, 2]], TypeError, "int token ids"), (["a"], TypeError, "int token ids"),
+                             ([], ValueError, "prompt 1 is empty")):
+        with pytest.raises(exc, match=msg):
+            eng.generate([[3, 4], prompt], p)
+    with pytest.raises(TypeError, match="max_new_tokens must be ints"):
+        eng.generate([[1, 2]], p, max_new_tokens=[2.5])
+    with pytest.raises(ValueError, match=r"\+ 3 positions one round may write past them does not fit max_context 64"):
+        eng.generate([[1] * 52], SamplingParams(max_new_tokens=10))
+    for kw, exc in ((dict(top_p=0.0), ValueError), (dict(top_p=-1.0), ValueError),
+                    (dict(temperature=float("nan")), ValueError), (dict(temperature=-0.5), ValueError),
+                    (dict(max_new_tokens=2.5), TypeError), (dict(top_k=True), TypeError), (dict(seed=1.5), TypeError)):
+        with pytest.raises(exc):
+            SamplingParams(**kw)
+    out = eng.generate([[5, 6, 7]], p).tokens[0]
+    assert eng.generate([torch.tensor([5, 6, 7])], p).tokens[0] == out
+    stop = out[1]
+    for ids in ([stop], [torch.tensor(stop)], [np.int64(stop)], torch.tensor([stop])):
+        got = make_engine(backend_name, cfg, dict(w), max_context=64, eos_token_ids=ids).generate([[5, 6, 7]], p)
+        assert got.tokens[0] == out[:out.index(stop) + 1], ids
+    with pytest.raises(TypeError, match="eos_token_ids must be ints"):
+        make_engine(backend_name, cfg, dict(w), max_context=64, eos_token_ids=["</s>"])
