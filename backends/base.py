@@ -177,6 +177,8 @@ class AttentionBackend(ABC):
             ``[T, num_heads, v_head_dim]`` in ``q.dtype``.
         Raises:
             UnsupportedError: mode/kind not supported.  ValueError: shapes/devices off.
+            RuntimeError: metadata built for another batch (mode, size or token count) or
+                none; raised before this forward's KV is written.
         """
         mode = batch.forward_mode
         if layer.kind != self.kind:
@@ -191,6 +193,8 @@ class AttentionBackend(ABC):
             raise ValueError(f"q is on {q.device}, batch on {batch.device}")
         if mode.is_idle():
             return q.new_empty(0, layer.num_heads, layer.v_head_dim)
+        if not self._metadata_fits(batch):
+            raise RuntimeError("init_forward_metadata was not called for this batch")
         if save_kv_cache:
             if k is None or k.shape != (T, layer.num_kv_heads, layer.head_dim):
                 raise ValueError(f"k must be [{T}, {layer.num_kv_heads}, {layer.head_dim}]")
@@ -276,6 +280,12 @@ class AttentionBackend(ABC):
         for name, value in want.items():
             if value is not None and getattr(layer, name) != value:
                 raise ValueError(f"layer.{name} = {getattr(layer, name)} but the KV pool has {value}")
+
+    def _metadata_fits(self, batch: ForwardBatch) -> bool:
+        """Whether ``self.forward_metadata`` was built for ``batch``: its forward mode here;
+        backends whose metadata records more (batch size, token count) compare that too."""
+        md = self.forward_metadata
+        return md is not None and getattr(md, "mode", None) == batch.forward_mode
 
     @abstractmethod
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:

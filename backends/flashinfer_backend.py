@@ -662,11 +662,14 @@ class FlashInferBackend(AttentionBackend):
         if md.graph_state is not None:
             md.graph_state.key = key
 
+    def _metadata_fits(self, batch: ForwardBatch) -> bool:
+        md: Optional[FlashInferMetadata] = self.forward_metadata
+        return md is not None and md.mode == batch.forward_mode and (
+            md.empty or (md.batch_size == batch.batch_size and md.num_tokens == batch.num_tokens))
+
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         md: Optional[FlashInferMetadata] = self.forward_metadata
-        if md is None or md.mode != batch.forward_mode or \
-                (not md.empty and (md.batch_size != batch.batch_size
-                                   or md.num_tokens != batch.num_tokens)):
+        if not self._metadata_fits(batch):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         if md.empty:
             return q.new_empty(0, layer.num_heads, layer.v_head_dim)

@@ -308,11 +308,14 @@ class FlashMLABackend(AttentionBackend):
             md.cache_seqlens, md.s_q * heads, 1, heads, False, None, use_legacy=True)
         return _Sched(heads, tile, splits)
 
+    def _metadata_fits(self, batch: ForwardBatch) -> bool:
+        md: Optional[FlashMLAMetadata] = self.forward_metadata
+        return md is not None and md.mode == batch.forward_mode and (
+            not md.batch_size or (md.batch_size == batch.batch_size and md.num_tokens == batch.num_tokens))
+
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         md: Optional[FlashMLAMetadata] = self.forward_metadata
-        if md is None or md.mode != batch.forward_mode or \
-                (md.batch_size and (md.batch_size != batch.batch_size
-                                    or md.num_tokens != batch.num_tokens)):
+        if not self._metadata_fits(batch):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         if md.batch_size == 0:
             return q.new_empty(0, layer.num_heads, layer.v_head_dim)

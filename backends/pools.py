@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from specattn.ops import move_kv_cache
-from specattn.ops.checks import INDEX_DTYPES, check_index_range, check_tensor
+from specattn.ops.checks import INDEX_DTYPES, check_index_range, check_tensor, check_writes_disjoint
 from specattn.ops.fp8 import KV_CACHE_DTYPES, check_kv_scales, quantize_kv
 
 __all__ = ["ReqToTokenPool", "MHATokenToKVPool", "MLATokenToKVPool", "KVAllocator"]
@@ -159,11 +159,16 @@ class MHATokenToKVPool(_KVPoolBase):
 
         Raises:
             IndexError: a slot outside ``[0, size + page_size)`` or a bad layer (before any write).
-            ValueError: wrong shapes, dtypes or devices.
+            ValueError: wrong shapes, dtypes or devices; ``cache_k``, ``cache_v`` or ``loc``
+                sharing memory with the layer's buffers (before any write).
+        A slot repeated in ``loc`` gets one of its rows, which one is unspecified (as
+        ``index_put_``; SGLang's ``set_kv_buffer`` likewise).
         """
         self._check_loc(loc, layer_id)
         self._check_rows("cache_k", cache_k, loc.shape[0], (self.head_num, self.head_dim))
         self._check_rows("cache_v", cache_v, loc.shape[0], (self.head_num, self.v_head_dim))
+        check_writes_disjoint([("k_buffer", self.k_buffer[layer_id]), ("v_buffer", self.v_buffer[layer_id])],
+                              [("cache_k", cache_k), ("cache_v", cache_v), ("loc", loc)])
         ks, vs = self.kv_scales(layer_id)
         self.k_buffer[layer_id][loc.long()] = quantize_kv(cache_k, self.dtype, ks)
         self.v_buffer[layer_id][loc.long()] = quantize_kv(cache_v, self.dtype, vs)
@@ -207,6 +212,7 @@ class MLATokenToKVPool(_KVPoolBase):
         ``cache_v`` is ignored (the values live inside the latent).  Errors as MHA."""
         self._check_loc(loc, layer_id)
         self._check_rows("cache_k", cache_k, loc.shape[0], (1, self.kv_cache_dim))
+        check_writes_disjoint([("kv_buffer", self.kv_buffer[layer_id])], [("cache_k", cache_k), ("loc", loc)])
         self.kv_buffer[layer_id][loc.long()] = quantize_kv(cache_k, self.dtype, self.latent_scales[layer_id])
 
 

@@ -78,6 +78,9 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     qg = qp[md.q_index].view(bs, max_q, Hkv, G, Dqk)
     kg = k_cache[md.kv_slots].float() * k_scale                         # [bs, max_kv, Hkv, Dqk]
     vg = v_cache[md.kv_slots].float() * v_scale
+    # slots of the gathered width no row of the request sees (past its keys: padding, other
+    # requests' stale slots) read as 0, so a NaN there cannot reach it through a 0 weight
+    vg = torch.where(md.mask.any(1)[:, :, None, None], vg, 0.0)
     s = torch.einsum("bqhgd,bkhd->bhgqk", qg, kg) * scaling
     m = md.mask[:, None, None]
     s = s.masked_fill(~m, float("-inf"))
@@ -141,10 +144,14 @@ class TorchReferenceBackend(AttentionBackend):
         self.forward_metadata = self._graph_metadata(batch)
 
     # --------------------------------------------------------------- forward
+    def _metadata_fits(self, batch: ForwardBatch) -> bool:
+        md: Optional[RefMetadata] = self.forward_metadata
+        return (md is not None and md.mode == batch.forward_mode and md.q_index.shape[0] == batch.batch_size
+                and md.num_tokens == batch.num_tokens)
+
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         md: Optional[RefMetadata] = self.forward_metadata
-        if (md is None or md.mode != batch.forward_mode or md.q_index.shape[0] != batch.batch_size
-                or md.num_tokens != batch.num_tokens):
+        if not self._metadata_fits(batch):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         k_cache = self.kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.kv_pool.get_value_buffer(layer.layer_id)

@@ -567,10 +567,14 @@ class TritonBackend(AttentionBackend):
         splits = min(splits, max(1, md.max_prefix // split_keys_mha(programs, rows, block_m)))
         return splits, self._config(md.mode)
 
+    def _metadata_fits(self, batch: ForwardBatch) -> bool:
+        md: Optional[TritonMetadata] = self.forward_metadata
+        return (md is not None and md.mode == batch.forward_mode and md.batch_size == batch.batch_size
+                and md.num_tokens == batch.num_tokens)
+
     def _forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         md: Optional[TritonMetadata] = self.forward_metadata
-        if (md is None or md.mode != batch.forward_mode or md.batch_size != batch.batch_size
-                or md.num_tokens != batch.num_tokens):
+        if not self._metadata_fits(batch):
             raise RuntimeError("init_forward_metadata was not called for this batch")
         splits, config = self._num_splits(md, layer, q.dtype)
         if q.stride(2) != 1:

@@ -137,9 +137,11 @@ def store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_v, st_mask, l
                stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                NUM_SPLITS: tl.constexpr):
     """Normalise and store: the output (one split), or the split's partial output and its
-    base-2 log-sum-exp for the merge.  Rows that saw no key get zeros (LSE -inf)."""
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = tl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
+    base-2 log-sum-exp for the merge.  Rows that saw no key get zeros (LSE -inf); a NaN
+    score or value stays NaN (``l_i == 0`` tells an empty row, not ``l_i > 0``)."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
     if NUM_SPLITS == 1:
         # (int64: a caller's out view can put head * stride_oh past 2**31 elements)
         tl.store(O + tok[:, None] * stride_ot + head.to(tl.int64)[:, None] * stride_oh + offs_v[None, :],
@@ -148,7 +150,7 @@ def store_rows(O, O_PART, LSE_PART, acc, m_i, l_i, tok, head, offs_v, st_mask, l
         sp = split.to(tl.int64)
         tl.store(O_PART + sp * stride_ps + tok[:, None] * stride_pt + head[:, None] * stride_ph
                  + offs_v[None, :], out, mask=st_mask)
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse, mask=lse_mask)
 
 
@@ -181,7 +183,7 @@ def merge_kernel(O_PART, LSE_PART, O, stride_ps, stride_pt, stride_ph, stride_ls
         wsum += w
         lse_ptr += stride_ls
         o_ptr += stride_ps
-    out = tl.where(wsum > 0.0, acc / tl.where(wsum > 0.0, wsum, 1.0), 0.0)
+    out = tl.where(wsum == 0.0, 0.0, acc / tl.where(wsum == 0.0, 1.0, wsum))   # (a NaN split stays NaN)
     tl.store(O + t * stride_ot + h * stride_oh + offs, out.to(O.dtype.element_ty), mask=ok)
 
 

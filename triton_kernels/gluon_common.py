@@ -97,10 +97,11 @@ if HAVE_GLUON:
         it to ``O[tok, head, cols]`` in ``O``'s dtype, or with split-KV the float32 partial to
         ``O_PART[split, tok, head, cols]`` and the base-2 log-sum-exp to
         ``LSE_PART[split, tok, head]``.  ``m_i``/``l_i``/``tok`` (int64)/``head``/``ok`` are
-        in the accumulator's row layout; a row with ``l_i == 0`` gets zeros (LSE ``-inf``);
-        rows where ``ok`` is False are not written."""
-        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        out = gl.where((l_i > 0.0)[:, None], acc / l_safe[:, None], 0.0)
+        in the accumulator's row layout; a row with ``l_i == 0`` gets zeros (LSE ``-inf``), a
+        NaN row stays NaN; rows where ``ok`` is False are not written."""
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        out = gl.where(empty[:, None], 0.0, acc / l_safe[:, None])
         if NUM_SPLITS == 1:
             gl.store(O + (tok * stride_ot + head * stride_oh)[:, None] + cols[None, :],
                      out.to(O.dtype.element_ty), mask=ok[:, None])
@@ -108,5 +109,5 @@ if HAVE_GLUON:
             sp = split.to(gl.int64)
             gl.store(O_PART + sp * stride_ps + (tok * stride_pt + head * stride_ph)[:, None]
                      + cols[None, :], out, mask=ok[:, None])
-            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+            lse = gl.where(empty, float("-inf"), m_i + gl.log2(l_safe))
             gl.store(LSE_PART + sp * stride_ls + tok * stride_lt + head, lse, mask=ok)
