@@ -11,6 +11,7 @@ train data-parallel (``train_drafter.init_distributed``), rank 0 prints and writ
 """
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 from typing import Optional
@@ -193,6 +194,13 @@ def train_cmd(
                     ("weight-decay", weight_decay), ("grad-clip", grad_clip)):
         if v < 0:
             _fail(f"--{name} must be >= 0, got {v}")
+    for name, v in (("lr", lr), ("weight-decay", weight_decay), ("grad-clip", grad_clip),
+                    ("time-budget-s", time_budget_s), ("data-time-budget-s", data_time_budget_s),
+                    ("temperature", temperature), ("seed-temperature", seed_temperature),
+                    *((n.replace("_", "-"), opt[n]) for n in ("loss_decay_gamma", "max_checkpoint_mib")
+                      if kind == "dflash" and opt[n] is not None)):
+        if not math.isfinite(v):   # NaN passes every comparison; a budget of 0 means no limit
+            _fail(f"--{name} must be a finite number, got {v}")
     if seq_len < 3:
         _fail("--seq-len must be >= 3")
     if not lr > 0:
@@ -217,8 +225,18 @@ def train_cmd(
         _fail(f"--model {model}: no such file or folder")
     if out.exists() and not out.is_dir():
         _fail(f"--out {out} exists and is not a folder")
+    blocked = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        _fail(f"--out {out}: {blocked} is a file, not a folder")
+    if data is not None and data.exists() and not data.is_file():
+        _fail(f"--data {data} exists and is not a file")
     if init_from is not None and not (init_from / "config.json").is_file():
         _fail(f"--init-from {init_from}: no drafter folder there (config.json missing)")
+    if init_from is not None:
+        from .cli import is_dflash_dir, is_eagle3_dir
+        if not (is_dflash_dir if kind == "dflash" else is_eagle3_dir)(init_from):
+            _fail(f"--init-from {init_from} does not hold a drafter of --kind {kind} (its config.json names another "
+                  f"architecture)")
 
     gen = GenConfig(gen_batch=gen_batch, max_new_tokens=max_new_tokens, greedy=greedy,
                     samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -169,6 +169,8 @@ class SpecConfig:
             raise ValueError(f"ngram needs topk in [1, {ops.NGRAM_MAX_TOPK}] (chains), num_steps in "
                              f"[1, {ops.NGRAM_MAX_STEPS}] (drafts per chain) and ngram_size in "
                              f"[1, {ops.NGRAM_MAX_SIZE}], got {self.topk}, {self.num_steps}, {self.ngram_size}")
+        if self.algo == "dflash" and self.topk < 1:
+            raise ValueError(f"dflash needs topk >= 1 (1: the block as a chain, > 1: a DDTree), got {self.topk}")
         if self.algo == "dflash" and self.topk > 1:
             if self.topk > ops.DDTREE_MAX_TOPK:
                 raise ValueError(f"dflash trees (DDTree) take topk <= {ops.DDTREE_MAX_TOPK}, got {self.topk}")

@@ -313,8 +313,8 @@ class GenConfig:
         if (self.temperature <= 0 or self.seed_temperature <= 0 or self.self_prompt_temperature <= 0
                 or not 0 < self.top_p <= 1):
             raise ValueError("temperatures must be > 0 and top_p in (0, 1]")
-        if self.time_budget_s < 0:
-            raise ValueError("time_budget_s must be >= 0")
+        if not (self.time_budget_s >= 0 and math.isfinite(self.time_budget_s)):
+            raise ValueError(f"time_budget_s must be finite and >= 0, got {self.time_budget_s}")
 
 
 def seed_texts(prompts: Sequence[str], n: int, seed: int = 0) -> List[str]:
@@ -1059,6 +1059,9 @@ class TrainConfig:
             raise ValueError(f"eval_frac must be in [0, 1), got {self.eval_frac}")
         if self.time_budget_s < 0:
             raise ValueError("time_budget_s must be >= 0")
+        for k in ("lr", "weight_decay", "grad_clip", "loss_decay_gamma", "max_checkpoint_mib", "time_budget_s"):
+            if not math.isfinite(getattr(self, k)):   # NaN passes every comparison above
+                raise ValueError(f"{k} must be finite, got {getattr(self, k)}")
 
     @property
     def num_metrics(self) -> int:

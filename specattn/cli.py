@@ -203,6 +203,9 @@ def bench(
         if bad:
             raise typer.BadParameter(f"case {n!r} has no parameter(s) {bad}; "
                                      f"it has {sorted(CASES[n].params)}", param_hint="--param")
+    if json_path is not None and (json_path.is_dir() or not json_path.absolute().parent.is_dir()):
+        raise typer.BadParameter(f"cannot write a file at {json_path} (a folder, or no such folder)",
+                                 param_hint="--json")
 
     import torch
     if not torch.cuda.is_available():
@@ -215,6 +218,35 @@ def bench(
     if json_path is not None:
         runner.write_json(report, str(json_path))
         console.print(f"wrote {json_path}")
+
+
+def out_dir_problem(out: Optional[Path]) -> Optional[str]:
+    """Why ``out`` cannot become a results folder (an existing file, or a file on its path),
+    or None: checked before any work, so a long run does not end at its first save."""
+    if out is None:
+        return None
+    if out.exists() and not out.is_dir():
+        return f"{out} exists and is not a folder"
+    blocked = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
+    return None if blocked is None else f"{blocked} is a file, not a folder"
+
+
+def _check_e2e_paths(out, prompts, drafter, dflash_drafter) -> None:
+    """``bench e2e``'s paths, before the model loads."""
+    from specattn.spec_runtime.cli import is_dflash_dir, is_eagle3_dir
+    why = out_dir_problem(out)
+    if why:
+        raise typer.BadParameter(why, param_hint="--out")
+    if prompts is not None:
+        if not prompts.is_file():
+            raise typer.BadParameter(f"no such file: {prompts}", param_hint="--prompts")
+        if not any(line.strip() for line in prompts.read_text().splitlines()):
+            raise typer.BadParameter(f"{prompts} holds no prompt", param_hint="--prompts")
+    for flag, path, is_kind, kind in (("--drafter", drafter, is_eagle3_dir, "an EAGLE-3"),
+                                      ("--dflash-drafter", dflash_drafter, is_dflash_dir, "a DFlash")):
+        if path is not None and not is_kind(path):
+            raise typer.BadParameter(f"{path} does not hold {kind} drafter (a folder whose config.json "
+                                     f"names its architecture)", param_hint=flag)
 
 
 @bench_app.command("e2e")
@@ -298,8 +330,27 @@ def bench_e2e(
         return ints(text, name, ("topk", "num_steps", "num_draft_tokens"))
 
     from specattn.spec_runtime.strategies import SpecConfig, parse_by_batch
-    tree_cfg, ddtree_cfg = triple(tree, "--tree"), ints(ddtree, "--ddtree", ("topk", "num_draft_tokens"))
+    chain_cfg, tree_cfg = triple(chain, "--chain"), triple(tree, "--tree")
+    ddtree_cfg = ints(ddtree, "--ddtree", ("topk", "num_draft_tokens"))
     ngram_cfg = ints(ngram, "--ngram", ("topk", "num_steps", "ngram_size"))
+    if ddtree_cfg["topk"] < 2:
+        raise typer.BadParameter(f"a DDTree's topk must be >= 2 (1 is the DFlash chain), got {ddtree_cfg['topk']}",
+                                 param_hint="--ddtree")
+    for flag, spec_of in (("--chain", lambda: SpecConfig("eagle", **chain_cfg)),
+                          ("--tree", lambda: SpecConfig("eagle", **tree_cfg)),
+                          ("--ddtree", lambda: SpecConfig("dflash", block_size=block_size, **ddtree_cfg)),
+                          ("--ngram", lambda: SpecConfig("ngram", **ngram_cfg))):
+        try:   # each shape on its own flag, used by --algos or not
+            spec_of().validate()
+        except (ValueError, TypeError) as e:
+            raise typer.BadParameter(str(e), param_hint=flag)
+    _check_e2e_paths(out, prompts, drafter, dflash_drafter)
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise typer.BadParameter(f"expected bfloat16 | float16 | float32, got {dtype!r}", param_hint="--dtype")
+    from specattn.backends import available_backends
+    if backend not in available_backends():
+        raise typer.BadParameter(f"unknown backend {backend!r}; known: {', '.join(sorted(available_backends()))}",
+                                 param_hint="--backend")
     try:
         SpecConfig("dflash", ddtree_depth_decay=ddtree_depth_decay).validate()
     except ValueError as e:
@@ -326,16 +377,21 @@ def bench_e2e(
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint=flag)
     try:
-        sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
+        sizes = [int(x) for x in batch_sizes.split(",")]
     except ValueError:
         raise typer.BadParameter(f"expected comma-separated integers, got {batch_sizes!r}", param_hint="--bs")
+    if len(set(sizes)) != len(sizes):
+        raise typer.BadParameter(f"a batch size is repeated in {batch_sizes!r}", param_hint="--bs")
     names = [a.strip() for a in algos.split(",") if a.strip()]
     rep_names = [a.strip() for a in repetitive_algos.split(",") if a.strip()]
+    for flag, given in (("--algos", names), ("--repetitive-algos", rep_names)):
+        if len(set(given)) != len(given):
+            raise typer.BadParameter(f"an algorithm is repeated in {','.join(given)!r}", param_hint=flag)
     cfg = e2e.E2EConfig(algos=names, batch_sizes=sizes, backend=backend, dtype=dtype,
                         max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, min_requests=min_requests,
                         requests_per_row=requests_per_row, cycle_prompts=cycle_prompts,
                         min_free_slots=min_free_slots,
-                        chain=triple(chain, "--chain"), tree=tree_cfg, block_size=block_size,
+                        chain=chain_cfg, tree=tree_cfg, block_size=block_size,
                         block_size_by_batch=by_batch["--block-size-by-batch"],
                         dflash_verify_by_batch=by_batch["--dflash-verify-by-batch"],
                         tree_by_batch=by_batch["--tree-by-batch"],
@@ -347,12 +403,12 @@ def bench_e2e(
                         prompts=str(prompts) if prompts else None,
                         dflash_drafter=str(dflash_drafter) if dflash_drafter else None,
                         peers=peers, profile=profile, retime_below_busy=retime_below_busy, check=check)
-    for a in names + rep_names:
-        try:
-            from specattn.spec_runtime.engine import SpecConfig
-            SpecConfig(**e2e.spec_fields(a, cfg)).validate()
-        except ValueError as err:
-            raise typer.BadParameter(str(err), param_hint="--algos")
+    for flag, given in (("--algos", names), ("--repetitive-algos", rep_names)):
+        for a in given:
+            try:
+                SpecConfig(**e2e.spec_fields(a, cfg)).validate()
+            except (ValueError, KeyError) as err:
+                raise typer.BadParameter(str(err.args[0] if isinstance(err, KeyError) else err), param_hint=flag)
     if min(sizes, default=0) < 1:
         raise typer.BadParameter("batch sizes must be >= 1", param_hint="--bs")
     import torch
@@ -411,6 +467,9 @@ def bench_suite(
     if name not in suites.SUITES:
         raise typer.BadParameter(f"unknown suite {name!r}; known: {', '.join(suites.SUITES)}",
                                  param_hint="NAME")
+    why = out_dir_problem(out)
+    if why:
+        raise typer.BadParameter(why, param_hint="--out")
     console = Console(stderr=True)
     if from_ is not None:
         try:

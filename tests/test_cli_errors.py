@@ -399,3 +399,49 @@ def test_info_json_keeps_every_reason():
     from specattn import _ext
     if not _ext.EXT_AVAILABLE:   # the JSON repeats the full reason per op: nothing is shortened
         assert data["ops"]["move_kv_cache"]["cuda"] == data["extension"]["reason"]
+
+
+# ------------------------------------------------------------------ bench / drafter train: fail fast
+@pytest.mark.parametrize("args,words", [
+    (["bench", "e2e", "--dtype", "int8"], ["--dtype", "bfloat16 | float16 | float32", "'int8'"]),
+    (["bench", "e2e", "--backend", "foo"], ["--backend", "unknown backend 'foo'"]),
+    (["bench", "e2e", "--prompts", "/nonexistent.txt"], ["--prompts", "no such file"]),
+    (["bench", "e2e", "--drafter", "spec_runtime/assets/smollm2-135m-instruct-dflash"],
+     ["--drafter", "does not hold an EAGLE-3 drafter"]),
+    (["bench", "e2e", "--dflash-drafter", "spec_runtime/assets/smollm2-135m-instruct-eagle3"],
+     ["--dflash-drafter", "does not hold a DFlash drafter"]),
+    (["bench", "e2e", "--out", "README.md"], ["--out", "exists and is not a folder"]),
+    (["bench", "e2e", "--out", "README.md/sub"], ["--out", "is a file, not a folder"]),
+    (["bench", "e2e", "--bs", "1,,4"], ["--bs", "comma-separated integers"]),
+    (["bench", "e2e", "--bs", "4,4"], ["--bs", "repeated"]),
+    (["bench", "e2e", "--algos", "none,none"], ["--algos", "repeated"]),
+    (["bench", "e2e", "--algos", "none", "--chain", "0,0,0"], ["--chain", "topk >= 1"]),
+    (["bench", "e2e", "--tree", "4,5,0"], ["--tree", "num_draft_tokens"]),
+    (["bench", "e2e", "--ddtree", "1,32"], ["--ddtree", "topk must be >= 2"]),
+    (["bench", "e2e", "--ngram", "4,4,99"], ["--ngram", "ngram_size in [1, 32]"]),
+    (["bench", "e2e", "--repetitive-algos", "bar"], ["--repetitive-algos", "unknown algo 'bar'"]),
+    (["bench", "suite", "e2e", "--out", "README.md", "--from", "bench/results/h200"], ["--out", "not a folder"]),
+    (["bench", "cases", "tree_build", "--json", "/nonexistent-dir/x.json"], ["--json", "cannot write a file"]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--lr", "inf"], ["--lr must be a finite number"]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--time-budget-s", "nan"],
+     ["--time-budget-s must be a finite number"]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--kind", "dflash", "--loss-decay-gamma", "nan"],
+     ["--loss-decay-gamma must be a finite number"]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--data", "/tmp"], ["--data /tmp exists and is not a file"]),
+    (["drafter", "train", "--out", "README.md/sub"], ["is a file, not a folder"]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--init-from",
+      "spec_runtime/assets/smollm2-135m-instruct-dflash"], ["does not hold a drafter of --kind eagle3"]),
+], ids=lambda v: " ".join(v) if isinstance(v, list) and v and not v[0].startswith("-") and len(v) > 2 else None)
+def test_bench_and_train_bad_arguments_fail_fast(no_model_load, monkeypatch, args, words):
+    """Bad values of the bench and drafter-train commands are one line before any model
+    load, data generation or timing (several used to fail after the work, or not at all)."""
+    from specattn.bench import e2e
+    from specattn.spec_runtime import train_drafter
+
+    def work(*a, **k):
+        raise AssertionError("the work started before the arguments were checked")
+    monkeypatch.setattr(train_drafter, "run_training", work)
+    monkeypatch.setattr(e2e, "run_e2e", work)
+    line = one_error_line(run(*args), 2, start="specattn ")
+    for w in words:
+        assert w in line, (args, line)
