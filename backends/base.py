@@ -212,7 +212,9 @@ class AttentionBackend(ABC):
         them, else one read of its device tensors; each must be ``[bs]``.
 
         Raises:
-            ValueError: a host copy of another shape.
+            ValueError: a host copy of another shape; in a fixed-count mode (TARGET_VERIFY,
+                DRAFT_EXTEND_V2) an ``extend_lens`` entry other than ``num_tokens_per_req``
+                (the graph path assumes it).
         """
         P = batch.prefix_lens_cpu if batch.prefix_lens_cpu is not None else batch.prefix_lens.cpu()
         n = batch.extend_lens_cpu if batch.extend_lens_cpu is not None else batch.extend_lens.cpu()
@@ -220,6 +222,10 @@ class AttentionBackend(ABC):
         if P.shape != (bs,) or n.shape != (bs,):
             raise ValueError(f"the batch's host copies of prefix_lens / extend_lens must be [{bs}], got "
                              f"{list(P.shape)} / {list(n.shape)}")
+        D = batch.num_tokens_per_req
+        if bs and batch.forward_mode.has_fixed_tokens_per_req() and bool((n != D).any()):
+            raise ValueError(f"{batch.forward_mode.name} needs extend_lens == num_tokens_per_req = {D} for "
+                             f"every request, got {n.tolist()}")
         return P, n
 
     def _check_batch_reads(self, batch: ForwardBatch, prefix_lens: torch.Tensor,

@@ -95,3 +95,20 @@ def test_reference_reads_no_slot_past_a_request(seed):
     q, k, v = random_qkv(sc)
     for name in NAMES:
         assert not torch.isnan(_run(sc, name, q, k, v)).any(), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2], ids=lambda m: m.name)
+def test_fixed_count_modes_need_equal_extend_lens(name, mode, seed):
+    """In TARGET_VERIFY / DRAFT_EXTEND_V2 every request has ``num_tokens_per_req`` tokens (the
+    graph path assumes it): eager metadata refuses lengths that differ even when their sum
+    is the batch's token count."""
+    sc = make_scenario(mode, bs=2, D=4, rng=random.Random(seed), device=DEV)
+    be = create_backend(name, sc.req_pool, sc.kv_pool)
+    be.init_forward_metadata(sc.batch)                                           # as built: fine
+    uneven = torch.tensor([3, 5], dtype=sc.batch.extend_lens.dtype)
+    sc.batch.extend_lens = uneven.to(DEV)
+    if sc.batch.extend_lens_cpu is not None:
+        sc.batch.extend_lens_cpu = uneven
+    with pytest.raises(ValueError, match="needs extend_lens == num_tokens_per_req = 4"):
+        be.init_forward_metadata(sc.batch)
