@@ -112,3 +112,22 @@ def test_fixed_count_modes_need_equal_extend_lens(name, mode, seed):
         sc.batch.extend_lens_cpu = uneven
     with pytest.raises(ValueError, match="needs extend_lens == num_tokens_per_req = 4"):
         be.init_forward_metadata(sc.batch)
+
+
+def test_kernel_out_must_not_overlap_the_caches(seed):
+    """``paged_attention`` / ``mla_paged_attention`` with an ``out`` that shares memory with a
+    cache they read raise before the launch (``out`` aliasing ``q`` stays allowed)."""
+    from specattn.triton_kernels.attention import paged_attention
+    from specattn.triton_kernels.attention_mla import mla_paged_attention
+    g = torch.Generator().manual_seed(seed)
+    rtt, rpi = torch.arange(16, dtype=torch.int32)[None].contiguous(), torch.tensor([0])
+    meta = (rtt, rpi, torch.tensor([3], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), None, 1, 0.25)
+    kc, vc = torch.randn(16, 4, 16, generator=g), torch.randn(16, 4, 16, generator=g)
+    q = torch.randn(1, 4, 16, generator=g)
+    with pytest.raises(ValueError, match="out overlaps v_cache"):
+        paged_attention(q, kc, vc, *meta, out=vc[5:6])
+    ref = paged_attention(q, kc, vc, *meta)
+    assert torch.equal(paged_attention(q, kc, vc, *meta, out=q), ref)     # out = q: fine
+    kv = torch.randn(16, 1, 32, generator=g)
+    with pytest.raises(ValueError, match="out overlaps kv_cache"):
+        mla_paged_attention(torch.randn(1, 1, 32, generator=g), kv, *meta, 16, out=kv[2:3, :, :16])

@@ -130,6 +130,21 @@ def check_attention_dtypes(q: torch.Tensor, cache: torch.Tensor, out: Optional[t
                          f"contiguous last dim, got {out.dtype} {list(out.shape)} on {out.device}")
 
 
+def check_out_apart(out: Optional[torch.Tensor], **caches: torch.Tensor) -> None:
+    """Raise ValueError when a given ``out`` may share memory with a cache the kernel reads
+    (byte spans overlap): its rows would be read after other programs wrote them.  ``out``
+    may alias ``q`` (each program reads its own rows of ``q`` before it writes them)."""
+    if out is None or out.numel() == 0:
+        return
+    lo = out.data_ptr()
+    hi = lo + (sum((n - 1) * st for n, st in zip(out.shape, out.stride())) + 1) * out.element_size()
+    for name, c in caches.items():
+        c_lo = c.data_ptr()
+        c_hi = c_lo + (sum((n - 1) * st for n, st in zip(c.shape, c.stride())) + 1) * c.element_size()
+        if c.numel() and lo < c_hi and c_lo < hi:
+            raise ValueError(f"out overlaps {name} in memory; the kernel reads it while writing out")
+
+
 def check_paged_metadata(q: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                          prefix_lens: torch.Tensor, qo_indptr: torch.Tensor, tree_mask, max_q: int,
                          num_splits: int, num_slots: int, check_bounds: bool, page_size: int = 1) -> None:

@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (check_attention_dtypes, check_dequant_scales, check_paged_metadata, check_sm_scale,
+from ._util import (check_attention_dtypes, check_dequant_scales, check_out_apart, check_paged_metadata, check_sm_scale,
                     choose_gluon, gdc_enter, kv_conversion, launch_fitting, next_pow2, on_tensor_device,
                     pdl_kwargs)
 from .attention_common import (MASK_CAUSAL, MASK_TREE, check_kernel_config, draft_key_count,
@@ -346,6 +346,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("q, caches and req_to_token need a contiguous last dim")
     check_attention_dtypes(q, k_cache, out, (T, H, Dv))
+    check_out_apart(out, k_cache=k_cache, v_cache=v_cache)
     check_paged_metadata(q, req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask, max_q,
                          num_splits, k_cache.shape[0], check_bounds, page_size)
     G = H // Hkv

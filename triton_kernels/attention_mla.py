@@ -115,7 +115,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (check_attention_dtypes, check_dequant_scales, check_paged_metadata, check_sm_scale,
+from ._util import (check_attention_dtypes, check_dequant_scales, check_out_apart, check_paged_metadata, check_sm_scale,
                     choose_gluon, is_pow2, kv_conversion, launch_fitting, on_tensor_device)
 from .attention_mla_sm90 import sm90_mla_attention, sm90_mla_supported
 from .gluon_common import int32_offset_needs
@@ -435,6 +435,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: t
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     check_attention_dtypes(q, kv_cache, out, (T, H, rank))
+    check_out_apart(out, kv_cache=kv_cache)
     check_paged_metadata(q, req_to_token, req_pool_indices, prefix_lens, qo_indptr, tree_mask, max_q,
                          num_splits, kv_cache.shape[0], check_bounds, page_size)
     if out is None:
