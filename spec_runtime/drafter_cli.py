@@ -223,11 +223,10 @@ def train_cmd(
         _fail(f"prompt file not found: {prompts}")
     if model is not None and not Path(model).exists():
         _fail(f"--model {model}: no such file or folder")
-    if out.exists() and not out.is_dir():
-        _fail(f"--out {out} exists and is not a folder")
-    blocked = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
-    if blocked is not None:
-        _fail(f"--out {out}: {blocked} is a file, not a folder")
+    from .cli import out_dir_problem
+    why = out_dir_problem(out)
+    if why:
+        _fail(f"--out: {why}")
     if data is not None and data.exists() and not data.is_file():
         _fail(f"--data {data} exists and is not a file")
     if init_from is not None and not (init_from / "config.json").is_file():

@@ -223,20 +223,9 @@ def bench(
         console.print(f"wrote {json_path}")
 
 
-def out_dir_problem(out: Optional[Path]) -> Optional[str]:
-    """Why ``out`` cannot become a results folder (an existing file, or a file on its path),
-    or None: checked before any work, so a long run does not end at its first save."""
-    if out is None:
-        return None
-    if out.exists() and not out.is_dir():
-        return f"{out} exists and is not a folder"
-    blocked = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
-    return None if blocked is None else f"{blocked} is a file, not a folder"
-
-
 def _check_e2e_paths(out, prompts, drafter, dflash_drafter) -> None:
     """``bench e2e``'s paths, before the model loads."""
-    from specattn.spec_runtime.cli import is_dflash_dir, is_eagle3_dir
+    from specattn.spec_runtime.cli import is_dflash_dir, is_eagle3_dir, out_dir_problem
     why = out_dir_problem(out)
     if why:
         raise typer.BadParameter(why, param_hint="--out")
@@ -470,6 +459,7 @@ def bench_suite(
     if name not in suites.SUITES:
         raise typer.BadParameter(f"unknown suite {name!r}; known: {', '.join(suites.SUITES)}",
                                  param_hint="NAME")
+    from specattn.spec_runtime.cli import out_dir_problem
     why = out_dir_problem(out)
     if why:
         raise typer.BadParameter(why, param_hint="--out")

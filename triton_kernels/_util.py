@@ -134,14 +134,15 @@ def check_out_apart(out: Optional[torch.Tensor], **caches: torch.Tensor) -> None
     """Raise ValueError when a given ``out`` may share memory with a cache the kernel reads
     (byte spans overlap): its rows would be read after other programs wrote them.  ``out``
     may alias ``q`` (each program reads its own rows of ``q`` before it writes them)."""
+    def span(t: torch.Tensor):   # [first, last + 1) byte addresses of t's elements
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
     if out is None or out.numel() == 0:
         return
-    lo = out.data_ptr()
-    hi = lo + (sum((n - 1) * st for n, st in zip(out.shape, out.stride())) + 1) * out.element_size()
+    lo, hi = span(out)
     for name, c in caches.items():
-        c_lo = c.data_ptr()
-        c_hi = c_lo + (sum((n - 1) * st for n, st in zip(c.shape, c.stride())) + 1) * c.element_size()
-        if c.numel() and lo < c_hi and c_lo < hi:
+        if c.numel() and span(c)[0] < hi and lo < span(c)[1]:
             raise ValueError(f"out overlaps {name} in memory; the kernel reads it while writing out")
 
 
