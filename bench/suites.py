@@ -25,8 +25,8 @@ Suites:
 JSON (every suite but ``e2e``)::
 
     {"suite", "device", "versions", "commit", "commit_note" (optional), "timestamp",
-     "settings", "ceilings", "rows": [ROW, ...], "errors": [{"case", "params", "error"}],
-     "checks": [line, ...]}
+     "settings", "ceilings", "ceilings_by_part" (optional), "rows": [ROW, ...],
+     "errors": [{"case", "params", "error"}], "checks": [line, ...]}
 
     ROW = {"case", "point", "impl", "params", "median_us", "p10_us", "p90_us", "iters",
            "gbps", "tflops", "pct_copy_bw", "pct_matmul", "pct_roofline", "speedup",
@@ -37,8 +37,10 @@ implementation; ``speedup`` maps each reference row of the same point (the libra
 ``attention``, the PyTorch anchor for ``spec_ops``, the per-layer copy / the unfused form /
 the GEMM alone for ``kv_ops``) to ``its time / this row's time``; ``pct_roofline`` is the
 larger of ``pct_copy_bw`` and ``pct_matmul`` (the roofline time over the measured time).
-``commit`` is the commit whose code was measured; ``commit_note`` says where it comes from
-when the run did not record it itself.
+``ceilings_by_part`` is there when a run in parts measured different ceilings in its parts
+(``[{"cases", "copy_gbps", "matmul_tflops"}, ...]``): each row's percentages are of its own
+part's ceilings, ``ceilings`` are the first part's.  ``commit`` is the commit whose code was
+measured; ``commit_note`` says where it comes from when the run did not record it itself.
 
 Everything except :func:`run_suite` is pure Python and runs anywhere.
 """
@@ -343,7 +345,28 @@ def make_report(suite: str, reports: Sequence[Dict[str, Any]], *, commit: Option
                rows=build_rows(suite, [c for r in reports for c in r["cases"]]),
                errors=[e for r in reports for e in _errors(r) if e["case"] in info.cases],
                checks=list(checks))
+    parts = _ceiling_parts(reports, info.cases)
+    if parts:
+        rep["ceilings_by_part"] = parts
     return rep
+
+
+def _ceiling_parts(reports: Sequence[Dict[str, Any]], cases: Sequence[str]) -> List[Dict[str, Any]]:
+    """When the raw reports measured different ceilings (parts of a run on different GPUs or
+    at different times), one ``{"cases", "copy_gbps", "matmul_tflops"}`` per distinct pair, in
+    report order: each row's percentages are of its own part's ceilings, not of ``ceilings``.
+    Empty when every report has the same ceilings."""
+    parts: List[Dict[str, Any]] = []
+    for r in reports:
+        c = r.get("ceilings") or {}
+        key = (c.get("copy_gbps"), c.get("matmul_tflops"))
+        names = list(dict.fromkeys(x["name"] for x in r["cases"] if x["name"] in cases))
+        same = [p for p in parts if (p["copy_gbps"], p["matmul_tflops"]) == key]
+        if same:
+            same[0]["cases"] += [n for n in names if n not in same[0]["cases"]]
+        else:
+            parts.append({"cases": names, "copy_gbps": key[0], "matmul_tflops": key[1]})
+    return parts if len(parts) > 1 else []
 
 
 def git_last_commit(path: Path) -> Optional[str]:
@@ -480,6 +503,11 @@ def markdown(report: Dict[str, Any]) -> str:
              f"{' or '.join(map(str, iters))} timed calls per row (mode `graph`: CUDA-graph replays, "
              f"`eager`: eager calls; `+flush`: L2 flushed before each).  Speedup: the named row's "
              f"time over this row's, same point."]
+    if report.get("ceilings_by_part"):
+        lines += ["", "The parts of this run measured their own ceilings, and each row's "
+                  "percentages are of its part's: " + "; ".join(
+                      f"{', '.join(p['cases'])}: copy {p['copy_gbps']:.0f} GB/s, bf16 matmul "
+                      f"{p['matmul_tflops']:.0f} TFLOP/s" for p in report["ceilings_by_part"]) + "."]
     if report.get("commit_note"):
         lines += ["", f"Commit: {report['commit_note']}."]
     lines += ["", "| case | point | impl | median us | p10-p90 us | GB/s | TFLOP/s | % roofline | "

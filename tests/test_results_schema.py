@@ -163,6 +163,31 @@ def test_suite_in_parts_keeps_every_library_version(tmp_path):
     rep = suites.from_run("attention", tmp_path, commit="c" * 40)
     assert rep["versions"] == {"torch": "2.x", "triton": "3.x", "flashinfer": "0.7.2", "flash_mla": "1.0.0"}
     assert rep["timestamp"] == "2026-01-01T00:00:00Z" and len(rep["rows"]) == 2
+    assert "ceilings_by_part" not in rep and "measured their own ceilings" not in suites.markdown(rep)
+
+
+def test_suite_in_parts_names_each_parts_ceilings(tmp_path):
+    """Parts that measured different ceilings (on two GPUs of one host): the JSON lists each
+    part's cases and ceilings, the markdown says whose percentages use which; the file passes
+    the results check."""
+    mla = _raw([_case("mla_decode", "triton", 600.0, bs=128, seq_len=8192),
+                _case("mla_decode", "triton", 90.0, bs=16, seq_len=4096),
+                _case("mla_tree_verify", "triton", 130.0, bs=1, prefix=4096)], "2026-01-01T00:00:00Z")
+    mla["ceilings"] = {"copy_gbps": 2990.0, "matmul_tflops": 701.0}
+    tv = _raw([_case("tree_verify", "triton", 90.0, bs=16, prefix=2048, page_size=1)], "2026-01-01T00:00:01Z")
+    dec = _raw([_case("decode", "triton", 20.0, bs=1, seq_len=1024)], "2026-01-01T00:00:02Z")
+    for name, r in (("mla_decode", mla), ("tree_verify", tv), ("decode", dec)):
+        (tmp_path / f"attention_{name}.json").write_text(json.dumps(r))
+    rep = suites.from_run("attention", tmp_path, commit="c" * 40)
+    assert rep["ceilings"] == mla["ceilings"]
+    assert rep["ceilings_by_part"] == [
+        {"cases": ["mla_decode", "mla_tree_verify"], "copy_gbps": 2990.0, "matmul_tflops": 701.0},
+        {"cases": ["tree_verify", "decode"], "copy_gbps": 3000.0, "matmul_tflops": 750.0}]
+    assert ("each row's percentages are of its part's: mla_decode, mla_tree_verify: copy 2990 GB/s, "
+            "bf16 matmul 701 TFLOP/s; tree_verify, decode: copy 3000 GB/s, bf16 matmul 750 TFLOP/s."
+            ) in suites.markdown(rep)
+    suites.write_results(rep, tmp_path / "h100")
+    assert suites.check_results_file(tmp_path / "h100" / "attention.json") == []
 
 
 def test_suite_in_parts_merges_the_cross_checks(tmp_path):
