@@ -100,7 +100,7 @@ from __future__ import annotations
 import importlib
 import random
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -111,7 +111,7 @@ from specattn.backends.flashinfer_backend import (flashinfer_packed_mask, instal
 from specattn.ops import build_tree, num_tree_candidates
 from specattn.ops.tree_mask import flashinfer_mask_bytes, unpack_tree_mask
 
-from .cases import Workload, case
+from .cases import Workload, case, check_choice, positive_ints
 from . import cases_tree  # a module reference: cases_tree may be mid-import (it imports .cases)
 
 __all__ = ["IMPLS", "LIBRARIES", "AttnShape", "PagedSet", "PagedInputs", "check_impl",
@@ -142,13 +142,12 @@ MLA_SCALING = (128 + 64) ** -0.5  # DeepSeek-V3: (qk_nope_head_dim + qk_rope_hea
 
 
 # ----------------------------------------------------------------------------- checks
-def check_impl(case_name: str, impl: str, device: torch.device) -> None:
+def check_impl(case_name: str, impl: str, device: Optional[torch.device]) -> None:
     """Raise ValueError unless ``impl`` is one of ``IMPLS[case_name]`` and, for a library
-    impl (FlashInfer / FlashMLA), ``device`` is a CUDA device."""
-    allowed = IMPLS[case_name]
-    if impl not in allowed:
-        raise ValueError(f"{case_name}: impl must be one of {allowed}, got {impl!r}")
-    if impl in LIBRARIES and torch.device(device).type != "cuda":
+    impl (FlashInfer / FlashMLA), ``device`` is a CUDA device (``device=None``: the name
+    only, as the cases' parameter checks do)."""
+    check_choice("impl", impl, IMPLS[case_name])
+    if device is not None and impl in LIBRARIES and torch.device(device).type != "cuda":
         raise ValueError(f"{case_name}: impl={impl!r} runs {LIBRARIES[impl][2]} kernels and "
                          f"needs a CUDA device, got {device}")
 
@@ -166,12 +165,6 @@ def require_library(impl: str):
     except ImportError as e:
         raise ImportError(f"impl={impl!r} needs {dist} (import {module!r} failed: {e}); "
                           f"install it with: pip install {extra}") from e
-
-
-def _positive(**kw) -> None:
-    for k, v in kw.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{k} must be an int >= 1, got {v!r}")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -212,7 +205,7 @@ class AttnShape:
             kv_dtype: str = "auto") -> "AttnShape":
         """Raises ValueError unless ``num_kv_heads`` divides ``num_heads``, or for an unknown
         ``kv_dtype``."""
-        _positive(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        positive_ints(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
         dt = _dtype(dtype)
@@ -222,7 +215,7 @@ class AttnShape:
     @classmethod
     def mla(cls, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype,
             kv_dtype: str = "auto") -> "AttnShape":
-        _positive(num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+        positive_ints(num_heads=num_heads, kv_lora_rank=kv_lora_rank,
                   qk_rope_head_dim=qk_rope_head_dim)
         dt = _dtype(dtype)
         return cls("mla", num_heads, 1, kv_lora_rank + qk_rope_head_dim, kv_lora_rank,
@@ -308,6 +301,15 @@ class PagedInputs:
     sets: List[PagedSet] = field(default_factory=list)
 
 
+def _check_paged_sizes(*, num_sets, bs, prefix, new_tokens, page_size) -> None:
+    """:func:`make_paged_inputs`' sizes (``num_sets=None``: picked later, >= 1)."""
+    positive_ints(bs=bs, new_tokens=new_tokens, page_size=page_size)
+    if num_sets is not None:
+        positive_ints(num_sets=num_sets)
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+        raise ValueError(f"prefix must be an int >= 0, got {prefix!r}")
+
+
 def make_paged_inputs(device, shape: AttnShape, *, num_sets: int, bs: int, prefix: int,
                       new_tokens: int, page_size: int, seed: int,
                       contiguous: bool = False) -> PagedInputs:
@@ -322,9 +324,9 @@ def make_paged_inputs(device, shape: AttnShape, *, num_sets: int, bs: int, prefi
     Raises:
         ValueError: a size < 1 (``prefix`` may be 0), bad page size.
     """
-    _positive(num_sets=num_sets, bs=bs, new_tokens=new_tokens, page_size=page_size)
-    if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
-        raise ValueError(f"prefix must be an int >= 0, got {prefix!r}")
+    positive_ints(num_sets=num_sets)
+    _check_paged_sizes(num_sets=num_sets, bs=bs, prefix=prefix, new_tokens=new_tokens,
+                       page_size=page_size)
     device = torch.device(device)
     ps = page_size
     ppr = -(-(prefix + new_tokens) // ps)            # pages per request
@@ -565,19 +567,43 @@ def _fi_verify_workload(impl, inputs: PagedInputs, masks, qs, fi_backend, nbytes
     return Workload(fn=call, bytes=nbytes, flops=flops, input_sets=sets, state=state)
 
 
-def _verify_setup(case_name, device, shape: AttnShape, *, bs, prefix, num_draft_tokens,
-                  page_size, topk, num_steps, input_sets, seed, impl, num_kv_splits,
-                  fi_backend, contiguous) -> Workload:
+def _check_flashmla_cache(impl: str, kv_dtype: str) -> None:
+    if impl == "flashmla" and kv_dtype != "auto":
+        raise ValueError("impl='flashmla' runs a bf16 latent cache only (its fp8 KV is the "
+                         f"sparse decode's own layout), got kv_dtype={kv_dtype!r}")
+
+
+def _check_verify(case_name, *, bs, prefix, num_draft_tokens, page_size, topk, num_steps,
+                  input_sets, impl, kv_dtype, **_) -> None:
+    """The parameter checks of the tree-verify cases (the shape's are its constructor's)."""
     if impl == "flashmla" and impl in IMPLS[case_name] and topk != 1:
         raise ValueError("impl='flashmla' verifies chains only (topk=1: draft j sees the prefix "
                          f"and drafts 0..j, FlashMLA's causal s_q = num_draft_tokens), got topk={topk}")
-    check_impl(case_name, impl, device)
-    _positive(bs=bs, num_draft_tokens=num_draft_tokens, page_size=page_size, topk=topk,
-              num_steps=num_steps)
-    D = num_draft_tokens
+    check_impl(case_name, impl, None)
+    _check_paged_sizes(num_sets=input_sets, bs=bs, prefix=prefix, new_tokens=num_draft_tokens,
+                       page_size=page_size)
     if impl == "flashinfer_split" and (prefix < 1 or prefix % page_size):
         raise ValueError(f"flashinfer_split needs a prefix >= 1 that is a multiple of "
                          f"page_size ({page_size}), got {prefix}")
+    cases_tree.check_tree_shape(topk, num_steps, num_draft_tokens)
+    _check_flashmla_cache(impl, kv_dtype)
+
+
+def _check_decode(case_name, *, bs, seq_len, page_size, input_sets, impl, kv_dtype, **_) -> None:
+    """The parameter checks of the decode cases (the shape's are its constructor's)."""
+    check_impl(case_name, impl, None)
+    positive_ints(seq_len=seq_len)
+    _check_paged_sizes(num_sets=input_sets, bs=bs, prefix=seq_len - 1, new_tokens=1,
+                       page_size=page_size)
+    _check_flashmla_cache(impl, kv_dtype)
+
+
+def _verify_setup(case_name, device, shape: AttnShape, *, bs, prefix, num_draft_tokens,
+                  page_size, topk, num_steps, input_sets, seed, impl, num_kv_splits,
+                  fi_backend, contiguous) -> Workload:
+    """A tree-verify workload (its parameters checked by :func:`_check_verify`)."""
+    check_impl(case_name, impl, device)
+    D = num_draft_tokens
     nbytes = attention_bytes(shape, bs * (prefix + D), bs * D)
     n_sets = input_sets if input_sets is not None else auto_input_sets(nbytes)
     inputs = make_paged_inputs(device, shape, num_sets=n_sets, bs=bs, prefix=prefix,
@@ -615,7 +641,7 @@ def _flashmla_workload(inputs: PagedInputs, qs, shape: AttnShape, s_q: int, page
     is computed at setup.  Raises ValueError for an fp8 cache, RuntimeError for a build
     without the legacy kernels."""
     lib = require_library("flashmla")
-    if shape.cache_dtype != shape.dtype:
+    if shape.cache_dtype != shape.dtype:   # the cases' check refuses it before any input is built
         raise ValueError("impl='flashmla' runs a bf16 latent cache only (its fp8 KV is the "
                          "sparse decode's own layout)")
     if not lib.has_legacy():
@@ -643,8 +669,8 @@ def _flashmla_workload(inputs: PagedInputs, qs, shape: AttnShape, s_q: int, page
 def _decode_setup(case_name, device, shape: AttnShape, *, bs, seq_len, page_size, input_sets,
                   seed, impl, num_kv_splits, fi_backend, fi_use_tensor_cores, contiguous
                   ) -> Workload:
+    """A decode workload (its parameters checked by :func:`_check_decode`)."""
     check_impl(case_name, impl, device)
-    _positive(bs=bs, seq_len=seq_len, page_size=page_size)
     P = seq_len - 1
     nbytes = attention_bytes(shape, bs * seq_len, bs)
     n_sets = input_sets if input_sets is not None else auto_input_sets(nbytes)
@@ -685,10 +711,16 @@ _VERIFY_DOC = ("bytes = KV of P+D keys read once + q + o; flops = 2*H*(Dqk+Dv)*v
                "(prefix + tree bits); random EAGLE trees (topk 8, 5 steps)")
 
 
+def _check_tree_verify(*, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, **params):
+    AttnShape.mha(num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
+    _check_verify("tree_verify", kv_dtype=kv_dtype, **params)
+
+
 @case("tree_verify",
       "TARGET_VERIFY, Llama-3-8B GQA 32 q / 8 kv heads x 128, bf16, page 1, random 64-token "
       "EAGLE trees over a P-token prefix (target points bs/prefix 1/4096 16/2048 64/4096 "
       "16/16384); impl=triton|triton_generic|triton_sm90_sync|flashinfer_mask|flashinfer_split; " + _VERIFY_DOC,
+      check=_check_tree_verify,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=32, num_kv_heads=8, head_dim=128,
       dtype="bfloat16", page_size=1, topk=8, num_steps=5, input_sets=None, seed=0,
       impl="triton", num_kv_splits=None, fi_backend="fa2", contiguous=False, kv_dtype="auto")
@@ -704,10 +736,17 @@ def _tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, num_kv_head
                          contiguous=contiguous)
 
 
+def _check_mla_tree_verify(*, num_heads, kv_lora_rank, qk_rope_head_dim, dtype, kv_dtype,
+                           **params):
+    AttnShape.mla(num_heads, kv_lora_rank, qk_rope_head_dim, dtype, kv_dtype)
+    _check_verify("mla_tree_verify", kv_dtype=kv_dtype, **params)
+
+
 @case("mla_tree_verify",
       "TARGET_VERIFY, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, random "
       "64-token EAGLE trees over a 4096 prefix (target points bs 1 | 16); impl=triton|triton_generic|triton_sm90_split|triton_tma"
       "|flashmla (chains only, topk=1: no public library has MLA tree verify with a custom mask); " + _VERIFY_DOC,
+      check=_check_mla_tree_verify,
       bs=1, prefix=4096, num_draft_tokens=64, num_heads=128, kv_lora_rank=512,
       qk_rope_head_dim=64, dtype="bfloat16", page_size=64, topk=8, num_steps=5,
       input_sets=None, seed=0, impl="triton", num_kv_splits=None, contiguous=False, kv_dtype="auto")
@@ -722,10 +761,16 @@ def _mla_tree_verify(device, *, bs, prefix, num_draft_tokens, num_heads, kv_lora
                          num_kv_splits=num_kv_splits, fi_backend=None, contiguous=contiguous)
 
 
+def _check_mla_decode(*, num_heads, kv_lora_rank, qk_rope_head_dim, dtype, kv_dtype, **params):
+    AttnShape.mla(num_heads, kv_lora_rank, qk_rope_head_dim, dtype, kv_dtype)
+    _check_decode("mla_decode", kv_dtype=kv_dtype, **params)
+
+
 @case("mla_decode",
       "DECODE, absorbed MLA 128 heads, latent 512 + rope 64, bf16, page 64, s_q=1, bs=128 x "
       "seq_len 8192 keys (target: within 1.5x of FlashMLA's 538 us on an H200); "
       "impl=triton|triton_generic|triton_sm90_split|triton_tma|flashmla; bytes = latent of every key once + q + o",
+      check=_check_mla_decode,
       bs=128, seq_len=8192, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
       dtype="bfloat16", page_size=64, input_sets=None, seed=0, impl="triton",
       num_kv_splits=None, contiguous=False, kv_dtype="auto")
@@ -739,10 +784,16 @@ def _mla_decode(device, *, bs, seq_len, num_heads, kv_lora_rank, qk_rope_head_di
                          fi_use_tensor_cores=None, contiguous=contiguous)
 
 
+def _check_gqa_decode(*, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, **params):
+    AttnShape.mha(num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
+    _check_decode("decode", kv_dtype=kv_dtype, **params)
+
+
 @case("decode",
       "DECODE, Llama-3-8B GQA 32 q / 8 kv heads x 128, bf16, page 16, seq_len keys per "
       "request (target points bs 1|32|128 x seq_len 1024|8192); impl=triton|flashinfer "
       "(BatchDecodeWithPagedKVCacheWrapper, tensor cores); bytes = KV once + q + o",
+      check=_check_gqa_decode,
       bs=32, seq_len=8192, num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
       page_size=16, input_sets=None, seed=0, impl="triton", num_kv_splits=None,
       fi_backend="fa2", fi_use_tensor_cores=True, contiguous=False, kv_dtype="auto")
@@ -757,11 +808,20 @@ def _decode(device, *, bs, seq_len, num_heads, num_kv_heads, head_dim, dtype, pa
                          fi_use_tensor_cores=fi_use_tensor_cores, contiguous=contiguous)
 
 
+def _check_extend(*, bs, prefix, new_tokens, num_heads, num_kv_heads, head_dim, dtype,
+                  page_size, input_sets, impl, **_):
+    check_impl("extend", impl, None)
+    AttnShape.mha(num_heads, num_kv_heads, head_dim, dtype)
+    _check_paged_sizes(num_sets=input_sets, bs=bs, prefix=prefix, new_tokens=new_tokens,
+                       page_size=page_size)
+
+
 @case("extend",
       "EXTEND (causal prefill over a paged prefix), Llama-3-8B GQA 32 q / 8 kv heads x 128, "
       "bf16, page 16, bs=1 x 2048 new tokens (target points prefix 0 | 4096); "
       "impl=triton|flashinfer (BatchPrefillWithPagedKVCacheWrapper, causal); bytes = KV of "
       "P+n keys once + q + o; flops over the causal pairs",
+      check=_check_extend,
       bs=1, prefix=0, new_tokens=2048, num_heads=32, num_kv_heads=8, head_dim=128,
       dtype="bfloat16", page_size=16, input_sets=None, seed=0, impl="triton",
       fi_backend="fa2", contiguous=False)
@@ -769,7 +829,6 @@ def _extend(device, *, bs, prefix, new_tokens, num_heads, num_kv_heads, head_dim
             page_size, input_sets, seed, impl, fi_backend, contiguous):
     """GQA extend; see the module docstring."""
     check_impl("extend", impl, device)
-    _positive(bs=bs, new_tokens=new_tokens, page_size=page_size)
     shape = AttnShape.mha(num_heads, num_kv_heads, head_dim, dtype)
     n, P = new_tokens, prefix
     nbytes = attention_bytes(shape, bs * (P + n), bs * n)

@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from specattn.ops import make_cos_sin_cache, materialize_kv
+from specattn.ops.fp8 import FLOAT_DTYPES, KV_CACHE_DTYPES
 
-from .cases import Workload, case
+from .cases import Workload, case, check_choice, positive_ints, torch_dtype
 
 __all__ = ["IMPLS", "unfused_materialize_kv"]
 
@@ -63,16 +64,26 @@ def unfused_materialize_kv(hidden, w_kv, k_norm_weight, positions, cos_sin_cache
         v_buffers[layer][loc] = kv[:, layer, 1].to(v_buffers[layer].dtype)
 
 
+def _check_kv_materialize(*, tokens, hidden, layers, kv_heads, head_dim, dtype, cache_dtype,
+                          impl, seed):
+    check_choice("impl", impl, IMPLS)
+    positive_ints(tokens=tokens, hidden=hidden, layers=layers, kv_heads=kv_heads,
+                  head_dim=head_dim)
+    torch_dtype("dtype", dtype, FLOAT_DTYPES)
+    fp8 = torch_dtype("cache_dtype", cache_dtype, KV_CACHE_DTYPES) == torch.float8_e4m3fn
+    if fp8 and impl == "unfused":
+        raise ValueError("impl='unfused' has no fp8 scaling; use cache_dtype=bfloat16")
+
+
 @case("kv_materialize",
       "DFlash fused KV materialization, Qwen3-8B drafter: hidden 4096, 5 layers x 8 KV heads x "
       "128, bf16, 512 tokens; impl=cuda|triton|reference|unfused|gemm|cuda_epilogue|"
       "triton_epilogue",
+      check=_check_kv_materialize,
       tokens=512, hidden=4096, layers=5, kv_heads=8, head_dim=128, dtype="bfloat16",
       cache_dtype="bfloat16", impl="cuda", seed=0)
 def _kv_materialize(device, *, tokens, hidden, layers, kv_heads, head_dim, dtype, cache_dtype,
                     impl, seed):
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     dt, cdt = getattr(torch, dtype), getattr(torch, cache_dtype)
     g = torch.Generator(device="cpu").manual_seed(seed)
     rows = layers * 2 * kv_heads * head_dim
@@ -94,10 +105,7 @@ def _kv_materialize(device, *, tokens, hidden, layers, kv_heads, head_dim, dtype
     if impl == "gemm":
         def fn():
             torch.mm(x, w_kv.t())
-    elif impl == "unfused":
-        if fp8:
-            raise ValueError("impl='unfused' has no fp8 scaling; use cache_dtype=bfloat16")
-
+    elif impl == "unfused":   # the case's check refuses it with an fp8 cache
         def fn():
             unfused_materialize_kv(x, w_kv, k_norm, positions, cos_sin, loc, k_bufs, v_bufs,
                                    eps=eps)

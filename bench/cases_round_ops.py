@@ -21,17 +21,24 @@ import torch
 
 from specattn.ops import (ddtree_candidates, eagle_beam_step, ngram_candidates, num_tree_candidates,
                           rms_norm_matmul, rms_norm_matmul_topk, select_draft_tokens, topk_log_probs)
+from specattn.ops.fp8 import FLOAT_DTYPES
+from specattn.ops.ngram import MAX_NGRAM_SIZE, MAX_STEPS, MAX_TOPK
 
-from .cases import Workload, case
+from .cases import Workload, case, check_choice, positive_ints, torch_dtype
+from . import cases_tree  # a module reference: cases_tree may be mid-import (it imports .cases)
 
 __all__ = []
 
 
+def _check_topk_log_probs(*, rows, vocab, k, impl, input_sets):
+    check_choice("impl", impl, ("triton", "reference", "torch"))
+    positive_ints(rows=rows, vocab=vocab, k=k, input_sets=input_sets)
+
+
 @case("topk_log_probs", "drafting's top-k log-probabilities of float32 logits [rows, vocab] "
-      "(k = 1: the greedy argmax)", rows=1, vocab=49152, k=4, impl="triton", input_sets=8)
+      "(k = 1: the greedy argmax)", check=_check_topk_log_probs,
+      rows=1, vocab=49152, k=4, impl="triton", input_sets=8)
 def _topk_log_probs(device, *, rows, vocab, k, impl, input_sets):
-    if impl not in ("triton", "reference", "torch"):
-        raise ValueError(f"impl must be triton | reference | torch, got {impl!r}")
     sets = [(torch.randn(rows, vocab, device=device),) for _ in range(input_sets)]
 
     def run(x):
@@ -45,15 +52,19 @@ def _topk_log_probs(device, *, rows, vocab, k, impl, input_sets):
     return Workload(fn=run, bytes=4 * rows * vocab + 12 * rows * k, flops=0, input_sets=sets)
 
 
+def _check_lm_head_topk(*, rows, vocab, hidden, k, impl, dtype, input_sets):
+    check_choice("impl", impl, ("fused", "two_step", "reference"))
+    positive_ints(rows=rows, vocab=vocab, hidden=hidden, k=k, input_sets=input_sets)
+    torch_dtype("dtype", dtype, FLOAT_DTYPES)
+
+
 @case("lm_head_topk", "an LM head's top-k log-probabilities from hidden rows [rows, hidden] "
-      "(folded final norm; k = 1: the greedy argmax)", rows=16, vocab=49152, hidden=576, k=1,
-      impl="fused", dtype="bfloat16", input_sets=8)
+      "(folded final norm; k = 1: the greedy argmax)", check=_check_lm_head_topk,
+      rows=16, vocab=49152, hidden=576, k=1, impl="fused", dtype="bfloat16", input_sets=8)
 def _lm_head_topk(device, *, rows, vocab, hidden, k, impl, dtype, input_sets):
     """``fused``: ``rms_norm_matmul_topk`` (the GEMM's epilogue keeps the top-k); ``two_step``:
     float32 logits from ``rms_norm_matmul``, then ``topk_log_probs``; ``reference``: the op's
     PyTorch reference.  Each input set has its own weight, so the head streams from memory."""
-    if impl not in ("fused", "two_step", "reference"):
-        raise ValueError(f"impl must be fused | two_step | reference, got {impl!r}")
     dt = getattr(torch, dtype)
     sets = [(torch.randn(rows, hidden, device=device).to(dt),
              (torch.randn(vocab, hidden, device=device) / hidden ** 0.5).to(dt)) for _ in range(input_sets)]
@@ -68,11 +79,20 @@ def _lm_head_topk(device, *, rows, vocab, hidden, k, impl, dtype, input_sets):
                     flops=2 * rows * vocab * hidden, input_sets=sets)
 
 
+def _check_ngram_candidates(*, bs, context, ngram_size, topk, num_steps, impl, input_sets):
+    check_choice("impl", impl, ("triton", "reference"))
+    positive_ints(bs=bs, context=context, ngram_size=ngram_size, topk=topk, num_steps=num_steps,
+                  input_sets=input_sets)
+    for name, v, most in (("ngram_size", ngram_size, MAX_NGRAM_SIZE), ("topk", topk, MAX_TOPK),
+                          ("num_steps", num_steps, MAX_STEPS)):   # ngram_candidates' bounds
+        if v > most:
+            raise ValueError(f"{name} must be an int in [1, {most}], got {v!r}")
+
+
 @case("ngram_candidates", "n-gram drafts from each request's history [bs, context]",
+      check=_check_ngram_candidates,
       bs=16, context=2048, ngram_size=4, topk=4, num_steps=4, impl="triton", input_sets=8)
 def _ngram_candidates(device, *, bs, context, ngram_size, topk, num_steps, impl, input_sets):
-    if impl not in ("triton", "reference"):
-        raise ValueError(f"impl must be triton | reference, got {impl!r}")
     g = torch.Generator().manual_seed(0)
     sets = [(torch.randint(0, 64, (bs, context), generator=g).to(device),
              torch.randint(context // 2, context, (bs,), generator=g).to(device)) for _ in range(input_sets)]
@@ -84,11 +104,15 @@ def _ngram_candidates(device, *, bs, context, ngram_size, topk, num_steps, impl,
     return Workload(fn=run, bytes=8 * bs * (context + 1 + topk * (num_steps + 1)), flops=0, input_sets=sets)
 
 
+def _check_ddtree_candidates(*, bs, positions, topk, impl, input_sets):
+    check_choice("impl", impl, ("triton", "reference"))
+    positive_ints(bs=bs, positions=positions, topk=topk, input_sets=input_sets)
+
+
 @case("ddtree_candidates", "a DDTree's candidates from a block's per-position top-k [bs, positions, topk]",
+      check=_check_ddtree_candidates,
       bs=1, positions=15, topk=4, impl="triton", input_sets=8)
 def _ddtree_candidates(device, *, bs, positions, topk, impl, input_sets):
-    if impl not in ("triton", "reference"):
-        raise ValueError(f"impl must be triton | reference, got {impl!r}")
     g = torch.Generator().manual_seed(0)
     sets = [((-torch.rand(bs, positions, topk, generator=g) * 5).sort(-1, descending=True).values.to(device),
              torch.randint(0, 49152, (bs, positions, topk), generator=g).to(device)) for _ in range(input_sets)]
@@ -110,14 +134,18 @@ def _draft_inputs(device, bs, topk, num_steps, input_sets, seed=0):
         torch.randint(0, 4096, (bs, K), generator=g))) for _ in range(input_sets)]
 
 
-@case("eagle_beam_steps", "an EAGLE draft's beam bookkeeping: num_steps - 1 steps of candidates, "
-      "next beams and parent blocks (eagle_beam_step per step, or torch's ops and final cats)",
-      bs=1, topk=4, num_steps=5, impl="triton", input_sets=8)
-def _eagle_beam_steps(device, *, bs, topk, num_steps, impl, input_sets):
-    if impl not in ("triton", "reference", "torch"):
-        raise ValueError(f"impl must be triton | reference | torch, got {impl!r}")
+def _check_eagle_beam_steps(*, bs, topk, num_steps, impl, input_sets):
+    check_choice("impl", impl, ("triton", "reference", "torch"))
+    positive_ints(bs=bs, topk=topk, num_steps=num_steps, input_sets=input_sets)
     if num_steps < 2:
         raise ValueError(f"num_steps must be >= 2 (a step to time), got {num_steps}")
+
+
+@case("eagle_beam_steps", "an EAGLE draft's beam bookkeeping: num_steps - 1 steps of candidates, "
+      "next beams and parent blocks (eagle_beam_step per step, or torch's ops and final cats)",
+      check=_check_eagle_beam_steps,
+      bs=1, topk=4, num_steps=5, impl="triton", input_sets=8)
+def _eagle_beam_steps(device, *, bs, topk, num_steps, impl, input_sets):
     K, S = topk, num_steps
     n_cand = num_tree_candidates(K, S)
     root_block = torch.cat([torch.full((1,), -1, dtype=torch.int64), torch.arange(K)]).to(device)
@@ -157,12 +185,17 @@ def _eagle_beam_steps(device, *, bs, topk, num_steps, impl, input_sets):
                     input_sets=_draft_inputs(device, bs, K, S, input_sets))
 
 
+def _check_select_draft_tokens(*, bs, topk, num_steps, num_draft_tokens, impl, input_sets):
+    check_choice("impl", impl, ("triton", "reference", "torch"))
+    positive_ints(bs=bs, input_sets=input_sets)
+    cases_tree.check_tree_shape(topk, num_steps, num_draft_tokens)
+
+
 @case("select_draft_tokens", "EAGLE's draft tokens: the num_draft_tokens - 1 best of [bs, n_cand] "
       "candidates in index order, after the root (n_cand = topk + (num_steps - 1) * topk^2)",
+      check=_check_select_draft_tokens,
       bs=1, topk=4, num_steps=5, num_draft_tokens=16, impl="triton", input_sets=8)
 def _select_draft_tokens(device, *, bs, topk, num_steps, num_draft_tokens, impl, input_sets):
-    if impl not in ("triton", "reference", "torch"):
-        raise ValueError(f"impl must be triton | reference | torch, got {impl!r}")
     n_cand = num_tree_candidates(topk, num_steps)
     g = torch.Generator().manual_seed(0)
     sets = [(-torch.rand(bs, n_cand, generator=g).to(device) * 20,

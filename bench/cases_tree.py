@@ -28,14 +28,15 @@ import torch
 from specattn.ops.tree_mask import num_mask_words
 from specattn.ops import (build_tree, compact_accepted_path, num_tree_candidates, registry,
                           tree_speculative_sampling, verify_tree_greedy)
-from specattn.ops.checks import capturing
+from specattn.ops.checks import INDEX_DTYPES, capturing
+from specattn.ops.fp8 import FLOAT_DTYPES
 
-from .cases import Workload, case
+from .cases import Workload, case, check_choice, positive_ints, torch_dtype
 from .torch_anchors import (build_tree_torch, compact_accepted_path_torch,
                             tree_speculative_sampling_torch, verify_tree_greedy_torch)
 
 __all__ = ["IMPLS", "random_eagle_tree", "random_eagle_batch", "greedy_tokens",
-           "NotCapturable"]
+           "check_tree_shape", "NotCapturable"]
 
 IMPLS = ("auto", "reference", "triton", "cuda", "torch")
 
@@ -155,9 +156,46 @@ def greedy_tokens(rng: random.Random, parents: List[Optional[int]], num_steps: i
     return cand, target
 
 
-def _check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+def check_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
+    """Raise ValueError unless ``topk``, ``num_steps`` are ints >= 1 and ``num_draft_tokens``
+    (root included) is between 1 and 1 + the ``topk + (num_steps - 1) * topk**2`` candidates
+    of an EAGLE draft (what :func:`random_eagle_tree` can select)."""
+    positive_ints(topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens)
+    n_cand = num_tree_candidates(topk, num_steps)
+    if num_draft_tokens > n_cand + 1:
+        raise ValueError(f"num_draft_tokens must be between 1 and {n_cand + 1} (topk={topk}, "
+                         f"num_steps={num_steps} draft {n_cand} candidates), got {num_draft_tokens}")
+
+
+def _check_tree_op(*, bs, topk, num_steps, num_draft_tokens, index_dtype, input_sets, impl,
+                   impls=IMPLS, **_):
+    """The parameters every tree-op case shares (``impls``: its ``impl`` values)."""
+    check_choice("impl", impl, impls)
+    positive_ints(bs=bs, input_sets=input_sets)
+    check_tree_shape(topk, num_steps, num_draft_tokens)
+    torch_dtype("index_dtype", index_dtype, INDEX_DTYPES)
+
+
+def _check_tree_build(**params):
+    _check_tree_op(impls=IMPLS + ("floor",), **params)
+
+
+def _check_verify(*, vocab, **params):
+    positive_ints(vocab=vocab)
+    _check_tree_op(**params)
+
+
+def _check_compaction(*, bs, num_draft_tokens, num_steps, hidden, dtype, index_dtype, vocab,
+                      input_sets, impl, **_):
+    check_choice("impl", impl, IMPLS)
+    positive_ints(bs=bs, num_draft_tokens=num_draft_tokens, hidden=hidden, vocab=vocab,
+                  input_sets=input_sets)
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) \
+            or not 0 <= num_steps <= num_draft_tokens - 1:
+        raise ValueError(f"num_steps must be an int in [0, num_draft_tokens - 1 = "
+                         f"{num_draft_tokens - 1}], got {num_steps!r}")
+    torch_dtype("dtype", dtype, FLOAT_DTYPES)
+    torch_dtype("index_dtype", index_dtype, INDEX_DTYPES)
 
 
 def _eager_only(op: str, impl: str, device: torch.device, fn):
@@ -182,19 +220,13 @@ def _nbytes(*tensors) -> int:
     return sum(t.nbytes for t in tensors if t is not None)
 
 
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return dt
-
-
 # ----------------------------------------------------------------------------- cases
 @case("tree_build",
       "build_tree (target: <= 6 us): bs=64 EAGLE trees, topk=8, num_steps=5, 64 draft "
       "tokens; bytes = parent_list + selected_index + verified_seq_len read, mask + positions "
       "+ 3 link arrays written; impl=auto|reference|triton|cuda|torch, or floor (one "
       "one-element kernel on verified_seq_len: the launch + one memory round trip)",
+      check=_check_tree_build,
       bs=64, topk=8, num_steps=5, num_draft_tokens=64, index_dtype="int64", input_sets=8,
       seed=0, impl="auto")
 def _tree_build(device, *, bs, topk, num_steps, num_draft_tokens, index_dtype, input_sets,
@@ -202,9 +234,7 @@ def _tree_build(device, *, bs, topk, num_steps, num_draft_tokens, index_dtype, i
     """:func:`specattn.ops.build_tree` on ``input_sets`` batches of random closed trees.
     ``impl="floor"``: one kernel that reads and writes one element of ``verified_seq_len``
     (adds 0), timed the same way: what any one-launch tree build pays before its own work."""
-    if impl != "floor":
-        _check_impl(impl)
-    D, it = num_draft_tokens, _dtype(index_dtype)
+    D, it = num_draft_tokens, getattr(torch, index_dtype)
     rng = random.Random(seed)
     sets = [tuple(x.to(device) for x in random_eagle_batch(rng, bs, topk, num_steps, D,
                                                             dtype=it)[:3])
@@ -236,13 +266,13 @@ def _verify_trees(device, rng, bs, topk, num_steps, D, index_dtype):
       "verify_tree_greedy: bs=64 x 64 nodes, topk=8, num_steps=5, tokens drawn so paths of "
       "0..5 drafts are accepted; bytes = 5 [bs, D] int inputs read, predicts + accept_index + "
       "accept_length written; impl=auto|reference|triton|cuda|torch",
+      check=_check_verify,
       bs=64, num_draft_tokens=64, topk=8, num_steps=5, vocab=128256, index_dtype="int64",
       input_sets=8, seed=0, impl="auto")
 def _verify_greedy(device, *, bs, num_draft_tokens, topk, num_steps, vocab, index_dtype,
                    input_sets, seed, impl):
     """:func:`specattn.ops.verify_tree_greedy` with mixed accepted lengths."""
-    _check_impl(impl)
-    D, it = num_draft_tokens, _dtype(index_dtype)
+    D, it = num_draft_tokens, getattr(torch, index_dtype)
     rng = random.Random(seed)
     sets = []
     for _ in range(input_sets):
@@ -269,6 +299,7 @@ def _verify_greedy(device, *, bs, num_draft_tokens, topk, num_steps, vocab, inde
       "set); bytes = int inputs + coins read, one V-row of probs per request (the bonus "
       "draw's residual), outputs written; impl=auto|reference|triton|cuda|torch (reference "
       "copies all probs to the host per call)",
+      check=_check_verify,
       bs=64, num_draft_tokens=64, topk=8, num_steps=5, vocab=128256, index_dtype="int64",
       input_sets=2, seed=0, impl="auto")
 def _verify_sampling(device, *, bs, num_draft_tokens, topk, num_steps, vocab, index_dtype,
@@ -276,8 +307,7 @@ def _verify_sampling(device, *, bs, num_draft_tokens, topk, num_steps, vocab, in
     """:func:`specattn.ops.tree_speculative_sampling` with mixed accepted lengths: the target
     law at each node is softmax(N(0, 1) logits) with the children's tokens boosted by a
     per-request amount in [8, 18] nats (children's mass from ~0.1 to ~1 at vocab 128256)."""
-    _check_impl(impl)
-    D, it = num_draft_tokens, _dtype(index_dtype)
+    D, it = num_draft_tokens, getattr(torch, index_dtype)
     rng = random.Random(seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     sets = []
@@ -318,6 +348,7 @@ def _verify_sampling(device, *, bs, num_draft_tokens, topk, num_steps, vocab, in
       "bf16 + predicts + out_cache_loc; bytes = accept_index/length, out_cache_loc, predicts, "
       "hidden_states read once, src_index + 5 gathered outputs written; "
       "impl=auto|reference|triton|cuda|torch",
+      check=_check_compaction,
       bs=256, num_draft_tokens=64, num_steps=5, hidden=4096, dtype="bfloat16",
       index_dtype="int64", vocab=128256, input_sets=4, seed=0, impl="auto")
 def _compaction(device, *, bs, num_draft_tokens, num_steps, hidden, dtype, index_dtype, vocab,
@@ -325,10 +356,7 @@ def _compaction(device, *, bs, num_draft_tokens, num_steps, hidden, dtype, index
     """:func:`specattn.ops.compact_accepted_path` with predicts and hidden states; each
     request's path is the root plus ``accept_length`` (uniform in 0..num_steps) distinct rows
     of its block in ascending order (as a tree path), ``out_cache_loc`` distinct slots."""
-    _check_impl(impl)
-    D, it, dt = num_draft_tokens, _dtype(index_dtype), _dtype(dtype)
-    if not 0 <= num_steps <= D - 1:
-        raise ValueError(f"num_steps must be in [0, D-1 = {D - 1}], got {num_steps}")
+    D, it, dt = num_draft_tokens, getattr(torch, index_dtype), getattr(torch, dtype)
     g = torch.Generator().manual_seed(seed)
     gd = torch.Generator(device=device).manual_seed(seed)
     S = num_steps + 1

@@ -59,6 +59,7 @@ SUITES = ("attention", "spec_ops", "kv_ops", "e2e")
 TOP_KEYS = ("suite", "device", "versions", "commit", "timestamp", "settings", "ceilings", "rows")
 ROW_KEYS = ("case", "point", "impl", "params", "median_us", "p10_us", "p90_us", "gbps", "tflops",
             "pct_roofline", "speedup", "mode")
+E2E_KEYS = TOP_KEYS + ("model", "num_prompts")   # the e2e JSON's: its markdown reads these too
 
 Point = Tuple[str, Dict[str, Any], Dict[str, Any]]  # (case, overrides, run_case kwargs)
 
@@ -400,6 +401,52 @@ def from_report(rep: Dict[str, Any], *, commit: Optional[str] = None,
     return out
 
 
+def load_report(path: Path, suite: Optional[str] = None) -> Dict[str, Any]:
+    """The suite JSON at ``path`` (a file): an object with every key of :data:`TOP_KEYS`
+    (``e2e``: of :data:`E2E_KEYS`), ``device`` an object and ``rows`` a list; with ``suite``,
+    that suite's.
+
+    Raises:
+        ValueError: ``<path> is not valid JSON: <the decoder's message>``, or what makes the
+            JSON no suite report (its type, the keys it lacks), or another suite's report.
+    """
+    path = Path(path)
+    try:
+        rep = json.loads(path.read_text())
+    except ValueError as e:   # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    named = rep.get("suite", suite) if isinstance(rep, dict) else suite
+    keys = E2E_KEYS if named == "e2e" else TOP_KEYS
+    if not isinstance(rep, dict):
+        raise ValueError(f"{path} is not a suite report: it holds a JSON {_json_kind(rep)}, not an "
+                         f"object with the keys {', '.join(keys)}")
+    if suite is not None and "suite" in rep and rep["suite"] != suite:
+        raise ValueError(f"{path} is not {'an' if suite[0] in 'aeiou' else 'a'} {suite} results file "
+                         f"(its suite is {rep['suite']!r})")
+    missing = [k for k in keys if k not in rep]
+    if missing:
+        raise ValueError(f"{path} is not a suite report: it has no {', '.join(map(repr, missing))} "
+                         f"key{'s' if len(missing) > 1 else ''}")
+    for key, kind in (("device", dict), ("rows", list)):
+        if not isinstance(rep[key], kind):
+            raise ValueError(f"{path} is not a suite report: its {key!r} is a JSON "
+                             f"{_json_kind(rep[key])}, not {'an object' if kind is dict else 'a list'}")
+    return rep
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON type name of a parsed JSON value."""
+    if isinstance(value, dict):
+        return "object"
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    return "null" if value is None else "number"
+
+
 def from_run(suite: str, source: Path, *, commit: Optional[str] = None,
              commit_note: Optional[str] = None) -> Dict[str, Any]:
     """Suite ``suite``'s JSON from an earlier run: ``source`` is the folder of its raw
@@ -409,21 +456,20 @@ def from_run(suite: str, source: Path, *, commit: Optional[str] = None,
     that last touched ``source`` in git, and a ``commit_note`` saying so.
 
     Raises:
-        FileNotFoundError: no such file or folder.  ValueError: nothing of the suite there.
+        FileNotFoundError: no such file or folder.  ValueError: nothing of the suite there, or
+            a suite JSON that :func:`load_report` refuses (not valid JSON, no suite report,
+            another suite's).
     """
     source = Path(source)
     if source.is_dir() and suite == "e2e":
         parts = sorted(source.rglob("e2e.json"))
         if len(parts) > 1:   # a run made in parts (one job per --bs list): one report
             from .e2e import merge_parts
-            rep = merge_parts([json.loads(p.read_text()) for p in parts])
+            rep = merge_parts([load_report(p, suite) for p in parts])
             return from_report(rep, commit=commit, commit_note=commit_note)
         source = parts[0] if parts else source / "e2e.json"
     if source.is_file():
-        rep = json.loads(source.read_text())
-        if rep.get("suite") != suite:
-            raise ValueError(f"{source} is not a {suite} results file")
-        return from_report(rep, commit=commit, commit_note=commit_note)
+        return from_report(load_report(source, suite), commit=commit, commit_note=commit_note)
     if not source.is_dir():
         raise FileNotFoundError(f"no such file or folder: {source}")
     if not commit:

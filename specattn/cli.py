@@ -7,9 +7,9 @@ Errors are one line on stderr: a mistake on the command line is ``specattn <comm
 (exit status 1); ``specattn --debug <command>`` (or ``SPECATTN_DEBUG=1``) shows the full
 traceback instead.
 
-Exit codes: 0 success; 1 the command failed; 2 bad usage, an unknown case or parameter, or
-no CUDA GPU for ``specattn bench`` (``specattn bench --list`` and ``specattn bench plot``
-work anywhere).
+Exit codes: 0 success; 1 the command failed; 2 bad usage, an unknown case, parameter or
+parameter value (checked by the case, before any GPU is looked for), or no CUDA GPU for
+``specattn bench`` (``specattn bench --list`` and ``specattn bench plot`` work anywhere).
 
 Importing this module imports neither ``specattn.bench`` nor the runtime's engine: the bench
 commands import what they run.
@@ -67,7 +67,25 @@ def unexpected_error_line(err: BaseException) -> str:
     return f"{PROG}: error: {text + ' ' if text else ''}({type(err).__name__}; {PROG} --debug shows the traceback)"
 
 
-class SpecattnGroup(TyperGroup):
+class CommandGroup(TyperGroup):
+    """A specattn command group (every group of the CLI is one): a usage error about the
+    arguments of its subcommand that click raised without a context -- its parser's ``Option
+    '--x' does not take a value.`` and ``Option '--x' requires an argument.`` have none --
+    gets the subcommand's, so that :func:`usage_error_line` names the subcommand (``specattn
+    drafter train: error: ...``) and not the bare program."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UsageError as e:
+            name = ctx.invoked_subcommand   # set before the subcommand's arguments are parsed
+            cmd = self.get_command(ctx, name) if e.ctx is None and name else None
+            if cmd is not None:
+                e.ctx, e.cmd = cmd.context_class(cmd, info_name=name, parent=ctx), cmd
+            raise
+
+
+class SpecattnGroup(CommandGroup):
     """The top-level command group: click's usage errors print one line (exit status 2)
     instead of a panel, and an exception a command did not handle prints one line (exit
     status 1) unless ``--debug`` is given."""
@@ -114,7 +132,7 @@ def _root(debug: bool = typer.Option(False, "--debug", envvar="SPECATTN_DEBUG",
     """specattn: attention kernels and backends for speculative decoding."""
 
 
-class _CasesByDefault(TyperGroup):
+class _CasesByDefault(CommandGroup):
     """``specattn bench ARGS``: ARGS not naming a subcommand go to ``bench cases`` (so
     ``specattn bench tree_build -p impl=torch`` and ``specattn bench --list`` work)."""
 
@@ -206,6 +224,10 @@ def bench(
         if bad:
             raise typer.BadParameter(f"case {n!r} has no parameter(s) {bad}; "
                                      f"it has {sorted(CASES[n].params)}", param_hint="--param")
+        try:   # the case's own check of its params: no GPU needed
+            CASES[n].validate(**overrides)
+        except (ValueError, TypeError) as err:
+            raise typer.BadParameter(f"case {n!r}: {err}", param_hint="--param")
     if json_path is not None and (json_path.is_dir() or not json_path.absolute().parent.is_dir()):
         raise typer.BadParameter(f"cannot write a file at {json_path} (a folder, or no such folder)",
                                  param_hint="--json")
@@ -425,12 +447,13 @@ def bench_e2e(
 def bench_plot(results: Path = typer.Argument(..., help="An e2e run's JSON (e.g. bench/results/h100/e2e.json).")):
     """Rewrite an e2e run's markdown table and redraw its PNG from its JSON (the PNG needs
     matplotlib)."""
-    from specattn.bench import e2e
+    from specattn.bench import e2e, suites
     if not results.is_file():
         raise typer.BadParameter(f"no such file: {results}", param_hint="RESULTS")
-    report = json.loads(results.read_text())
-    if report.get("suite") != e2e.SUITE:
-        raise typer.BadParameter(f"{results} is not an e2e results file", param_hint="RESULTS")
+    try:
+        report = suites.load_report(results, e2e.SUITE)
+    except ValueError as err:   # not JSON, no suite report, another suite's
+        raise typer.BadParameter(str(err), param_hint="RESULTS")
     results.with_suffix(".md").write_text(e2e.markdown(report))
     typer.echo(f"wrote {results.with_suffix('.md')}")
     png = results.with_suffix(".png")
@@ -450,7 +473,10 @@ def bench_suite(
                              "attention_report`, `specattn bench ... --json` files), or a suite JSON."),
     commit: Optional[str] = typer.Option(None, help="With --from: the commit the run measured."),
     commit_note: Optional[str] = typer.Option(None, help="With --from: where that commit comes from."),
-    iters: int = typer.Option(100, min=50, help="Timed iterations per point (median taken)."),
+    iters: Optional[int] = typer.Option(
+        None, min=50, show_default="100",
+        help="Timed iterations per point (median taken) of the kernel suites; the e2e suite "
+             "times whole requests, and --from times nothing."),
 ):
     """Run a benchmark suite (or rebuild it from an earlier run with --from) and write
     <suite>.json, <suite>.md and <suite>.png (matplotlib) into bench/results/<gpu>/."""
@@ -459,6 +485,13 @@ def bench_suite(
     if name not in suites.SUITES:
         raise typer.BadParameter(f"unknown suite {name!r}; known: {', '.join(suites.SUITES)}",
                                  param_hint="NAME")
+    if iters is not None and from_ is not None:   # None: not given (100 when a suite runs)
+        raise typer.BadParameter("--from rebuilds the files from an earlier run and times nothing",
+                                 param_hint="--iters")
+    if iters is not None and name == "e2e":
+        raise typer.BadParameter("the e2e suite has no timed iterations: it times whole requests "
+                                 "(`specattn bench e2e --min-requests/--requests-per-row` set how many)",
+                                 param_hint="--iters")
     from specattn.spec_runtime.cli import out_dir_problem
     why = out_dir_problem(out)
     if why:
@@ -477,7 +510,7 @@ def bench_suite(
         if not torch.cuda.is_available():
             typer.echo(NO_GPU_MESSAGE, err=True)
             raise typer.Exit(code=2)
-        report = suites.run_suite(name, iters=iters, log=lambda msg: console.print(
+        report = suites.run_suite(name, iters=100 if iters is None else iters, log=lambda msg: console.print(
             msg, style="dim", markup=False, highlight=False))
     for path in suites.write_results(report, out or suites.default_out(report)):
         console.print(f"wrote {path}")
@@ -488,9 +521,9 @@ def _register_runtime() -> None:
     """The runtime's commands (imported lazily by typer only when run)."""
     from specattn.spec_runtime.cli import generate, model_app
     app.command("generate")(generate)
-    app.add_typer(model_app, name="model")
+    app.add_typer(model_app, name="model", cls=CommandGroup)
     from specattn.spec_runtime.drafter_cli import drafter_app
-    app.add_typer(drafter_app, name="drafter")
+    app.add_typer(drafter_app, name="drafter", cls=CommandGroup)
 
 
 _register_runtime()

