@@ -28,14 +28,17 @@ One row per pair (the JSON's ``rows``):
   run, over its rounds (every kernel, CUDA-graph replays included; memcpy/memset are not
   kernels); the kernel time is the time during which at least one kernel ran (kernels that
   overlap under programmatic dependent launch count once);
-- ``gpu_busy``: ``kernel_ms_per_step / step_ms`` (kernel time per step of the profiled run
-  over the wall time per step of the unprofiled one);
+- ``profiled_step_ms``: wall time per round of those first prompts, timed unprofiled (their
+  rounds are not the whole run's: the batch drains as they finish);
+- ``gpu_busy``: ``kernel_ms_per_step / profiled_step_ms``, the share of a round's wall time
+  during which a kernel ran, both from the same prompts;
 - ``host_wait_ms_per_step``: how long per step the host loop sat waiting for a round's
   results (near ``step_ms``: the GPU is the bottleneck; near 0: the host is);
-- ``retimed`` (only where it happened): a row whose ``gpu_busy`` came out under
-  ``retime_below_busy`` (a host stall: the same kernels with longer gaps) is timed once more
-  and keeps the faster of its two timings; ``retimed`` holds the first one's ``tokens_per_s``,
-  ``step_ms`` and ``gpu_busy``, and the markdown lists such rows;
+- ``retimed`` (only where it happened): a row whose timed rounds were long for its kernels
+  (``kernel_ms_per_step / step_ms`` under ``retime_below_busy``: a host stall, the same
+  kernels with longer gaps) is timed once more and keeps the faster of its two timings;
+  ``retimed`` holds the first one's ``tokens_per_s`` and ``step_ms``, and the markdown lists
+  such rows;
 - ``speedup``: ``tokens_per_s`` over target-only decoding's at the same batch size;
 - ``lossless``: ``"reference"`` for target-only decoding; ``"exact"`` when every output equals
   target-only decoding's in the same run; in bf16 / fp16 otherwise ``"near-greedy"`` when every
@@ -274,17 +277,19 @@ def measure_engine(eng, batches: List[List[List[int]]], max_new_tokens: int, pro
     if profile:  # on the first prompts only (a profiled kernel costs host time to record)
         sub = [[p for b in batches for p in b][:max(2, 2 * eng.max_batch)]]
         _run_batches(eng, sub, params, full)          # any graph this subset's shapes need
+        sub_fields, _ = _timing(eng, sub, params, full, one)
         k_full, ms_full, t_full = _profile_kernels(lambda: _run_batches(eng, sub, params, full))
         k_pre, ms_pre, t_pre = _profile_kernels(lambda: _run_batches(eng, sub, params, one))
         n = max(t_full.rounds - t_pre.rounds, 1)
         row["kernels_per_step"] = (k_full - k_pre) / n
-        row["kernel_ms_per_step"] = (ms_full - ms_pre) / n
-        row["gpu_busy"] = row["kernel_ms_per_step"] / step_ms if step_ms > 0 else None
-        if row["gpu_busy"] is not None and row["gpu_busy"] < retime_below_busy:
-            first = {k: row[k] for k in ("tokens_per_s", "step_ms", "gpu_busy")}
+        row["kernel_ms_per_step"] = kernel_ms = (ms_full - ms_pre) / n
+        row["profiled_step_ms"] = sub_step = sub_fields["step_ms"]
+        row["gpu_busy"] = kernel_ms / sub_step if sub_step > 0 else None
+        if step_ms > 0 and kernel_ms / step_ms < retime_below_busy:
+            first = {k: row[k] for k in ("tokens_per_s", "step_ms")}
             again, _ = _timing(eng, batches, params, full, one)
             if again["step_ms"] < step_ms:
-                row.update(again, gpu_busy=row["kernel_ms_per_step"] / again["step_ms"])
+                row.update(again)
             row["retimed"] = first
     return row, timed.outputs
 
@@ -584,6 +589,14 @@ def _length_settings(report: dict) -> str:
     return f"{st['max_new_tokens']} new tokens per request"
 
 
+def _first_timing(first: dict) -> str:
+    """A re-timed row's first timing, for the markdown (runs before ``profiled_step_ms``
+    recorded the kernel share of that timing as ``gpu_busy``)."""
+    if first.get("gpu_busy") is not None:
+        return f"first {first['tokens_per_s']:.1f} tokens/s at GPU busy {first['gpu_busy']:.2f}"
+    return f"first {first['tokens_per_s']:.1f} tokens/s, {first['step_ms']:.3f} ms a round"
+
+
 def markdown(report: dict) -> str:
     """The report as a markdown table (one row per measured pair)."""
     dev = report["device"]["name"]
@@ -612,10 +625,10 @@ def markdown(report: dict) -> str:
     retimed = [r for r in report["rows"] if r.get("retimed")]
     if retimed:
         bound = (report.get("settings") or {}).get("retime_below_busy")
-        lines += ["", f"Re-timed (GPU busy under {_cell(bound, '.2f')} in the first timing, a host stall; the "
-                  "faster timing is kept): " + ", ".join(
-                      f"{r.get('prompt_set', 'chat')} {r['algo']} bs {r['bs']} (first {r['retimed']['tokens_per_s']:.1f} "
-                      f"tokens/s at GPU busy {r['retimed']['gpu_busy']:.2f})" for r in retimed) + "."]
+        lines += ["", f"Re-timed (kernels busy under {_cell(bound, '.2f')} of the first timing's rounds, a host "
+                  "stall; the faster timing is kept): " + ", ".join(
+                      f"{r.get('prompt_set', 'chat')} {r['algo']} bs {r['bs']} ({_first_timing(r['retimed'])})"
+                      for r in retimed) + "."]
     missing = unmeasured_rows(report)
     if missing:
         lines += ["", "Not measured (the run stopped before these rows, e.g. at a time limit): "

@@ -322,9 +322,9 @@ def bench_e2e(
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also time HF transformers' static-cache generate."),
     profile: bool = typer.Option(True, "--profile/--no-profile", help="Kernels and kernel time per step."),
     retime_below_busy: float = typer.Option(0.85, "--retime-below-busy", min=0.0, max=1.0,
-                                            help="With --profile: time a row once more when its GPU busy "
-                                                 "fraction is under this (a host stall), keeping the faster "
-                                                 "timing; 0 = never."),
+                                            help="With --profile: time a row once more when the profiled "
+                                                 "kernel time per round is under this fraction of its timed "
+                                                 "round (a host stall), keeping the faster timing; 0 = never."),
     check: bool = typer.Option(True, "--check/--no-check", help="Check every output against target-only decoding."),
 ):
     """Time the main job on the real model: algo x batch size, one process, one GPU; write

@@ -83,17 +83,41 @@ def test_measure_engine_retimes_a_stalled_row(tmp_path, seed, monkeypatch):
     assert "retimed" not in row and len(outs) == 3
     row, outs = e2e.measure_engine(eng, [prompts], 9, profile=True, retime_below_busy=0.5)
     first = row["retimed"]
-    assert set(first) == {"tokens_per_s", "step_ms", "gpu_busy"} and first["gpu_busy"] < 0.5
+    assert set(first) == {"tokens_per_s", "step_ms"}
     assert row["step_ms"] <= first["step_ms"]
     if row["step_ms"] == first["step_ms"]:     # the first timing kept, whole
         assert row["tokens_per_s"] == first["tokens_per_s"]
     assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
-    assert row["gpu_busy"] == pytest.approx(row["kernel_ms_per_step"] / row["step_ms"])
+    assert row["gpu_busy"] == pytest.approx(row["kernel_ms_per_step"] / row["profiled_step_ms"])
     assert row["tokens"] == 3 * 9 and all(len(o) == 9 for o in outs)
     row.update(algo="dflash", prompt_set="chat", bs=1, dtype="bfloat16", backend="triton", speedup=1.5,
                lossless="exact")
     md = e2e.markdown(_report([row]))
-    assert "Re-timed" in md and "chat dflash bs 1 (first " in md
+    assert "Re-timed" in md and f"chat dflash bs 1 (first {first['tokens_per_s']:.1f} tokens/s, " in md
+    row["retimed"] = dict(first, gpu_busy=0.42)      # a row of a run from before profiled_step_ms
+    assert "(first " in e2e.markdown(_report([row])) and "at GPU busy 0.42)" in e2e.markdown(_report([row]))
+
+
+def test_gpu_busy_uses_the_profiled_prompts_own_rounds(tmp_path, seed, monkeypatch):
+    """``gpu_busy`` divides the profiled prompts' kernel time per round by THEIR rounds' wall
+    time (``profiled_step_ms``, timed unprofiled), not by the whole run's rounds: with more
+    prompts than the profile takes, a profiler that reports a fixed kernel time gives a
+    ``gpu_busy`` equal to that time over ``profiled_step_ms``, whatever ``step_ms`` is."""
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96)
+    prompts = random_prompts(seed, 96, n=6)
+    eng = Engine(cfg, dict(w), spec=SpecConfig("eagle", 1, 3, 4, 2), max_batch=1, max_context=64)
+    calls = []
+
+    def fake_profile(fn):
+        res = fn()
+        calls.append(res.rounds)
+        return 0, (5.0 if len(calls) % 2 else 1.0), res     # full run, then prefill-only run
+    monkeypatch.setattr(e2e, "_profile_kernels", fake_profile)
+    row, _ = e2e.measure_engine(eng, [prompts], 9, profile=True)
+    rounds = max(calls[0] - calls[1], 1)
+    assert row["kernel_ms_per_step"] == pytest.approx(4.0 / rounds)
+    assert row["profiled_step_ms"] > 0 and row["profiled_step_ms"] != row["step_ms"]
+    assert row["gpu_busy"] == pytest.approx(row["kernel_ms_per_step"] / row["profiled_step_ms"])
 
 
 def _report(rows):
