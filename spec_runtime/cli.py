@@ -129,9 +129,7 @@ def fetch_with_progress(cache_dir=None, console: Optional[Console] = None, *, us
                 tasks[stage] = bar.add_task(what, total=total)
             bar.update(tasks[stage], completed=done or 0, total=total)
 
-        if not use_env:   # the keyword only when needed: stand-ins of fetch_model may not take it
-            return _mf.fetch_model(cache_dir, progress=update, use_env=False)
-        return _mf.fetch_model(cache_dir, progress=update)
+        return _mf.fetch_model(cache_dir, progress=update, use_env=use_env)
 
 
 def out_dir_problem(out: Optional[Path]) -> Optional[str]:

