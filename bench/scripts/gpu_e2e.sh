@@ -30,7 +30,10 @@ if ! python3 -c "import gguf" 2>/dev/null && [ -n "$wheels" ] && ls "$wheels"/gg
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee -a "$log"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  # other GPU work on this host slows the host-bound rows (above): name it in the log
+  busy=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null)
+  [ -n "$busy" ] && echo "WARNING: processes already on this host's GPUs:" && echo "$busy"; } 2>&1 | tee -a "$log"
 python3 -m pip install -e . --no-build-isolation --no-deps -q >> "$log" 2>&1
 t0=$SECONDS
 for ph in $phases; do
