@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn,
                            TimeElapsedColumn, TransferSpeedColumn)
 from rich.table import Table
+from rich.text import Text
 
 from . import model_fetch as _mf
 
@@ -663,9 +664,9 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
         typer.echo(json.dumps(report, indent=2))
         return
     out = Console()
-    for o in report["outputs"]:
-        out.rule(o["prompt"][:70])
-        out.print(o["text"])
+    for o in report["outputs"]:   # user text: no markup, emoji codes, highlighting or wrapping
+        out.rule(Text(o["prompt"][:70]))
+        out.print(o["text"], markup=False, emoji=False, highlight=False, soft_wrap=True)
     warm_note = f", after a {warm_s:.2f} s warm-up" if warm_s is not None else ", no warm-up"
     thread_note = f", {threads} CPU thread{'s' if threads != 1 else ''}" if threads is not None else ""
     t = Table(title=f"{algo} on {report['device']} ({backend}, {dtype}{warm_note}{thread_note})")

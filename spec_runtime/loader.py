@@ -13,8 +13,10 @@ equals ``LlamaForCausalLM.from_pretrained(dir, gguf_file=...)``'s state dict bit
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -363,23 +365,33 @@ def write_random_hf_dir(path: str | os.PathLike, config: LlamaConfig, seed: int 
 
 # ----------------------------------------------------------------------------- tokenizer
 
-def _split_gguf(path) -> tuple[Path, dict]:
-    """``(dir, from_pretrained kwargs)`` for a ``.gguf`` file or a HF dir."""
+@contextlib.contextmanager
+def _pretrained_source(path):
+    """``(dir, from_pretrained kwargs)`` for a HF dir, or for a ``.gguf`` file a temporary
+    folder holding only a link to it: ``from_pretrained(dir, gguf_file=...)`` prefers a
+    ``tokenizer.json``, ``tokenizer_config.json`` or ``config.json`` beside the file to what
+    the GGUF embeds, so a GGUF next to another model's files would load their vocabulary or
+    template.  Raises FileNotFoundError for anything else."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return p.parent, {"gguf_file": p.name}
+        with tempfile.TemporaryDirectory(prefix="specattn-gguf-") as tmp:
+            (Path(tmp) / p.name).symlink_to(p.resolve())
+            yield Path(tmp), {"gguf_file": p.name}
+        return
     if p.is_dir():
-        return p, {}
+        yield p, {}
+        return
     raise FileNotFoundError(f"{p} is neither a .gguf file nor a HF checkpoint dir")
 
 
 def load_tokenizer(path_or_gguf: str | os.PathLike):
     """A ``transformers`` tokenizer from a ``.gguf`` file (its embedded vocab, merges and
-    chat template) or a HF dir.  Raises FileNotFoundError for anything else."""
+    chat template, whatever tokenizer files sit beside it) or a HF dir.  Raises
+    FileNotFoundError for anything else."""
     from transformers import AutoTokenizer
 
-    d, kw = _split_gguf(path_or_gguf)
-    return AutoTokenizer.from_pretrained(d, **kw)
+    with _pretrained_source(path_or_gguf) as (d, kw):
+        return AutoTokenizer.from_pretrained(d, **kw)
 
 
 def apply_chat_template(tokenizer, prompt: str) -> list[int]:
@@ -434,10 +446,10 @@ def load_hf_oracle(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     from transformers import LlamaForCausalLM
 
     _check_dtype(dtype)
-    d, kw = _split_gguf(path)
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    kw["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = dtype
-    return LlamaForCausalLM.from_pretrained(d, **kw).to(device).eval()
+    with _pretrained_source(path) as (d, kw):
+        kw["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = dtype
+        return LlamaForCausalLM.from_pretrained(d, **kw).to(device).eval()
 
 
 @torch.inference_mode()

@@ -7,6 +7,7 @@ reason; set ``SPECATTN_REQUIRE_MODEL=1`` (CI) to make a failed fetch an error in
 import json
 import os
 import sys
+from pathlib import Path
 import zipfile
 
 import numpy as np
@@ -289,3 +290,22 @@ def test_fetch_use_env_false_uses_the_cache_dir(isolated_fetch, gguf_cache, monk
     assert mf.fetch_model(cache, use_env=False) == (cache / mf.GGUF_NAME).resolve()
     with pytest.raises(RuntimeError, match="network is unreachable"):   # not the variable's error
         mf.fetch_model(isolated_fetch / "empty", use_env=False)
+
+
+def test_gguf_tokenizer_ignores_tokenizer_files_beside_it(gguf_path, tokenizer, tmp_path):
+    """A GGUF's tokenizer comes from the GGUF alone: a ``tokenizer.json`` (here with the end
+    token renamed) and a ``tokenizer_config.json`` without a chat template in the same folder
+    used to replace its vocabulary and drop its template."""
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    tj = json.loads((tmp_path / "tokenizer.json").read_text())
+    for a in tj["added_tokens"]:
+        if a["content"] == "<|im_end|>":
+            a["content"] = "<|END|>"
+    tj["model"]["vocab"]["<|END|>"] = tj["model"]["vocab"].pop("<|im_end|>")
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    (tmp_path / "smol.gguf").symlink_to(Path(gguf_path).resolve())
+    tok = L.load_tokenizer(tmp_path / "smol.gguf")
+    assert tok.convert_ids_to_tokens([2]) == tokenizer.convert_ids_to_tokens([2]) == ["<|im_end|>"]
+    assert tok.chat_template and tok.chat_template == tokenizer.chat_template
+    assert L.apply_chat_template(tok, "hi") == L.apply_chat_template(tokenizer, "hi")

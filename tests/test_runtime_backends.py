@@ -199,6 +199,18 @@ def test_generate_command_json(tiny, monkeypatch):
     assert len(json.loads(res.stdout)["outputs"]) == 2
 
 
+def test_generate_text_report_prints_text_verbatim(tiny, monkeypatch):
+    """The text report prints prompts and generated text as they are: no Rich markup (a
+    ``[/b]`` used to crash the command after generating, ``[b]`` tags vanished), no emoji
+    codes, no hard wrap of long lines."""
+    weird = "x[/b] [b]y[/b] :smile: " + "w" * 200
+    monkeypatch.setattr(StubTokenizer, "decode", lambda self, ids, skip_special_tokens=True: weird)
+    res = _cli(monkeypatch, tiny, "--prompt", "Explain [/bold] and [green]z[/green]")
+    assert res.exit_code == 0, res.output
+    assert weird in res.stdout.splitlines()
+    assert "Explain [/bold] and [green]z[/green]" in res.stdout
+
+
 def test_generate_command_bad_backend(tiny, monkeypatch):
     res = _cli(monkeypatch, tiny, "--backend", "nope")
     assert res.exit_code == 2 and "unknown backend 'nope'" in res.output, res.output
