@@ -1,8 +1,9 @@
 """``specattn generate`` and ``specattn model fetch``: the runtime from the command line.
 
 Every mistake on the command line is one line on stderr, ``specattn <command>: error: ...``,
-and exit status 2, found before the model loads; a model that cannot be fetched is exit
-status 1.  On the CPU the commands pick a thread count (:func:`cpu_threads`).
+and exit status 2, found before the model loads, or right after it for what only the model
+tells (its context length, layers, vocabulary and chat template, and whether a trained
+drafter fits it); a model that cannot be fetched or read is exit status 1.  On the CPU the commands pick a thread count (:func:`cpu_threads`).
 """
 from __future__ import annotations
 
@@ -172,13 +173,14 @@ def fetch(cache_dir: Optional[Path] = typer.Option(None, help="Where to keep the
 
 
 def load_model(model: Optional[str], dtype: torch.dtype):
-    """``(config, weights, tokenizer)`` from a GGUF file, an HF directory, or the default
-    model (fetched if needed); progress bars on stderr while it downloads and dequantizes."""
+    """``(config, weights, tokenizer)`` from a GGUF file (known by its magic bytes, whatever
+    its name), an HF directory, or the default model (fetched if needed); progress bars on
+    stderr while it downloads and dequantizes."""
     from . import loader
     console = Console(stderr=True)
     path = Path(model) if model else fetch_with_progress(console=console)
     with _progress(console) as bar:
-        if path.suffix == ".gguf":
+        if loader.is_gguf_file(path):
             task = bar.add_task(f"dequantizing {path.name}", total=None)
             cfg, w = loader.load_gguf(path, dtype, progress=lambda done, total: bar.update(
                 task, completed=done, total=total))
@@ -269,14 +271,16 @@ def drafter_factory(path, device: str, dtype: torch.dtype, draft_vocab_size: Opt
 
 def engine_for(cfg, w, ids: List[List[int]], spec, *, backend: str, device: str, dtype: torch.dtype,
                max_new_tokens: int, cuda_graph: Optional[bool] = None, draft_model=None,
-               page_size: int = 1, kv_cache_dtype: Optional[torch.dtype] = None):
+               page_size: int = 1, kv_cache_dtype: Optional[torch.dtype] = None,
+               eos_token_ids: Optional[List[int]] = None):
     """The engine ``specattn generate`` runs: one batch of all ``ids`` (``max_batch = len(ids)``),
     ``max_context`` = longest prompt + ``max_new_tokens`` + two rounds' tokens + 8 (a round:
     ``num_draft_tokens``, DFlash ``max(block_size, num_draft_tokens)``; the
     overlapped loop runs one round past a finished request), rounded up to a multiple of
     ``page_size``; CUDA graphs by default on cuda devices.  ``draft_model``: a ready drafter,
     or a callable ``target -> drafter``; ``kv_cache_dtype``: the target's KV cache dtype
-    (None: the model's).  Raises what
+    (None: the model's); ``eos_token_ids``: the tokens that end a request (None:
+    ``cfg.eos_token_ids``).  Raises what
     :class:`~specattn.spec_runtime.engine.Engine` raises."""
     from .engine import Engine
     if page_size < 1:
@@ -284,7 +288,7 @@ def engine_for(cfg, w, ids: List[List[int]], spec, *, backend: str, device: str,
     need = max(map(len, ids)) + max_new_tokens + 2 * spec.tokens_per_round() + 8
     return Engine(cfg, w, spec=spec, backend=backend, device=device, dtype=dtype,
                   max_batch=len(ids), max_context=-(-need // page_size) * page_size,
-                  eos_token_ids=cfg.eos_token_ids,
+                  eos_token_ids=cfg.eos_token_ids if eos_token_ids is None else list(eos_token_ids),
                   cuda_graph=str(device).startswith("cuda") if cuda_graph is None else cuda_graph,
                   draft_model=draft_model, page_size=page_size, kv_cache_dtype=kv_cache_dtype)
 
@@ -320,14 +324,30 @@ def _drafter_name(eng, algo: str) -> Optional[str]:
     return "eagle3" if hasattr(eng.draft, "aux_layer_ids") else "self-speculative"
 
 
+def verified_tokens(algo: str, topk: int, num_steps: int, num_draft_tokens: int, block_size: int
+                    ) -> Optional[int]:
+    """Tokens one round verifies, root included (before any per-batch-size entry): EAGLE and
+    DDTree ``num_draft_tokens``, the DFlash chain its block, n-gram ``1 + topk * num_steps``;
+    None without speculation."""
+    if algo == "eagle" or (algo == "dflash" and topk > 1):
+        return num_draft_tokens
+    if algo == "dflash":
+        return block_size
+    if algo == "ngram":
+        return 1 + topk * num_steps
+    return None
+
+
 def report_dict(eng, res, warm_s, *, texts: List[str], tok, algo: str, backend: str, dtype: str,
                 topk: int, num_steps: int, num_draft_tokens: int, block_size: int) -> dict:
     """The ``--json`` report of one measured run (``res``, a ``GenerateResult``; ``warm_s``
     from :func:`measured_generate`).  ``tokens_per_s`` = generated tokens / measured seconds
     (warm-up excluded); ``mean_accept_length`` = tokens per target verify (1.0 without spec);
     ``target_backend``/``draft_backend``: the backend objects' names (``flashinfer+triton``
-    when modes were routed); ``graph_modes`` / ``eager_routed`` / ``mode_routed``, ``page_size``:
-    see :class:`~specattn.spec_runtime.engine.Engine`."""
+    when modes were routed); ``topk`` / ``num_steps`` / ``num_draft_tokens`` (the tokens a
+    round verifies, :func:`verified_tokens`) are None where ``algo`` has no such setting;
+    ``graph_modes`` / ``eager_routed`` / ``mode_routed``, ``page_size``: see
+    :class:`~specattn.spec_runtime.engine.Engine`."""
     hist = collections.Counter(a for per in res.accept_lengths for a in per)
     draft_backend = getattr(eng, "draft_backend", None)
     return {"algo": algo, "backend": backend, "target_backend": eng.target_backend.name,
@@ -341,7 +361,9 @@ def report_dict(eng, res, warm_s, *, texts: List[str], tok, algo: str, backend: 
             "warmup": warm_s is not None, "warmup_seconds": warm_s,
             "draft_layers": eng.draft.num_layers if algo in ("eagle", "dflash") else None,
             "drafter": _drafter_name(eng, algo),
-            "topk": topk, "num_steps": num_steps, "num_draft_tokens": num_draft_tokens,
+            "topk": topk if algo in ("eagle", "dflash", "ngram") else None,
+            "num_steps": num_steps if algo in ("eagle", "ngram") else None,
+            "num_draft_tokens": verified_tokens(algo, topk, num_steps, num_draft_tokens, block_size),
             "block_size": block_size if algo == "dflash" else None,
             "prompts": len(texts), "tokens": res.num_tokens, "seconds": res.seconds,
             "tokens_per_s": res.num_tokens / res.seconds if res.seconds else None,
@@ -369,6 +391,10 @@ ALGO_OPTIONS = {
 }
 
 
+#: a HF checkpoint folder's tokenizer is in one of these (transformers' fast, sentencepiece, BPE files)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def _given(ctx: typer.Context, name: str) -> bool:
     """Whether option ``name`` was given (on the command line or by its environment variable)."""
     src = ctx.get_parameter_source(name)
@@ -379,9 +405,14 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
                         draft_layers, block_size, backend, page_size, device, dtype, temperature, top_k,
                         top_p, model, draft_model, self_draft, cuda_graph, threads, ngram_size=4,
                         draft_vocab=None, kv_cache_dtype="auto", block_size_by_batch="",
-                        num_draft_tokens_by_batch="", ddtree_depth_decay=0.8) -> List[str]:
-    """Check ``specattn generate``'s arguments before anything loads; returns the prompts.
-    Every problem ends the command with one line (:func:`fail`, exit status 2)."""
+                        num_draft_tokens_by_batch="", ddtree_depth_decay=0.8, seed=0) -> List[str]:
+    """Check ``specattn generate``'s arguments before anything loads; returns the prompts
+    (``--prompts``: UTF-8, a leading byte-order mark dropped, one prompt per ``\n`` or
+    ``\r\n`` line, blank lines skipped).  Every problem ends the command with one line
+    (:func:`fail`, exit status 2); sampling options given for greedy decoding get a note on
+    stderr."""
+    from . import loader
+
     def bad(msg: str) -> None:
         fail("generate", msg)
 
@@ -393,12 +424,18 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         prompt = [prompt]
     if any(not p.strip() for p in prompt or []):
         bad("--prompt is empty; give the text to continue, e.g. --prompt \"What is the capital of France?\"")
+    for p in prompt or []:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:   # bytes the locale could not decode arrive as surrogates
+            bad(f"--prompt {p!r} is not valid UTF-8 text")
     texts: List[str] = list(prompt or [])
     if prompts is not None:
         if not prompts.is_file():
             bad(f"--prompts {prompts}: no such file")
-        try:
-            lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+        try:   # only \n ends a prompt: str.splitlines would also split at form feeds, U+2028, ...
+            lines = [line.removesuffix("\r") for line in prompts.read_text(encoding="utf-8-sig").split("\n")]
+            lines = [line for line in lines if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             bad(f"--prompts {prompts}: cannot read it ({e})")
         if not lines:
@@ -416,6 +453,9 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
             f"(only to --algo {' / '.join(users)})")
     if algo == "dflash" and topk == 1 and _given(ctx, "ddtree_depth_decay"):
         bad("--ddtree-depth-decay applies to DDTree (--algo dflash --topk > 1), not to the DFlash chain")
+    if algo == "dflash" and topk == 1 and _given(ctx, "num_draft_tokens"):
+        bad("--num-draft-tokens applies to DDTree (--algo dflash --topk > 1); the DFlash chain verifies its "
+            "--block-size (--num-draft-tokens-by-batch verifies part of it)")
     if algo == "eagle":
         if topk < 1:
             bad(f"--topk must be >= 1 (1 drafts a chain), got {topk}")
@@ -444,8 +484,21 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
             bad(f"--ngram-size must be in [1, {NGRAM_MAX_SIZE}] (longest suffix matched), got {ngram_size}")
     if draft_layers is not None and draft_layers < 1:
         bad(f"--draft-layers must be >= 1, got {draft_layers}")
-    if draft_model is not None and not Path(draft_model).exists():
-        bad(f"--draft-model {draft_model}: no such file or folder")
+    if draft_model is not None:
+        if not Path(draft_model).exists():
+            bad(f"--draft-model {draft_model}: no such file or folder")
+        kind = "dflash" if is_dflash_dir(draft_model) else "eagle3" if is_eagle3_dir(draft_model) else "llama"
+        if algo == "eagle" and kind == "dflash":
+            bad(f"--draft-model {draft_model} is a DFlash drafter; use --algo dflash")
+        if algo == "dflash" and kind != "dflash":
+            bad(f"--draft-model {draft_model} is not a DFlash drafter folder (its config.json names no "
+                f"DFlashDraftModel){'; use --algo eagle' if kind == 'eagle3' else ''}")
+        if draft_layers is not None:
+            bad(f"--draft-layers does not apply with --draft-model (the drafter in {draft_model} keeps its own "
+                f"layers); it sizes --self-draft and a random-init DFlash drafter")
+        if draft_vocab and kind == "llama":
+            bad(f"--draft-vocab applies to EAGLE-3 and DFlash drafter folders, not to a Llama checkpoint "
+                f"({draft_model}), which drafts over the full vocabulary")
     if algo in ("eagle", "dflash", "ngram"):
         from .strategies import SpecConfig, parse_by_batch
         spec = SpecConfig(algo, topk, num_steps, num_draft_tokens, draft_layers, block_size, ngram_size,
@@ -472,6 +525,8 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         bad(f"--device must be cpu or cuda (or cuda:N), got {device!r}")
     if dev.type not in ("cpu", "cuda"):
         bad(f"--device must be cpu or cuda (or cuda:N), got {device!r}")
+    if not 0 <= seed < 2 ** 63:
+        bad(f"--seed must be in [0, 2**63), got {seed}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             bad(f"--device {device}: no CUDA GPU here (torch.cuda.is_available() is False); use --device cpu")
@@ -492,6 +547,10 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         bad(f"--backend flashmla needs --page-size 64, got {page_size}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         bad(f"--kv-cache-dtype must be one of {' | '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if dev.type == "cpu" and backend != "torch_reference" and not (
+            backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
+        bad(f"--backend {backend} needs a CUDA device (--device cuda); on the CPU use --backend "
+            f"torch_reference{' (or triton under TRITON_INTERPRET=1)' if backend == 'triton' else ''}")
 
     if not (temperature >= 0 and math.isfinite(temperature)):
         bad(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -501,15 +560,22 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         bad(f"--top-p must be in (0, 1] (1 = off), got {top_p}")
     if threads is not None and threads < 1:
         bad(f"--threads must be >= 1, got {threads}")
+    idle = [flag for name, flag in (("top_k", "--top-k"), ("top_p", "--top-p"), ("seed", "--seed"))
+            if _given(ctx, name)]
+    if temperature == 0 and idle:
+        typer.echo(f"specattn generate: note: {', '.join(idle)} {'does' if len(idle) == 1 else 'do'} nothing "
+                   f"at --temperature 0 (greedy decoding)", err=True)
 
     if model is not None:
         mp = Path(model)
         if not mp.exists():
             bad(f"--model {model}: no such file or folder (a .gguf file or a HF checkpoint folder)")
-        if mp.is_file() and mp.suffix != ".gguf":
-            bad(f"--model {model}: not a .gguf file (give a .gguf file or a HF checkpoint folder)")
+        if mp.is_file() and not loader.is_gguf_file(mp):
+            bad(f"--model {model}: not a GGUF file (give a GGUF file or a HF checkpoint folder)")
         if mp.is_dir() and not (mp / "config.json").is_file():
             bad(f"--model {model}: the folder has no config.json (not a HF checkpoint folder)")
+        if mp.is_dir() and not any((mp / f).is_file() for f in TOKENIZER_FILES):
+            bad(f"--model {model}: the folder has no tokenizer files ({' / '.join(TOKENIZER_FILES)})")
     return texts
 
 
@@ -524,7 +590,10 @@ def generate(
     ngram_size: int = typer.Option(4, help="N-gram: longest suffix matched in the request's history."),
     num_draft_tokens: int = typer.Option(4, help="Tokens verified per round, root included (EAGLE: 2 .. "
                                                  "topk + (num_steps - 1) * topk^2 + 1)."),
-    draft_layers: Optional[int] = typer.Option(None, help="Drafter layers (EAGLE default 3/4 of the target; DFlash 2)."),
+    draft_layers: Optional[int] = typer.Option(None, help="Layers of a drafter built here: EAGLE --self-draft "
+                                                          "(or when no trained drafter fits the target; default "
+                                                          "3/4 of the target's) and a random-init DFlash "
+                                                          "drafter (default 2)."),
     block_size: int = typer.Option(16, help="DFlash block: root + block_size - 1 drafts per round."),
     block_size_by_batch: str = typer.Option("", "--block-size-by-batch",
                                             help="DFlash chain: MIN_BATCH:BLOCK,... a smaller block for rounds "
@@ -557,7 +626,10 @@ def generate(
                                             "e4m3, scales 1.0: half the bytes of bf16)."),
     max_new_tokens: int = typer.Option(64, min=1),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
-    top_k: int = typer.Option(0), top_p: float = typer.Option(1.0), seed: int = typer.Option(0),
+    top_k: int = typer.Option(0, help="Sample from the K most likely tokens (0 = off; --temperature > 0)."),
+    top_p: float = typer.Option(1.0, help="Sample from the smallest set of tokens whose probability reaches P "
+                                          "(1 = off; --temperature > 0)."),
+    seed: int = typer.Option(0, help="Sampling seed (--temperature > 0)."),
     model: Optional[str] = typer.Option(None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct)."),
     draft_model: Optional[str] = typer.Option(None, help="EAGLE: a drafter: an EAGLE-3 folder, or a Llama "
                                                         "checkpoint (GGUF or HF dir) with the target's "
@@ -588,7 +660,7 @@ def generate(
         model=model, draft_model=draft_model, self_draft=self_draft, cuda_graph=cuda_graph, threads=threads,
         ngram_size=ngram_size, draft_vocab=draft_vocab, kv_cache_dtype=kv_cache_dtype,
         block_size_by_batch=block_size_by_batch, num_draft_tokens_by_batch=num_draft_tokens_by_batch,
-        ddtree_depth_decay=ddtree_depth_decay)
+        ddtree_depth_decay=ddtree_depth_decay, seed=seed)
     with cpu_threads(threads, device) as n_threads:
         _generate(texts, algo=algo, topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
                   ngram_size=ngram_size,
@@ -621,23 +693,47 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
         fail("generate", str(e), code=1 if model is None else 2)
     except ValueError as e:  # not a llama GGUF / HF checkpoint this runtime reads
         fail("generate", f"--model {model}: {e}" if model else str(e))
-    except RuntimeError as e:  # the default model could not be fetched
+    except (RuntimeError, OSError) as e:  # the default model could not be fetched, or a given one read
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if model is not None:
+            fail("generate", f"--model {model}: cannot load it ({first})", code=1)
         fail("generate", f"{first} See `specattn model fetch --help`.", code=1)
+    if chat and not getattr(tok, "chat_template", None):
+        fail("generate", f"{'--model ' + model if model else 'the model'}: the tokenizer has no chat template; "
+                         f"use --raw to feed the prompts as they are")
     ids = [loader.apply_chat_template(tok, t) if chat else tok.encode(t) for t in texts]
+    longest = max(map(len, ids))
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        fail("generate", f"the longest prompt ({longest} tokens{', chat template included' if chat else ''}) + "
+                         f"--max-new-tokens {max_new_tokens} exceeds the model's context of "
+                         f"{cfg.max_position_embeddings} positions")
     drafter_path = None
     if algo == "eagle" and not self_draft:
         drafter_path = draft_model or default_drafter(cfg)
     elif algo == "dflash":
         drafter_path = draft_model or default_drafter(cfg, "dflash")
-    if draft_vocab is None and drafter_path is not None and (is_eagle3_dir(drafter_path) or
-                                                             is_dflash_dir(drafter_path)):
+    trained = drafter_path is not None and (is_eagle3_dir(drafter_path) or is_dflash_dir(drafter_path))
+    if draft_layers is not None and drafter_path is not None:   # a shipped drafter fits this target
+        fail("generate", f"--draft-layers does not apply: {algo} drafts with the trained drafter {drafter_path} "
+                         f"(use --self-draft to draft with the target's own layers)" if algo == "eagle" else
+                         f"--draft-layers does not apply: dflash drafts with the trained drafter {drafter_path}")
+    if draft_layers is not None and algo == "eagle" and draft_layers > cfg.num_hidden_layers:
+        fail("generate", f"--draft-layers must be <= {cfg.num_hidden_layers} (the target's layers), got {draft_layers}")
+    if draft_vocab and algo in ("eagle", "dflash") and not trained:
+        fail("generate", "--draft-vocab does not apply: no EAGLE-3 drafter fits this target, so EAGLE drafts with "
+                         "the target's own layers over the full vocabulary" if algo == "eagle" else
+                         "--draft-vocab does not apply to a random-init DFlash drafter (it has no token counts)")
+    if draft_vocab and draft_vocab > cfg.vocab_size:
+        fail("generate", f"--draft-vocab must be <= {cfg.vocab_size} (the vocabulary), got {draft_vocab}")
+    stops = loader.stop_token_ids(cfg, tok)
+    if draft_vocab is None and trained:
         from .drafter_base import default_draft_vocab_size
         draft_vocab = default_draft_vocab_size(drafter_path)
     try:
         eng = engine_for(cfg, w, ids, spec, backend=backend, device=device, dtype=DTYPES[dtype],
                          max_new_tokens=max_new_tokens, cuda_graph=cuda_graph, page_size=page_size,
                          kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype],
+                         eos_token_ids=stops,
                          draft_model=None if drafter_path is None else
                          drafter_factory(drafter_path, device, DTYPES[dtype], draft_vocab or None))
     except (ValueError, ImportError, KeyError, FileNotFoundError, NotImplementedError) as e:  # NotImplementedError: UnsupportedError
@@ -652,7 +748,9 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
     report = report_dict(eng, res, warm_s, texts=texts, tok=tok, algo=algo, backend=backend, dtype=dtype,
                          topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
                          block_size=block_size)
-    report["cpu_threads"] = threads
+    report.update(cpu_threads=threads, max_new_tokens=max_new_tokens, temperature=temperature,
+                  top_k=top_k if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
+                  seed=seed if temperature > 0 else None, eos_token_ids=stops)
     report["block_size_by_batch"] = [list(p) for p in spec.block_size_by_batch] if algo == "dflash" else None
     report["num_draft_tokens_by_batch"] = [list(p) for p in spec.num_draft_tokens_by_batch] \
         if algo in ("eagle", "dflash", "ngram") else None

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "LlamaConfig", "check_decoder_shape", "check_weight_shapes", "load_gguf", "load_hf_dir", "load_tokenizer", "apply_chat_template",
-    "chat_user_prefix_ids",
+    "LlamaConfig", "check_decoder_shape", "check_weight_shapes", "is_gguf_file", "load_gguf", "load_hf_dir",
+    "load_tokenizer", "apply_chat_template", "chat_user_prefix_ids", "stop_token_ids",
     "load_hf_oracle", "hf_greedy", "write_random_hf_dir",
 ]
 
@@ -201,7 +201,8 @@ def _gguf_config(reader, source) -> LlamaConfig:
     try:
         hidden, heads = int(get("llama.embedding_length")), int(get("llama.attention.head_count"))
         vocab = get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-        eos = get("tokenizer.ggml.eos_token_id")
+        eos = [int(t) for t in (get("tokenizer.ggml.eos_token_id"), get("tokenizer.ggml.eot_token_id"))
+               if t is not None]
         return LlamaConfig(
             vocab_size=int(vocab), hidden_size=hidden,
             intermediate_size=int(get("llama.feed_forward_length")),
@@ -213,7 +214,7 @@ def _gguf_config(reader, source) -> LlamaConfig:
             max_position_embeddings=int(get("llama.context_length", 2048)),
             tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
             bos_token_id=get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[] if eos is None else [int(eos)],
+            eos_token_ids=list(dict.fromkeys(eos)),
         )
     except (TypeError, KeyError) as e:
         raise ValueError(f"{source}: GGUF metadata is missing a required llama key ({e})") from None
@@ -291,12 +292,14 @@ def load_hf_dir(path: str | os.PathLike, dtype: torch.dtype = torch.float32
                 ) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """Read a HF Llama checkpoint dir: ``config.json`` + ``*.safetensors`` (sharded or not).
 
-    A ``lm_head.weight`` saved alongside tied embeddings is dropped; rotary
+    The config's ``eos_token_ids`` join ``config.json``'s ``eos_token_id`` and that of
+    ``generation_config.json`` when there is one (what HF ``generate`` stops on).  A ``lm_head.weight`` saved alongside tied embeddings is dropped; rotary
     ``inv_freq`` buffers are ignored.  Returns ``(config, weights)`` as :func:`load_gguf`.
 
     Raises:
         FileNotFoundError: no dir / ``config.json`` / safetensors file.  ValueError: bad
-        config or tensors missing / unexpected / of the wrong shape.
+        config, an unreadable safetensors file, or tensors missing / unexpected / of the
+        wrong shape.
     """
     from safetensors.torch import load_file
 
@@ -306,6 +309,14 @@ def load_hf_dir(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{cfg_file} not found (expected a HF checkpoint dir)")
     config = LlamaConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():   # e.g. Llama-3-Instruct: the end-of-turn token is named only here
+        try:
+            gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{gen_file}: not a JSON object ({e})") from None
+        extra = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+        config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + [int(t) for t in extra]))
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -315,7 +326,12 @@ def load_hf_dir(path: str | os.PathLike, dtype: torch.dtype = torch.float32
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     weights = {}
     for f in files:
-        weights.update(load_file(f, device="cpu"))
+        try:
+            weights.update(load_file(f, device="cpu"))
+        except FileNotFoundError:
+            raise
+        except Exception as e:   # safetensors' SafetensorError (truncated or not a safetensors file)
+            raise ValueError(f"{f}: cannot read it ({e})") from e
     weights = {k: v.to(dtype).contiguous() for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
@@ -373,15 +389,40 @@ def _pretrained_source(path):
     the GGUF embeds, so a GGUF next to another model's files would load their vocabulary or
     template.  Raises FileNotFoundError for anything else."""
     p = Path(path)
-    if p.is_file() and p.suffix == ".gguf":
+    if is_gguf_file(p):
         with tempfile.TemporaryDirectory(prefix="specattn-gguf-") as tmp:
-            (Path(tmp) / p.name).symlink_to(p.resolve())
-            yield Path(tmp), {"gguf_file": p.name}
+            (Path(tmp) / "model.gguf").symlink_to(p.resolve())
+            yield Path(tmp), {"gguf_file": "model.gguf"}
         return
     if p.is_dir():
         yield p, {}
         return
-    raise FileNotFoundError(f"{p} is neither a .gguf file nor a HF checkpoint dir")
+    raise FileNotFoundError(f"{p} is neither a GGUF file nor a HF checkpoint dir")
+
+
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file that starts with the GGUF magic ``b"GGUF"`` (whatever its
+    name: ``.gguf``, ``.GGUF``, ``.bin``)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    try:
+        with p.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def stop_token_ids(config: LlamaConfig, tokenizer=None) -> list[int]:
+    """The tokens that end a generation: ``config.eos_token_ids`` (a GGUF's EOS and EOT, a HF
+    folder's ``config.json`` and ``generation_config.json`` EOS) plus the tokenizer's
+    ``eos_token_id`` when it has one, in that order without repeats.  vLLM stops on the same
+    union by default (the tokenizer's EOS and the generation config's ``eos_token_id``)."""
+    ids = list(config.eos_token_ids)
+    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if tok_eos is not None:
+        ids.append(int(tok_eos))
+    return list(dict.fromkeys(ids))
 
 
 def load_tokenizer(path_or_gguf: str | os.PathLike):

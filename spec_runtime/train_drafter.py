@@ -1878,7 +1878,7 @@ def load_target(model: Optional[str], dtype: torch.dtype):
     from . import loader
     from .model_fetch import GGUF_NAME, fetch_model
     path = Path(model) if model else fetch_model()
-    if path.suffix == ".gguf":
+    if loader.is_gguf_file(path):
         cfg, w = loader.load_gguf(path, dtype)
     else:
         cfg, w = loader.load_hf_dir(path, dtype)

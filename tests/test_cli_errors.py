@@ -36,6 +36,11 @@ def one_error_line(res, code, start="specattn generate: error: "):
     return lines[0]
 
 
+def reached_the_model_load(res) -> bool:
+    """Whether a command run under :func:`no_model_load` passed every argument check."""
+    return res.exit_code == 1 and "the model was loaded before the arguments were checked" in res.stderr
+
+
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if a command loads a model (its arguments must be checked first)."""
@@ -78,6 +83,10 @@ def no_model_load(monkeypatch):
     (["--algo", "eagle", "--ddtree-depth-decay", "0.8"], ["--ddtree-depth-decay does not apply to --algo eagle"]),
     (["--algo", "dflash", "--topk", "4", "--num-draft-tokens", "8", "--ddtree-depth-decay", "0"],
      ["ddtree_depth_decay must be a finite number > 0"]),
+    (["--algo", "dflash", "--num-draft-tokens", "4"], ["--num-draft-tokens applies to DDTree", "--block-size"]),
+    (["--seed", "-1"], ["--seed must be in [0, 2**63)", "got -1"]),
+    (["--seed", str(2 ** 63)], ["--seed must be in [0, 2**63)", f"got {2 ** 63}"]),
+    (["--prompt", "caf\udce9"], ["--prompt", "is not valid UTF-8 text"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("-") else None)
 def test_bad_arguments_are_one_line(no_model_load, args, words):
     line = one_error_line(run(*PROMPT, *args), 2)
@@ -88,9 +97,68 @@ def test_bad_arguments_are_one_line(no_model_load, args, words):
 def test_missing_model_folder_and_wrong_file(no_model_load, tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     line = one_error_line(run(*PROMPT, "--model", str(tmp_path / "weights.bin")), 2)
-    assert "not a .gguf file" in line
+    assert "not a GGUF file" in line
     line = one_error_line(run(*PROMPT, "--model", str(tmp_path)), 2)
     assert "no config.json" in line
+
+
+def test_model_folder_without_tokenizer_files(no_model_load, tmp_path):
+    from specattn.spec_runtime import loader
+    from tiny_models import tiny_llama
+    tiny_llama(tmp_path, 0)          # config.json + model.safetensors, no tokenizer
+    line = one_error_line(run(*PROMPT, "--model", str(tmp_path)), 2)
+    assert "has no tokenizer files" in line and "tokenizer.json" in line
+    assert loader.is_gguf_file(tmp_path / "model.safetensors") is False
+
+
+DFLASH_ASSET = rcli.DEFAULT_DFLASH
+EAGLE3_ASSET = rcli.DEFAULT_EAGLE3
+
+
+def test_draft_model_of_the_other_algorithm_is_refused(no_model_load, tmp_path):
+    """A DFlash folder under --algo eagle used to run as a "self-speculative" drafter that
+    never got a draft accepted."""
+    line = one_error_line(run(*PROMPT, "--algo", "eagle", "--draft-model", str(DFLASH_ASSET)), 2)
+    assert "is a DFlash drafter; use --algo dflash" in line
+    line = one_error_line(run(*PROMPT, "--algo", "dflash", "--draft-model", str(EAGLE3_ASSET)), 2)
+    assert "is not a DFlash drafter folder" in line and "use --algo eagle" in line
+    llama = tmp_path / "m.gguf"
+    llama.write_bytes(b"GGUF")
+    line = one_error_line(run(*PROMPT, "--algo", "dflash", "--draft-model", str(llama)), 2)
+    assert "is not a DFlash drafter folder" in line and "--algo eagle" not in line
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "llama"])
+def test_draft_layers_and_vocab_with_a_given_drafter(no_model_load, tmp_path, drafter):
+    """--draft-layers sizes only a drafter built here; --draft-vocab needs token counts."""
+    path = EAGLE3_ASSET if drafter == "eagle3" else tmp_path / "m.gguf"
+    if drafter == "llama":
+        path.write_bytes(b"GGUF")
+    line = one_error_line(run(*PROMPT, "--algo", "eagle", "--draft-model", str(path), "--draft-layers", "2"), 2)
+    assert "--draft-layers does not apply with --draft-model" in line
+    res = run(*PROMPT, "--algo", "eagle", "--draft-model", str(path), "--draft-vocab", "1000")
+    if drafter == "llama":
+        assert "--draft-vocab applies to EAGLE-3 and DFlash drafter folders" in one_error_line(res, 2)
+    else:   # accepted: it got past the checks to the (refused) model load
+        assert reached_the_model_load(res)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "flashmla"])
+def test_cuda_backends_on_the_cpu(no_model_load, monkeypatch, backend):
+    """Before, --backend triton --device cpu loaded the model and then failed in Triton's
+    driver lookup ("0 active drivers")."""
+    import specattn.backends as backends
+    monkeypatch.setattr(backends, "available_backends", lambda: {"torch_reference": None, backend: None})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pages = ["--page-size", "64"] if backend == "flashmla" else []
+    line = one_error_line(run(*PROMPT, "--backend", backend, *pages), 2)
+    assert f"--backend {backend} needs a CUDA device" in line and "torch_reference" in line
+    monkeypatch.setenv("TRITON_INTERPRET", "1")          # Triton's interpreter runs on the CPU
+    res = run(*PROMPT, "--backend", backend, *pages)
+    if backend == "triton":
+        assert reached_the_model_load(res)
+    else:
+        assert "needs a CUDA device" in one_error_line(res, 2)
 
 
 def test_empty_prompt_and_no_prompt(no_model_load, tmp_path):

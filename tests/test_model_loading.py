@@ -309,3 +309,62 @@ def test_gguf_tokenizer_ignores_tokenizer_files_beside_it(gguf_path, tokenizer, 
     assert tok.convert_ids_to_tokens([2]) == tokenizer.convert_ids_to_tokens([2]) == ["<|im_end|>"]
     assert tok.chat_template and tok.chat_template == tokenizer.chat_template
     assert L.apply_chat_template(tok, "hi") == L.apply_chat_template(tokenizer, "hi")
+
+
+def test_hf_dir_stops_on_generation_config_eos_too(tmp_path):
+    """Llama-3-Instruct's layout: ``config.json`` names the end of text and
+    ``generation_config.json`` adds the end of turn; the config's ``eos_token_ids`` join both
+    (what HF ``generate`` stops on), in order and without repeats."""
+    path = L.write_random_hf_dir(tmp_path / "m", tiny_config(eos_token_ids=[7]), seed=0)
+    assert L.load_hf_dir(path)[0].eos_token_ids == [7]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7, 9]}))
+    assert L.load_hf_dir(path)[0].eos_token_ids == [7, 5, 9]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 11, "bos_token_id": 1}))
+    assert L.load_hf_dir(path)[0].eos_token_ids == [7, 11]
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert L.load_hf_dir(path)[0].eos_token_ids == [7]
+    (path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="generation_config.json: not a JSON object"):
+        L.load_hf_dir(path)
+
+
+def test_stop_token_ids_add_the_tokenizer_eos():
+    class Tok:
+        eos_token_id = 3
+
+    cfg = tiny_config(eos_token_ids=[3, 9])
+    assert L.stop_token_ids(cfg, Tok()) == [3, 9]
+    Tok.eos_token_id = 4
+    assert L.stop_token_ids(cfg, Tok()) == [3, 9, 4]
+    Tok.eos_token_id = None
+    assert L.stop_token_ids(cfg, Tok()) == [3, 9] == L.stop_token_ids(cfg)
+    assert L.stop_token_ids(tiny_config(eos_token_ids=[]), object()) == []
+
+
+def test_is_gguf_file_reads_the_magic(tmp_path):
+    for name in ("m.gguf", "M.GGUF", "model.bin"):
+        (tmp_path / name).write_bytes(b"GGUF\x03\x00\x00\x00rest")
+        assert L.is_gguf_file(tmp_path / name), name
+    (tmp_path / "fake.gguf").write_bytes(b"PK\x03\x04")
+    (tmp_path / "short.gguf").write_bytes(b"GG")
+    (tmp_path / "dir.gguf").mkdir()
+    for name in ("fake.gguf", "short.gguf", "dir.gguf", "missing.gguf"):
+        assert not L.is_gguf_file(tmp_path / name), name
+
+
+def test_truncated_safetensors_is_a_value_error(tmp_path):
+    path = L.write_random_hf_dir(tmp_path / "m", tiny_config(), seed=0)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:100])
+    with pytest.raises(ValueError, match="model.safetensors: cannot read it"):
+        L.load_hf_dir(path)
+
+
+def test_gguf_named_otherwise_loads_with_its_tokenizer(gguf_path, tokenizer, tmp_path):
+    """A GGUF is known by its magic bytes: one named ``.GGUF`` or ``.bin`` loads its own
+    tokenizer, chat template included."""
+    for name in ("Model.GGUF", "model.bin"):
+        (tmp_path / name).symlink_to(Path(gguf_path).resolve())
+        tok = L.load_tokenizer(tmp_path / name)
+        assert tok.chat_template == tokenizer.chat_template
+        assert tok.encode("hello there") == tokenizer.encode("hello there")

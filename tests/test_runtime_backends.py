@@ -211,6 +211,111 @@ def test_generate_text_report_prints_text_verbatim(tiny, monkeypatch):
     assert "Explain [/bold] and [green]z[/green]" in res.stdout
 
 
+def _error_line(res, code=2):
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == code and len(lines) == 1, (res.exit_code, res.output)
+    assert lines[0].startswith("specattn generate: error: "), lines[0]
+    return lines[0]
+
+
+def test_generate_context_length_is_checked(tiny, monkeypatch):
+    """Prompt + --max-new-tokens past ``max_position_embeddings`` is refused (it used to run
+    past the model's context silently); exactly the context is fine."""
+    import dataclasses
+    cfg, w, p = tiny
+    n = len(StubTokenizer().encode("hello there"))
+    short = (dataclasses.replace(cfg, max_position_embeddings=n + 5), w, p)
+    res = _cli(monkeypatch, short, "--json")                                     # n + 5 positions
+    assert res.exit_code == 0, res.output
+    line = _error_line(_cli(monkeypatch, short, "--max-new-tokens", "6"))
+    assert f"the longest prompt ({n} tokens) + --max-new-tokens 6 exceeds the model's context of {n + 5}" in line
+
+
+def test_generate_drafter_options_that_would_not_apply(tiny, monkeypatch):
+    """--draft-layers and --draft-vocab are refused where they would be ignored, with the
+    target's bounds named."""
+    from specattn.spec_runtime import cli as rcli
+    line = _error_line(_cli(monkeypatch, tiny, "--algo", "eagle", "--self-draft", "--draft-layers", "5"))
+    assert "--draft-layers must be <= 4 (the target's layers), got 5" in line
+    line = _error_line(_cli(monkeypatch, tiny, "--algo", "eagle", "--draft-vocab", "16"))   # no EAGLE-3 fits
+    assert "--draft-vocab does not apply" in line and "full vocabulary" in line
+    line = _error_line(_cli(monkeypatch, tiny, "--algo", "dflash", "--block-size", "4", "--draft-vocab", "16"))
+    assert "--draft-vocab does not apply to a random-init DFlash drafter" in line
+    res = _cli(monkeypatch, tiny, "--algo", "eagle", "--draft-vocab", "0", "--json")        # 0: all, harmless
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["draft_vocab"] is None
+    monkeypatch.setattr(rcli, "default_drafter", lambda cfg, algo="eagle": rcli.DEFAULT_EAGLE3)  # a drafter fits
+    line = _error_line(_cli(monkeypatch, tiny, "--algo", "eagle", "--draft-layers", "2"))
+    assert "--draft-layers does not apply" in line and "--self-draft" in line
+    line = _error_line(_cli(monkeypatch, tiny, "--algo", "eagle", "--draft-vocab", str(V + 1)))
+    assert f"--draft-vocab must be <= {V} (the vocabulary), got {V + 1}" in line
+
+
+def test_generate_without_a_chat_template_names_raw(tiny, monkeypatch):
+    from specattn import cli
+    from specattn.spec_runtime import cli as rcli
+    cfg, w, _ = tiny
+    monkeypatch.setattr(rcli, "load_model", lambda model, dtype: (cfg, dict(w), StubTokenizer()))
+    res = CliRunner().invoke(cli.app, ["generate", "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "2"])
+    assert "the tokenizer has no chat template; use --raw" in _error_line(res)
+
+
+def test_generate_load_failure_of_a_given_model(tiny, monkeypatch, tmp_path):
+    """A given --model that fails to load says so (it used to point at `model fetch`)."""
+    from specattn import cli
+    from specattn.spec_runtime import cli as rcli
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+
+    def load(m, dtype):
+        raise NotImplementedError("Dequantization for F64 is not yet implemented")
+    monkeypatch.setattr(rcli, "load_model", load)
+    res = CliRunner().invoke(cli.app, ["generate", "--prompt", "hi", "--device", "cpu", "--model", str(model)])
+    line = _error_line(res, 1)
+    assert f"--model {model}: cannot load it (Dequantization for F64" in line and "model fetch" not in line
+
+
+def test_generate_report_names_only_settings_that_ran(tiny, monkeypatch):
+    """The JSON report's speculative fields are None where the algorithm has no such setting,
+    ``num_draft_tokens`` is what a round verifies, and the sampling settings and stop tokens
+    that ran are reported."""
+    cfg, w, p = tiny
+    monkeypatch.setattr(StubTokenizer, "eos_token_id", 7, raising=False)
+    want = {("none",): (None, None, None), ("ngram", "--topk", "2", "--num-steps", "3"): (2, 3, 7),
+            ("dflash", "--block-size", "4"): (1, None, 4),
+            ("dflash", "--block-size", "4", "--topk", "2", "--num-draft-tokens", "5"): (2, None, 5),
+            ("eagle", "--draft-layers", "1"): (1, 3, 4)}
+    for args, (topk, steps, tokens) in want.items():
+        res = _cli(monkeypatch, tiny, "--algo", *args, "--json")
+        assert res.exit_code == 0, (args, res.output)
+        r = json.loads(res.stdout)
+        assert (r["topk"], r["num_steps"], r["num_draft_tokens"]) == (topk, steps, tokens), args
+        assert r["eos_token_ids"] == [7] and r["max_new_tokens"] == 5
+        assert r["temperature"] == 0 and r["top_k"] is None and r["seed"] is None
+    res = _cli(monkeypatch, tiny, "--temperature", "0.7", "--top-k", "5", "--seed", "3", "--json")
+    r = json.loads(res.stdout)
+    assert (r["temperature"], r["top_k"], r["top_p"], r["seed"]) == (0.7, 5, 1.0, 3)
+    assert not res.stderr.strip()
+    res = _cli(monkeypatch, tiny, "--top-k", "5", "--seed", "3", "--json")     # greedy: a note, then the run
+    assert res.exit_code == 0 and "--top-k, --seed do nothing at --temperature 0" in res.stderr
+
+
+def test_generate_prompts_file_lines(tiny, monkeypatch, tmp_path):
+    """--prompts: a UTF-8 byte-order mark is dropped and only line ends split prompts (form
+    feeds and U+2028 used to split one line into two prompts)."""
+    f = tmp_path / "p.txt"
+    f.write_bytes("\ufeffWhat is 2+2?\r\n\r\n   \r\nName a color.\x0cAnd a fruit.\r\nSay hi \u2028 please\n".encode())
+    from specattn import cli
+    from specattn.spec_runtime import cli as rcli
+    cfg, w, _ = tiny
+    monkeypatch.setattr(rcli, "load_model", lambda model, dtype: (cfg, dict(w), StubTokenizer()))
+    res = CliRunner().invoke(cli.app, ["generate", "--prompts", str(f), "--raw", "--device", "cpu",
+                                       "--max-new-tokens", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert [o["prompt"] for o in json.loads(res.stdout)["outputs"]] == [
+        "What is 2+2?", "Name a color.\x0cAnd a fruit.", "Say hi \u2028 please"]
+
+
 def test_generate_command_bad_backend(tiny, monkeypatch):
     res = _cli(monkeypatch, tiny, "--backend", "nope")
     assert res.exit_code == 2 and "unknown backend 'nope'" in res.output, res.output
