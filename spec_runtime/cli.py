@@ -725,7 +725,10 @@ def _generate(texts: List[str], *, algo, topk, num_steps, num_draft_tokens, draf
                          "--draft-vocab does not apply to a random-init DFlash drafter (it has no token counts)")
     if draft_vocab and draft_vocab > cfg.vocab_size:
         fail("generate", f"--draft-vocab must be <= {cfg.vocab_size} (the vocabulary), got {draft_vocab}")
-    stops = loader.stop_token_ids(cfg, tok)
+    # a GGUF names its end tokens in its metadata (cfg); the tokenizer transformers builds from it
+    # is not a second source: under transformers 5.17 SmolLM2's said EOS = 1 (<|im_start|>)
+    gguf = model is None or loader.is_gguf_file(model)
+    stops = loader.stop_token_ids(cfg, None if gguf else tok)
     if draft_vocab is None and trained:
         from .drafter_base import default_draft_vocab_size
         draft_vocab = default_draft_vocab_size(drafter_path)

@@ -415,9 +415,12 @@ def is_gguf_file(path: str | os.PathLike) -> bool:
 
 def stop_token_ids(config: LlamaConfig, tokenizer=None) -> list[int]:
     """The tokens that end a generation: ``config.eos_token_ids`` (a GGUF's EOS and EOT, a HF
-    folder's ``config.json`` and ``generation_config.json`` EOS) plus the tokenizer's
-    ``eos_token_id`` when it has one, in that order without repeats.  vLLM stops on the same
-    union by default (the tokenizer's EOS and the generation config's ``eos_token_id``)."""
+    folder's ``config.json`` and ``generation_config.json`` EOS) plus the ``eos_token_id`` of
+    ``tokenizer`` when given and set, in that order without repeats.  vLLM stops on the same
+    union by default (the tokenizer's EOS and the generation config's ``eos_token_id``).  Give
+    a HF folder's tokenizer, not one built from a GGUF: the GGUF's metadata is already in
+    ``config`` and transformers' conversion can name another EOS (5.17 gave SmolLM2's
+    ``<|im_start|>``)."""
     ids = list(config.eos_token_ids)
     tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     if tok_eos is not None:

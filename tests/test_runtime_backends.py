@@ -275,18 +275,25 @@ def test_generate_load_failure_of_a_given_model(tiny, monkeypatch, tmp_path):
     assert f"--model {model}: cannot load it (Dequantization for F64" in line and "model fetch" not in line
 
 
-def test_generate_report_names_only_settings_that_ran(tiny, monkeypatch):
+def test_generate_report_names_only_settings_that_ran(tiny, monkeypatch, tmp_path):
     """The JSON report's speculative fields are None where the algorithm has no such setting,
     ``num_draft_tokens`` is what a round verifies, and the sampling settings and stop tokens
-    that ran are reported."""
+    that ran are reported: a HF folder's tokenizer EOS joins the config's, a GGUF's (the
+    default model) does not."""
     cfg, w, p = tiny
     monkeypatch.setattr(StubTokenizer, "eos_token_id", 7, raising=False)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for f in ("config.json", "tokenizer.json"):      # what the checks look for; loading is stubbed
+        (hf / f).write_text("{}")
+    res = _cli(monkeypatch, tiny, "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["eos_token_ids"] == [], res.output
     want = {("none",): (None, None, None), ("ngram", "--topk", "2", "--num-steps", "3"): (2, 3, 7),
             ("dflash", "--block-size", "4"): (1, None, 4),
             ("dflash", "--block-size", "4", "--topk", "2", "--num-draft-tokens", "5"): (2, None, 5),
             ("eagle", "--draft-layers", "1"): (1, 3, 4)}
     for args, (topk, steps, tokens) in want.items():
-        res = _cli(monkeypatch, tiny, "--algo", *args, "--json")
+        res = _cli(monkeypatch, tiny, "--algo", *args, "--json", "--model", str(hf))
         assert res.exit_code == 0, (args, res.output)
         r = json.loads(res.stdout)
         assert (r["topk"], r["num_steps"], r["num_draft_tokens"]) == (topk, steps, tokens), args
