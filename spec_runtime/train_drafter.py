@@ -608,6 +608,13 @@ def _all_gather(ctx: DistContext, obj) -> list:
     return out
 
 
+def _barrier(ctx: DistContext) -> None:
+    """Wait until every rank gets here (nothing for one process)."""
+    if ctx.enabled:
+        import torch.distributed as dist
+        dist.barrier()
+
+
 def _all_reduce_int(ctx: DistContext, value: int, op: str, device) -> int:
     """``max`` or ``min`` of an integer over the ranks."""
     if not ctx.enabled:
@@ -1889,7 +1896,9 @@ def load_target(model: Optional[str], dtype: torch.dtype):
 def run_training(opts: RunOptions, console=None) -> dict:
     """Load the target, load or generate the data, train, export.  Returns
     ``{"files": {...}, "log": train log, "data_stats": ..., "drafter": the trained drafter}``
-    (``files`` empty on ranks other than 0 of a multi-process run).
+    (``files`` empty on ranks other than 0 of a multi-process run; every rank returns once
+    rank 0 has evaluated and exported, so no rank tears down its process group while another
+    still works).
 
     Raises:
         ValueError / FileNotFoundError: bad options, missing prompt / model / data files,
@@ -1960,7 +1969,8 @@ def run_training(opts: RunOptions, console=None) -> dict:
         say(f"training on {ctx.world_size} processes, {opts.train.batch_size} rows each per step")
     res = train(target, data, opts.train, target_model=name, progress=progress, console=console, ctx=ctx)
     stats = data.stats()
-    if not ctx.is_main:
+    if not ctx.is_main:   # wait for rank 0's evaluation and export: the ranks tear down together
+        _barrier(ctx)
         return {"files": {}, "log": res.log, "data_stats": stats, "drafter": res.drafter}
     counts = torch.bincount(data.tokens[data.loss_mask.bool()].long(), minlength=cfg.vocab_size)
     files = export(res.drafter, opts.out, res.log, command=opts.command, data_stats=stats, data_meta=data.meta,
@@ -1980,4 +1990,5 @@ def run_training(opts: RunOptions, console=None) -> dict:
             f"{ini['accept_length']:.2f}" + (f", walked in greedy rounds {ini['greedy_round_accept_length']:.2f}"
                                              if ini.get("greedy_round_accept_length") is not None else ""))
     say(f"wrote {', '.join(str(p) for p in files.values())} ({time.perf_counter() - t0:.0f} s in all)")
+    _barrier(ctx)
     return {"files": files, "log": res.log, "data_stats": stats, "drafter": res.drafter}
