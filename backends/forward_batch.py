@@ -88,25 +88,56 @@ from .forward_mode import ForwardMode
 __all__ = ["ForwardBatch"]
 
 
-def _i32(x, device) -> torch.Tensor:
-    return torch.as_tensor(x, dtype=torch.int32, device=device)
+_INT32_RANGE = (-2 ** 31, 2 ** 31 - 1)
 
 
-def _i64(x, device) -> torch.Tensor:
-    return torch.as_tensor(x, dtype=torch.int64, device=device)
+def _ints(name: str, x, dtype: torch.dtype, device) -> torch.Tensor:
+    """``x`` (a list, tuple or tensor of integers) as a ``dtype`` tensor on ``device``.
+    Raises TypeError for floats, bools or complex values (never truncated) and, for host
+    data, ValueError for values outside int32 when ``dtype`` is int32 (never wrapped; a
+    device tensor is not read back)."""
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+    if t.numel() == 0 and not isinstance(x, torch.Tensor):
+        t = t.to(torch.int64)                         # [] reads as float32
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must hold integers, got {t.dtype}")
+    if dtype == torch.int32 and t.dtype == torch.int64 and t.device.type == "cpu" and t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < _INT32_RANGE[0] or hi > _INT32_RANGE[1]:
+            raise ValueError(f"{name} must fit int32, got values in [{lo}, {hi}]")
+    return t.to(device=device, dtype=dtype)
 
 
-def _host_i32(x) -> Optional[torch.Tensor]:
+def _i32(name: str, x, device) -> torch.Tensor:
+    return _ints(name, x, torch.int32, device)
+
+
+def _i64(name: str, x, device) -> torch.Tensor:
+    return _ints(name, x, torch.int64, device)
+
+
+def _host_i32(name: str, x) -> Optional[torch.Tensor]:
     """An int32 CPU copy of ``x`` when that needs no device read (a list, tuple or CPU
     tensor), else None."""
-    if isinstance(x, torch.Tensor):
-        return x.to(torch.int32).clone() if x.device.type == "cpu" else None
-    return torch.as_tensor(x, dtype=torch.int32)
+    if isinstance(x, torch.Tensor) and x.device.type != "cpu":
+        return None
+    t = _i32(name, x, "cpu")
+    return t.clone() if t is x else t
+
+
+def _check_nonneg(name: str, host: Optional[torch.Tensor]) -> None:
+    if host is not None and host.numel() and int(host.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got {host.tolist()}")
 
 
 @dataclass
 class ForwardBatch:
     """One forward's batch (see the module docstring for the meaning of every field).
+
+    The constructors (:meth:`extend`, :meth:`decode`, :meth:`fixed`, :meth:`from_sglang`)
+    take lists or tensors of integers; they raise TypeError for floats or bools (never
+    truncated) and ValueError for negative lengths, host values outside int32 (never wrapped)
+    or ``num_tokens_per_req < 1``.
 
     Attributes:
         forward_mode: the :class:`ForwardMode`.
@@ -176,11 +207,11 @@ class ForwardBatch:
             ValueError: a missing field for ``mode``, or a length below zero.
         """
         dev = device if device is not None else torch.as_tensor(out_cache_loc).device
-        seq = _i64(seq_lens, dev)
+        seq = _i64("seq_lens", seq_lens, dev)
         if mode == ForwardMode.EXTEND:
             if extend_seq_lens is None:
                 raise ValueError("EXTEND needs extend_seq_lens")
-            ext = _i64(extend_seq_lens, dev)
+            ext = _i64("extend_seq_lens", extend_seq_lens, dev)
             P = seq - ext
         elif mode.is_decode():
             P = seq - 1
@@ -210,13 +241,16 @@ class ForwardBatch:
                device=None) -> "ForwardBatch":
         """EXTEND batch.  ``positions`` default to ``P_i .. P_i + n_i - 1``.  Lists or tensors."""
         dev = device if device is not None else torch.as_tensor(out_cache_loc).device
-        prefix_lens_cpu = torch.as_tensor(prefix_lens, dtype=torch.int32).cpu()
-        ext_cpu = torch.as_tensor(extend_lens, dtype=torch.int32).cpu()
+        prefix_lens_cpu = _i32("prefix_lens", prefix_lens, "cpu").clone()
+        ext_cpu = _i32("extend_lens", extend_lens, "cpu").clone()
+        _check_nonneg("prefix_lens", prefix_lens_cpu)
+        _check_nonneg("extend_lens", ext_cpu)
         if positions is None:
             positions = torch.cat([torch.arange(int(p), int(p) + int(n)) for p, n in
-                                   zip(prefix_lens_cpu, ext_cpu)]) if len(ext_cpu) else torch.zeros(0)
-        return cls(ForwardMode.EXTEND, _i64(req_pool_indices, dev), _i32(prefix_lens, dev),
-                   _i32(extend_lens, dev), _i64(out_cache_loc, dev), _i64(positions, dev),
+                                   zip(prefix_lens_cpu, ext_cpu)]) if len(ext_cpu) else torch.zeros(0, dtype=torch.int64)
+        return cls(ForwardMode.EXTEND, _i64("req_pool_indices", req_pool_indices, dev),
+                   _i32("prefix_lens", prefix_lens, dev), _i32("extend_lens", extend_lens, dev),
+                   _i64("out_cache_loc", out_cache_loc, dev), _i64("positions", positions, dev),
                    prefix_lens_cpu=prefix_lens_cpu, extend_lens_cpu=ext_cpu)
 
     @classmethod
@@ -226,11 +260,12 @@ class ForwardBatch:
         CPU tensor) are also kept as ``prefix_lens_cpu`` / ``extend_lens_cpu`` (for host planners,
         no device read)."""
         dev = device if device is not None else torch.as_tensor(out_cache_loc).device
-        host = _host_i32(prefix_lens)
-        prefix_lens = _i32(prefix_lens, dev)
-        pos = prefix_lens.long() if positions is None else _i64(positions, dev)
-        return cls(ForwardMode.DECODE, _i64(req_pool_indices, dev), prefix_lens,
-                   torch.ones_like(prefix_lens), _i64(out_cache_loc, dev), pos, prefix_lens_cpu=host,
+        host = _host_i32("prefix_lens", prefix_lens)
+        _check_nonneg("prefix_lens", host)
+        prefix_lens = _i32("prefix_lens", prefix_lens, dev)
+        pos = prefix_lens.long() if positions is None else _i64("positions", positions, dev)
+        return cls(ForwardMode.DECODE, _i64("req_pool_indices", req_pool_indices, dev), prefix_lens,
+                   torch.ones_like(prefix_lens), _i64("out_cache_loc", out_cache_loc, dev), pos, prefix_lens_cpu=host,
                    extend_lens_cpu=None if host is None else torch.ones_like(host))
 
     @classmethod
@@ -241,17 +276,21 @@ class ForwardBatch:
         Host ``prefix_lens`` are also kept as ``prefix_lens_cpu`` / ``extend_lens_cpu``."""
         if not mode.has_fixed_tokens_per_req():
             raise ValueError(f"{mode.name} has no fixed tokens per request")
+        if isinstance(num_tokens_per_req, bool) or not isinstance(num_tokens_per_req, int) \
+                or num_tokens_per_req < 1:
+            raise ValueError(f"num_tokens_per_req must be an int >= 1, got {num_tokens_per_req!r}")
         dev = device if device is not None else torch.as_tensor(out_cache_loc).device
-        host = _host_i32(prefix_lens)
-        prefix_lens = _i32(prefix_lens, dev)
+        host = _host_i32("prefix_lens", prefix_lens)
+        _check_nonneg("prefix_lens", host)
+        prefix_lens = _i32("prefix_lens", prefix_lens, dev)
         bs, D = prefix_lens.shape[0], num_tokens_per_req
         if mode.is_target_verify() and (tree_mask is None or positions is None):
             raise ValueError("TARGET_VERIFY needs tree_mask and positions (P + depth)")
         if positions is None:
             positions = (prefix_lens.long()[:, None] + torch.arange(D, device=dev)).flatten()
-        return cls(mode, _i64(req_pool_indices, dev), prefix_lens,
-                   torch.full((bs,), D, dtype=torch.int32, device=dev), _i64(out_cache_loc, dev),
-                   _i64(positions, dev), num_tokens_per_req=D,
+        return cls(mode, _i64("req_pool_indices", req_pool_indices, dev), prefix_lens,
+                   torch.full((bs,), D, dtype=torch.int32, device=dev), _i64("out_cache_loc", out_cache_loc, dev),
+                   _i64("positions", positions, dev), num_tokens_per_req=D,
                    tree_mask=None if tree_mask is None else torch.as_tensor(tree_mask, device=dev),
                    prefix_lens_cpu=host, extend_lens_cpu=None if host is None else torch.full_like(host, D))
 
@@ -264,8 +303,11 @@ class ForwardBatch:
 
     # ---------------------------------------------------------------- checks
     def validate(self, req_to_token: Optional[torch.Tensor] = None) -> None:
-        """Check shapes, dtypes and the convention; with ``req_to_token`` also that
-        ``req_to_token[r, P:P+n] == out_cache_loc`` for every request.  Host syncs: use in
+        """Check shapes, dtypes and the convention (lengths, slots and rows >= 0, EXTEND
+        ``n >= 1``); with ``req_to_token`` also the rows against its height and
+        ``req_to_token[r, P:P+n] == out_cache_loc`` for every request.  ``positions`` are
+        not checked: they only feed RoPE, and drafters place them as their design needs
+        (a DFlash block runs TARGET_VERIFY at its own positions).  Host syncs: use in
         tests and debug runs, not on a hot path.
 
         Raises:
@@ -285,10 +327,16 @@ class ForwardBatch:
                 raise ValueError("IDLE batch must be empty")
             return
         ext = self.extend_lens.cpu()
+        if bool((ext < 0).any()) or (mode == ForwardMode.EXTEND and bool((ext < 1).any())):
+            raise ValueError(f"extend_lens must be >= 1 (EXTEND) / >= 0, got {ext.tolist()}")
         if int(ext.sum()) != T:
             raise ValueError(f"sum(extend_lens) = {int(ext.sum())} but out_cache_loc has {T} tokens")
         if bool((self.prefix_lens < 0).any()):
             raise ValueError("prefix_lens must be >= 0")
+        if bool((self.req_pool_indices < 0).any()):
+            raise ValueError(f"req_pool_indices must be >= 0, got {self.req_pool_indices.tolist()}")
+        if T and bool((self.out_cache_loc < 0).any()):
+            raise ValueError("out_cache_loc must be >= 0 (KV slots)")
         if mode.is_decode() and bool((ext != 1).any()):
             raise ValueError("DECODE needs extend_lens == 1")
         if mode.has_fixed_tokens_per_req():
@@ -300,6 +348,9 @@ class ForwardBatch:
                 raise ValueError("TARGET_VERIFY needs tree_mask")
             check_tree_mask(self.tree_mask, bs, self.num_tokens_per_req)
         if req_to_token is not None:
+            if bs and int(self.req_pool_indices.max()) >= req_to_token.shape[0]:
+                raise ValueError(f"req_pool_indices must be < {req_to_token.shape[0]} (req_to_token rows), "
+                                 f"got {self.req_pool_indices.tolist()}")
             seq = self.prefix_lens.cpu().tolist()
             rows = self.req_pool_indices.cpu().tolist()
             loc = self.out_cache_loc.cpu()

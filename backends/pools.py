@@ -13,6 +13,7 @@ quantizes; ``kv_scales(layer_id)`` gives every reader and other writer the layer
 """
 from __future__ import annotations
 
+import operator
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -22,6 +23,26 @@ from specattn.ops.checks import INDEX_DTYPES, check_index_range, check_tensor, c
 from specattn.ops.fp8 import KV_CACHE_DTYPES, check_kv_scales, quantize_kv
 
 __all__ = ["ReqToTokenPool", "MHATokenToKVPool", "MLATokenToKVPool", "KVAllocator"]
+
+#: what ``set_kv_buffer`` takes for K / V / latent rows (cast to the pool dtype)
+KV_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def _int(name: str, value) -> int:
+    """``value`` as a Python int; TypeError for bools, floats and other non-integers."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+
+
+def _positive(name: str, value, minimum: int = 1) -> int:
+    v = _int(name, value)
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
 
 
 class ReqToTokenPool:
@@ -50,18 +71,27 @@ class ReqToTokenPool:
         return out
 
     def free(self, rows: Sequence[int]) -> None:
-        """Return rows.  Raises ValueError on an out-of-range or already-free row."""
-        for r in rows:
-            if not 0 <= r < self.size or r in self._free:
-                raise ValueError(f"row {r} is out of range or already free")
-            self._free.append(int(r))
+        """Return rows, all or none.  Raises TypeError on a row that is not an int, ValueError
+        on an out-of-range, already-free or repeated row (before any row is returned)."""
+        rows = [_int("row", r) for r in rows]
+        free = set(self._free)
+        for i, r in enumerate(rows):
+            if not 0 <= r < self.size or r in free or r in rows[:i]:
+                raise ValueError(f"row {r} is out of range, already free or repeated")
+        self._free.extend(rows)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """``req_to_token[row, start:start+len(slots)] = slots``.  Raises IndexError past the width."""
+        """``req_to_token[row, start:start+len(slots)] = slots`` (an int32 / int64 ``[n]``
+        tensor of KV slots).  Raises TypeError on a non-int ``row`` / ``start`` or a
+        non-tensor, ValueError on a tensor of another rank or dtype, IndexError past the
+        width or on a slot outside ``[0, 2**31)`` (one host sync; never wrapped)."""
+        row, start = _int("row", row), _int("start", start)
+        check_tensor("slots", slots, dim=1, dtypes=INDEX_DTYPES)
         n = slots.shape[0]
         if not 0 <= row < self.size or start < 0 or start + n > self.max_context_len:
             raise IndexError(f"row {row}, positions [{start}, {start + n}) outside "
                              f"[{self.size}, {self.max_context_len}]")
+        check_index_range("slots", slots, 2 ** 31)
         self.req_to_token[row, start:start + n] = slots.to(self.req_to_token)
 
 
@@ -70,6 +100,7 @@ Scales = Union[float, Sequence[float]]
 
 class _KVPoolBase:
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, layer_num: int, device):
+        size, page_size, layer_num = _int("size", size), _int("page_size", page_size), _int("layer_num", layer_num)
         if page_size < 1 or size < 1 or size % page_size:
             raise ValueError(f"size ({size}) must be a positive multiple of page_size ({page_size})")
         if dtype not in KV_CACHE_DTYPES:
@@ -96,14 +127,23 @@ class _KVPoolBase:
         value written (1.0 unless the pool is fp8)."""
         raise NotImplementedError
 
-    def _check_loc(self, loc: torch.Tensor, layer_id: int) -> None:
-        if not 0 <= layer_id < self.layer_num:
+    def _layer(self, layer_id: int) -> int:
+        """``layer_id`` checked: TypeError unless an int, IndexError outside ``[0, layer_num)``
+        (no wrap-around: -1 is not the last layer)."""
+        if type(layer_id) is int and 0 <= layer_id < self.layer_num:   # the common case, fast
+            return layer_id
+        i = _int("layer_id", layer_id)
+        if not 0 <= i < self.layer_num:
             raise IndexError(f"layer_id {layer_id} outside [0, {self.layer_num})")
+        return i
+
+    def _check_loc(self, loc: torch.Tensor, layer_id: int) -> None:
+        self._layer(layer_id)
         check_tensor("loc", loc, dim=1, dtypes=INDEX_DTYPES, device=self.device)
         check_index_range("loc", loc, self.num_slots)
 
     def _check_rows(self, name: str, t: torch.Tensor, n: int, shape) -> None:
-        check_tensor(name, t, device=self.device, shape=(n, *shape))
+        check_tensor(name, t, device=self.device, shape=(n, *shape), dtypes=KV_INPUT_DTYPES)
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor, impl: str = "auto",
                       group_size: Optional[int] = None, check_values: bool = True) -> None:
@@ -122,14 +162,15 @@ class MHATokenToKVPool(_KVPoolBase):
     ``k_scale`` / ``v_scale``: the fp8 dequantization scales, one float for every layer or a
     sequence of ``layer_num`` floats (default 1.0; other values only with
     ``dtype=torch.float8_e4m3fn``).  Raises ValueError on a dtype outside float32 / float16 /
-    bfloat16 / float8_e4m3fn, a bad size or scale; TypeError on a non-float scale."""
+    bfloat16 / float8_e4m3fn, a bad size or scale, a head count or dimension < 1; TypeError
+    on a non-float scale or a non-int size."""
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_num: int, device="cpu", v_head_dim: Optional[int] = None,
                  k_scale: Scales = 1.0, v_scale: Scales = 1.0):
         super().__init__(size, page_size, dtype, layer_num, device)
-        self.head_num, self.head_dim = head_num, head_dim
-        self.v_head_dim = v_head_dim or head_dim
+        self.head_num, self.head_dim = _positive("head_num", head_num), _positive("head_dim", head_dim)
+        self.v_head_dim = head_dim if v_head_dim is None else _positive("v_head_dim", v_head_dim)
         self.k_scales = check_kv_scales("k_scale", k_scale, layer_num, self.is_fp8)
         self.v_scales = check_kv_scales("v_scale", v_scale, layer_num, self.is_fp8)
         self.k_buffer = [torch.zeros(self.num_slots, head_num, head_dim, dtype=dtype, device=device)
@@ -143,13 +184,18 @@ class MHATokenToKVPool(_KVPoolBase):
         return self.k_buffer + self.v_buffer
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k_buffer[layer_id]
+        """Layer ``layer_id``'s K ``[size + page_size, head_num, head_dim]``; IndexError
+        outside ``[0, layer_num)``, TypeError on a non-int."""
+        return self.k_buffer[self._layer(layer_id)]
 
     def kv_scales(self, layer_id: int) -> Tuple[float, float]:
-        return self.k_scales[layer_id], self.v_scales[layer_id]
+        i = self._layer(layer_id)
+        return self.k_scales[i], self.v_scales[i]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v_buffer[layer_id]
+        """Layer ``layer_id``'s V ``[size + page_size, head_num, v_head_dim]``; errors as
+        :meth:`get_key_buffer`."""
+        return self.v_buffer[self._layer(layer_id)]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
                       cache_v: torch.Tensor) -> None:
@@ -186,7 +232,8 @@ class MLATokenToKVPool(_KVPoolBase):
                  kv_lora_rank: int = 512, qk_rope_head_dim: int = 64, kv_scale: Scales = 1.0):
         super().__init__(size, page_size, dtype, layer_num, device)
         self.latent_scales = check_kv_scales("kv_scale", kv_scale, layer_num, self.is_fp8)
-        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
+        self.kv_lora_rank = _positive("kv_lora_rank", kv_lora_rank)
+        self.qk_rope_head_dim = _positive("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
         self.kv_buffer = [torch.zeros(self.num_slots, 1, self.kv_cache_dim, dtype=dtype, device=device)
                           for _ in range(layer_num)]
@@ -196,14 +243,17 @@ class MLATokenToKVPool(_KVPoolBase):
         return list(self.kv_buffer)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.kv_buffer[layer_id]
+        """Layer ``layer_id``'s latent ``[size + page_size, 1, kv_lora_rank +
+        qk_rope_head_dim]``; IndexError outside ``[0, layer_num)``, TypeError on a non-int."""
+        return self.kv_buffer[self._layer(layer_id)]
 
     def kv_scales(self, layer_id: int) -> Tuple[float, float]:
-        return self.latent_scales[layer_id], self.latent_scales[layer_id]
+        i = self._layer(layer_id)
+        return self.latent_scales[i], self.latent_scales[i]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        """A view ``[slots, 1, kv_lora_rank]`` of the latent."""
-        return self.kv_buffer[layer_id][..., :self.kv_lora_rank]
+        """A view ``[slots, 1, kv_lora_rank]`` of the latent; errors as :meth:`get_key_buffer`."""
+        return self.kv_buffer[self._layer(layer_id)][..., :self.kv_lora_rank]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
                       cache_v: Optional[torch.Tensor] = None) -> None:
@@ -254,18 +304,24 @@ class KVAllocator:
 
         ``last_loc[i]`` is the slot of the request's token ``prefix_lens[i] - 1`` (-1 when the
         prefix is empty): tokens continue in that page while it has room.
-        Raises ValueError on inconsistent lengths or a ``last_loc`` at the wrong page offset.
+        Raises ValueError on inconsistent lengths, a ``last_loc`` at the wrong page offset or
+        in a page not in use (out of range or free: its slots would be handed out twice);
+        TypeError on a value that is not an int.
         """
         if not len(prefix_lens) == len(extend_lens) == len(last_loc):
             raise ValueError("prefix_lens, extend_lens and last_loc must have one entry per request")
         ps, plan, need = self.page_size, [], 0
         for p, n, last in zip(prefix_lens, extend_lens, last_loc):
+            p, n, last = _int("prefix_lens", p), _int("extend_lens", n), _int("last_loc", last)
             if n < 0 or p < 0:
                 raise ValueError("lengths must be >= 0")
             room = 0
             if p % ps:
                 if last < ps or last % ps != (p - 1) % ps:
                     raise ValueError(f"last_loc {last} is not the slot of token {p - 1} in its page")
+                if last // ps > self.num_pages or last // ps in self._free_set:
+                    raise ValueError(f"last_loc {last} lies in page {last // ps}, which is not a page in use "
+                                     f"(pages 1 .. {self.num_pages}, handed out and not freed)")
                 room = ps - p % ps
             in_page = min(room, n)
             pages = -(-(n - in_page) // ps)

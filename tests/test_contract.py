@@ -1,4 +1,5 @@
 """Forward modes, the worked examples of the prefix_lens convention, tree-mask converters, pools."""
+import dataclasses
 import random
 
 import pytest
@@ -86,6 +87,47 @@ def test_validate_catches_convention_breaks():
         ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, [3], [8], 3, [24, 25, 26])
 
 
+def test_validate_checks_rows_slots_and_extend_lengths():
+    pool = _example_pool()
+    good = ForwardBatch.decode([3, 0], [7, 4], [23, 32])
+    good.validate(pool.req_to_token)
+    for field, bad, match in (("req_pool_indices", torch.tensor([-1, 0]), "req_pool_indices must be >= 0"),
+                              ("req_pool_indices", torch.tensor([3, 4]), "req_pool_indices must be < 4"),
+                              ("out_cache_loc", torch.tensor([23, -5]), "out_cache_loc must be >= 0")):
+        with pytest.raises(ValueError, match=match):          # built by hand: the constructors refuse less
+            dataclasses.replace(good, **{field: bad}).validate(pool.req_to_token)
+    empty = ForwardBatch(ForwardMode.EXTEND, torch.tensor([3]), torch.tensor([4], dtype=torch.int32),
+                         torch.tensor([0], dtype=torch.int32), torch.zeros(0, dtype=torch.int64),
+                         torch.zeros(0, dtype=torch.int64))
+    with pytest.raises(ValueError, match="extend_lens must be >= 1"):
+        empty.validate()
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda: ForwardBatch.extend([0], torch.tensor([2 ** 32 + 3]), [1], [5]), ValueError, "prefix_lens must fit int32"),
+    (lambda: ForwardBatch.extend([0.9], [2], [1], [5]), TypeError, "req_pool_indices must hold integers"),
+    (lambda: ForwardBatch.extend([0], [2.7], [1], [5]), TypeError, "prefix_lens must hold integers"),
+    (lambda: ForwardBatch.extend([0, 1], [0, 0], [3, -1], [5, 6]), ValueError, "extend_lens must be >= 0"),
+    (lambda: ForwardBatch.decode([0], [-2], [5]), ValueError, "prefix_lens must be >= 0"),
+    (lambda: ForwardBatch.decode([0], [2], [True]), TypeError, "out_cache_loc must hold integers"),
+    (lambda: ForwardBatch.fixed(ForwardMode.DRAFT_EXTEND_V2, [0], [2], -1, []), ValueError, "num_tokens_per_req"),
+    (lambda: ForwardBatch.fixed(ForwardMode.DRAFT_EXTEND_V2, [0], [2], 0, []), ValueError, "num_tokens_per_req"),
+    (lambda: ForwardBatch.fixed(ForwardMode.DRAFT_EXTEND_V2, [0], [2], 2.5, [4, 5]), ValueError, "num_tokens_per_req"),
+    (lambda: ForwardBatch.from_sglang(ForwardMode.DECODE, [0], [1.5], [3]), TypeError, "seq_lens must hold integers"),
+], ids=range(10))
+def test_batch_constructors_never_truncate_or_wrap(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_batch_constructors_take_empty_and_integer_inputs():
+    b = ForwardBatch.extend([], [], [], [])
+    assert b.batch_size == 0 and b.positions.dtype == torch.int64
+    b = ForwardBatch.extend(torch.tensor([1], dtype=torch.int32), torch.tensor([2], dtype=torch.int64), [1], [9])
+    assert b.prefix_lens.dtype == torch.int32 and b.req_pool_indices.dtype == torch.int64
+    b.validate()
+
+
 # ------------------------------------------------------------------ tree mask
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 70), st.integers(0, 3), st.integers(0, 2**31 - 1), st.floats(0.0, 1.0))
@@ -119,6 +161,26 @@ def test_tree_mask_errors():
         pack_tree_mask(torch.ones(3, 4, dtype=torch.bool))
     with pytest.raises(ValueError):
         unpack_tree_mask(torch.zeros(3, 3, 2, dtype=torch.int32), 3)
+    with pytest.raises(TypeError, match="num_draft_tokens must be an int"):
+        unpack_tree_mask(torch.zeros(2, 1, dtype=torch.int32), 2.0)
+    with pytest.raises(ValueError, match="num_draft_tokens must be >= 1"):
+        unpack_tree_mask(torch.zeros(0, 1, dtype=torch.int32), 0)
+
+
+def test_flashinfer_mask_helpers_never_truncate():
+    from specattn.ops import flashinfer_mask_bytes
+    tm = pack_tree_mask(torch.ones(1, 2, 2, dtype=torch.bool).tril())
+    assert tree_mask_to_flashinfer(tm, torch.tensor([2]))[1].tolist() == [0, 1]
+    for P, error, match in ((torch.tensor([2.9]), TypeError, "integers"), ([2], TypeError, "integers"),
+                            (torch.tensor([-1]), ValueError, "must be in \\[0, "),
+                            (torch.tensor([2 ** 33]), ValueError, "must be in \\[0, ")):
+        with pytest.raises(error, match=match):
+            tree_mask_to_flashinfer(tm, P)
+    assert flashinfer_mask_bytes(torch.tensor([3, 0]), 2).tolist() == [2, 1]
+    with pytest.raises(TypeError, match="num_draft_tokens"):
+        flashinfer_mask_bytes(torch.tensor([3]), 2.9)
+    with pytest.raises(TypeError, match="verified_seq_len"):
+        flashinfer_mask_bytes(torch.tensor([3.9]), 2)
 
 
 # ------------------------------------------------------------------ pools
@@ -139,6 +201,79 @@ def test_allocator_pages(page_size):
         alloc.free(a)  # double free
     with pytest.raises(ValueError):
         alloc.free(torch.tensor([0]))  # reserved page
+
+
+def test_allocator_refuses_a_last_loc_outside_the_pages_in_use():
+    """A ``last_loc`` past the pool or in a free page would hand its page's slots out twice."""
+    alloc = KVAllocator(16, page_size=4)
+    with pytest.raises(ValueError, match="not a page in use"):
+        alloc.alloc_extend([2], [2], [1001])
+    with pytest.raises(ValueError, match="not a page in use"):
+        alloc.alloc_extend([1], [3], [8])                  # page 2 is free
+    held = alloc.alloc(4)
+    assert alloc.alloc_extend([1], [3], [int(held[0])]).tolist() == [5, 6, 7]
+    with pytest.raises(TypeError, match="last_loc must be an int"):
+        alloc.alloc_extend([1], [3], [4.0])
+    assert alloc.available_size() == 12                    # nothing taken by the refused calls
+
+
+def test_req_to_token_pool_free_and_write_checks():
+    pool = ReqToTokenPool(4, 8)
+    assert pool.alloc(4) == [0, 1, 2, 3]
+    with pytest.raises(TypeError, match="row must be an int"):
+        pool.free([1.5])
+    with pytest.raises(ValueError, match="repeated"):
+        pool.free([2, 2])
+    with pytest.raises(ValueError, match="out of range"):
+        pool.free([1, 4])
+    assert pool.available_size() == 0                      # all or nothing
+    pool.free([2, 1])
+    assert pool.available_size() == 2
+    with pytest.raises(ValueError, match="already free"):
+        pool.free([1])
+    before = pool.req_to_token.clone()
+    for slots, error in ((torch.tensor([2 ** 32 + 5]), IndexError), (torch.tensor([-7]), IndexError),
+                         (torch.tensor([3.7]), ValueError), (torch.zeros(2, 3, dtype=torch.int32), ValueError),
+                         ([1, 2], TypeError)):
+        with pytest.raises(error):
+            pool.write(0, 0, slots)
+    with pytest.raises(TypeError):
+        pool.write(0, 1.0, torch.tensor([1]))
+    assert torch.equal(pool.req_to_token, before)
+    pool.write(0, 6, torch.tensor([2 ** 31 - 1, 0]))
+    assert pool.req_to_token[0, 6:].tolist() == [2 ** 31 - 1, 0]
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_kv_pool_layers_sizes_and_input_dtypes(kind):
+    pool = (MHATokenToKVPool(8, 1, torch.float32, 1, 4, layer_num=2) if kind == "mha"
+            else MLATokenToKVPool(8, 1, torch.float32, 2, kv_lora_rank=4, qk_rope_head_dim=2))
+    for get in (pool.get_key_buffer, pool.get_value_buffer, pool.kv_scales):
+        with pytest.raises(IndexError, match="layer_id -1"):       # no wrap-around to the last layer
+            get(-1)
+        with pytest.raises(IndexError):
+            get(2)
+        with pytest.raises(TypeError, match="layer_id must be an int"):
+            get(1.0)
+    assert pool.get_key_buffer(1) is pool.buffers[1]
+    width = 4 if kind == "mha" else 6
+    rows = torch.ones(1, 1, width, dtype=torch.complex64)
+    with pytest.raises(ValueError, match="must have dtype"):
+        pool.set_kv_buffer(0, torch.tensor([1]), rows, rows)
+    with pytest.raises(TypeError, match="layer_id must be an int"):
+        pool.set_kv_buffer(1.5, torch.tensor([1]), rows.real, rows.real)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(head_num=0), "head_num must be >= 1"), (dict(head_dim=-1), "head_dim must be >= 1"),
+    (dict(v_head_dim=0), "v_head_dim must be >= 1"), (dict(head_num=1.5), "head_num must be an int"),
+])
+def test_mha_pool_sizes(kw, match):
+    args = dict(size=8, page_size=1, dtype=torch.float32, head_num=1, head_dim=4, layer_num=1)
+    with pytest.raises((ValueError, TypeError), match=match):
+        MHATokenToKVPool(**{**args, **kw})
+    with pytest.raises(ValueError, match="kv_lora_rank must be >= 1"):
+        MLATokenToKVPool(8, 1, torch.float32, 1, kv_lora_rank=-2, qk_rope_head_dim=2)
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])

@@ -115,11 +115,16 @@ def test_backend_refuses_inconsistent_batches(seed):
     b = sc.batch
     rows, P, loc = b.req_pool_indices, b.prefix_lens, b.out_cache_loc
     n = b.extend_lens
+    with pytest.raises(ValueError, match="prefix_lens must be >= 0"):     # the constructors refuse them
+        ForwardBatch.extend(rows, torch.tensor([-3, 1]), n, loc)
+    with pytest.raises(ValueError, match="extend_lens must be >= 0"):
+        ForwardBatch.extend(rows, P, torch.tensor([int(n.sum()) + 1, -1]), loc, positions=torch.zeros_like(loc))
+    neg_p = torch.tensor([-3, 1], dtype=torch.int32)
+    neg_n = torch.tensor([int(n.sum()) + 1, -1], dtype=torch.int32)
     cases = [
         (ForwardBatch.extend(rows, P, n + 1, loc, positions=torch.zeros_like(loc)), "sum\\(extend_lens\\)"),
-        (ForwardBatch.extend(rows, torch.tensor([-3, 1]), n, loc), ">= 0"),
-        (ForwardBatch.extend(rows, P, torch.tensor([int(n.sum()) + 1, -1]), loc, positions=torch.zeros_like(loc)),
-         ">= 0"),
+        (dataclasses.replace(b, prefix_lens=neg_p, prefix_lens_cpu=neg_p.clone()), ">= 0"),  # built by hand
+        (dataclasses.replace(b, extend_lens=neg_n, extend_lens_cpu=neg_n.clone()), ">= 0"),
         (ForwardBatch.decode(rows, P[:1], loc[:2]), "prefix_lens"),
     ]
     for batch, match in cases:

@@ -1267,3 +1267,19 @@ def test_lm_head_topk_bench_case(seed):
         torch.testing.assert_close(values, outs[0][0], rtol=0, atol=2e-5)
     with pytest.raises(ValueError, match="impl"):
         c.build(DEV, impl="fast")
+
+
+def test_make_cos_sin_cache_sizes_and_errors():
+    c = make_cos_sin_cache(3, 4, 10000.0)
+    assert c.shape == (3, 4) and c.dtype == torch.float32
+    assert torch.allclose(c[2], torch.tensor([math.cos(2.0), math.cos(0.02), math.sin(2.0), math.sin(0.02)]))
+    for args, error, match in (((3, 4.5), TypeError, "rotary_dim must be an int"),
+                               ((2.9, 4), TypeError, "max_pos must be an int"),
+                               ((True, 4), TypeError, "max_pos must be an int"),
+                               ((0, 4), ValueError, "max_pos must be >= 1"),
+                               ((2, 3), ValueError, "rotary_dim must be a positive even"),
+                               ((2, 4, float("inf")), ValueError, "base must be finite"),
+                               ((2, 4, float("nan")), ValueError, "base must be finite"),
+                               ((2, 4, -1.0), ValueError, "base must be finite and > 0")):
+        with pytest.raises(error, match=match):
+            make_cos_sin_cache(*args)

@@ -209,6 +209,11 @@ def test_commit_accepted_validation():
     with pytest.raises(ValueError, match="path"):
         ops.commit_accepted(rows, prefix, roots, seq, path.t().contiguous().t(), torch.zeros(2, dtype=torch.int64,
                                                                                              device=DEV), emitted)
+    before = prefix.clone()
+    with pytest.raises(IndexError, match="seq_lens"):      # a negative committed length
+        ops.commit_accepted(rows, prefix, roots, torch.tensor([0, -5], device=DEV), path,
+                            torch.zeros(2, dtype=torch.int64, device=DEV), emitted)
+    assert torch.equal(prefix, before)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -213,6 +213,15 @@ def test_bad_input():
     cyc[1, 2] = 1  # 1 -> 2 -> 1 -> ...
     with pytest.raises(ValueError, match="cycle"):
         verify_tree_greedy(cand, ri, nx, cyc, t([[0] * 5, [99] * 5]), 2)
+    for j, back in ((1, 1), (1, 0), (2, 1)):      # a first child at or before its parent: itself, the root
+        bad = t([[1, -1, -1], [1, -1, -1]])       # a 3-token chain per request, made to point back
+        bad[1, j] = back
+        with pytest.raises(ValueError, match=rf"retrive_next_token\[1, {j}\] = {back}: a first child must come after"):
+            verify_tree_greedy(t([[5, 5, 5]] * 2), t([[0, 1, 2], [3, 4, 5]]), bad, t([[-1] * 3] * 2),
+                               t([[5, 5, 5]] * 2), 2)
+        with pytest.raises(ValueError, match="a first child must come after"):
+            tree_speculative_sampling(t([[5, 5, 5]] * 2), t([[0, 1, 2], [3, 4, 5]]), bad, t([[-1] * 3] * 2),
+                                      torch.full((2, 3, 8), 1 / 8), 2)
     probs = torch.full((2, 5, 30), 1 / 30)
     with pytest.raises(IndexError, match="candidates"):
         tree_speculative_sampling(cand, ri, nx, sb, probs, 2)  # token 200 >= V

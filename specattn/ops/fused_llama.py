@@ -559,7 +559,9 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: 
             ``False`` skips them so the call never syncs (a runtime's hot path, whose slots and
             positions come from its own allocator).  The Triton kernel then skips the cache
             stores of rows with an out-of-range slot or position (their Q rows are
-            unspecified); the reference raises torch's indexing error.
+            unspecified); the reference indexes with torch, which raises for a slot or position
+            past the end but counts a negative one from the end (out-of-range input is
+            undefined there).
         impl: ``"auto"`` | ``"triton"`` | ``"reference"``; ``auto`` on CUDA takes Triton
             when ``D`` is a power of two >= 32, else the reference.
     Returns:

@@ -99,14 +99,19 @@ def make_cos_sin_cache(max_pos: int, rotary_dim: int, base: float = 10000.0, *,
     in float32 on the CPU like SGLang's, then moved to ``device``.
 
     Raises:
-        ValueError: ``max_pos < 1``, ``rotary_dim`` not a positive even number, ``base <= 0``.
+        TypeError: ``max_pos`` or ``rotary_dim`` not an int (never truncated).  ValueError:
+        ``max_pos < 1``, ``rotary_dim`` not a positive even number, ``base`` not finite and > 0.
     """
-    if int(max_pos) < 1:
+    for name, v in (("max_pos", max_pos), ("rotary_dim", rotary_dim)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+    max_pos, rotary_dim = int(max_pos), int(rotary_dim)
+    if max_pos < 1:
         raise ValueError(f"max_pos must be >= 1, got {max_pos}")
-    if int(rotary_dim) < 2 or int(rotary_dim) % 2:
+    if rotary_dim < 2 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
-    if not base > 0:
-        raise ValueError(f"base must be > 0, got {base}")
+    if not (math.isfinite(base) and base > 0):
+        raise ValueError(f"base must be finite and > 0, got {base}")
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
     t = torch.arange(int(max_pos), dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
@@ -333,8 +338,9 @@ def materialize_kv(hidden: torch.Tensor, w_kv: torch.Tensor, k_norm_weight: torc
         All checks run before anything is written.  ``check_values=False`` skips the value
         checks (slot / position ranges, repeated slots), so the eager call never syncs with
         the host either; the CUDA / Triton kernels then skip the rows of out-of-range slots or
-        positions instead of touching memory, and the reference raises torch's own indexing
-        error.  Shape, dtype and device checks always run (they read no device memory).
+        positions instead of touching memory, and the reference indexes with torch, which
+        raises for a slot or position past the end but counts a negative one from the end
+        (out-of-range input is undefined there).  Shape, dtype and device checks always run (they read no device memory).
     """
     check_tensor("hidden", hidden, dim=2, dtypes=FLOAT_DTYPES)
     dev = hidden.device

@@ -139,7 +139,9 @@ def move_kv_cache(buffers: Sequence[torch.Tensor], tgt_loc: torch.Tensor, src_lo
             mode.  ``False``: none of them, so the call never syncs with the host (for a hot
             path whose slots come from the allocator); ``group_size=None`` then always stages.
             The CUDA / Triton kernels skip out-of-range pairs instead of touching them; the
-            reference raises torch's own indexing error.
+            reference indexes with torch, which raises for a slot past the end but counts a
+            negative slot from the end (Python indexing), so out-of-range input is undefined
+            there.
     Raises:
         TypeError: ``group_size`` not an int.
         ValueError: empty ``buffers``, 0-d, non-contiguous or memory-sharing buffers,

@@ -259,7 +259,7 @@ def commit_accepted(rows: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.
         non-contiguous ``prefix_lens`` / ``roots``, an ``emitted`` whose rows share memory,
         an output (``prefix_lens``, ``roots``, ``emitted``) that shares memory with another
         or with an input.  IndexError: a row or an
-        ``accept_length`` out of range, or a new prefix length or root that an int32
+        ``accept_length`` out of range, a negative ``seq_lens``, or a new prefix length or root that an int32
         ``prefix_lens`` / ``roots`` cannot hold (``check_values``).  RuntimeError: a forced
         ``impl`` unavailable here.
     """
@@ -287,6 +287,7 @@ def commit_accepted(rows: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.
     if check_values and bs and not capturing():
         check_index_range("rows", rows, min(prefix_lens.shape[0], roots.shape[0]))
         check_index_range("accept_length", accept_length, n)
+        check_index_range("seq_lens", seq_lens, 2 ** 63 - 1)     # a committed length is >= 0
         for name, state, values in (("seq_lens + accept_length + 1", prefix_lens, seq_lens.long() + accept_length + 1),
                                     ("path", roots, path)):
             if state.dtype == torch.int32:   # what the int32 state would hold must fit it

@@ -19,6 +19,7 @@ Example (D = 3, token 0 root, tokens 1 and 2 both children of 0)::
 """
 from __future__ import annotations
 
+import operator
 from typing import Tuple
 
 import torch
@@ -61,9 +62,10 @@ def unpack_tree_mask(packed: torch.Tensor, num_draft_tokens: int) -> torch.Tenso
     """Inverse of :func:`pack_tree_mask`: int32 ``[..., D, W]`` -> bool ``[..., D, D]``.
 
     Raises:
-        ValueError: wrong dtype, or last dim is not ``ceil(D/32)`` or rows are not D.
+        TypeError: ``num_draft_tokens`` not an int.  ValueError: ``num_draft_tokens < 1``,
+        wrong dtype, or last dim is not ``ceil(D/32)`` or rows are not D.
     """
-    D = num_draft_tokens
+    D = _num_draft_tokens(num_draft_tokens)
     if packed.dtype != torch.int32:
         raise ValueError(f"packed tree mask must be int32, got {packed.dtype}")
     if packed.dim() < 2 or packed.shape[-2] != D or packed.shape[-1] != num_mask_words(D):
@@ -72,6 +74,20 @@ def unpack_tree_mask(packed: torch.Tensor, num_draft_tokens: int) -> torch.Tenso
     bits = torch.arange(32, dtype=torch.int32, device=packed.device)
     dense = (torch.bitwise_right_shift(packed.unsqueeze(-1), bits) & 1).bool()
     return dense.flatten(-2)[..., :D]
+
+
+def _num_draft_tokens(value) -> int:
+    """``value`` as an int >= 1: TypeError for floats and bools (never truncated), ValueError
+    below 1."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"num_draft_tokens must be an int, got {value!r}") from None
+    if value < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {value}")
+    return value
 
 
 def check_tree_mask(tree_mask: torch.Tensor, bs: int, num_draft_tokens: int) -> None:
@@ -95,8 +111,16 @@ def flashinfer_mask_bytes(verified_seq_len: torch.Tensor, num_draft_tokens: int)
     ``ceil(D * (P_b + D) / 8)`` with ``P_b = verified_seq_len[b]`` and ``D =
     num_draft_tokens`` (on ``verified_seq_len``'s device, no host sync).  The
     ``mask_indptr`` of :func:`tree_mask_to_flashinfer` (and the ``flashinfer_mask_indptr``
-    that :func:`specattn.ops.build_tree` expects) is ``[0, cumsum(this)]`` as int32."""
-    D = int(num_draft_tokens)
+    that :func:`specattn.ops.build_tree` expects) is ``[0, cumsum(this)]`` as int32.
+
+    Raises TypeError for a non-int ``num_draft_tokens`` or a non-integer ``verified_seq_len``
+    (never truncated), ValueError for ``num_draft_tokens < 1``; a negative length is the
+    caller's to avoid (checking it would read the device)."""
+    D = _num_draft_tokens(num_draft_tokens)
+    if not isinstance(verified_seq_len, torch.Tensor) or verified_seq_len.is_floating_point() \
+            or verified_seq_len.dtype == torch.bool or verified_seq_len.is_complex():
+        raise TypeError(f"verified_seq_len must be an integer tensor, got "
+                        f"{getattr(verified_seq_len, 'dtype', type(verified_seq_len).__name__)}")
     return (D * (verified_seq_len.long() + D) + 7) // 8
 
 
@@ -112,15 +136,33 @@ def tree_mask_to_flashinfer(tree_mask: torch.Tensor, prefix_lens_cpu: torch.Tens
 
     Args:
         tree_mask: int32 ``[bs, D, ceil(D/32)]``, on any device.
-        prefix_lens_cpu: int ``[bs]`` on the CPU (sizes decide the output's length).
+        prefix_lens_cpu: integer ``[bs]`` on the CPU, each in ``[0, 2**31 - 1 - D]``
+            (sizes decide the output's length).
     Returns:
         ``(packed_custom_mask uint8 [total_bytes], mask_indptr int32 [bs + 1])`` on
         ``tree_mask``'s device.
+    Raises:
+        TypeError: ``prefix_lens_cpu`` not a tensor of integers.  ValueError: a bad
+        ``tree_mask``, ``prefix_lens_cpu`` off the CPU, of another shape or out of range,
+        or a total over the int32 ``mask_indptr``.
     """
+    if tree_mask.dim() != 3:
+        raise ValueError(f"tree_mask must be int32 [bs, D, ceil(D/32)], got {list(tree_mask.shape)}")
     bs, D = tree_mask.shape[0], tree_mask.shape[1]
     check_tree_mask(tree_mask, bs, D)
+    if not isinstance(prefix_lens_cpu, torch.Tensor) or prefix_lens_cpu.is_floating_point() \
+            or prefix_lens_cpu.dtype == torch.bool or prefix_lens_cpu.is_complex():
+        raise TypeError(f"prefix_lens_cpu must be a CPU tensor of integers, got "
+                        f"{getattr(prefix_lens_cpu, 'dtype', type(prefix_lens_cpu).__name__)}")
     if prefix_lens_cpu.device.type != "cpu" or prefix_lens_cpu.shape != (bs,):
         raise ValueError("prefix_lens_cpu must be a CPU tensor of shape [bs]")
+    if bs:
+        lo, hi = int(prefix_lens_cpu.min()), int(prefix_lens_cpu.max())
+        if lo < 0 or hi > 2 ** 31 - 1 - D:
+            raise ValueError(f"prefix_lens_cpu must be in [0, {2 ** 31 - 1 - D}], got values in [{lo}, {hi}]")
+        total = int(flashinfer_mask_bytes(prefix_lens_cpu, D).sum())
+        if total > 2 ** 31 - 1:
+            raise ValueError(f"the packed mask would take {total} bytes, past the int32 mask_indptr")
     dense = unpack_tree_mask(tree_mask, D)
     chunks, indptr = [], [0]
     weights = torch.tensor([1 << t for t in range(8)], dtype=torch.int32, device=tree_mask.device)

@@ -204,6 +204,15 @@ def _check_tree(candidates, retrive_index, retrive_next_token, retrive_next_sibl
                              f"of request {b}'s block [{b * D}, {b * D + D})")
     check_index_range("retrive_next_token", retrive_next_token, D, lower=-1)
     check_index_range("retrive_next_sibling", retrive_next_sibling, D, lower=-1)
+    if not capturing() and bs > 0:
+        # a first child comes after its parent (every tree builder numbers nodes so): a pointer
+        # back to the node itself, an ancestor or the root would accept a node twice
+        nxt = retrive_next_token.long()
+        back = (nxt != -1) & (nxt <= torch.arange(D, device=dev))
+        if bool(back.any()):
+            b, j = (int(x) for x in back.nonzero()[0])
+            raise ValueError(f"retrive_next_token[{b}, {j}] = {int(nxt[b, j])}: a first child must come "
+                             f"after its parent (> {j}) or be -1")
     return bs, D, dev
 
 
@@ -231,7 +240,8 @@ def verify_tree_greedy(candidates: torch.Tensor, retrive_index: torch.Tensor,
         retrive_index, retrive_next_token, retrive_next_sibling: int32/int64 ``[bs, D]`` from
             :func:`specattn.ops.build_tree`; ``retrive_index[b]`` in request ``b``'s own
             block ``[b*D, b*D + D)`` (``build_tree`` gives ``b*D + j``), the links in
-            ``[-1, D)``.
+            ``[-1, D)``, a first child after its parent (``retrive_next_token[b, j]`` is -1
+            or ``> j``).
         target_predict: int32/int64 ``[bs, D]``: the target's argmax after each draft token,
             read at the flat row ``retrive_index[b, j]`` (as SGLang).
         num_steps: most drafts to accept (>= 0); ``accept_index`` gets ``num_steps + 1``
@@ -242,7 +252,8 @@ def verify_tree_greedy(candidates: torch.Tensor, retrive_index: torch.Tensor,
         accept_length int32 [bs])`` (module docstring: accept_length excludes the bonus).
     Raises:
         TypeError / ValueError: wrong types, ranks, dtypes, shapes or devices; a cyclic
-            sibling chain (reference); a ``retrive_index`` row outside its request's block.
+            sibling chain (reference); a ``retrive_index`` row outside its request's block; a
+            ``retrive_next_token`` pointing back (to the node, an ancestor or the root).
             IndexError: ``retrive_*`` out of range, or an int64 ``target_predict`` value
             outside int32 (``predicts`` is int32) (host syncs, skipped during CUDA-graph
             capture).
@@ -347,7 +358,7 @@ def tree_speculative_sampling(candidates: torch.Tensor, retrive_index: torch.Ten
     Raises:
         TypeError / ValueError: wrong types, ranks, dtypes, shapes, strides or devices,
             thresholds outside ``[0, 1]``, coins outside ``[0, 1]``, a ``retrive_index`` row
-            outside its request's block.  IndexError:
+            outside its request's block, a ``retrive_next_token`` pointing back.  IndexError:
             ``retrive_*`` or ``candidates`` out of range.  Value checks are skipped during
             CUDA-graph capture.
     """
