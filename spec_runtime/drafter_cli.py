@@ -13,6 +13,7 @@ train data-parallel (``train_drafter.init_distributed``), rank 0 prints and writ
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from pathlib import Path
 from typing import List, Optional
@@ -26,6 +27,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 BACKENDS = ("triton", "torch_reference", "flashinfer")
 
 KINDS = ("eagle3", "dflash")
+#: the longest --seq-len accepted before the target loads (its context bounds it after)
+MAX_SEQ_LEN = 1 << 20
+#: options that only shape the data generation (ignored, with a note, when --data is a cache)
+GENERATION_OPTIONS = ("prompts", "gen_batch", "max_new_tokens", "greedy", "samples_per_prompt", "temperature",
+                      "top_p", "top_k", "seed_max_new_tokens", "seed_temperature", "self_prompts",
+                      "self_prompt_max_tokens", "self_prompt_openers", "num_seeds", "data_time_budget_s")
 #: options of one drafter kind only, with their defaults (None on the command line = not given)
 EAGLE3_ONLY = {"ttt_steps": 7}
 DFLASH_ONLY = {"block_size": 16, "draft_layers": 2, "num_context_layers": 3, "draft_intermediate_size": 0,
@@ -164,7 +171,7 @@ def train_cmd(
     from rich.console import Console
 
     from .train_drafter import (DEFAULT_TRAIN_PROMPTS, GenConfig, RunOptions, TrainConfig, init_distributed,
-                                run_training)
+                                read_prompts, run_training)
     if kind not in KINDS:
         _fail(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
     mine, other = (EAGLE3_ONLY, DFLASH_ONLY) if kind == "eagle3" else (DFLASH_ONLY, EAGLE3_ONLY)
@@ -184,10 +191,15 @@ def train_cmd(
         dtype = "bfloat16" if dev.startswith("cuda") else "float32"
     if dtype not in DTYPES:
         _fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dev == "cpu" and dtype != "float32":   # the drafter trains in float32 under autocast, CUDA only
+        _fail(f"--dtype {dtype} needs --device cuda (bf16 autocast); on the CPU use --dtype float32")
     if backend is None:
         backend = "triton" if dev.startswith("cuda") else "torch_reference"
     if backend not in BACKENDS:
         _fail(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if dev == "cpu" and backend != "torch_reference" and not (
+            backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
+        _fail(f"--backend {backend} needs --device cuda; on the CPU use --backend torch_reference")
     if cuda_graph and not dev.startswith("cuda"):
         _fail("--cuda-graph needs --device cuda")
     for name, v in (("gen-batch", gen_batch), ("max-new-tokens", max_new_tokens), ("seq-len", seq_len),
@@ -219,8 +231,10 @@ def train_cmd(
                       if kind == "dflash" and opt[n] is not None)):
         if not math.isfinite(v):   # NaN passes every comparison; a budget of 0 means no limit
             _fail(f"--{name} must be a finite number, got {v}")
-    if seq_len < 3:
-        _fail("--seq-len must be >= 3")
+    if not 3 <= seq_len <= MAX_SEQ_LEN:
+        _fail(f"--seq-len must be in [3, {MAX_SEQ_LEN}] (and within the target's context), got {seq_len}")
+    if not 0 <= seed < 2 ** 40:
+        _fail(f"--seed must be in [0, 2**40), got {seed}")
     if not lr > 0:
         _fail(f"--lr must be > 0, got {lr}")
     if not 0 <= min_lr_ratio <= 1:
@@ -237,8 +251,17 @@ def train_cmd(
         _fail("--no-greedy needs --samples-per-prompt >= 1")
     prompts = prompts or DEFAULT_TRAIN_PROMPTS
     have_data = data is not None and data.is_file()
-    if not have_data and not prompts.is_file():
-        _fail(f"prompt file not found: {prompts}")
+    if not have_data:
+        try:   # read now: a bad file fails before the model loads
+            read_prompts(prompts)
+        except (FileNotFoundError, ValueError, OSError) as e:
+            _fail(f"--prompts: {e}")
+    else:
+        given = [f"--{n.replace('_', '-')}" for n in GENERATION_OPTIONS
+                 if (src := ctx.get_parameter_source(n)) is not None and src.name not in ("DEFAULT", "DEFAULT_MAP")]
+        if given:
+            typer.echo(f"specattn drafter train: note: --data {data} exists, so no data is generated and "
+                       f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing", err=True)
     if model is not None and not Path(model).exists():
         _fail(f"--model {model}: no such file or folder")
     from .cli import out_dir_problem
@@ -251,6 +274,10 @@ def train_cmd(
               f"pass --overwrite to replace them, or choose another --out folder")
     if data is not None and data.exists() and not data.is_file():
         _fail(f"--data {data} exists and is not a file")
+    if data is not None and not data.exists():
+        why = out_dir_problem(data.absolute().parent)
+        if why:
+            _fail(f"--data: {why}")
     if init_from is not None and not (init_from / "config.json").is_file():
         _fail(f"--init-from {init_from}: no drafter folder there (config.json missing)")
     if init_from is not None:
@@ -270,13 +297,17 @@ def train_cmd(
                      grad_clip=grad_clip, seed=seed, eval_frac=eval_frac, eval_every=eval_every,
                      eval_batches=eval_batches, loss_chunk=loss_chunk, time_budget_s=time_budget_s, amp=amp,
                      init_from=None if init_from is None else str(init_from), **opt)
+    try:   # the bounds between options (TTT steps and anchors within a row, ...) before any work
+        tc.validate()
+        gen.validate()
+    except ValueError as e:
+        _fail(str(e))
     try:
         dist_ctx, dev = init_distributed(dev)
     except ValueError as e:
         _fail(str(e))
     command = _command_line(ctx)
     if dist_ctx.enabled:   # the card records the launch
-        import os
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist_ctx.world_size))
         nodes = f"--nnodes {dist_ctx.world_size // per_node} " if per_node != dist_ctx.world_size else ""
         command = f"torchrun {nodes}--nproc-per-node {per_node} -m " + command

@@ -147,11 +147,17 @@ _DATA_FORMAT = "specattn-eagle3-data-v1"
 
 
 def read_prompts(path) -> List[str]:
-    """Non-empty stripped lines of a prompt file.  Raises FileNotFoundError / ValueError (empty)."""
+    """Non-empty stripped lines of a UTF-8 prompt file (a leading byte-order mark dropped; only
+    ``\n`` ends a line, so a form feed or U+2028 inside a prompt stays there).  Raises
+    FileNotFoundError, ValueError (not UTF-8, or no prompts; the message names the file)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
-    out = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e})") from None
+    out = [line.strip() for line in text.split("\n") if line.strip()]
     if not out:
         raise ValueError(f"{path} has no prompts")
     return out
@@ -1052,8 +1058,14 @@ class TrainConfig:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.seq_len < 3:
             raise ValueError("seq_len must be >= 3")
-        if not 2 <= self.block_size <= self.seq_len:
+        if self.kind == "dflash" and not 2 <= self.block_size <= self.seq_len:
             raise ValueError(f"block_size must be in [2, seq_len={self.seq_len}], got {self.block_size}")
+        if self.kind == "dflash" and self.num_anchors > self.seq_len:
+            raise ValueError(f"num_anchors must be <= seq_len = {self.seq_len} (anchors are positions of a row), "
+                             f"got {self.num_anchors}")
+        if self.kind == "eagle3" and self.ttt_steps > self.seq_len - 1:
+            raise ValueError(f"ttt_steps must be <= seq_len - 1 = {self.seq_len - 1} (step k predicts the token "
+                             f"k + 1 places further into the row), got {self.ttt_steps}")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("lr must be > 0 and min_lr_ratio in [0, 1]")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0 or self.eval_every < 0:
@@ -1382,6 +1394,28 @@ def _init_seed(folder: str) -> Optional[int]:
     return seed if isinstance(seed, int) else None
 
 
+def check_init_from(path, target_config: LlamaConfig, kind: str) -> None:
+    """Check, before any data work, that the drafter folder ``path`` can start a ``kind``
+    training on this target: its weights are there and its ``config.json`` records the
+    target's hidden size, vocabulary and layer count.  The weights' shapes are checked when
+    they load (:func:`_load_init`).
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or ``model.safetensors``.  ValueError: a config
+            of another target."""
+    path = Path(path)
+    for f in ("config.json", "model.safetensors"):
+        if not (path / f).is_file():
+            raise FileNotFoundError(f"init_from {path}: {f} not found")
+    d = json.loads((path / "config.json").read_text())
+    layers = d.get("num_target_layers") if kind == "dflash" else (d.get("specattn") or {}).get("target_num_layers")
+    for key, mine in (("hidden_size", d.get("hidden_size")), ("vocab_size", d.get("vocab_size")),
+                      ("num_hidden_layers", layers)):
+        want = getattr(target_config, key)
+        if mine is not None and mine != want:
+            raise ValueError(f"init_from {path}: a drafter for a target of {key}={mine}, this target has {want}")
+
+
 def _load_init(drafter, target: LlamaModel, tc: TrainConfig) -> None:
     """Copy the weights of the drafter folder ``tc.init_from`` into ``drafter`` (float32).
 
@@ -1441,6 +1475,12 @@ def train(target: LlamaModel, data: SequenceData, tc: TrainConfig, *, target_mod
     eval_rows = [[eval_idx[i] for i in r] for r in pack_sequences([lens[i] for i in eval_idx], tc.seq_len)]
     if not train_rows:
         raise ValueError("no training sequence (need sequences of >= 3 tokens)")
+    trainable = sum(int(data.loss_mask[int(data.offsets[i]):int(data.offsets[i]) + min(lens[i], tc.seq_len)].sum())
+                    for i in train_idx)
+    if not trainable:
+        made = (data.meta.get("generation") or {}).get("seq_len")
+        raise ValueError(f"no position to train: every training sequence's generated tokens lie past seq_len "
+                         f"{tc.seq_len}" + (f" (the data was generated with seq_len {made})" if made else ""))
     drafter = _new_drafter(target, tc, target_model)
     if tc.init_from:
         _load_init(drafter, target, tc)
@@ -1601,6 +1641,15 @@ def _acceptance_rows(fe: dict, what: str, init: Optional[dict] = None) -> List[s
     return lines
 
 
+def _distilled_from(target_model: Optional[str], full_log: dict) -> str:
+    """The card's sentence on where the training text and the teacher came from."""
+    made_by = full_log["data"]["meta"].get("target_model")
+    if made_by is None or made_by == target_model:
+        return "every training token and every teacher distribution comes from the target model itself."
+    return (f"every teacher distribution comes from the target model; the training text was generated by "
+            f"`{made_by}` (a data cache of another model).")
+
+
 def _data_lines(full_log: dict) -> List[str]:
     """The model card's Data section (shared by both kinds)."""
     tc, st, meta = full_log["config"], full_log["data"]["stats"], full_log["data"]["meta"]
@@ -1609,7 +1658,9 @@ def _data_lines(full_log: dict) -> List[str]:
         "## Data",
         "",
         f"- prompts: {meta.get('prompts', '?')} training prompts ({_prompt_sources(meta, gen)}), chat template "
-        f"applied; {meta.get('seeds', 0)} raw-text continuation seeds",
+        f"applied; {meta.get('seeds', 0)} raw-text continuation seeds"
+        + (f"; {meta['skipped_too_long']} prompts left no room for a response within seq_len "
+           f"{gen.get('seq_len')} and were skipped" if meta.get("skipped_too_long") else ""),
         f"- greedy responses: {st.get('greedy_sequences', 0)} sequences, {st.get('greedy_tokens', 0):,} tokens",
         f"- sampled responses (temperature {gen.get('temperature')}, top-p {gen.get('top_p')}, top-k "
         f"{gen.get('top_k')}): {st.get('sampled_sequences', 0)} sequences, {st.get('sampled_tokens', 0):,} tokens",
@@ -1701,8 +1752,8 @@ def model_card(drafter, full_log: dict) -> str:
     lines = [
         f"# EAGLE-3 drafter for {c.target_model or 'its Llama target'}",
         "",
-        "A one-layer EAGLE-3 draft model (Li et al., arXiv 2503.01840) trained by self-distillation: every "
-        "training token and every teacher distribution comes from the target model itself. It drafts from the "
+        "A one-layer EAGLE-3 draft model (Li et al., arXiv 2503.01840) trained by self-distillation: "
+        + _distilled_from(c.target_model, full_log) + " It drafts from the "
         "target's hidden states at three layers and uses the target's own (frozen) embedding and LM head over "
         "the full vocabulary, so the checkpoint holds neither, nor `d2t`/`t2d` maps.",
         "",
@@ -1763,8 +1814,7 @@ def _dflash_card(drafter: DFlashDrafter, full_log: dict) -> str:
         f"# DFlash drafter for {c.target_model or 'its Llama target'}",
         "",
         f"A {c.num_hidden_layers}-layer DFlash block drafter (Chen, Liang and Liu, arXiv 2602.06036) trained by "
-        "self-distillation: every training token and every teacher distribution comes from the target model "
-        f"itself. One non-causal forward over a block `[root, MASK x {B - 1}]` drafts {B - 1} tokens from the "
+        "self-distillation: " + _distilled_from(c.target_model, full_log) + " One non-causal forward over a block `[root, MASK x {B - 1}]` drafts {B - 1} tokens from the "
         "target's hidden states at a few layers (injected as the K/V of every draft layer); it uses the target's "
         "own (frozen) embedding and LM head, so the checkpoint holds neither.",
         "",
@@ -1918,6 +1968,11 @@ def run_training(opts: RunOptions, console=None) -> dict:
     cfg, w, path, name = load_target(opts.model, opts.dtype)
     # a drafter that cannot be built fails now, before any output and before the data
     dc = dflash_config_for(cfg, cfg.num_hidden_layers, opts.train, name) if opts.train.kind == "dflash" else None
+    if opts.train.seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"seq_len {opts.train.seq_len} exceeds the target's context of "
+                         f"{cfg.max_position_embeddings} positions")
+    if opts.train.init_from:
+        check_init_from(opts.train.init_from, cfg, opts.train.kind)
     say(f"target {name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "
         f"({time.perf_counter() - t0:.1f} s to load)")
     if dc is not None:
@@ -1928,6 +1983,14 @@ def run_training(opts: RunOptions, console=None) -> dict:
         data = SequenceData.load(opts.data, cfg.vocab_size)
         say(f"data: loaded {opts.data} ({data.num_sequences} sequences, {data.tokens.numel()} tokens); "
             "generation skipped")
+        made_by = data.meta.get("target_model")
+        if made_by is not None and made_by != name:
+            say(f"note: {opts.data} was generated by {made_by}, not by this target ({name}): the drafter "
+                f"learns this target's distributions on that model's text")
+        made_len = (data.meta.get("generation") or {}).get("seq_len")
+        if made_len is not None and made_len > opts.train.seq_len:
+            say(f"note: {opts.data} was generated with seq_len {made_len}; this run cuts its sequences to "
+                f"{opts.train.seq_len} tokens")
     else:
         texts = read_prompts(opts.prompts)
         tok = loader.load_tokenizer(path)
@@ -1961,6 +2024,9 @@ def run_training(opts: RunOptions, console=None) -> dict:
                                      meta={"target_model": name, "vocab_size": cfg.vocab_size, **prompt_meta})
         say(f"data: {data.num_sequences} sequences, {data.tokens.numel()} tokens in "
             f"{data.meta['generation_seconds']:.1f} s ({data.meta['tokens_per_second'] or 0:.0f} generated tokens/s)")
+        if data.meta.get("skipped_too_long"):
+            say(f"note: {data.meta['skipped_too_long']} prompts left no room for a response within seq_len "
+                f"{opts.train.seq_len} and were skipped")
         if opts.data is not None and ctx.is_main:
             data.save(opts.data)
             say(f"data: wrote {opts.data}")

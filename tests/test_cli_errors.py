@@ -502,6 +502,18 @@ def test_info_json_keeps_every_reason():
     (["drafter", "train", "--out", "README.md/sub"], ["is a file, not a folder"]),
     (["drafter", "train", "--out", "/tmp/specattn-never", "--init-from",
       "spec_runtime/assets/smollm2-135m-instruct-dflash"], ["does not hold a drafter of --kind eagle3"]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--device", "cpu", "--dtype", "bfloat16"],
+     ["--dtype bfloat16 needs --device cuda"]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--device", "cpu", "--backend", "flashinfer"],
+     ["--backend flashinfer needs --device cuda"]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--seed", str(2 ** 40)], ["--seed must be in [0, 2**40)"]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--seq-len", str(2 ** 21)], ["--seq-len must be in [3, "]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--seq-len", "50", "--ttt-steps", "50"],
+     ["ttt_steps must be <= seq_len - 1 = 49"]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--kind", "dflash", "--seq-len", "64", "--num-anchors",
+      "65"], ["num_anchors must be <= seq_len = 64"]),
+    (["drafter", "train", "--out", "/tmp/specattn-never", "--data", "README.md/sub/d.safetensors"],
+     ["--data", "is a file, not a folder"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and v and not v[0].startswith("-") and len(v) > 2 else None)
 def test_bench_and_train_bad_arguments_fail_fast(no_model_load, monkeypatch, args, words):
     """Bad values of the bench and drafter-train commands are one line before any model
@@ -529,6 +541,54 @@ def _stub_training(monkeypatch):
         return {"files": {}}
     monkeypatch.setattr(train_drafter, "run_training", work)
     return seen
+
+
+def test_drafter_train_prompt_file_is_read_before_the_model(no_model_load, monkeypatch, tmp_path):
+    """A prompt file that is not UTF-8 or holds no prompts fails before the model loads; a
+    byte-order mark is dropped; an EAGLE-3 run with a short --seq-len is not refused over
+    DFlash's --block-size default."""
+    from specattn.spec_runtime import train_drafter
+    seen = []
+    monkeypatch.setattr(train_drafter, "run_training", lambda opts, console=None: seen.append(opts))
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9 au lait\n")
+    line = one_error_line(run("drafter", "train", "--out", str(tmp_path / "o"), "--prompts", str(bad)), 2,
+                          start="specattn drafter train: error: ")
+    assert f"--prompts: {bad} is not UTF-8 text" in line
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    line = one_error_line(run("drafter", "train", "--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "blank.txt")),
+                          2, start="specattn drafter train: error: ")
+    assert "has no prompts" in line
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes("\ufeffHello there\fstill the first\nSecond\n".encode())
+    assert train_drafter.read_prompts(bom) == ["Hello there\fstill the first", "Second"]
+    res = run("drafter", "train", "--out", str(tmp_path / "o"), "--prompts", str(bom), "--seq-len", "8",
+              "--ttt-steps", "2", "--device", "cpu")
+    assert res.exit_code == 0 and len(seen) == 1, res.output
+
+
+def test_drafter_train_notes_generation_options_a_cache_ignores(no_model_load, monkeypatch, tmp_path):
+    from specattn.spec_runtime import train_drafter
+    monkeypatch.setattr(train_drafter, "run_training", lambda opts, console=None: None)
+    data = tmp_path / "d.safetensors"
+    data.write_bytes(b"x")                                  # exists: the run would load it
+    res = run("drafter", "train", "--out", str(tmp_path / "o"), "--data", str(data), "--self-prompts", "50",
+              "--temperature", "2", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert f"note: --data {data} exists, so no data is generated and --temperature, --self-prompts do nothing" \
+        in " ".join(res.stderr.split())
+    res = run("drafter", "train", "--out", str(tmp_path / "o2"), "--data", str(data), "--device", "cpu")
+    assert res.exit_code == 0 and "note" not in res.stderr
+
+
+def test_out_dir_problem_names_an_unwritable_folder(tmp_path, monkeypatch):
+    import tempfile
+    assert rcli.out_dir_problem(tmp_path / "a" / "b") is None
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    assert rcli.out_dir_problem(tmp_path / "a" / "b") == f"cannot write in {tmp_path} (Permission denied)"
 
 
 def test_drafter_train_refuses_an_out_folder_holding_a_drafter(no_model_load, monkeypatch, tmp_path):

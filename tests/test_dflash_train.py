@@ -4,6 +4,7 @@ real model, the dense training forward against the runtime's block forward over 
 the block masks (no future, no other block, no other sequence), anchor sampling and teacher
 validity, the weighted soft cross-entropy, a tiny end-to-end training run that a runtime engine
 then drafts with, and CLI errors.  CPU, float32."""
+import dataclasses
 import json
 import math
 
@@ -541,3 +542,59 @@ def test_init_from_a_trained_drafter(tiny_run):
     assert any(not torch.equal(fresh.w[k], trained.w[k]) for k in trained.w)
     _load_init(fresh, target, tc)
     assert set(fresh.w) == set(trained.w) and all(torch.equal(fresh.w[k], trained.w[k]) for k in trained.w)
+
+
+def test_init_from_of_another_target_fails_before_the_data(tiny_run, tmp_path, monkeypatch):
+    """An ``--init-from`` drafter of another target, or one without weights, is refused right
+    after the target loads (it used to fail after the data generation)."""
+    import shutil
+
+    from specattn.spec_runtime import train_drafter as T
+    tmp, args, (a, _) = tiny_run
+    cfg, _ = load_hf_dir(tmp / "target")
+    T.check_init_from(a, cfg, "dflash")
+    wide, _ = tiny_llama(tmp_path / "wide", 5, hidden=96)
+    with pytest.raises(ValueError, match="hidden_size=64, this target has 96"):
+        T.check_init_from(a, wide, "dflash")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(a / "config.json", bare / "config.json")
+    with pytest.raises(FileNotFoundError, match="model.safetensors not found"):
+        T.check_init_from(bare, cfg, "dflash")
+
+    def no_data(*a, **k):
+        raise AssertionError("the data generation started")
+    monkeypatch.setattr(T, "generate_data_sharded", no_data)
+    cli = [x for x in args if x not in ("--data",)]
+    cli = cli[:cli.index(str(tmp / "data.safetensors"))] + cli[cli.index(str(tmp / "data.safetensors")) + 1:]
+    cli[cli.index("--model") + 1] = str(tmp_path / "wide")
+    r = CliRunner().invoke(drafter_app, cli + ["--out", str(tmp_path / "o"), "--init-from", str(a),
+                                               "--prompts", str(_prompt_file(tmp_path))])
+    assert r.exit_code == 2 and "hidden_size=64, this target has 96" in r.output, r.output
+
+
+def _prompt_file(tmp_path):
+    p = tmp_path / "prompts.txt"
+    p.write_text("hello\nthere\n")
+    return p
+
+
+def test_training_needs_a_trainable_position_within_seq_len(tiny_run, tmp_path):
+    """Data cut to a --seq-len that leaves no generated token trains nothing: refused, not a
+    run of zero losses that exits 0; a shorter --seq-len than the data's is noted."""
+    from specattn.spec_runtime.train_drafter import train
+    tmp, args, _ = tiny_run
+    short = [*args]
+    short[short.index("--seq-len") + 1] = "8"
+    short[short.index("--num-anchors") + 1] = "4"
+    r = CliRunner().invoke(drafter_app, short + ["--out", str(tmp_path / "o")])
+    assert "was generated with seq_len 40; this run cuts its sequences to 8 tokens" in " ".join(r.output.split())
+    cfg, w = load_hf_dir(tmp / "target")
+    seqs = [[1 + (i + j) % 90 for j in range(12)] for i in range(8)]      # prompts of 9 tokens, 3 generated
+    data = SequenceData.from_sequences(seqs, [9] * 8, [0] * 8, list(range(8)),
+                                       meta={"generation": {"seq_len": 12}})
+    tc = TrainConfig(kind="dflash", seq_len=8, block_size=4, num_anchors=4, steps=1, batch_size=2, eval_frac=0.25,
+                     time_budget_s=0, amp=False)
+    with pytest.raises(ValueError, match="no position to train: .* past seq_len 8 \\(the data was generated with seq_len 12\\)"):
+        train(LlamaModel(cfg, dict(w)), data, tc, progress=False)
+    train(LlamaModel(cfg, dict(w)), data, dataclasses.replace(tc, seq_len=12), progress=False)   # 3 positions each
