@@ -56,6 +56,16 @@ def _fail(msg: str) -> None:
     raise typer.Exit(code=2)
 
 
+def _note_idle(ctx: typer.Context, names, why: str) -> None:
+    """A note on stderr naming the options among ``names`` given on the command line (or by
+    environment) that do nothing, ``why``."""
+    given = [f"--{n.replace('_', '-')}" for n in names
+             if (src := ctx.get_parameter_source(n)) is not None and src.name not in ("DEFAULT", "DEFAULT_MAP")]
+    if given:
+        typer.echo(f"specattn drafter train: note: {why} {', '.join(given)} "
+                   f"{'does' if len(given) == 1 else 'do'} nothing", err=True)
+
+
 def out_files_present(out: Path) -> List[str]:
     """The names of :data:`OUT_FILES` that folder ``out`` already holds (empty for a missing or
     empty folder): a pure file-system check, made before any work, so every process of a
@@ -257,11 +267,13 @@ def train_cmd(
         except (FileNotFoundError, ValueError, OSError) as e:
             _fail(f"--prompts: {e}")
     else:
-        given = [f"--{n.replace('_', '-')}" for n in GENERATION_OPTIONS
-                 if (src := ctx.get_parameter_source(n)) is not None and src.name not in ("DEFAULT", "DEFAULT_MAP")]
-        if given:
-            typer.echo(f"specattn drafter train: note: --data {data} exists, so no data is generated and "
-                       f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing", err=True)
+        _note_idle(ctx, GENERATION_OPTIONS, f"--data {data} exists, so no data is generated and")
+    if not have_data and self_prompts == 0:
+        _note_idle(ctx, ("self_prompt_openers", "self_prompt_max_tokens"), "with --self-prompts 0,")
+    if not have_data and samples_per_prompt == 0:
+        _note_idle(ctx, ("temperature", "top_p", "top_k"), "with --samples-per-prompt 0 (greedy responses only),")
+    if eval_frac == 0:
+        _note_idle(ctx, ("eval_every", "eval_batches"), "with --eval-frac 0 (nothing held out),")
     if model is not None and not Path(model).exists():
         _fail(f"--model {model}: no such file or folder")
     from .cli import out_dir_problem

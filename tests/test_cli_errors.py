@@ -579,6 +579,14 @@ def test_drafter_train_notes_generation_options_a_cache_ignores(no_model_load, m
         in " ".join(res.stderr.split())
     res = run("drafter", "train", "--out", str(tmp_path / "o2"), "--data", str(data), "--device", "cpu")
     assert res.exit_code == 0 and "note" not in res.stderr
+    res = run("drafter", "train", "--out", str(tmp_path / "o3"), "--self-prompt-openers", "0.5", "--samples-per-prompt",
+              "0", "--top-k", "5", "--eval-frac", "0", "--eval-every", "3", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    err = " ".join(res.stderr.split())
+    for note in ("with --self-prompts 0, --self-prompt-openers does nothing",
+                 "with --samples-per-prompt 0 (greedy responses only), --top-k does nothing",
+                 "with --eval-frac 0 (nothing held out), --eval-every does nothing"):
+        assert note in err, err
 
 
 def test_out_dir_problem_names_an_unwritable_folder(tmp_path, monkeypatch):
