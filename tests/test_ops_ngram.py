@@ -70,6 +70,10 @@ def test_ngram_candidates_errors():
                        ((2, 2, ops.NGRAM_MAX_STEPS + 1), "num_steps")):
         with pytest.raises(ValueError, match=f"{name} must be an int in"):
             ops.ngram_candidates(hist, P, *args)
+    with pytest.raises(TypeError, match="num_steps must be an int"):
+        ops.ngram_candidates(hist, P, 2, 2, 2.0)
+    import numpy as np      # numpy ints are ints
+    ops.ngram_candidates(hist, P, np.int64(2), 2, 2, impl="reference")
     drafts, lens = ops.ngram_candidates(hist, P, ops.NGRAM_MAX_SIZE, ops.NGRAM_MAX_TOPK, ops.NGRAM_MAX_STEPS,
                                         impl="reference")
     assert drafts.shape == (2, ops.NGRAM_MAX_TOPK, ops.NGRAM_MAX_STEPS) and lens.shape == (2, ops.NGRAM_MAX_TOPK)

@@ -211,17 +211,25 @@ def test_bad_input():
         verify_tree_greedy(cand, ri, nx, sb, tp.to("meta"), 2)
     cyc = sb.clone()
     cyc[1, 2] = 1  # 1 -> 2 -> 1 -> ...
-    with pytest.raises(ValueError, match="cycle"):
+    with pytest.raises(ValueError, match="link node 1 twice: not a tree"):
         verify_tree_greedy(cand, ri, nx, cyc, t([[0] * 5, [99] * 5]), 2)
-    for j, back in ((1, 1), (1, 0), (2, 1)):      # a first child at or before its parent: itself, the root
-        bad = t([[1, -1, -1], [1, -1, -1]])       # a 3-token chain per request, made to point back
+    chain = t([[1, 2, -1], [1, 2, -1]])           # 0 -> 1 -> 2 in each request
+    no_sib = t([[-1] * 3] * 2)
+    ok = verify_tree_greedy(t([[5, 5, 5]] * 2), t([[0, 1, 2], [3, 4, 5]]), t([[2, -1, 1], [1, 2, -1]]), no_sib,
+                            t([[5, 5, 5]] * 2), 2)     # 0 -> 2 -> 1: numbered out of order is still a tree
+    assert ok.accept_index.tolist() == [[0, 2, 1], [3, 4, 5]]   # flat rows (retrive_index)
+    for j, back, what in ((1, 1, "node 1 twice"), (1, 0, "the root"), (2, 1, "node 1 twice")):
+        bad = chain.clone()                       # itself, the root, an ancestor
         bad[1, j] = back
-        with pytest.raises(ValueError, match=rf"retrive_next_token\[1, {j}\] = {back}: a first child must come after"):
-            verify_tree_greedy(t([[5, 5, 5]] * 2), t([[0, 1, 2], [3, 4, 5]]), bad, t([[-1] * 3] * 2),
-                               t([[5, 5, 5]] * 2), 2)
-        with pytest.raises(ValueError, match="a first child must come after"):
-            tree_speculative_sampling(t([[5, 5, 5]] * 2), t([[0, 1, 2], [3, 4, 5]]), bad, t([[-1] * 3] * 2),
+        with pytest.raises(ValueError, match=f"of request 1 link {what}: not a tree"):
+            verify_tree_greedy(t([[5, 5, 5]] * 2), t([[0, 1, 2], [3, 4, 5]]), bad, no_sib, t([[5, 5, 5]] * 2), 2)
+        with pytest.raises(ValueError, match="not a tree"):
+            tree_speculative_sampling(t([[5, 5, 5]] * 2), t([[0, 1, 2], [3, 4, 5]]), bad, no_sib,
                                       torch.full((2, 3, 8), 1 / 8), 2)
+    sib_back = no_sib.clone()
+    sib_back[0, 2] = 1                            # 1's sibling is 2 (via next_token) and 2's is 1 again
+    with pytest.raises(ValueError, match="of request 0 link node 1 twice"):
+        verify_tree_greedy(t([[5, 5, 5]] * 2), t([[0, 1, 2], [3, 4, 5]]), chain, sib_back, t([[5, 5, 5]] * 2), 2)
     probs = torch.full((2, 5, 30), 1 / 30)
     with pytest.raises(IndexError, match="candidates"):
         tree_speculative_sampling(cand, ri, nx, sb, probs, 2)  # token 200 >= V
@@ -232,6 +240,12 @@ def test_bad_input():
         tree_speculative_sampling(cand, ri, nx, sb, probs[:, :4], 2)
     with pytest.raises(ValueError, match="threshold_acc"):
         tree_speculative_sampling(cand, ri, nx, sb, probs, 2, threshold_acc=1.5)
+    with pytest.raises(ValueError, match="threshold_single must be in"):
+        tree_speculative_sampling(cand, ri, nx, sb, probs, 2, threshold_single=float("nan"))
+    with pytest.raises(TypeError, match="threshold_acc must be a real number"):
+        tree_speculative_sampling(cand, ri, nx, sb, probs, 2, threshold_acc="0.5")
+    import numpy as np      # numpy floats are real numbers: taken
+    tree_speculative_sampling(cand, ri, nx, sb, probs, 2, threshold_acc=np.float32(0.5), impl="reference")
     with pytest.raises(ValueError, match="uniform_samples must lie"):
         tree_speculative_sampling(cand, ri, nx, sb, probs, 2,
                                   uniform_samples=torch.full((2, 5), 2.0))

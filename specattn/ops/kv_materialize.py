@@ -158,10 +158,18 @@ def stack_kv_proj_weights(k_weights: Sequence[torch.Tensor],
     layout :func:`materialize_kv` expects.  From an SGLang DFlash drafter this is
     ``torch.cat([layer.self_attn.qkv_proj.weight[q_size : q_size + 2 * kv_size] for layer
     in model.layers])`` (the fused QKV weight already holds K then V).
+
+    Raises:
+        ValueError: unequal counts, none, or a weight that is not 2-D or differs from the
+        first in dtype, device or hidden size.  TypeError: a weight that is not a tensor.
     """
     if len(k_weights) != len(v_weights) or not k_weights:
         raise ValueError(f"need as many K as V weights (>= 1), got {len(k_weights)} and "
                          f"{len(v_weights)}")
+    first = k_weights[0]
+    for i, (k, v) in enumerate(zip(k_weights, v_weights)):
+        for name, t in ((f"k_weights[{i}]", k), (f"v_weights[{i}]", v)):
+            check_tensor(name, t, dim=2, dtypes=(first.dtype,), device=first.device, shape=(None, first.shape[1]))
     return torch.cat([w for pair in zip(k_weights, v_weights) for w in pair], dim=0)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
+import numbers
 import torch
 
 from . import registry
@@ -99,8 +100,11 @@ def ngram_candidates(history: torch.Tensor, prefix_lens: torch.Tensor, ngram_siz
                  shape=[history.shape[0]])
     for name, v, most in (("ngram_size", ngram_size, MAX_NGRAM_SIZE), ("topk", topk, MAX_TOPK),
                           ("num_steps", num_steps, MAX_STEPS)):
-        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):   # numpy ints are Integral
+            raise TypeError(f"{name} must be an int in [1, {most}], got {type(v).__name__}")
+        if not 1 <= v <= most:
             raise ValueError(f"{name} must be an int in [1, {most}], got {v!r}")
+    ngram_size, topk, num_steps = int(ngram_size), int(topk), int(num_steps)
     if history.shape[1] < 1:
         raise ValueError(f"history must have at least one position, got {list(history.shape)}")
     if check_values:

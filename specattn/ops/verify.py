@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import numbers
 import numpy as np
 import torch
 
@@ -205,14 +206,17 @@ def _check_tree(candidates, retrive_index, retrive_next_token, retrive_next_sibl
     check_index_range("retrive_next_token", retrive_next_token, D, lower=-1)
     check_index_range("retrive_next_sibling", retrive_next_sibling, D, lower=-1)
     if not capturing() and bs > 0:
-        # a first child comes after its parent (every tree builder numbers nodes so): a pointer
-        # back to the node itself, an ancestor or the root would accept a node twice
-        nxt = retrive_next_token.long()
-        back = (nxt != -1) & (nxt <= torch.arange(D, device=dev))
-        if bool(back.any()):
-            b, j = (int(x) for x in back.nonzero()[0])
-            raise ValueError(f"retrive_next_token[{b}, {j}] = {int(nxt[b, j])}: a first child must come "
-                             f"after its parent (> {j}) or be -1")
+        # a tree links each node once (as a first child or as a next sibling) and the root never:
+        # a second link (a pointer back to the node itself, an ancestor or the root) would let a
+        # walk accept a node twice
+        refs = torch.cat([retrive_next_token, retrive_next_sibling], dim=1).long()
+        linked = torch.zeros(bs, D, dtype=torch.int64, device=dev).scatter_add_(1, refs.clamp(min=0),
+                                                                                 (refs >= 0).long())
+        linked[:, 0] += 1                                    # the root: any link to it is one too many
+        if bool((linked > 1).any()):
+            b, j = (int(x) for x in (linked > 1).nonzero()[0])
+            raise ValueError(f"retrive_next_token / retrive_next_sibling of request {b} link "
+                             f"{'the root' if j == 0 else f'node {j} twice'}: not a tree")
     return bs, D, dev
 
 
@@ -240,8 +244,8 @@ def verify_tree_greedy(candidates: torch.Tensor, retrive_index: torch.Tensor,
         retrive_index, retrive_next_token, retrive_next_sibling: int32/int64 ``[bs, D]`` from
             :func:`specattn.ops.build_tree`; ``retrive_index[b]`` in request ``b``'s own
             block ``[b*D, b*D + D)`` (``build_tree`` gives ``b*D + j``), the links in
-            ``[-1, D)``, a first child after its parent (``retrive_next_token[b, j]`` is -1
-            or ``> j``).
+            ``[-1, D)``, forming a tree: each node linked at most once (as a first child or
+            as a next sibling), the root never.
         target_predict: int32/int64 ``[bs, D]``: the target's argmax after each draft token,
             read at the flat row ``retrive_index[b, j]`` (as SGLang).
         num_steps: most drafts to accept (>= 0); ``accept_index`` gets ``num_steps + 1``
@@ -252,8 +256,8 @@ def verify_tree_greedy(candidates: torch.Tensor, retrive_index: torch.Tensor,
         accept_length int32 [bs])`` (module docstring: accept_length excludes the bonus).
     Raises:
         TypeError / ValueError: wrong types, ranks, dtypes, shapes or devices; a cyclic
-            sibling chain (reference); a ``retrive_index`` row outside its request's block; a
-            ``retrive_next_token`` pointing back (to the node, an ancestor or the root).
+            sibling chain (reference); a ``retrive_index`` row outside its request's block;
+            links that are not a tree (a node linked twice, or the root linked).
             IndexError: ``retrive_*`` out of range, or an int64 ``target_predict`` value
             outside int32 (``predicts`` is int32) (host syncs, skipped during CUDA-graph
             capture).
@@ -358,7 +362,7 @@ def tree_speculative_sampling(candidates: torch.Tensor, retrive_index: torch.Ten
     Raises:
         TypeError / ValueError: wrong types, ranks, dtypes, shapes, strides or devices,
             thresholds outside ``[0, 1]``, coins outside ``[0, 1]``, a ``retrive_index`` row
-            outside its request's block, a ``retrive_next_token`` pointing back.  IndexError:
+            outside its request's block, links that are not a tree.  IndexError:
             ``retrive_*`` or ``candidates`` out of range.  Value checks are skipped during
             CUDA-graph capture.
     """
@@ -377,8 +381,11 @@ def tree_speculative_sampling(candidates: torch.Tensor, retrive_index: torch.Ten
             raise ValueError(f"{name} must have stride 1 in its last dim (call .contiguous()), "
                              f"got strides {list(p.stride())}")
     for name, th in (("threshold_single", threshold_single), ("threshold_acc", threshold_acc)):
-        if isinstance(th, bool) or not isinstance(th, (int, float)) or not 0.0 <= th <= 1.0:
-            raise ValueError(f"{name} must be a float in [0, 1], got {th!r}")
+        if isinstance(th, bool) or not isinstance(th, numbers.Real):   # numpy floats are Real
+            raise TypeError(f"{name} must be a real number in [0, 1], got {type(th).__name__}")
+        if not 0.0 <= th <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {th!r}")
+    threshold_single, threshold_acc = float(threshold_single), float(threshold_acc)
     check_index_range("candidates", candidates, V)
     if uniform_samples is not None:
         check_tensor("uniform_samples", uniform_samples, dtypes=(torch.float32,), device=dev,
