@@ -891,7 +891,8 @@ class DFlashStrategy(Strategy):
                 raise ValueError(f"algo dflash needs a DFlashDrafter as draft_model, got {type(draft_model).__name__}")
             self.drafter = draft_model
         else:
-            self.drafter = DFlashDrafter(target, spec.draft_layers or 2, max_positions=max_context)
+            self.drafter = DFlashDrafter(target, 2 if spec.draft_layers is None else spec.draft_layers,
+                                         max_positions=max_context)
         check_draft_vocab_topk(self.drafter, self.K)
         self.drafter.reserve_positions(max_context)   # the RoPE table and the fused inference path
         self.target_capture_layers = tuple(self.drafter.context_layers)

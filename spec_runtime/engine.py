@@ -199,7 +199,8 @@ class Engine:
             every request row reserves ``max_context`` KV slots up front).
         page_size: KV page size of every pool (``max_context`` a multiple of it); e.g. 64
             for FlashMLA.
-        eos_token_ids: generation stops after emitting one of these (ints; TypeError else).
+        eos_token_ids: generation stops after emitting one of these (ints in the vocabulary;
+            TypeError / ValueError else).  Default none: a config's EOS ids are not read here.
         draft_model: the drafter, or a callable ``target -> drafter`` that builds one over
             the engine's target.  EAGLE: a Llama over the target's vocabulary (run like the
             target) or an EAGLE-3 drafter (:class:`~specattn.spec_runtime.eagle3.Eagle3Drafter`,
@@ -247,6 +248,7 @@ class Engine:
             backend lacks, run by the ``triton`` backend over the same pools.
 
     Raises:
+        TypeError: ``spec`` not a SpecConfig, a size that is not an int, bad ``eos_token_ids``.
         ValueError: bad ``spec``, ``draft_model``, ``page_size``, ``prefill_graph_tokens``,
             ``min_free_slots`` / ``max_admission_delay``, ``cuda_graph`` off CUDA, or a
             ``device`` other than the ready model's.
@@ -262,8 +264,17 @@ class Engine:
                  prefill_graph_tokens: int = 4096, min_free_slots: Optional[int] = None,
                  max_admission_delay: int = 16, kv_cache_dtype: Optional[torch.dtype] = None,
                  kv_scales: Tuple = (1.0, 1.0), overlap: Optional[bool] = None):
-        self.spec = spec or SpecConfig()
+        self.spec = SpecConfig() if spec is None else spec
+        if not isinstance(self.spec, SpecConfig):
+            raise TypeError(f"spec must be a SpecConfig, got {type(spec).__name__}")
         self.spec.validate()
+        for name, v in (("max_batch", max_batch), ("max_context", max_context), ("page_size", page_size),
+                        ("prefill_graph_tokens", prefill_graph_tokens), ("max_admission_delay", max_admission_delay)) + (
+                (("min_free_slots", min_free_slots),) if min_free_slots is not None else ()):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        if max_context < 1:
+            raise ValueError(f"max_context must be >= 1, got {max_context}")
         if page_size < 1 or max_context % page_size:
             raise ValueError(f"max_context ({max_context}) must be a multiple of page_size ({page_size})")
         if max_batch < 1:
@@ -280,9 +291,11 @@ class Engine:
         self.min_free_slots, self.max_admission_delay = min_free_slots, max_admission_delay
         self.overlap = overlap
         try:    # ints (numpy ints and 0-d tensors too): a tensor in a set would never match a token
+            if isinstance(eos_token_ids, (str, bytes)) or any(isinstance(t, bool) for t in eos_token_ids):
+                raise TypeError
             self.eos = {int(operator.index(t)) for t in eos_token_ids}
         except TypeError:
-            raise TypeError(f"eos_token_ids must be ints, got {list(eos_token_ids)!r}") from None
+            raise TypeError(f"eos_token_ids must be a sequence of int token ids, got {eos_token_ids!r}") from None
         if weights is not None:
             self.target = LlamaModel(config, weights, "cpu" if device is None else device, dtype)
         else:  # a ready model brings its device (and dtype)
@@ -290,6 +303,9 @@ class Engine:
             if device is not None and torch.empty(0, device=device).device != config.device:
                 raise ValueError(f"device={device} differs from the ready model's {config.device}")
         self.device, self.dtype = self.target.device, self.target.dtype
+        V = self.target.vocab_size
+        if any(not 0 <= t < V for t in self.eos):   # one that cannot occur would never end a request
+            raise ValueError(f"eos_token_ids must lie in the vocabulary [0, {V}), got {sorted(self.eos)}")
         if cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph needs a CUDA device")
         self.max_batch, self.max_context, self.page_size = max_batch, max_context, page_size
@@ -697,7 +713,8 @@ class Engine:
             ids = torch.as_tensor(prompt if isinstance(prompt, torch.Tensor) else list(prompt))
         except (TypeError, ValueError, RuntimeError):
             raise TypeError(f"prompt {i} must be a sequence of int token ids") from None
-        if ids.dim() > 1 or (ids.numel() and (ids.is_floating_point() or ids.is_complex())):
+        if ids.dim() != 1 or (ids.numel() and (ids.is_floating_point() or ids.is_complex()
+                                                or ids.dtype == torch.bool)):
             raise TypeError(f"prompt {i} must be a sequence of int token ids, got {ids.dtype} "
                             f"{list(ids.shape)}")
         ids = ids.reshape(-1).long()
@@ -881,16 +898,27 @@ class Engine:
         ``max_batch`` requests run at once; the others wait in order and each takes the row
         of a request that finished (continuous batching: its prefill runs between two
         rounds; with ``min_free_slots > 1`` several freed rows share one prefill).
-        ``progress`` is called with the number of tokens generated so far after
-        every round.
+        ``progress`` is called with the number of tokens generated so far before each
+        round is queued (so a call may lag a round behind; the result holds the total).
+        Stops: the engine's ``eos_token_ids`` only (a config's EOS ids apply when the caller
+        passes them, as :func:`specattn.spec_runtime.cli.engine_for` does).
 
         Raises:
             ValueError: no prompts, an empty prompt, a token id outside the vocabulary, a
                 prompt too long for ``max_context`` (with ``max_new_tokens`` and the positions
                 one round may write past them), or bad ``max_new_tokens``.
-            TypeError: a prompt that is not a sequence of int ids, a non-int limit.
+            TypeError: ``prompts`` not a sequence, a prompt that is not a 1-D sequence of int
+                ids (bools are not), a non-int limit, ``params`` not a SamplingParams.
         """
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            raise TypeError(f"prompts must be a sequence (a list) of prompts, got {type(prompts).__name__}")
+        if max_new_tokens is not None and (isinstance(max_new_tokens, (str, bytes))
+                                           or not hasattr(max_new_tokens, "__len__")):
+            raise TypeError(f"max_new_tokens must be a sequence of per-prompt limits (or None: params' limit), "
+                            f"got {max_new_tokens!r}")
         limits = list(max_new_tokens) if max_new_tokens is not None else [params.max_new_tokens] * len(prompts)
         if any(isinstance(m, bool) or not isinstance(m, numbers.Integral) for m in limits):
             raise TypeError(f"max_new_tokens must be ints, got {limits!r}")

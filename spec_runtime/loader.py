@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -51,6 +52,25 @@ def check_decoder_shape(config, int_fields) -> None:
         raise ValueError(f"rms_norm_eps={config.rms_norm_eps} and rope_theta={config.rope_theta} must be > 0")
 
 
+def _token_ids(name: str, ids, vocab_size: int) -> list[int]:
+    """``ids`` (None, one int or a sequence of ints) as a list of token ids in
+    ``[0, vocab_size)``: TypeError for floats, bools and strings (never truncated), ValueError
+    outside the vocabulary."""
+    if ids is None:
+        return []
+    items = [ids] if isinstance(ids, numbers.Integral) and not isinstance(ids, bool) else ids
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise TypeError(f"{name} must be an int or a list of ints, got {ids!r}")
+    out = []
+    for t in items:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{name} must be an int or a list of ints, got {ids!r}")
+        if not 0 <= int(t) < vocab_size:
+            raise ValueError(f"{name} must lie in the vocabulary [0, {vocab_size}), got {ids!r}")
+        out.append(int(t))
+    return out
+
+
 @dataclass
 class LlamaConfig:
     """Shape and numeric hyper-parameters of a Llama decoder (defaults mirror HF's
@@ -75,8 +95,7 @@ class LlamaConfig:
         check_decoder_shape(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                    "num_attention_heads", "num_key_value_heads", "head_dim",
                                    "max_position_embeddings"))
-        ids = self.eos_token_ids
-        self.eos_token_ids = [] if ids is None else [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+        self.eos_token_ids = _token_ids("eos_token_ids", self.eos_token_ids, self.vocab_size)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "LlamaConfig":
@@ -315,8 +334,11 @@ def load_hf_dir(path: str | os.PathLike, dtype: torch.dtype = torch.float32
             gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
         except (ValueError, AttributeError) as e:
             raise ValueError(f"{gen_file}: not a JSON object ({e})") from None
-        extra = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
-        config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + [int(t) for t in extra]))
+        try:
+            extra = _token_ids("eos_token_id", gen_eos, config.vocab_size)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{gen_file}: {e}") from None
+        config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + extra))
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -344,6 +366,9 @@ def random_weights(param_shapes: dict, seed: int = 0, dtype: torch.dtype = torch
     """Deterministic random CPU tensors for ``{name: shape}`` (HF names) from ``seed``:
     embeddings and ``lm_head`` ~ N(0, 1), other matrices ~ N(0, 4 / in_features), vectors
     (norm weights) ~ 1 + 0.1 N(0, 1); see :func:`write_random_hf_dir` for why."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    _check_dtype(dtype)
     g = torch.Generator().manual_seed(int(seed))
     out = {}
     for name, shape in param_shapes.items():

@@ -19,7 +19,8 @@ class SamplingParams:
     Raises:
         TypeError: a field of the wrong type (bools are not numbers here).
         ValueError: a ``temperature`` that is not finite and >= 0, a ``top_p`` that is not
-            finite and > 0 (``top_p <= 0`` would drop every token)."""
+            finite and > 0 (``top_p <= 0`` would drop every token), a ``seed`` outside
+            ``[0, 2**64)``."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -36,6 +37,8 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise TypeError(f"{name} must be an int, got {v!r}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 64:   # torch's generator would wrap a negative one
+            raise ValueError(f"seed must be in [0, 2**64) or None, got {self.seed}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {self.temperature}")
         if not (math.isfinite(self.top_p) and self.top_p > 0):

@@ -22,6 +22,7 @@ position ``P``); a strategy adds its own (e.g. EAGLE: the drafter's top-k after 
 from __future__ import annotations
 
 import math
+import numbers
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -160,9 +161,23 @@ class SpecConfig:
             raise ValueError(f"{name}'s min_batch values must increase from >= 2, got {mins}")
 
     def validate(self) -> None:
-        """Raises ValueError on an unknown algo or bounds that no tree can meet."""
+        """Raises TypeError on a size that is not an int (bools are not; never truncated) or
+        a ``ddtree_depth_decay`` that is not a real number; ValueError on an unknown algo, a
+        ``draft_layers`` below 1 (``None`` is the default) or bounds that no tree can meet.
+        The sizes of another algorithm are type-checked only (``topk`` and ``num_steps``
+        mean nothing to ``none``, ``num_draft_tokens`` nothing to a DFlash chain)."""
         if self.algo not in ("none", "eagle", "dflash", "ngram"):
             raise ValueError(f"unknown algo {self.algo!r} (none | eagle | dflash | ngram)")
+        for name in ("topk", "num_steps", "num_draft_tokens", "block_size", "ngram_size") + (
+                ("draft_layers",) if self.draft_layers is not None else ()):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError(f"draft_layers must be >= 1 (None: the default), got {self.draft_layers}")
+        d = self.ddtree_depth_decay
+        if isinstance(d, bool) or not isinstance(d, numbers.Real):
+            raise TypeError(f"ddtree_depth_decay must be a real number, got {d!r}")
         if self.algo == "ngram" and not (1 <= self.topk <= ops.NGRAM_MAX_TOPK
                                          and 1 <= self.num_steps <= ops.NGRAM_MAX_STEPS
                                          and 1 <= self.ngram_size <= ops.NGRAM_MAX_SIZE):
@@ -180,8 +195,7 @@ class SpecConfig:
                 raise ValueError(f"eagle needs topk >= 1 and num_steps >= 1, got topk={self.topk}, "
                                  f"num_steps={self.num_steps}")
             self._check_tree_tokens(self.num_draft_tokens, "num_draft_tokens")
-        if not (isinstance(self.ddtree_depth_decay, (int, float)) and self.ddtree_depth_decay > 0
-                and math.isfinite(self.ddtree_depth_decay)):
+        if not (self.ddtree_depth_decay > 0 and math.isfinite(self.ddtree_depth_decay)):
             raise ValueError(f"ddtree_depth_decay must be a finite number > 0, got {self.ddtree_depth_decay!r}")
         if self.algo == "dflash" and self.block_size < 2:
             raise ValueError(f"dflash needs block_size >= 2, got {self.block_size}")
@@ -211,12 +225,15 @@ class SpecConfig:
 
 
 def check_draft_vocab_topk(drafter, topk: int) -> None:
-    """Raises ValueError when ``drafter`` drafts from a draft vocabulary (``draft_vocab``,
-    int64 ``[V']``) of fewer than ``topk`` tokens: a round could not draft ``topk`` distinct
-    tokens per position."""
+    """Raises ValueError when ``drafter`` drafts from fewer than ``topk`` tokens (its draft
+    vocabulary, ``draft_vocab`` int64 ``[V']``, or else its whole ``vocab_size``): a round
+    could not draft ``topk`` distinct tokens per position."""
     vocab = getattr(drafter, "draft_vocab", None)
     if vocab is not None and vocab.numel() < topk:
         raise ValueError(f"topk={topk} exceeds the drafter's {vocab.numel()}-token draft vocabulary")
+    size = getattr(drafter, "vocab_size", None)
+    if vocab is None and isinstance(size, int) and size < topk:
+        raise ValueError(f"topk={topk} exceeds the {size}-token vocabulary")
 
 
 def parse_by_batch(text: str) -> Tuple[Tuple[int, int], ...]:
@@ -417,7 +434,9 @@ class EagleStrategy(Strategy):
                 raise ValueError("draft_model must share the target's vocabulary and device")
             self.drafter = draft_model
         else:
-            n = spec.draft_layers or max(1, 3 * target.num_layers // 4)
+            n = max(1, 3 * target.num_layers // 4) if spec.draft_layers is None else spec.draft_layers
+            if not 1 <= n <= target.num_layers:
+                raise ValueError(f"draft_layers must be in [1, {target.num_layers}] (the target's layers), got {n}")
             self.drafter = target.with_layers(n)
         self.eagle3 = hasattr(self.drafter, "aux_layer_ids")
         check_draft_vocab_topk(self.drafter, self.K)

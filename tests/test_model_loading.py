@@ -368,3 +368,28 @@ def test_gguf_named_otherwise_loads_with_its_tokenizer(gguf_path, tokenizer, tmp
         tok = L.load_tokenizer(tmp_path / name)
         assert tok.chat_template == tokenizer.chat_template
         assert tok.encode("hello there") == tokenizer.encode("hello there")
+
+
+def test_config_eos_ids_are_checked_not_coerced(tmp_path):
+    """A float, bool or string EOS id used to be truncated or split into digits ("12" -> [1, 2]);
+    an id outside the vocabulary could never end a generation."""
+    assert tiny_config(eos_token_ids=5).eos_token_ids == [5] and tiny_config(eos_token_ids=None).eos_token_ids == []
+    assert tiny_config(eos_token_ids=(np.int64(3), 4)).eos_token_ids == [3, 4]
+    for bad in ([1.7], "12", True, [True]):
+        with pytest.raises(TypeError, match="eos_token_ids must be an int or a list of ints"):
+            tiny_config(eos_token_ids=bad)
+    for bad in ([97], [-1], 1000):
+        with pytest.raises(ValueError, match=r"eos_token_ids must lie in the vocabulary \[0, 97\)"):
+            tiny_config(eos_token_ids=bad)
+    path = L.write_random_hf_dir(tmp_path / "m", tiny_config(eos_token_ids=[7]), seed=0)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5000, 2]}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id must lie in the vocabulary"):
+        L.load_hf_dir(path)
+
+
+def test_random_weights_checks_seed_and_dtype():
+    with pytest.raises(TypeError, match="seed must be an int"):
+        L.random_weights({"a": (3,)}, seed=1.7)
+    with pytest.raises(ValueError, match="floating torch.dtype"):
+        L.random_weights({"a": (3,)}, dtype=torch.int64)
+    assert torch.equal(L.random_weights({"a": (3,)}, seed=np.int64(1))["a"], L.random_weights({"a": (3,)}, seed=1)["a"])

@@ -322,5 +322,53 @@ def test_generate_input_errors(tmp_path, seed, backend_name):
     for ids in ([stop], [torch.tensor(stop)], [np.int64(stop)], torch.tensor([stop])):
         got = make_engine(backend_name, cfg, dict(w), max_context=64, eos_token_ids=ids).generate([[5, 6, 7]], p)
         assert got.tokens[0] == out[:out.index(stop) + 1], ids
-    with pytest.raises(TypeError, match="eos_token_ids must be ints"):
-        make_engine(backend_name, cfg, dict(w), max_context=64, eos_token_ids=["</s>"])
+    for bad in (["</s>"], 5, [True], "12"):
+        with pytest.raises(TypeError, match="eos_token_ids must be a sequence of int token ids"):
+            make_engine(backend_name, cfg, dict(w), max_context=64, eos_token_ids=bad)
+    for bad in ([96], [-1]):   # an EOS that cannot occur would never end a request
+        with pytest.raises(ValueError, match=r"eos_token_ids must lie in the vocabulary \[0, 96\)"):
+            make_engine(backend_name, cfg, dict(w), max_context=64, eos_token_ids=bad)
+    for prompt in ([True, False], torch.tensor([True, False]), np.array([True, False]), torch.tensor(5)):
+        with pytest.raises(TypeError, match="prompt 0 must be a sequence of int token ids"):
+            eng.generate([prompt], p)
+    with pytest.raises(TypeError, match="prompts must be a sequence"):
+        eng.generate((x for x in [[1, 2]]), p)
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        eng.generate([[1, 2]], {"max_new_tokens": 3})
+    with pytest.raises(TypeError, match="max_new_tokens must be a sequence of per-prompt limits"):
+        eng.generate([[1, 2]], p, max_new_tokens=3)
+    for seed in (-1, 2 ** 64):   # torch's generator would wrap -1 onto 2**64 - 1
+        with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+            SamplingParams(temperature=1.0, seed=seed)
+    assert eng.generate([[5, 6, 7]], p).tokens[0] == out              # still usable after the refusals
+
+
+def test_engine_and_spec_config_types(tmp_path, seed, backend_name):
+    """Sizes that are not ints (floats, bools, strings) are TypeErrors naming the field, not
+    torch errors from deep inside; ``draft_layers=0`` is refused, not the default; a topk
+    over the vocabulary is refused at construction (it used to fail inside generate)."""
+    import numpy as np
+    from tiny_models import tiny_llama
+    cfg, w = tiny_llama(tmp_path, seed, vocab=96, layers=2)
+    for kw in (dict(topk=2.0), dict(num_steps="3"), dict(num_draft_tokens=True), dict(block_size=2.5),
+               dict(ngram_size=1.0), dict(draft_layers=1.5), dict(ddtree_depth_decay=True)):
+        name = next(iter(kw))
+        with pytest.raises(TypeError, match=f"{name} must be"):
+            SpecConfig(**{**dict(algo="eagle", topk=2, num_steps=3, num_draft_tokens=6), **kw}).validate()
+    SpecConfig("dflash", block_size=4, topk=2, num_draft_tokens=4, ddtree_depth_decay=np.float32(0.5)).validate()
+    SpecConfig("eagle", np.int64(2), 3, 6).validate()
+    for algo in ("eagle", "dflash"):
+        with pytest.raises(ValueError, match="draft_layers must be >= 1"):
+            SpecConfig(algo, draft_layers=0).validate()
+    with pytest.raises(ValueError, match="draft_layers must be in \\[1, 2\\]"):
+        make_engine(backend_name, cfg, dict(w), spec=SpecConfig("eagle", 1, 3, 4, draft_layers=3), max_context=64)
+    with pytest.raises(ValueError, match="topk=100 exceeds the 96-token vocabulary"):
+        make_engine(backend_name, cfg, dict(w), spec=SpecConfig("eagle", 100, 1, 101, 2), max_context=512)
+    for kw in (dict(max_batch=2.0), dict(max_context=64.0), dict(max_batch=True), dict(min_free_slots=1.5),
+               dict(max_admission_delay=1.5), dict(page_size=1.0)):
+        with pytest.raises(TypeError, match=f"{next(iter(kw))} must be an int"):
+            make_engine(backend_name, cfg, dict(w), **{"max_context": 64, **kw})
+    with pytest.raises(ValueError, match="max_context must be >= 1"):
+        make_engine(backend_name, cfg, dict(w), max_context=0)
+    with pytest.raises(TypeError, match="spec must be a SpecConfig"):
+        make_engine(backend_name, cfg, dict(w), spec="eagle", max_context=64)
