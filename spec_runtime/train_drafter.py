@@ -1109,6 +1109,14 @@ class _StepOut:
     entry_seg: torch.Tensor
 
 
+def _warmup_text(tc: dict, full_log: dict) -> str:
+    """The warm-up steps the schedule ran (:func:`_lr_at` clamps them below the planned
+    steps), and the asked number when that differs."""
+    planned = (full_log.get("planned_steps") or [tc["steps"]])[-1]
+    ran = min(tc["warmup_steps"], max(planned - 1, 0))
+    return f"{ran}" if ran == tc["warmup_steps"] else f"{ran} steps of the {tc['warmup_steps']} asked, as the run was shorter"
+
+
 def _lr_at(step: int, total: int, tc: TrainConfig) -> float:
     """Linear warm-up over ``warmup_steps`` then cosine from ``lr`` to ``lr * min_lr_ratio``."""
     warm = min(tc.warmup_steps, max(total - 1, 0))
@@ -1720,7 +1728,7 @@ def _run_lines(full_log: dict) -> List[str]:
         + (f", time budget {tc['time_budget_s']:.0f} s" if tc["time_budget_s"] else "")
         + f"; stopped by: {full_log['stop_reason']}), batch {rows} x {tc['seq_len']} tokens "
         "(sequences packed, attention never crosses them)",
-        f"- AdamW lr {tc['lr']:g} (warm-up {tc['warmup_steps']}, cosine to {tc['min_lr_ratio']:g}x), weight decay "
+        f"- AdamW lr {tc['lr']:g} (warm-up {_warmup_text(tc, full_log)}, cosine to {tc['min_lr_ratio']:g}x), weight decay "
         f"{tc['weight_decay']:g}, gradient clip {tc['grad_clip']:g}, seed {tc['seed']}"
         + (f"; initialized from the weights of `{Path(tc['init_from']).name}` (an earlier run), not at random"
            if tc.get("init_from") else ""),
@@ -1973,6 +1981,8 @@ def run_training(opts: RunOptions, console=None) -> dict:
                          f"{cfg.max_position_embeddings} positions")
     if opts.train.init_from:
         check_init_from(opts.train.init_from, cfg, opts.train.kind)
+    if opts.gen.top_k > cfg.vocab_size:
+        raise ValueError(f"top_k {opts.gen.top_k} exceeds the target's vocabulary of {cfg.vocab_size} tokens")
     say(f"target {name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "
         f"({time.perf_counter() - t0:.1f} s to load)")
     if dc is not None:

@@ -567,6 +567,9 @@ def test_init_from_of_another_target_fails_before_the_data(tiny_run, tmp_path, m
     monkeypatch.setattr(T, "generate_data_sharded", no_data)
     cli = [x for x in args if x not in ("--data",)]
     cli = cli[:cli.index(str(tmp / "data.safetensors"))] + cli[cli.index(str(tmp / "data.safetensors")) + 1:]
+    r = CliRunner().invoke(drafter_app, cli + ["--out", str(tmp_path / "k"), "--top-k", "97",
+                                               "--prompts", str(_prompt_file(tmp_path))])
+    assert r.exit_code == 2 and "top_k 97 exceeds the target's vocabulary of 96 tokens" in r.output, r.output
     cli[cli.index("--model") + 1] = str(tmp_path / "wide")
     r = CliRunner().invoke(drafter_app, cli + ["--out", str(tmp_path / "o"), "--init-from", str(a),
                                                "--prompts", str(_prompt_file(tmp_path))])
@@ -598,3 +601,11 @@ def test_training_needs_a_trainable_position_within_seq_len(tiny_run, tmp_path):
     with pytest.raises(ValueError, match="no position to train: .* past seq_len 8 \\(the data was generated with seq_len 12\\)"):
         train(LlamaModel(cfg, dict(w)), data, tc, progress=False)
     train(LlamaModel(cfg, dict(w)), data, dataclasses.replace(tc, seq_len=12), progress=False)   # 3 positions each
+
+
+def test_card_states_the_warmup_the_schedule_ran():
+    from specattn.spec_runtime.train_drafter import _warmup_text
+    assert _warmup_text({"steps": 3, "warmup_steps": 1000}, {"planned_steps": [3]}) == \
+        "2 steps of the 1000 asked, as the run was shorter"
+    assert _warmup_text({"steps": 500, "warmup_steps": 100}, {"planned_steps": [500, 120]}) == "100"
+    assert _warmup_text({"steps": 500, "warmup_steps": 100}, {"planned_steps": [500, 40]}).startswith("39 steps")
