@@ -35,6 +35,9 @@ from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
 
+#: the query dtypes every backend takes (the KV pools' input dtypes, fp8 aside)
+Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class UnsupportedError(NotImplementedError):
     """The backend does not support this mode / kind / graph combination."""
@@ -176,9 +179,11 @@ class AttentionBackend(ABC):
         Returns:
             ``[T, num_heads, v_head_dim]`` in ``q.dtype``.
         Raises:
-            UnsupportedError: mode/kind not supported.  ValueError: shapes/devices off.
+            UnsupportedError: mode/kind not supported.  ValueError: shapes/devices off, ``q``
+                not float32 / bfloat16 / float16, a layer that does not fit the pool.
             RuntimeError: metadata built for another batch (mode, size or token count) or
-                none; raised before this forward's KV is written.
+                none (also after an :meth:`init_forward_metadata` that raised).  Every check
+                runs before this forward's KV is written.
         """
         mode = batch.forward_mode
         if layer.kind != self.kind:
@@ -187,6 +192,9 @@ class AttentionBackend(ABC):
         if not self.supports(mode, graph=False, kind=layer.kind):
             raise UnsupportedError(f"{self.name} does not support {mode.name} for {layer.kind.name}")
         T = batch.num_tokens
+        if not isinstance(q, torch.Tensor) or q.dtype not in Q_DTYPES:
+            raise ValueError(f"q must be a float32, bfloat16 or float16 tensor, got "
+                             f"{getattr(q, 'dtype', type(q).__name__)}")
         if q.dim() != 3 or q.shape != (T, layer.num_heads, layer.head_dim):
             raise ValueError(f"q must be [{T}, {layer.num_heads}, {layer.head_dim}], got {list(q.shape)}")
         if q.device != batch.device:
@@ -269,17 +277,23 @@ class AttentionBackend(ABC):
 
     def _check_layer_fits_pool(self, layer: AttentionLayer) -> None:
         """ValueError unless ``layer`` has a layer of the pool and its dims: ``layer_id`` in
-        ``[0, layer_num)``; MHA the pool's KV heads, ``head_dim`` and ``v_head_dim``; MLA its
-        ``kv_lora_rank`` and ``qk_rope_head_dim``."""
+        ``[0, layer_num)``, ``num_kv_heads`` dividing ``num_heads``; MHA the pool's KV heads,
+        ``head_dim`` and ``v_head_dim``; MLA its ``kv_lora_rank`` and ``qk_rope_head_dim``,
+        one KV head, ``head_dim = kv_lora_rank + qk_rope_head_dim`` and ``v_head_dim =
+        kv_lora_rank``."""
         pool = self.kv_pool
         num_layers = getattr(pool, "layer_num", None)
         lid = layer.layer_id
         if num_layers is not None and (isinstance(lid, bool) or not isinstance(lid, int)
                                        or not 0 <= lid < num_layers):
             raise ValueError(f"layer_id must be an int in [0, {num_layers}), got {lid!r}")
+        if layer.num_heads < 1 or layer.num_kv_heads < 1 or layer.num_heads % layer.num_kv_heads:
+            raise ValueError(f"layer.num_kv_heads ({layer.num_kv_heads}) must divide layer.num_heads "
+                             f"({layer.num_heads})")
         if layer.kind == AttentionKind.MLA:
-            want = {"kv_lora_rank": getattr(pool, "kv_lora_rank", None),
-                    "qk_rope_head_dim": getattr(pool, "qk_rope_head_dim", None)}
+            rank, rope = getattr(pool, "kv_lora_rank", None), getattr(pool, "qk_rope_head_dim", None)
+            want = {"kv_lora_rank": rank, "qk_rope_head_dim": rope, "num_kv_heads": 1,
+                    "head_dim": None if rank is None or rope is None else rank + rope, "v_head_dim": rank}
         else:
             want = {"num_kv_heads": getattr(pool, "head_num", None), "head_dim": getattr(pool, "head_dim", None),
                     "v_head_dim": getattr(pool, "v_head_dim", None)}

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from specattn.ops.tree_mask import num_mask_words, pack_tree_mask
+from specattn.ops.tree_mask import check_tree_mask, num_mask_words, pack_tree_mask
 
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
@@ -42,11 +42,35 @@ def _host_lens(batch: ForwardBatch, padded_bs: int, pad_n: int) -> dict:
                                            torch.full((pad,), pad_n, dtype=torch.int32)]))
 
 
+def _check_batch_fields(batch: ForwardBatch) -> None:
+    """ValueError unless ``batch``'s per-request fields are integer ``[bs]``, its per-token
+    ones integer ``[T]`` with ``T`` the sum its mode implies, its host copies ``[bs]`` and a
+    TARGET_VERIFY mask int32 ``[bs, D, ceil(D/32)]`` (shapes and dtypes only: no device read)."""
+    bs, T, mode = batch.batch_size, batch.num_tokens, batch.forward_mode
+    per_token = bs * (batch.num_tokens_per_req or 0) if mode.has_fixed_tokens_per_req() else \
+        (bs if mode.is_decode() else T)
+    for name, t, n in (("req_pool_indices", batch.req_pool_indices, bs), ("prefix_lens", batch.prefix_lens, bs),
+                       ("extend_lens", batch.extend_lens, bs), ("out_cache_loc", batch.out_cache_loc, per_token),
+                       ("positions", batch.positions, per_token), ("prefix_lens_cpu", batch.prefix_lens_cpu, bs),
+                       ("extend_lens_cpu", batch.extend_lens_cpu, bs)):
+        if t is None:
+            continue
+        if t.shape != (n,) or t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
+            raise ValueError(f"{name} must be an integer [{n}] tensor, got {t.dtype} {list(t.shape)}")
+    if mode.is_target_verify():
+        if batch.tree_mask is None:
+            raise ValueError("TARGET_VERIFY needs tree_mask")
+        check_tree_mask(batch.tree_mask, bs, batch.num_tokens_per_req)
+
+
 class GraphInputBuffers:
     """Static buffers for up to ``max_bs`` requests of up to ``max_tokens_per_req`` tokens
     (EXTEND: up to ``max_bs * max_tokens_per_req`` tokens in all)."""
 
     def __init__(self, max_bs: int, max_tokens_per_req: int, device):
+        for name, v in (("max_bs", max_bs), ("max_tokens_per_req", max_tokens_per_req)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         self.max_bs, self.max_tokens_per_req = max_bs, max_tokens_per_req
         T, D = max_bs * max_tokens_per_req, max_tokens_per_req
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -61,9 +85,14 @@ class GraphInputBuffers:
         ``padded_tokens`` tokens), return the view.
 
         Raises:
-            ValueError: IDLE, ``padded_tokens`` outside EXTEND, or the batch does not fit.
+            ValueError: IDLE, ``padded_tokens`` outside EXTEND, the batch does not fit, or a
+                field of the wrong shape or dtype (checked before any copy: a wrong shape
+                would broadcast or leave part of the buffers stale).
         """
         mode, bs = batch.forward_mode, batch.batch_size
+        if isinstance(padded_bs, bool) or not isinstance(padded_bs, int):
+            raise ValueError(f"padded_bs must be an int, got {padded_bs!r}")
+        _check_batch_fields(batch)
         if mode == ForwardMode.EXTEND:
             return self._fill_extend(batch, padded_bs, padded_tokens)
         if padded_tokens is not None:

@@ -529,6 +529,13 @@ class FlashInferBackend(AttentionBackend):
             TARGET_VERIFY mask that is not a chain, a ``req_pool_indices`` row or a slot out
             of range, or stale host copies of the lengths (one more host read).
         """
+        try:
+            self._init_eager_metadata(batch)
+        except BaseException:   # a call that raises leaves no metadata: the next forward raises
+            self.forward_metadata = None
+            raise
+
+    def _init_eager_metadata(self, batch: ForwardBatch) -> None:
         mode = batch.forward_mode
         self._require(mode, graph=False)
         md = FlashInferMetadata(mode, batch.batch_size, batch.num_tokens_per_req, batch.num_tokens)

@@ -291,7 +291,9 @@ class ForwardBatch:
         return cls(mode, _i64("req_pool_indices", req_pool_indices, dev), prefix_lens,
                    torch.full((bs,), D, dtype=torch.int32, device=dev), _i64("out_cache_loc", out_cache_loc, dev),
                    _i64("positions", positions, dev), num_tokens_per_req=D,
-                   tree_mask=None if tree_mask is None else torch.as_tensor(tree_mask, device=dev),
+                   tree_mask=None if tree_mask is None else (
+                       tree_mask.to(dev) if isinstance(tree_mask, torch.Tensor)
+                       else torch.as_tensor(tree_mask, dtype=torch.int32, device=dev)),
                    prefix_lens_cpu=host, extend_lens_cpu=None if host is None else torch.full_like(host, D))
 
     @classmethod
@@ -341,12 +343,20 @@ class ForwardBatch:
             raise ValueError("DECODE needs extend_lens == 1")
         if mode.has_fixed_tokens_per_req():
             D = self.num_tokens_per_req
-            if D is None or bool((ext != D).any()):
-                raise ValueError(f"{mode.name} needs num_tokens_per_req and extend_lens == it")
+            if D is None:
+                raise ValueError(f"{mode.name} needs num_tokens_per_req")
+            if bool((ext != D).any()):
+                raise ValueError(f"{mode.name} needs extend_lens == num_tokens_per_req = {D} for every request, "
+                                 f"got {ext.tolist()}")
         if mode.is_target_verify():
             if self.tree_mask is None:
                 raise ValueError("TARGET_VERIFY needs tree_mask")
             check_tree_mask(self.tree_mask, bs, self.num_tokens_per_req)
+            D = self.num_tokens_per_req
+            if D % 32 and bs:   # bits past D in the last word would be silently ignored
+                past = self.tree_mask[..., -1].cpu().long() & ~((1 << (D % 32)) - 1) & 0xFFFFFFFF
+                if bool(past.any()):
+                    raise ValueError(f"tree_mask has bits set past num_tokens_per_req = {D}")
         if req_to_token is not None:
             if bs and int(self.req_pool_indices.max()) >= req_to_token.shape[0]:
                 raise ValueError(f"req_pool_indices must be < {req_to_token.shape[0]} (req_to_token rows), "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,6 +16,14 @@ class AttentionKind(enum.Enum):
 
     MHA = "mha"
     MLA = "mla"
+
+
+def _scaling(scaling: Optional[float], default: float) -> float:
+    """``scaling``, or ``default`` when None; ValueError unless finite and > 0."""
+    out = default if scaling is None else scaling
+    if isinstance(out, bool) or not (isinstance(out, numbers.Real) and math.isfinite(out) and out > 0):
+        raise ValueError(f"scaling must be a finite number > 0, got {scaling!r}")
+    return float(out)
 
 
 @dataclass(frozen=True)
@@ -46,20 +55,30 @@ class AttentionLayer:
     @classmethod
     def mha(cls, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
             v_head_dim: Optional[int] = None, scaling: Optional[float] = None) -> "AttentionLayer":
-        """An MHA/GQA layer.  Raises ValueError if ``num_kv_heads`` does not divide ``num_heads``."""
+        """An MHA/GQA layer.  Raises ValueError if ``num_kv_heads`` does not divide
+        ``num_heads``, a dim is < 1 (``v_head_dim`` None: ``head_dim``), or the scaling is not
+        finite and > 0."""
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        for name, d in (("head_dim", head_dim), ("v_head_dim", v_head_dim)):
+            if d < 1:
+                raise ValueError(f"{name} must be >= 1, got {d}")
         return cls(layer_id, AttentionKind.MHA, num_heads, num_kv_heads, head_dim,
-                   v_head_dim or head_dim, scaling if scaling is not None else head_dim ** -0.5)
+                   v_head_dim, _scaling(scaling, head_dim ** -0.5))
 
     @classmethod
     def mla(cls, layer_id: int, num_heads: int, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64,
             scaling: Optional[float] = None) -> "AttentionLayer":
-        """An absorbed-MLA layer (``head_dim = kv_lora_rank + qk_rope_head_dim``)."""
+        """An absorbed-MLA layer (``head_dim = kv_lora_rank + qk_rope_head_dim``).  Raises
+        ValueError for ``num_heads`` or ``kv_lora_rank`` < 1, ``qk_rope_head_dim`` < 0, or a
+        scaling that is not finite and > 0."""
+        if num_heads < 1 or kv_lora_rank < 1 or qk_rope_head_dim < 0:
+            raise ValueError(f"num_heads and kv_lora_rank must be >= 1 and qk_rope_head_dim >= 0, got "
+                             f"{num_heads}, {kv_lora_rank}, {qk_rope_head_dim}")
         d = kv_lora_rank + qk_rope_head_dim
         return cls(layer_id, AttentionKind.MLA, num_heads, 1, d, kv_lora_rank,
-                   scaling if scaling is not None else 1.0 / math.sqrt(d),
-                   kv_lora_rank, qk_rope_head_dim)
+                   _scaling(scaling, 1.0 / math.sqrt(d)), kv_lora_rank, qk_rope_head_dim)
 
     @property
     def group_size(self) -> int:

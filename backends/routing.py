@@ -40,10 +40,19 @@ class RoutedBackend(AttentionBackend):
         routes: ``{mode: backend}``; every backend must share ``primary``'s
             ``req_to_token_pool`` and ``kv_pool`` (the same objects).
     Raises:
-        ValueError: a routed backend over other pools, or routing IDLE.
+        TypeError: ``primary`` or a route that is not a backend, a key that is not a
+            ForwardMode.  ValueError: a routed backend over other pools, or routing IDLE.
     """
 
     def __init__(self, primary: AttentionBackend, routes: Dict[ForwardMode, AttentionBackend]):
+        if not isinstance(primary, AttentionBackend):
+            raise TypeError(f"primary must be an AttentionBackend, got {type(primary).__name__}")
+        if not isinstance(routes, dict):
+            raise TypeError(f"routes must be a dict {{ForwardMode: AttentionBackend}}, got {type(routes).__name__}")
+        for mode, b in routes.items():
+            if not isinstance(mode, ForwardMode) or not isinstance(b, AttentionBackend):
+                raise TypeError(f"routes must map a ForwardMode to an AttentionBackend, got {mode!r}: "
+                                f"{type(b).__name__}")
         super().__init__(primary.req_to_token_pool, primary.kv_pool, topk=primary.topk)
         for mode, b in routes.items():
             if b.req_to_token_pool is not primary.req_to_token_pool or b.kv_pool is not primary.kv_pool:

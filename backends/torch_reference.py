@@ -103,9 +103,13 @@ class TorchReferenceBackend(AttentionBackend):
         return (not graph) or mode.is_cuda_graph()
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Eager metadata, after the batch's own checks (:meth:`ForwardBatch.validate`: the
+        oracle refuses what the Triton backend refuses) and the reads' range checks.  A call
+        that raises leaves no metadata, so the next :meth:`forward` raises too."""
+        self.forward_metadata = None
         if batch.forward_mode.is_idle():
-            self.forward_metadata = None
             return
+        batch.validate()
         P, n = self._host_lens(batch)
         self._check_batch_reads(batch, P, n)   # also: P + n within req_to_token's width
         max_q = int(n.max()) if len(n) else 0

@@ -419,6 +419,7 @@ class TritonBackend(AttentionBackend):
         or a length is negative, the CPU copies are stale, a per-request tensor is not
         ``[bs]``, or a TARGET_VERIFY ``tree_mask`` is missing or not int32 ``[bs, D,
         ceil(D/32)]``."""
+        self.forward_metadata = None      # a call that raises leaves none: the next forward raises
         mode = batch.forward_mode
         if mode.is_idle():
             self.forward_metadata = None

@@ -224,3 +224,132 @@ def test_int32_outputs_refuse_values_they_cannot_hold(impl):
         ops.fork_req_to_token_rows(rtt, **fork, new_slots=torch.tensor([[2**32 + 5]]), impl=impl)
     ops.fork_req_to_token_rows(rtt, **fork, new_slots=torch.tensor([[2**31 - 1]]), impl=impl)
     assert int(rtt[1, 2]) == 2**31 - 1
+
+
+def _small(name):
+    from specattn.backends import MHATokenToKVPool, create_backend
+    rp = ReqToTokenPool(4, 16)
+    kp = MHATokenToKVPool(64, 1, torch.float32, 1, 16, 2)
+    rp.write(0, 0, torch.tensor([1, 2, 3, 4, 5, 6]))
+    rp.write(1, 0, torch.tensor([7, 8, 9, 10, 11, 12]))
+    return rp, kp, create_backend(name, rp, kp)
+
+
+@pytest.mark.parametrize("name", ["torch_reference", "triton"])
+def test_a_refused_batch_never_runs_on_old_metadata(name):
+    """After an init_forward_metadata that raised, forward raises instead of running the
+    refused batch on the previous batch's metadata (it used to write the KV and attend)."""
+    from specattn.backends import AttentionLayer
+    rp, kp, be = _small(name)
+    lay = AttentionLayer.mha(0, 2, 1, 16)
+    good = ForwardBatch.decode([0, 1], [3, 3], [4, 10])
+    q, k, v = torch.randn(2, 2, 16), torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    be.init_forward_metadata(good)
+    be.forward(q, k, v, lay, good)
+    bad = ForwardBatch.decode([0, 1], [16, 3], [4, 10])          # P + 1 = 17 > req_to_token's 16
+    with pytest.raises(ValueError):
+        be.init_forward_metadata(bad)
+    before = kp.get_key_buffer(0).clone()
+    with pytest.raises(RuntimeError, match="init_forward_metadata was not called"):
+        be.forward(q, k, v, lay, bad)
+    assert torch.equal(kp.get_key_buffer(0), before)
+
+
+@pytest.mark.parametrize("name", ["torch_reference", "triton"])
+def test_forward_checks_q_and_the_layer_before_writing_kv(name):
+    from specattn.backends import AttentionKind, AttentionLayer
+    rp, kp, be = _small(name)
+    good = ForwardBatch.decode([0, 1], [3, 3], [4, 10])
+    be.init_forward_metadata(good)
+    k, v = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    before = kp.get_key_buffer(0).clone()
+    for q in (torch.randn(2, 2, 16).round().long(), torch.randn(2, 2, 16) > 0, torch.randn(2, 2, 16).double()):
+        with pytest.raises(ValueError, match="q must be a float32, bfloat16 or float16 tensor"):
+            be.forward(q, k, v, AttentionLayer.mha(0, 2, 1, 16), good)
+    odd = AttentionLayer(0, AttentionKind.MHA, 3, 2, 16, 16, 0.25)    # 2 KV heads do not divide 3
+    with pytest.raises(ValueError, match="must divide layer.num_heads"):
+        be.forward(torch.randn(2, 3, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16), odd, good)
+    assert torch.equal(kp.get_key_buffer(0), before)
+
+
+def test_reference_backend_refuses_what_triton_refuses():
+    """The oracle checks the batch layout like the Triton backend (it used to run a DECODE
+    batch of two tokens per request as an extend, or leave an extra token's output zero)."""
+    rp, kp, ref = _small("torch_reference")
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)   # noqa: E731
+    extra = ForwardBatch(ForwardMode.EXTEND, torch.tensor([0, 1]), i32([3, 3]), i32([2, 1]),
+                         torch.tensor([4, 5, 10, 11]), torch.tensor([3, 4, 3, 4]))
+    two = ForwardBatch(ForwardMode.DECODE, torch.tensor([0, 1]), i32([3, 3]), i32([2, 2]),
+                       torch.tensor([4, 5, 10, 11]), torch.tensor([3, 4, 3, 4]))
+    for batch, match in ((extra, r"sum\(extend_lens\)"), (two, "DECODE needs extend_lens == 1")):
+        with pytest.raises(ValueError, match=match):
+            ref.init_forward_metadata(batch)
+
+
+def test_layer_and_mla_pool_dims():
+    from specattn.backends import AttentionKind, AttentionLayer, MLATokenToKVPool, create_backend
+    for kw, match in ((dict(head_dim=-16), "head_dim must be >= 1"), (dict(head_dim=16, v_head_dim=0),
+                      "v_head_dim must be >= 1"), (dict(head_dim=16, scaling=float("nan")), "scaling"),
+                      (dict(head_dim=16, scaling=0.0), "scaling")):
+        with pytest.raises(ValueError, match=match):
+            AttentionLayer.mha(0, 2, 1, **kw)
+    rp = ReqToTokenPool(2, 16)
+    kp = MLATokenToKVPool(32, 1, torch.float32, 1, kv_lora_rank=16, qk_rope_head_dim=16)
+    rp.write(0, 0, torch.tensor([1, 2, 3, 4]))
+    be = create_backend("torch_reference", rp, kp)
+    b = ForwardBatch.decode([0], [3], [4])
+    be.init_forward_metadata(b)
+    for lay, match in ((AttentionLayer(0, AttentionKind.MLA, 2, 1, 32, 8, 0.1, 16, 16), "v_head_dim = 8"),
+                       (AttentionLayer(0, AttentionKind.MLA, 4, 2, 32, 16, 0.1, 16, 16), "num_kv_heads = 2"),
+                       (AttentionLayer(0, AttentionKind.MLA, 2, 1, 40, 16, 0.1, 16, 16), "head_dim = 40")):
+        with pytest.raises(ValueError, match=match):
+            be.forward(torch.randn(1, lay.num_heads, lay.head_dim), torch.randn(1, 1, 32), None, lay, b)
+
+
+def test_graph_buffers_refuse_fields_of_the_wrong_shape():
+    from specattn.backends import GraphInputBuffers, pack_tree_mask
+    gb = GraphInputBuffers(4, 4, "cpu")
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)   # noqa: E731
+    chain = pack_tree_mask(torch.ones(3, 3, dtype=torch.bool).tril())
+    broadcast = ForwardBatch(ForwardMode.TARGET_VERIFY, torch.tensor([0, 1]), i32([3, 3]), i32([3, 3]),
+                             torch.tensor([4, 5, 6, 10, 11, 12]), torch.tensor([3, 4, 5, 3, 4, 5]),
+                             num_tokens_per_req=3, tree_mask=chain[None])
+    short = ForwardBatch(ForwardMode.DECODE, torch.tensor([0, 1]), i32([3, 3]), i32([1, 1]), torch.tensor([4]),
+                         torch.tensor([3]))
+    floats = ForwardBatch(ForwardMode.DECODE, torch.tensor([0, 1]), torch.tensor([3.7, 2.2]), i32([1, 1]),
+                          torch.tensor([4, 10]), torch.tensor([3, 3]))
+    before = gb.prefix_lens.clone()
+    for batch, match in ((broadcast, "tree_mask"), (short, r"out_cache_loc must be an integer \[2\]"),
+                         (floats, "prefix_lens must be an integer")):
+        with pytest.raises(ValueError, match=match):
+            gb.fill(batch, 2)
+    assert torch.equal(gb.prefix_lens, before)
+    with pytest.raises(ValueError, match="padded_bs must be an int"):
+        gb.fill(ForwardBatch.decode([0, 1], [3, 3], [4, 10]), 2.0)
+    with pytest.raises(ValueError, match="max_bs must be an int >= 1"):
+        GraphInputBuffers(-1, 4, "cpu")
+
+
+def test_tree_mask_bits_past_d_and_list_masks():
+    from specattn.backends import pack_tree_mask
+    chain = pack_tree_mask(torch.ones(3, 3, dtype=torch.bool).tril())
+    b = ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, [0], [3], 3, [4, 5, 6], positions=[3, 4, 5],
+                           tree_mask=chain.tolist() and [chain.tolist()])
+    assert b.tree_mask.dtype == torch.int32
+    b.validate()
+    bad = chain.clone()
+    bad[1, 0] |= 1 << 10
+    with pytest.raises(ValueError, match="bits set past num_tokens_per_req = 3"):
+        ForwardBatch.fixed(ForwardMode.TARGET_VERIFY, [0], [3], 3, [4, 5, 6], positions=[3, 4, 5],
+                           tree_mask=bad[None]).validate()
+
+
+def test_routed_backend_argument_types():
+    from specattn.backends import RoutedBackend
+    _, _, ref = _small("torch_reference")
+    for routes, error in (({2: ref}, TypeError), ({"TARGET_VERIFY": ref}, TypeError),
+                          ({ForwardMode.DECODE: None}, TypeError), ([(ForwardMode.DECODE, ref)], TypeError)):
+        with pytest.raises(error):
+            RoutedBackend(ref, routes)
+    with pytest.raises(TypeError, match="primary must be an AttentionBackend"):
+        RoutedBackend("torch_reference", {})
