@@ -100,7 +100,18 @@ class AttentionBackend(ABC):
     # --------------------------------------------------------------- metadata
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Eager: compute this forward's metadata (host syncs allowed)."""
+        """Eager: compute this forward's metadata (host syncs allowed).  A call that raises
+        must leave no metadata (:meth:`_metadata_or_none`), so the next :meth:`forward`
+        raises instead of running the refused batch on an older batch's metadata."""
+
+    def _metadata_or_none(self, build, batch: ForwardBatch) -> None:
+        """Run ``build(batch)`` (which sets :attr:`forward_metadata`); on any exception clear
+        the metadata and re-raise."""
+        try:
+            build(batch)
+        except BaseException:
+            self.forward_metadata = None
+            raise
 
     #: set by :meth:`init_cuda_graph_state`
     graph_capacity: Optional[GraphCapacity] = None

@@ -240,11 +240,7 @@ class FlashMLABackend(AttentionBackend):
             ``req_pool_indices`` row or a slot out of range, or stale host copies of the
             lengths (one host read).
         """
-        try:
-            self._init_eager_metadata(batch)
-        except BaseException:   # a call that raises leaves no metadata: the next forward raises
-            self.forward_metadata = None
-            raise
+        self._metadata_or_none(self._init_eager_metadata, batch)
 
     def _init_eager_metadata(self, batch: ForwardBatch) -> None:
         mode = batch.forward_mode
