@@ -104,14 +104,17 @@ class TorchReferenceBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Eager metadata, after the batch's own checks (:meth:`ForwardBatch.validate`: the
-        oracle refuses what the Triton backend refuses) and the reads' range checks.  A call
-        that raises leaves no metadata, so the next :meth:`forward` raises too."""
+        oracle refuses what the Triton backend refuses, and a token whose ``out_cache_loc``
+        is not its ``req_to_token`` slot, which no backend would read back) and the reads'
+        range checks.  A call that raises leaves no metadata, so the next :meth:`forward`
+        raises too."""
         self.forward_metadata = None
         if batch.forward_mode.is_idle():
             return
         batch.validate()
         P, n = self._host_lens(batch)
         self._check_batch_reads(batch, P, n)   # also: P + n within req_to_token's width
+        batch.validate(self.req_to_token_pool.req_to_token)   # and out_cache_loc == req_to_token[r, P:P+n]
         max_q = int(n.max()) if len(n) else 0
         max_kv = int((P + n).max()) if len(n) else 0
         self.forward_metadata = build_reference_metadata(

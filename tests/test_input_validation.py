@@ -281,7 +281,9 @@ def test_reference_backend_refuses_what_triton_refuses():
                          torch.tensor([4, 5, 10, 11]), torch.tensor([3, 4, 3, 4]))
     two = ForwardBatch(ForwardMode.DECODE, torch.tensor([0, 1]), i32([3, 3]), i32([2, 2]),
                        torch.tensor([4, 5, 10, 11]), torch.tensor([3, 4, 3, 4]))
-    for batch, match in ((extra, r"sum\(extend_lens\)"), (two, "DECODE needs extend_lens == 1")):
+    page0 = ForwardBatch.decode([0, 1], [3, 3], [0, 0])     # slots req_to_token does not list (page 0)
+    for batch, match in ((extra, r"sum\(extend_lens\)"), (two, "DECODE needs extend_lens == 1"),
+                         (page0, r"req_to_token\[0, 3:4\] != out_cache_loc")):
         with pytest.raises(ValueError, match=match):
             ref.init_forward_metadata(batch)
 
