@@ -113,8 +113,8 @@ def compact_accepted_path(accept_index: torch.Tensor, accept_length: torch.Tenso
           holds the KV of path token ``k`` for ``k < n_b``; rows ``k >= n_b`` are identity
           pairs (slot unchanged), so the pair count is static (``bs * D``, CUDA-graph
           friendly).  ``tgt_loc`` repeats a slot only where ``out_cache_loc`` does (e.g.
-          padded requests all on slot 0: identity pairs, but ``move_kv_cache``'s eager check
-          rejects repeated targets).
+          padded requests all on slot 0: identity pairs, which ``move_kv_cache`` accepts;
+          it refuses only a slot that a real move writes and that is repeated or kept).
     Raises:
         TypeError / ValueError: wrong types, ranks, dtypes, shapes or devices; an
             ``accept_index`` entry outside its request's block for ``k < n_b`` or not -1

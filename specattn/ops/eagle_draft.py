@@ -27,7 +27,9 @@ Order rule (both ops, both implementations): candidates rank by score descending
 equal scores, by LOWER candidate column first (``-0.0`` ties with ``+0.0``; a NaN ranks by
 its bits: ``+NaN`` above ``+inf``, ``-NaN`` below ``-inf``).  This is the order of
 ``torch.topk`` over :func:`~specattn.ops.topk.order_keys`, which the references use, so
-reference and Triton results compare exactly; ``torch.topk`` on the raw scores agrees
+reference and Triton results compare exactly (one exception: the sign of a NaN that a sum
+of two NaNs of opposite signs yields is the platform's, and torch on the CPU and Triton's
+interpreter differ there); ``torch.topk`` on the raw scores agrees
 wherever the scores it ranks are distinct.  Any selection gives a valid tree, so the
 choice among ties never affects losslessness.
 
