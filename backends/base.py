@@ -31,12 +31,11 @@ from typing import Optional
 
 import torch
 
+from specattn.ops.fp8 import FLOAT_DTYPES
+
 from .forward_batch import ForwardBatch
 from .forward_mode import ForwardMode
 from .layer import AttentionKind, AttentionLayer
-
-#: the query dtypes every backend takes (the KV pools' input dtypes, fp8 aside)
-Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class UnsupportedError(NotImplementedError):
@@ -203,7 +202,7 @@ class AttentionBackend(ABC):
         if not self.supports(mode, graph=False, kind=layer.kind):
             raise UnsupportedError(f"{self.name} does not support {mode.name} for {layer.kind.name}")
         T = batch.num_tokens
-        if not isinstance(q, torch.Tensor) or q.dtype not in Q_DTYPES:
+        if not isinstance(q, torch.Tensor) or q.dtype not in FLOAT_DTYPES:
             raise ValueError(f"q must be a float32, bfloat16 or float16 tensor, got "
                              f"{getattr(q, 'dtype', type(q).__name__)}")
         if q.dim() != 3 or q.shape != (T, layer.num_heads, layer.head_dim):

@@ -358,16 +358,27 @@ class ForwardBatch:
                 if bool(past.any()):
                     raise ValueError(f"tree_mask has bits set past num_tokens_per_req = {D}")
         if req_to_token is not None:
-            if bs and int(self.req_pool_indices.max()) >= req_to_token.shape[0]:
-                raise ValueError(f"req_pool_indices must be < {req_to_token.shape[0]} (req_to_token rows), "
-                                 f"got {self.req_pool_indices.tolist()}")
-            seq = self.prefix_lens.cpu().tolist()
-            rows = self.req_pool_indices.cpu().tolist()
-            loc = self.out_cache_loc.cpu()
-            start = 0
-            for r, p, n in zip(rows, seq, ext.tolist()):
-                if p + n > req_to_token.shape[1]:
-                    raise ValueError(f"request row {r}: {p}+{n} tokens exceed req_to_token width")
-                if not torch.equal(req_to_token[r, p:p + n].cpu().long(), loc[start:start + n]):
-                    raise ValueError(f"req_to_token[{r}, {p}:{p + n}] != out_cache_loc of its tokens")
-                start += n
+            self.check_slots(req_to_token)
+
+    def check_slots(self, req_to_token: torch.Tensor) -> None:
+        """The part of :meth:`validate` that reads ``req_to_token`` (int ``[rows, width]``):
+        every ``req_pool_indices`` row within its height, ``P + n`` within its width and
+        ``req_to_token[r, P:P+n] == out_cache_loc`` of the request's tokens (for a batch
+        whose layout :meth:`validate` already passed; host syncs).
+
+        Raises:
+            ValueError: the first request that breaks one of these."""
+        bs = self.batch_size
+        if bs and int(self.req_pool_indices.max()) >= req_to_token.shape[0]:
+            raise ValueError(f"req_pool_indices must be < {req_to_token.shape[0]} (req_to_token rows), "
+                             f"got {self.req_pool_indices.tolist()}")
+        seq = self.prefix_lens.cpu().tolist()
+        rows = self.req_pool_indices.cpu().tolist()
+        loc = self.out_cache_loc.cpu()
+        start = 0
+        for r, p, n in zip(rows, seq, self.extend_lens.cpu().tolist()):
+            if p + n > req_to_token.shape[1]:
+                raise ValueError(f"request row {r}: {p}+{n} tokens exceed req_to_token width")
+            if not torch.equal(req_to_token[r, p:p + n].cpu().long(), loc[start:start + n]):
+                raise ValueError(f"req_to_token[{r}, {p}:{p + n}] != out_cache_loc of its tokens")
+            start += n

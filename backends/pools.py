@@ -13,36 +13,16 @@ quantizes; ``kv_scales(layer_id)`` gives every reader and other writer the layer
 """
 from __future__ import annotations
 
-import operator
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from specattn.ops import move_kv_cache
-from specattn.ops.checks import INDEX_DTYPES, check_index_range, check_tensor, check_writes_disjoint
+from specattn.ops.checks import INDEX_DTYPES, check_index_range, check_int, check_tensor, check_writes_disjoint
 from specattn.ops.fp8 import KV_CACHE_DTYPES, check_kv_scales, quantize_kv
 
 __all__ = ["ReqToTokenPool", "MHATokenToKVPool", "MLATokenToKVPool", "KVAllocator"]
 
-#: what ``set_kv_buffer`` takes for K / V / latent rows (cast to the pool dtype)
-KV_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
-
-
-def _int(name: str, value) -> int:
-    """``value`` as a Python int; TypeError for bools, floats and other non-integers."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r}") from None
-
-
-def _positive(name: str, value, minimum: int = 1) -> int:
-    v = _int(name, value)
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
 
 
 class ReqToTokenPool:
@@ -73,7 +53,7 @@ class ReqToTokenPool:
     def free(self, rows: Sequence[int]) -> None:
         """Return rows, all or none.  Raises TypeError on a row that is not an int, ValueError
         on an out-of-range, already-free or repeated row (before any row is returned)."""
-        rows = [_int("row", r) for r in rows]
+        rows = [check_int("row", r) for r in rows]
         free = set(self._free)
         for i, r in enumerate(rows):
             if not 0 <= r < self.size or r in free or r in rows[:i]:
@@ -85,7 +65,7 @@ class ReqToTokenPool:
         tensor of KV slots).  Raises TypeError on a non-int ``row`` / ``start`` or a
         non-tensor, ValueError on a tensor of another rank or dtype, IndexError past the
         width or on a slot outside ``[0, 2**31)`` (one host sync; never wrapped)."""
-        row, start = _int("row", row), _int("start", start)
+        row, start = check_int("row", row), check_int("start", start)
         check_tensor("slots", slots, dim=1, dtypes=INDEX_DTYPES)
         n = slots.shape[0]
         if not 0 <= row < self.size or start < 0 or start + n > self.max_context_len:
@@ -100,7 +80,8 @@ Scales = Union[float, Sequence[float]]
 
 class _KVPoolBase:
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, layer_num: int, device):
-        size, page_size, layer_num = _int("size", size), _int("page_size", page_size), _int("layer_num", layer_num)
+        size, page_size = check_int("size", size), check_int("page_size", page_size)
+        layer_num = check_int("layer_num", layer_num)
         if page_size < 1 or size < 1 or size % page_size:
             raise ValueError(f"size ({size}) must be a positive multiple of page_size ({page_size})")
         if dtype not in KV_CACHE_DTYPES:
@@ -132,7 +113,7 @@ class _KVPoolBase:
         (no wrap-around: -1 is not the last layer)."""
         if type(layer_id) is int and 0 <= layer_id < self.layer_num:   # the common case, fast
             return layer_id
-        i = _int("layer_id", layer_id)
+        i = check_int("layer_id", layer_id)
         if not 0 <= i < self.layer_num:
             raise IndexError(f"layer_id {layer_id} outside [0, {self.layer_num})")
         return i
@@ -143,7 +124,7 @@ class _KVPoolBase:
         check_index_range("loc", loc, self.num_slots)
 
     def _check_rows(self, name: str, t: torch.Tensor, n: int, shape) -> None:
-        check_tensor(name, t, device=self.device, shape=(n, *shape), dtypes=KV_INPUT_DTYPES)
+        check_tensor(name, t, device=self.device, shape=(n, *shape), dtypes=KV_CACHE_DTYPES)
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor, impl: str = "auto",
                       group_size: Optional[int] = None, check_values: bool = True) -> None:
@@ -169,8 +150,8 @@ class MHATokenToKVPool(_KVPoolBase):
                  layer_num: int, device="cpu", v_head_dim: Optional[int] = None,
                  k_scale: Scales = 1.0, v_scale: Scales = 1.0):
         super().__init__(size, page_size, dtype, layer_num, device)
-        self.head_num, self.head_dim = _positive("head_num", head_num), _positive("head_dim", head_dim)
-        self.v_head_dim = head_dim if v_head_dim is None else _positive("v_head_dim", v_head_dim)
+        self.head_num, self.head_dim = check_int("head_num", head_num, minimum=1), check_int("head_dim", head_dim, minimum=1)
+        self.v_head_dim = head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, minimum=1)
         self.k_scales = check_kv_scales("k_scale", k_scale, layer_num, self.is_fp8)
         self.v_scales = check_kv_scales("v_scale", v_scale, layer_num, self.is_fp8)
         self.k_buffer = [torch.zeros(self.num_slots, head_num, head_dim, dtype=dtype, device=device)
@@ -232,8 +213,8 @@ class MLATokenToKVPool(_KVPoolBase):
                  kv_lora_rank: int = 512, qk_rope_head_dim: int = 64, kv_scale: Scales = 1.0):
         super().__init__(size, page_size, dtype, layer_num, device)
         self.latent_scales = check_kv_scales("kv_scale", kv_scale, layer_num, self.is_fp8)
-        self.kv_lora_rank = _positive("kv_lora_rank", kv_lora_rank)
-        self.qk_rope_head_dim = _positive("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
+        self.kv_lora_rank = check_int("kv_lora_rank", kv_lora_rank, minimum=1)
+        self.qk_rope_head_dim = check_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
         self.kv_buffer = [torch.zeros(self.num_slots, 1, self.kv_cache_dim, dtype=dtype, device=device)
                           for _ in range(layer_num)]
@@ -312,7 +293,7 @@ class KVAllocator:
             raise ValueError("prefix_lens, extend_lens and last_loc must have one entry per request")
         ps, plan, need = self.page_size, [], 0
         for p, n, last in zip(prefix_lens, extend_lens, last_loc):
-            p, n, last = _int("prefix_lens", p), _int("extend_lens", n), _int("last_loc", last)
+            p, n, last = check_int("prefix_lens", p), check_int("extend_lens", n), check_int("last_loc", last)
             if n < 0 or p < 0:
                 raise ValueError("lengths must be >= 0")
             room = 0

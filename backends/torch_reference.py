@@ -114,7 +114,7 @@ class TorchReferenceBackend(AttentionBackend):
         batch.validate()
         P, n = self._host_lens(batch)
         self._check_batch_reads(batch, P, n)   # also: P + n within req_to_token's width
-        batch.validate(self.req_to_token_pool.req_to_token)   # and out_cache_loc == req_to_token[r, P:P+n]
+        batch.check_slots(self.req_to_token_pool.req_to_token)   # out_cache_loc == req_to_token[r, P:P+n]
         max_q = int(n.max()) if len(n) else 0
         max_kv = int((P + n).max()) if len(n) else 0
         self.forward_metadata = build_reference_metadata(

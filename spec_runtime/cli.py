@@ -253,14 +253,8 @@ def default_drafter(cfg, algo: str = "eagle") -> Optional[Path]:
     path, is_kind = (DEFAULT_EAGLE3, is_eagle3_dir) if algo == "eagle" else (DEFAULT_DFLASH, is_dflash_dir)
     if not is_kind(path):
         return None
-    d = json.loads((path / "config.json").read_text())
-    keys = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
-    if any(d.get(k) != getattr(cfg, k, None) for k in keys):
-        return None
-    layers = (d.get("specattn") or {}).get("target_num_layers") if algo == "eagle" else d.get("num_target_layers")
-    if layers != getattr(cfg, "num_hidden_layers", None):
-        return None
-    return path
+    from .drafter_base import target_mismatch
+    return None if target_mismatch(json.loads((path / "config.json").read_text()), cfg) else path
 
 
 def drafter_factory(path, device: str, dtype: torch.dtype, draft_vocab_size: Optional[int] = None):
@@ -340,13 +334,10 @@ def verified_tokens(algo: str, topk: int, num_steps: int, num_draft_tokens: int,
     """Tokens one round verifies, root included (before any per-batch-size entry): EAGLE and
     DDTree ``num_draft_tokens``, the DFlash chain its block, n-gram ``1 + topk * num_steps``;
     None without speculation."""
-    if algo == "eagle" or (algo == "dflash" and topk > 1):
-        return num_draft_tokens
-    if algo == "dflash":
-        return block_size
-    if algo == "ngram":
-        return 1 + topk * num_steps
-    return None
+    if algo == "none":
+        return None
+    from .strategies import SpecConfig
+    return SpecConfig(algo, topk, num_steps, num_draft_tokens, block_size=block_size).num_draft_tokens_for(1)
 
 
 def report_dict(eng, res, warm_s, *, texts: List[str], tok, algo: str, backend: str, dtype: str,
@@ -402,12 +393,19 @@ ALGO_OPTIONS = {
 }
 
 
+def runs_on_cpu(backend: str) -> bool:
+    """Whether attention backend ``backend`` runs on the CPU: the reference, and Triton under
+    its interpreter (``TRITON_INTERPRET=1``); FlashInfer and FlashMLA need CUDA."""
+    return backend == "torch_reference" or (backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
 #: a HF checkpoint folder's tokenizer is in one of these (transformers' fast, sentencepiece, BPE files)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def _given(ctx: typer.Context, name: str) -> bool:
-    """Whether option ``name`` was given (on the command line or by its environment variable)."""
+def option_given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` (the parameter's Python name) was given, on the command line or
+    by its environment variable, rather than left at its default."""
     src = ctx.get_parameter_source(name)
     return src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP")
 
@@ -418,10 +416,9 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
                         draft_vocab=None, kv_cache_dtype="auto", block_size_by_batch="",
                         num_draft_tokens_by_batch="", ddtree_depth_decay=0.8, seed=0) -> List[str]:
     """Check ``specattn generate``'s arguments before anything loads; returns the prompts
-    (``--prompts``: UTF-8, a leading byte-order mark dropped, one prompt per ``\n`` or
-    ``\r\n`` line, blank lines skipped).  Every problem ends the command with one line
-    (:func:`fail`, exit status 2); sampling options given for greedy decoding get a note on
-    stderr."""
+    (``--prompts``: read by :func:`~.train_drafter.read_prompts`, spaces kept).  Every
+    problem ends the command with one line (:func:`fail`, exit status 2); sampling options
+    given for greedy decoding get a note on stderr."""
     from . import loader
 
     def bad(msg: str) -> None:
@@ -444,27 +441,26 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
     if prompts is not None:
         if not prompts.is_file():
             bad(f"--prompts {prompts}: no such file")
-        try:   # only \n ends a prompt: str.splitlines would also split at form feeds, U+2028, ...
-            lines = [line.removesuffix("\r") for line in prompts.read_text(encoding="utf-8-sig").split("\n")]
-            lines = [line for line in lines if line.strip()]
-        except (OSError, UnicodeDecodeError) as e:
+        from .train_drafter import read_prompts
+        try:   # prompts as given: leading / trailing spaces kept
+            texts += read_prompts(prompts, strip=False)
+        except OSError as e:
             bad(f"--prompts {prompts}: cannot read it ({e})")
-        if not lines:
-            bad(f"--prompts {prompts}: the file has no prompts (one prompt per line)")
-        texts += lines
+        except ValueError as e:   # not UTF-8, or no prompts (one prompt per line)
+            bad(f"--prompts {e}")
     if not texts:
         bad("give --prompt TEXT or --prompts FILE (one prompt per line)")
 
     if algo not in ALGOS:
         bad(f"--algo must be one of {' | '.join(ALGOS)}, got {algo!r}")
-    foreign = [flag for name, (flag, algos) in ALGO_OPTIONS.items() if algo not in algos and _given(ctx, name)]
+    foreign = [flag for name, (flag, algos) in ALGO_OPTIONS.items() if algo not in algos and option_given(ctx, name)]
     if foreign:
         users = sorted({a for name, (flag, algos) in ALGO_OPTIONS.items() if flag in foreign for a in algos})
         bad(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to --algo {algo} "
             f"(only to --algo {' / '.join(users)})")
-    if algo == "dflash" and topk == 1 and _given(ctx, "ddtree_depth_decay"):
+    if algo == "dflash" and topk == 1 and option_given(ctx, "ddtree_depth_decay"):
         bad("--ddtree-depth-decay applies to DDTree (--algo dflash --topk > 1), not to the DFlash chain")
-    if algo == "dflash" and topk == 1 and _given(ctx, "num_draft_tokens"):
+    if algo == "dflash" and topk == 1 and option_given(ctx, "num_draft_tokens"):
         bad("--num-draft-tokens applies to DDTree (--algo dflash --topk > 1); the DFlash chain verifies its "
             "--block-size (--num-draft-tokens-by-batch verifies part of it)")
     if algo == "eagle":
@@ -558,8 +554,7 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
         bad(f"--backend flashmla needs --page-size 64, got {page_size}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         bad(f"--kv-cache-dtype must be one of {' | '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    if dev.type == "cpu" and backend != "torch_reference" and not (
-            backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
+    if dev.type == "cpu" and not runs_on_cpu(backend):
         bad(f"--backend {backend} needs a CUDA device (--device cuda); on the CPU use --backend "
             f"torch_reference{' (or triton under TRITON_INTERPRET=1)' if backend == 'triton' else ''}")
 
@@ -572,7 +567,7 @@ def check_generate_args(ctx: typer.Context, *, prompt, prompts, algo, topk, num_
     if threads is not None and threads < 1:
         bad(f"--threads must be >= 1, got {threads}")
     idle = [flag for name, flag in (("top_k", "--top-k"), ("top_p", "--top-p"), ("seed", "--seed"))
-            if _given(ctx, name)]
+            if option_given(ctx, name)]
     if temperature == 0 and idle:
         typer.echo(f"specattn generate: note: {', '.join(idle)} {'does' if len(idle) == 1 else 'do'} nothing "
                    f"at --temperature 0 (greedy decoding)", err=True)

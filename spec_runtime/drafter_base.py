@@ -10,7 +10,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 __all__ = ["TargetSharingDrafter", "random_init", "frequent_tokens", "read_token_counts", "TOKEN_FREQUENCIES_FILE",
-           "DEFAULT_DRAFT_VOCAB", "default_draft_vocab_size"]
+           "DEFAULT_DRAFT_VOCAB", "default_draft_vocab_size", "target_mismatch"]
 
 #: per-token counts of the training data's generated tokens (JSON ``{"vocab_size", "counts"}``),
 #: beside the checkpoint: the frequency ranking of a draft vocabulary (engines ignore it)
@@ -50,6 +50,22 @@ def frequent_tokens(counts: torch.Tensor, n: int) -> torch.Tensor:
     if counts.dim() != 1 or not 1 <= int(n) <= counts.numel():
         raise ValueError(f"need 1-D counts and 1 <= n <= {counts.numel()}, got {tuple(counts.shape)}, n={n}")
     return torch.argsort(-counts.to(torch.int64).cpu(), stable=True)[:int(n)].clone()
+
+
+def target_mismatch(config: dict, target) -> Optional[Tuple[str, object, object]]:
+    """The first target size a drafter's ``config.json`` dict records that ``target`` (a
+    :class:`~.loader.LlamaConfig`) does not have, as ``(key, recorded, target's)``, or None:
+    hidden size, vocabulary, heads, KV heads and the target's layer count (an EAGLE-3
+    config's ``specattn.target_num_layers``, a DFlash config's ``num_target_layers``).  A
+    size the config does not record is not compared."""
+    layers = config.get("num_target_layers", (config.get("specattn") or {}).get("target_num_layers"))
+    for key, mine in (("hidden_size", config.get("hidden_size")), ("vocab_size", config.get("vocab_size")),
+                      ("num_attention_heads", config.get("num_attention_heads")),
+                      ("num_key_value_heads", config.get("num_key_value_heads")), ("num_hidden_layers", layers)):
+        want = getattr(target, key, None)
+        if mine is not None and mine != want:
+            return key, mine, want
+    return None
 
 
 def default_draft_vocab_size(path) -> Optional[int]:

@@ -59,8 +59,8 @@ def _fail(msg: str) -> None:
 def _note_idle(ctx: typer.Context, names, why: str) -> None:
     """A note on stderr naming the options among ``names`` given on the command line (or by
     environment) that do nothing, ``why``."""
-    given = [f"--{n.replace('_', '-')}" for n in names
-             if (src := ctx.get_parameter_source(n)) is not None and src.name not in ("DEFAULT", "DEFAULT_MAP")]
+    from .cli import option_given
+    given = [f"--{n.replace('_', '-')}" for n in names if option_given(ctx, n)]
     if given:
         typer.echo(f"specattn drafter train: note: {why} {', '.join(given)} "
                    f"{'does' if len(given) == 1 else 'do'} nothing", err=True)
@@ -207,8 +207,8 @@ def train_cmd(
         backend = "triton" if dev.startswith("cuda") else "torch_reference"
     if backend not in BACKENDS:
         _fail(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if dev == "cpu" and backend != "torch_reference" and not (
-            backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
+    from .cli import runs_on_cpu
+    if dev == "cpu" and not runs_on_cpu(backend):
         _fail(f"--backend {backend} needs --device cuda; on the CPU use --backend torch_reference")
     if cuda_graph and not dev.startswith("cuda"):
         _fail("--cuda-graph needs --device cuda")

@@ -146,10 +146,11 @@ TTT_DECAY = 0.8                                 # weight of TTT step k's loss: 0
 _DATA_FORMAT = "specattn-eagle3-data-v1"
 
 
-def read_prompts(path) -> List[str]:
-    """Non-empty stripped lines of a UTF-8 prompt file (a leading byte-order mark dropped; only
-    ``\n`` ends a line, so a form feed or U+2028 inside a prompt stays there).  Raises
-    FileNotFoundError, ValueError (not UTF-8, or no prompts; the message names the file)."""
+def read_prompts(path, strip: bool = True) -> List[str]:
+    """The non-blank lines of a UTF-8 prompt file, stripped (``strip=False``: only a line's
+    ``\r`` is dropped), a leading byte-order mark dropped; only ``\n`` ends a line, so a form
+    feed or U+2028 inside a prompt stays there.  Raises FileNotFoundError, ValueError (not
+    UTF-8, or no prompts; the message names the file)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
@@ -157,7 +158,7 @@ def read_prompts(path) -> List[str]:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text ({e})") from None
-    out = [line.strip() for line in text.split("\n") if line.strip()]
+    out = [line.strip() if strip else line.removesuffix("\r") for line in text.split("\n") if line.strip()]
     if not out:
         raise ValueError(f"{path} has no prompts")
     return out
@@ -1402,11 +1403,11 @@ def _init_seed(folder: str) -> Optional[int]:
     return seed if isinstance(seed, int) else None
 
 
-def check_init_from(path, target_config: LlamaConfig, kind: str) -> None:
-    """Check, before any data work, that the drafter folder ``path`` can start a ``kind``
+def check_init_from(path, target_config: LlamaConfig) -> None:
+    """Check, before any data work, that the drafter folder ``path`` can start a
     training on this target: its weights are there and its ``config.json`` records the
-    target's hidden size, vocabulary and layer count.  The weights' shapes are checked when
-    they load (:func:`_load_init`).
+    target's sizes (:func:`~.drafter_base.target_mismatch`).  The weights' shapes are checked
+    when they load (:func:`_load_init`).
 
     Raises:
         FileNotFoundError: no ``config.json`` or ``model.safetensors``.  ValueError: a config
@@ -1415,13 +1416,10 @@ def check_init_from(path, target_config: LlamaConfig, kind: str) -> None:
     for f in ("config.json", "model.safetensors"):
         if not (path / f).is_file():
             raise FileNotFoundError(f"init_from {path}: {f} not found")
-    d = json.loads((path / "config.json").read_text())
-    layers = d.get("num_target_layers") if kind == "dflash" else (d.get("specattn") or {}).get("target_num_layers")
-    for key, mine in (("hidden_size", d.get("hidden_size")), ("vocab_size", d.get("vocab_size")),
-                      ("num_hidden_layers", layers)):
-        want = getattr(target_config, key)
-        if mine is not None and mine != want:
-            raise ValueError(f"init_from {path}: a drafter for a target of {key}={mine}, this target has {want}")
+    from .drafter_base import target_mismatch
+    bad = target_mismatch(json.loads((path / "config.json").read_text()), target_config)
+    if bad is not None:
+        raise ValueError(f"init_from {path}: a drafter for a target of {bad[0]}={bad[1]}, this target has {bad[2]}")
 
 
 def _load_init(drafter, target: LlamaModel, tc: TrainConfig) -> None:
@@ -1980,7 +1978,7 @@ def run_training(opts: RunOptions, console=None) -> dict:
         raise ValueError(f"seq_len {opts.train.seq_len} exceeds the target's context of "
                          f"{cfg.max_position_embeddings} positions")
     if opts.train.init_from:
-        check_init_from(opts.train.init_from, cfg, opts.train.kind)
+        check_init_from(opts.train.init_from, cfg)
     if opts.gen.top_k > cfg.vocab_size:
         raise ValueError(f"top_k {opts.gen.top_k} exceeds the target's vocabulary of {cfg.vocab_size} tokens")
     say(f"target {name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "

@@ -552,15 +552,15 @@ def test_init_from_of_another_target_fails_before_the_data(tiny_run, tmp_path, m
     from specattn.spec_runtime import train_drafter as T
     tmp, args, (a, _) = tiny_run
     cfg, _ = load_hf_dir(tmp / "target")
-    T.check_init_from(a, cfg, "dflash")
+    T.check_init_from(a, cfg)
     wide, _ = tiny_llama(tmp_path / "wide", 5, hidden=96)
     with pytest.raises(ValueError, match="hidden_size=64, this target has 96"):
-        T.check_init_from(a, wide, "dflash")
+        T.check_init_from(a, wide)
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(a / "config.json", bare / "config.json")
     with pytest.raises(FileNotFoundError, match="model.safetensors not found"):
-        T.check_init_from(bare, cfg, "dflash")
+        T.check_init_from(bare, cfg)
 
     def no_data(*a, **k):
         raise AssertionError("the data generation started")

@@ -3,11 +3,27 @@ kernel runs, and :func:`capturing` (the one test for "a CUDA graph is being capt
 every layer above the kernels uses)."""
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence, Tuple
 
 import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_int(name: str, value, minimum: Optional[int] = None) -> int:
+    """``value`` as a Python int (ints, numpy ints, 0-d integer tensors: anything with
+    ``__index__``).  Raises TypeError for bools, floats and other non-integers (never
+    truncated), ValueError below ``minimum`` when given."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
 
 
 def capturing() -> bool:

@@ -79,7 +79,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import registry
-from .checks import INDEX_DTYPES, capturing, check_index_range, check_tensor, check_writes_disjoint
+from .checks import INDEX_DTYPES, capturing, check_index_range, check_int, check_tensor, check_writes_disjoint
 from .fp8 import FLOAT_DTYPES, KV_CACHE_DTYPES, check_kv_scale, quantize_kv
 from .fused_llama import llama_rms_norm_reference, rms_norm_matmul
 
@@ -102,10 +102,7 @@ def make_cos_sin_cache(max_pos: int, rotary_dim: int, base: float = 10000.0, *,
         TypeError: ``max_pos`` or ``rotary_dim`` not an int (never truncated).  ValueError:
         ``max_pos < 1``, ``rotary_dim`` not a positive even number, ``base`` not finite and > 0.
     """
-    for name, v in (("max_pos", max_pos), ("rotary_dim", rotary_dim)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {v!r}")
-    max_pos, rotary_dim = int(max_pos), int(rotary_dim)
+    max_pos, rotary_dim = check_int("max_pos", max_pos), check_int("rotary_dim", rotary_dim)
     if max_pos < 1:
         raise ValueError(f"max_pos must be >= 1, got {max_pos}")
     if rotary_dim < 2 or rotary_dim % 2:

@@ -19,10 +19,11 @@ Example (D = 3, token 0 root, tokens 1 and 2 both children of 0)::
 """
 from __future__ import annotations
 
-import operator
 from typing import Tuple
 
 import torch
+
+from .checks import check_int
 
 __all__ = ["num_mask_words", "pack_tree_mask", "unpack_tree_mask", "tree_mask_to_flashinfer",
            "check_tree_mask", "chain_tree_mask", "flashinfer_mask_bytes"]
@@ -65,7 +66,7 @@ def unpack_tree_mask(packed: torch.Tensor, num_draft_tokens: int) -> torch.Tenso
         TypeError: ``num_draft_tokens`` not an int.  ValueError: ``num_draft_tokens < 1``,
         wrong dtype, or last dim is not ``ceil(D/32)`` or rows are not D.
     """
-    D = _num_draft_tokens(num_draft_tokens)
+    D = check_int("num_draft_tokens", num_draft_tokens, minimum=1)
     if packed.dtype != torch.int32:
         raise ValueError(f"packed tree mask must be int32, got {packed.dtype}")
     if packed.dim() < 2 or packed.shape[-2] != D or packed.shape[-1] != num_mask_words(D):
@@ -74,20 +75,6 @@ def unpack_tree_mask(packed: torch.Tensor, num_draft_tokens: int) -> torch.Tenso
     bits = torch.arange(32, dtype=torch.int32, device=packed.device)
     dense = (torch.bitwise_right_shift(packed.unsqueeze(-1), bits) & 1).bool()
     return dense.flatten(-2)[..., :D]
-
-
-def _num_draft_tokens(value) -> int:
-    """``value`` as an int >= 1: TypeError for floats and bools (never truncated), ValueError
-    below 1."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"num_draft_tokens must be an int, got {value!r}") from None
-    if value < 1:
-        raise ValueError(f"num_draft_tokens must be >= 1, got {value}")
-    return value
 
 
 def check_tree_mask(tree_mask: torch.Tensor, bs: int, num_draft_tokens: int) -> None:
@@ -116,7 +103,7 @@ def flashinfer_mask_bytes(verified_seq_len: torch.Tensor, num_draft_tokens: int)
     Raises TypeError for a non-int ``num_draft_tokens`` or a non-integer ``verified_seq_len``
     (never truncated), ValueError for ``num_draft_tokens < 1``; a negative length is the
     caller's to avoid (checking it would read the device)."""
-    D = _num_draft_tokens(num_draft_tokens)
+    D = check_int("num_draft_tokens", num_draft_tokens, minimum=1)
     if not isinstance(verified_seq_len, torch.Tensor) or verified_seq_len.is_floating_point() \
             or verified_seq_len.dtype == torch.bool or verified_seq_len.is_complex():
         raise TypeError(f"verified_seq_len must be an integer tensor, got "
